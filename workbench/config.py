@@ -1,0 +1,151 @@
+"""Validated, frozen configs: the one place parameters become settings.
+
+Every study, notebook and CLI builds its settings through a subclass of `Config`:
+
+    cfg = StrategiesConfig.from_dict({"token_budget": 20_000, "seeds": [0, 1]})
+
+Unknown names and wrong types are errors (papermill only warns about unknown parameters), and
+`__post_init__` of each subclass rejects contradictory or out-of-range values. Each field carries
+its help text in `metadata["help"]`, which the CLI and the widget panels show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from typing import Any, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A parameter name, type or value that the workbench will not run with."""
+
+
+def param(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a one-line help text (shown by the CLI and the knobs)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple default for sequences; configs are frozen")
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+# Names a notebook namespace holds that are not parameters.
+_NOTEBOOK_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+
+
+def _check_type(name: str, value: Any, tp: Any) -> Any:
+    """Return `value` coerced to `tp` where that is lossless, else raise ConfigError."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _check_type(name, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{name}: {value!r} is not {_type_name(tp)}")
+    if origin is typing.Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(f"{name}: {value!r} is not one of {list(get_args(tp))}")
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list, got {type(value).__name__} {value!r}")
+        args = get_args(tp)
+        item = args[0] if args else Any
+        return tuple(_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value))
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{name}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Base of every workbench config. Subclasses are frozen dataclasses made of `param`s."""
+
+    @classmethod
+    def fields(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        return {n: f.metadata.get("help", "") for n, f in cls.fields().items()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None = None, **overrides: Any):
+        values = {**(values or {}), **overrides}
+        known = cls.fields()
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown parameter{'s' if len(unknown) > 1 else ''} for {cls.__name__}: "
+                f"{', '.join(unknown)}. Known: {', '.join(known)}"
+            )
+        hints = get_type_hints(cls)
+        checked = {k: _check_type(k, v, hints[k]) for k, v in values.items()}
+        return cls(**checked)
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]):
+        """Build from a notebook's globals: every plain value defined there is a parameter.
+
+        The parameters cell and papermill's injected cell are the only cells that define plain
+        values before this call, so a misspelt injected parameter is an unknown name here.
+        """
+        values = {
+            k: v
+            for k, v in namespace.items()
+            if not k.startswith("_")
+            and k not in _NOTEBOOK_NAMES
+            and not isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType))
+            and not callable(v)
+        }
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any):
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+    def hash(self) -> str:
+        """A short stable key of the settings (used to skip finished runs)."""
+        blob = json.dumps({"type": type(self).__name__, **self.to_dict()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, Config):
+        return v.to_dict()
+    return v

@@ -1,0 +1,116 @@
+"""How many bytes of tensors are alive on a device right now, and what was the peak?
+
+    with LiveBytes("cpu", budget_bytes=64 * 2**20) as lb:
+        lb.track_module(model)            # tensors made before the mode was entered
+        loss = model(x).loss; loss.backward()
+    lb.peak_bytes
+
+A TorchDispatchMode sees every tensor an op returns. Each tensor's *storage* is counted once
+(views share it) and subtracted by a weakref callback when the storage dies, so the count is the
+live-bytes curve of the program, not the sum of allocations. FIELD_NOTES: on real CPU tensors and
+on FakeTensorMode tensors this gives the same peak to the byte, per phase.
+
+With a budget, an op whose result pushes the count past it raises `torch.OutOfMemoryError`,
+exactly the exception CUDA's allocator raises, so code that falls back on OOM cannot tell a CPU
+playing a small GPU from a real one. The tensor that broke the budget is released as the
+exception unwinds, so the count returns to where it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MiB = 2**20
+
+
+def _storages(t: torch.Tensor):
+    if not isinstance(t, torch.Tensor):
+        return ()
+    try:
+        return (t.untyped_storage(),)
+    except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+        return ()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts live tensor-storage bytes on one device type; optional budget raises OOM."""
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        budget_bytes: int | None = None,
+        on_change: Callable[[int], None] | None = None,
+    ):
+        super().__init__()
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        self.device_type = torch.device(device).type
+        self.budget_bytes = budget_bytes
+        self.on_change = on_change
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[int, weakref.ref]] = {}
+        self._lock = threading.Lock()
+
+    # -- counting -------------------------------------------------------------------------
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None and entry[1] is ref:
+                del self._live[key]
+                self.current_bytes -= entry[0]
+
+    def _add(self, st) -> bool:
+        key = id(st)
+        if key in self._live or st.device.type != self.device_type:
+            return False
+        nbytes = st.nbytes()
+        ref = weakref.ref(st, lambda r, k=key: self._forget(k, r))
+        with self._lock:
+            self._live[key] = (nbytes, ref)
+            self.current_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return True
+
+    def track(self, tensors: Iterable) -> None:
+        """Count these tensors' storages (if not counted yet), then enforce the budget."""
+        added = False
+        for t in tensors:
+            for st in _storages(t):
+                added |= self._add(st)
+        if added:
+            if self.on_change is not None:
+                self.on_change(self.current_bytes)
+            if self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
+                raise torch.OutOfMemoryError(
+                    f"workbench device budget exceeded on {self.device_type}: "
+                    f"{self.current_bytes / MiB:.1f} MiB live > budget {self.budget_bytes / MiB:.1f} MiB"
+                )
+
+    def track_module(self, module: torch.nn.Module) -> None:
+        """Count a module's parameters, gradients and buffers made before the mode was entered."""
+        self.track([*module.parameters(), *module.buffers(), *(p.grad for p in module.parameters() if p.grad is not None)])
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+    @property
+    def current_mib(self) -> float:
+        return self.current_bytes / MiB
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / MiB
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        self.track(flat)
+        return out

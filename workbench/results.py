@@ -1,0 +1,166 @@
+"""Where results go, and how they are written so that nothing is lost or half-written.
+
+    results/<study>/<run_id>/config.json, steps.jsonl, summary.json
+    results/<study>/runs.csv      one row per run: config fields + metrics + status
+
+Every whole-file write goes to a temporary file in the same folder and is renamed into place,
+so a crash leaves the old file or the new one, never a torn one. `steps.jsonl` is appended one
+flushed line per step, so a crash keeps every step written so far. A run's status is one of
+ok, oom, fallback, skipped or error, and a failed run is a row, never a gap.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+STATUSES = ("ok", "oom", "fallback", "skipped", "error")
+
+
+def results_root() -> Path:
+    """The results folder: $WORKBENCH_RESULTS, else ./results beside the project."""
+    env = os.environ.get("WORKBENCH_RESULTS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "results"
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def atomic_write_csv(path: str | Path, df: pd.DataFrame) -> Path:
+    return atomic_write_text(path, df.to_csv(index=False))
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+_ENV_CACHE: dict[str, Any] | None = None
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware every result row carries."""
+    global _ENV_CACHE
+    if _ENV_CACHE is None:
+        import torch
+        import transformers
+
+        env = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+            "git_commit": git_commit(),
+        }
+        try:
+            import peft
+
+            env["peft"] = peft.__version__
+        except ImportError:
+            pass
+        _ENV_CACHE = env
+    return dict(_ENV_CACHE)
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class JsonlSink:
+    """A training sink writing one flushed JSON line per row."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(row, default=float) + "\n")
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+class RunDir:
+    """One run's folder: config.json at the start, steps.jsonl as it goes, summary.json at the end."""
+
+    def __init__(self, study: str, run_id: str, root: str | Path | None = None):
+        self.study = study
+        self.run_id = run_id
+        self.path = Path(root or results_root()) / study / run_id
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        atomic_write_json(self.path / "config.json", {**config, "env": environment(), "started": now()})
+
+    def steps_sink(self) -> JsonlSink:
+        return JsonlSink(self.path / "steps.jsonl")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        status = summary.get("status")
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        atomic_write_json(self.path / "summary.json", {**summary, "finished": now()})
+
+    def summary(self) -> dict[str, Any] | None:
+        p = self.path / "summary.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+
+def write_runs_table(study_dir: str | Path, rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """Write `runs.csv` (one row per run, environment columns added) atomically."""
+    env = environment()
+    df = pd.DataFrame([{**row, **{f"env_{k}": v for k, v in env.items()}} for row in rows])
+    atomic_write_csv(Path(study_dir) / "runs.csv", df)
+    return df
+
+
+def read_steps(path: str | Path) -> pd.DataFrame:
+    """Read a steps.jsonl, ignoring a final line torn by a crash."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return pd.DataFrame(rows)

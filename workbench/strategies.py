@@ -1,0 +1,208 @@
+"""What trains under each transfer strategy, chosen from the model's structure, not its names.
+
+    parts = model_parts(model)                       # layers, embeddings, head, tied?
+    model, sel = apply_strategy(model, "freeze_lower")
+    sel.trainable_params, sel.trainable_share       # in elements, not tensors
+
+The published study picked layers by substring ("layers.1" also matched layers 10-19) and
+counted tensors. Here the decoder stack is found as the model's largest ModuleList of identical
+blocks, the embeddings and head through transformers' `get_input_embeddings` /
+`get_output_embeddings`, and tied weights by identity. This works for Qwen2, Llama, GPT-2, OPT,
+GPT-NeoX and any other causal LM built the same way.
+
+Tied embeddings (Qwen2-0.5B, GPT-2, OPT): the LM head *is* the input embedding. A strategy that
+trains the head therefore trains the embedding too, and one that freezes the embedding freezes
+the head; the selection says so in `notes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ModelParts:
+    layers: nn.ModuleList
+    layers_name: str
+    input_embeddings: nn.Embedding
+    position_embeddings: list[nn.Module]
+    head: nn.Module | None
+    tied: bool
+    others: list[nn.Parameter]  # final norms, projections: neither layers, embeddings nor head
+
+
+def _unique_params(module: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for p in module.parameters()}.values())
+
+
+def model_parts(model: nn.Module) -> ModelParts:
+    """Find the decoder stack, embeddings, head and tying of a causal LM structurally."""
+    stacks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            kinds = {type(m) for m in mod}
+            if len(kinds) == 1:
+                size = sum(p.numel() for p in mod.parameters())
+                stacks.append((size, name, mod))
+    if not stacks:
+        raise ValueError(f"{type(model).__name__}: found no stack of identical decoder layers")
+    _, layers_name, layers = max(stacks, key=lambda t: t[0])
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is emb.weight
+    in_layers = {id(p) for p in layers.parameters()}
+    positional = [
+        m for m in model.modules()
+        if isinstance(m, nn.Embedding) and m is not emb and all(id(p) not in in_layers for p in m.parameters())
+    ]
+    named = {id(p) for p in emb.parameters()}
+    named |= {id(p) for m in positional for p in m.parameters()}
+    named |= {id(p) for p in head.parameters()} if head is not None else set()
+    others = [p for p in _unique_params(model) if id(p) not in in_layers and id(p) not in named]
+    return ModelParts(layers, layers_name, emb, positional, head, tied, others)
+
+
+@dataclass
+class Selection:
+    """What a strategy trains, counted in elements (tied weights once)."""
+
+    strategy: str
+    trainable_params: int
+    total_params: int
+    trainable_tensors: int
+    total_tensors: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def trainable_share(self) -> float:
+        return self.trainable_params / self.total_params if self.total_params else 0.0
+
+    def as_row(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "trainable_params": self.trainable_params,
+            "total_params": self.total_params,
+            "trainable_share": self.trainable_share,
+            "trainable_tensors": self.trainable_tensors,
+            "total_tensors": self.total_tensors,
+            "notes": "; ".join(self.notes),
+        }
+
+
+def count_selection(model: nn.Module, strategy: str, notes: list[str] | None = None) -> Selection:
+    params = _unique_params(model)
+    train = [p for p in params if p.requires_grad]
+    return Selection(
+        strategy,
+        sum(p.numel() for p in train),
+        sum(p.numel() for p in params),
+        len(train),
+        len(params),
+        notes or [],
+    )
+
+
+def _set_trainable(model: nn.Module, trainable: list[nn.Parameter]) -> None:
+    keep = {id(p) for p in trainable}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+def _head_params(parts: ModelParts, notes: list[str]) -> list[nn.Parameter]:
+    if parts.head is None:
+        return []
+    if parts.tied:
+        notes.append("tied embeddings: training the LM head trains the input embedding too, "
+                     "and backward runs through every frozen layer")
+    return _unique_params(parts.head)
+
+
+def _full(model, parts, notes):
+    return _unique_params(model)
+
+
+def _freeze_embeddings(model, parts, notes):
+    frozen = {id(p) for p in parts.input_embeddings.parameters()}
+    frozen |= {id(p) for m in parts.position_embeddings for p in m.parameters()}
+    if parts.tied:
+        notes.append("tied embeddings: the LM head is the input embedding, so it is frozen too")
+    return [p for p in _unique_params(model) if id(p) not in frozen]
+
+
+def _upper_layers(parts: ModelParts, n: int, notes: list[str]) -> list[nn.Parameter]:
+    chosen = list(parts.layers)[-n:] if n > 0 else []
+    return [p for layer in chosen for p in layer.parameters()]
+
+
+def _freeze_lower(model, parts, notes):
+    n = len(parts.layers)
+    upper = n - n // 2
+    notes.append(f"trains decoder layers {n - upper}..{n - 1} of {n}, the final norm and the head")
+    return _upper_layers(parts, upper, notes) + parts.others + _head_params(parts, notes)
+
+
+def _adapter(model, parts, notes):
+    n = min(2, len(parts.layers))
+    notes.append(f"trains the last {n} decoder layers, the final norm and the head")
+    return _upper_layers(parts, n, notes) + parts.others + _head_params(parts, notes)
+
+
+def _bitfit(model, parts, notes):
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    if not biases:
+        raise StrategyNotApplicable(f"{type(model).__name__} has no bias parameters, so BitFit has nothing to train")
+    notes.append("trains bias vectors only (BitFit)")
+    return biases
+
+
+class StrategyNotApplicable(ValueError):
+    """The strategy cannot apply to this model (BitFit without biases, QLoRA without bitsandbytes)."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    help: str
+    select: Callable | None = None  # (model, parts, notes) -> trainable params; None: see `apply_strategy`
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("adapter", "last 2 decoder layers + final norm + LM head", _adapter),
+        Strategy("freeze_lower", "freeze embeddings and the lower half of the decoder", _freeze_lower),
+        Strategy("freeze_embeddings", "train everything but the input (and position) embeddings", _freeze_embeddings),
+        Strategy("full", "full fine-tuning", _full),
+        Strategy("lora", "LoRA (peft) on every linear layer of the decoder, rank 8", None),
+        Strategy("bitfit", "biases only (where the model has biases)", _bitfit),
+        Strategy("qlora", "4-bit NF4 base (bitsandbytes) + LoRA rank 8", None),
+    )
+}
+PAPER_STRATEGIES = ("adapter", "freeze_lower", "freeze_embeddings", "full")
+
+
+def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[nn.Module, Selection]:
+    """Mark what trains under `name`; returns the (possibly wrapped) model and its selection.
+
+    The model is changed in place; start each strategy from a fresh copy of the base.
+    """
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+    notes: list[str] = []
+    if name in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        if name == "qlora":
+            notes.append("base weights quantized to 4-bit NF4 by bitsandbytes; LoRA adapters in fp32")
+        cfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                         target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, cfg)
+        notes.append(f"LoRA rank {lora_rank} on every linear layer of the decoder (head excluded)")
+        return model, count_selection(model, name, notes)
+    parts = model_parts(model)
+    _set_trainable(model, STRATEGIES[name].select(model, parts, notes))
+    return model, count_selection(model, name, notes)
