@@ -1,0 +1,15 @@
+"""Study 3: how much speed does splitting the Adam update between accelerator and host win back?
+
+    from workbench.offload import SplitConfig, run_split_study
+    df = run_split_study(SplitConfig.from_dict({"iterations": 6}))
+
+Modules: engine (the split training engine), adam (host Adam backends), layers (what a layer
+is, arrival order), balance (the k formula), perf_model (named GPU profiles, the per-layer
+schedule simulation; every figure it gives is labelled modelled), study (the runner), cli.
+"""
+
+from workbench.offload.adam import AdamHP
+from workbench.offload.balance import Rates, balance_k
+from workbench.offload.engine import SplitEngine
+
+__all__ = ["AdamHP", "Rates", "SplitEngine", "balance_k"]
