@@ -489,14 +489,15 @@ class SplitEngine:
         r["backward_s"] = row["backward_ms"] / 1e3
 
     def current_rates(self) -> Rates:
-        """alpha, t_B, t_U and t_X as the engine knows them now (for balance_k)."""
-        r = self.rates
-        per_byte = self.dtype.itemsize * (r["d2h_s_per_byte"] + r["h2d_s_per_byte"])
+        """alpha, t_B, t_U and the transfer times as the engine knows them now (for balance_k)."""
+        r, n, b = self.rates, self.total_numel, self.dtype.itemsize
         return Rates(
             t_backward_s=r.get("backward_s", 0.0),
-            t_update_host_s=r["host_s_per_elem"] * self.total_numel,
+            t_update_host_s=r["host_s_per_elem"] * n,
             alpha=r["accel_s_per_elem"] / r["host_s_per_elem"],
-            t_transfer_s=per_byte * self.total_numel,
+            t_to_host_s=r["d2h_s_per_byte"] * b * n,
+            t_to_accel_s=r["h2d_s_per_byte"] * b * n,
+            copies_overlap=self.cuda,  # on the CPU one worker copies and updates in turn
         )
 
     def _timeline(self, it: _Iter, m: dict, ev: list) -> None:
