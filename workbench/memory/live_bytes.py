@@ -29,8 +29,10 @@ from torch.utils._pytree import tree_flatten
 MiB = 2**20
 
 
-def _storages(t: torch.Tensor):
-    if not isinstance(t, torch.Tensor):
+def _storages(t: torch.Tensor, device_type: str | None = None):
+    """The tensor's storage, if it lives on `device_type` (the tensor's device: a FakeTensor's
+    storage reports the meta device, so the storage's own device cannot be used)."""
+    if not isinstance(t, torch.Tensor) or (device_type is not None and t.device.type != device_type):
         return ()
     try:
         return (t.untyped_storage(),)
@@ -68,7 +70,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, st) -> bool:
         key = id(st)
-        if key in self._live or st.device.type != self.device_type:
+        if key in self._live:
             return False
         nbytes = st.nbytes()
         ref = weakref.ref(st, lambda r, k=key: self._forget(k, r))
@@ -82,7 +84,7 @@ class LiveBytes(TorchDispatchMode):
         """Count these tensors' storages (if not counted yet), then enforce the budget."""
         added = False
         for t in tensors:
-            for st in _storages(t):
+            for st in _storages(t, self.device_type):
                 added |= self._add(st)
         if added:
             if self.on_change is not None:

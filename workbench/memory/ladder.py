@@ -1,0 +1,337 @@
+"""Which change makes a fine-tune fit, and what does each change cost? The memory ladder.
+
+    from workbench.memory.ladder import RUNGS, rung, auto_fit
+    RUNGS["bf16_ckpt"]                         # a Plan: precision, checkpointing, optimizer, ...
+    choice = auto_fit("data/configs/qwen2-0.5b.json", batch=1, seq=512, budget_mib=6144)
+    choice.rung, choice.table                  # the fastest rung predicted to fit; every rung's figure
+
+Each rung is a small frozen `Plan` (DESIGN.md section 2, "Study 2"), built from the one above it
+with `compose`, so a rung says only what it changes:
+
+    Tier 1  fp32 -> fp16 / bf16 autocast -> + gradient checkpointing -> + smaller micro-batch
+            with gradient accumulation
+    Tier 2  8-bit AdamW, paged 8-bit AdamW (bitsandbytes); LoRA; QLoRA (4-bit NF4 base);
+            accelerate device_map with max_memory (layers on the CPU); DeepSpeed ZeRO-Offload
+            (optimizer on the CPU; optimizer and parameters on the CPU)
+    Tier 3  CPU only
+
+`build(plan, model_or_config, ...)` turns a plan into (model, optimizer, settings) the same way
+for a real run and for a prediction over fake tensors, so the two run the same step.
+Auto-fit ranks rungs by `speed_rank`: the expected cost of the rung's mechanism on a GPU (lower
+is faster), overridden by measured step times when the caller has them. On a real
+out-of-memory error `run_with_fallback` steps down to the next rung that is predicted to fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+
+from workbench.config import ConfigError
+from workbench.training import TrainSettings, make_optimizer
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Optimizer = Literal["adamw", "adamw8bit", "paged_adamw8bit"]
+Trainable = Literal["full", "lora", "qlora"]
+Placement = Literal["device", "device_map", "zero_offload", "zero_offload_params", "cpu"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rung: what changes about the training step, and how it is expected to rank for speed."""
+
+    name: str
+    tier: int
+    help: str
+    precision: Precision = "fp32"
+    grad_checkpointing: bool = False
+    accum: int = 1  # the batch is split into `accum` micro-batches (gradient accumulation)
+    optimizer: Optimizer = "adamw"
+    trainable: Trainable = "full"
+    placement: Placement = "device"
+    lora_rank: int = 8
+    speed_rank: float = 0.0  # expected relative cost on a GPU; lower is faster
+
+    def compose(self, name: str, help: str, **changes: Any) -> "Plan":
+        """A new rung: this one plus `changes`."""
+        return dataclasses.replace(self, name=name, help=help, **changes)
+
+    def settings(self, batch: int, steps: int, **overrides: Any) -> TrainSettings:
+        """The TrainSettings this plan runs with for `batch` sequences per optimizer step."""
+        micro = max(1, batch // self.accum)
+        return TrainSettings.from_dict(
+            dict(steps=steps, micro_batch=micro, grad_accum=max(1, batch // micro),
+                 precision=self.precision, grad_checkpointing=self.grad_checkpointing, **overrides)
+        )
+
+    def cannot_run_here(self, device: torch.device) -> str | None:
+        """Why this plan cannot be measured on `device` (None: it can)."""
+        if self.placement in ("device_map", "zero_offload", "zero_offload_params"):
+            if device.type != "cuda":
+                return (f"{self.placement} moves tensors between a GPU and the host; on a machine "
+                        f"without a GPU both are the same memory, so there is no device peak to measure")
+        if self.precision == "fp16" and device.type != "cuda":
+            return "fp16 autocast with a GradScaler needs CUDA (the CPU runs bf16 autocast instead)"
+        return None
+
+    def row(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# the registry: each rung is the one above it plus one change
+
+def _ladder() -> dict[str, Plan]:
+    fp32 = Plan("fp32", 1, "fp32 weights, grads and AdamW state (the baseline)", speed_rank=3)
+    bf16 = fp32.compose("bf16", "bf16 autocast (weights and optimizer state stay fp32)",
+                        precision="bf16", speed_rank=1)
+    fp16 = fp32.compose("fp16", "fp16 autocast + GradScaler (CUDA only)", precision="fp16", speed_rank=1.1)
+    ckpt = bf16.compose("bf16_ckpt", "bf16 + gradient checkpointing (recompute activations in backward)",
+                        grad_checkpointing=True, speed_rank=4)
+    accum = ckpt.compose("bf16_ckpt_accum", "bf16 + checkpointing + micro-batch / 4 with 4x accumulation",
+                         accum=4, speed_rank=5)
+    adam8 = ckpt.compose("adamw8bit", "bf16 + checkpointing + bitsandbytes 8-bit AdamW",
+                         optimizer="adamw8bit", tier=2, speed_rank=6)
+    paged = ckpt.compose("paged_adamw8bit", "bf16 + checkpointing + paged 8-bit AdamW (state in CUDA unified memory)",
+                         optimizer="paged_adamw8bit", tier=2, speed_rank=6.5)
+    lora = ckpt.compose("lora", "bf16 + checkpointing + LoRA r=8 on every decoder linear (peft)",
+                        trainable="lora", tier=2, speed_rank=7)
+    qlora = lora.compose("qlora", "bf16 + checkpointing + 4-bit NF4 base (bitsandbytes) + LoRA r=8",
+                         trainable="qlora", speed_rank=8)
+    dmap = ckpt.compose("device_map", "bf16 + checkpointing + accelerate device_map/max_memory (layers on the CPU)",
+                        placement="device_map", tier=2, speed_rank=9)
+    zero = ckpt.compose("zero_offload", "bf16 + checkpointing + DeepSpeed ZeRO-2, optimizer on the CPU",
+                        placement="zero_offload", tier=2, speed_rank=10)
+    zero_p = ckpt.compose("zero_offload_params", "bf16 + checkpointing + DeepSpeed ZeRO-3, optimizer and parameters on the CPU",
+                          placement="zero_offload_params", tier=2, speed_rank=11)
+    cpu = fp32.compose("cpu", "CPU only: everything in host memory, nothing on the device",
+                       placement="cpu", tier=3, speed_rank=20)
+    rungs = (fp32, fp16, bf16, ckpt, accum, adam8, paged, lora, qlora, dmap, zero, zero_p, cpu)
+    return {r.name: r for r in rungs}
+
+
+RUNGS: dict[str, Plan] = _ladder()
+
+
+def rung(name: str | Plan) -> Plan:
+    """The plan called `name`; a clear error naming the known rungs otherwise."""
+    if isinstance(name, Plan):
+        return name
+    if name not in RUNGS:
+        raise ConfigError(f"unknown rung {name!r}; known rungs: {', '.join(RUNGS)}")
+    return RUNGS[name]
+
+
+# ------------------------------------------------------------------------------------------------
+# building a plan: the same code for real weights and for fake tensors
+
+def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every nn.Linear outside `skip` by a bitsandbytes NF4 Linear4bit, in place.
+
+    The weights are quantized for real on the CPU (bitsandbytes cannot run under fake tensors):
+    from the layer's values when it has them, from zeros when it is on the meta device (a
+    prediction needs the bytes, not the values). Returns the number of layers replaced.
+    """
+    import bitsandbytes as bnb
+
+    n = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is not torch.nn.Linear or any(full.endswith(s) for s in skip):
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
+                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                  device="meta")
+            w = child.weight.data
+            w = torch.zeros(w.shape, dtype=torch.float32) if w.device.type == "meta" else w.float().cpu()
+            q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4",
+                                         module=q)._quantize("cpu")
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(module, child_name, q)
+            n += 1
+    return n
+
+
+def apply_trainable(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    """Full fine-tuning, LoRA or QLoRA on `model` (real or on the meta device)."""
+    if plan.trainable == "full":
+        return model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if plan.trainable == "qlora":
+        quantize_4bit(model, torch.bfloat16 if plan.precision == "bf16" else torch.float32)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.grad_checkpointing)
+    cfg = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
+                     target_modules="all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def make_plan_optimizer(model: torch.nn.Module, plan: Plan, settings: TrainSettings, device: torch.device):
+    """The plan's optimizer over the model's trainable parameters (built outside fake mode:
+    bitsandbytes' constructors read tensor values)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if plan.optimizer == "adamw":
+        return make_optimizer(params, settings, device)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.AdamW8bit if plan.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
+    return cls(params, lr=settings.lr, weight_decay=settings.weight_decay)
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring a rung on the machine at hand
+
+def measure(
+    plan: Plan | str,
+    load: Callable[[], torch.nn.Module],
+    blocks: torch.Tensor,
+    *,
+    batch: int,
+    steps: int,
+    device: str | torch.device = "cpu",
+    budget_mib: float | None = None,
+    sinks: tuple = (),
+    lr: float = 1e-4,
+) -> dict[str, Any]:
+    """Train `steps` steps of `plan` on a fresh model from `load()` and measure its device peak.
+
+    The peak is counted by MemoryAccounting (live tensor bytes on `device`, the same count the
+    prediction makes over fake tensors; on CUDA the allocator's peak is reported beside it).
+    A budget turns a too-large peak into torch.OutOfMemoryError (status "oom", a row, not a gap).
+    Step time and tokens/s leave out the first step (warm-up: allocation, kernel selection).
+    """
+    from workbench.memory.accounting import MemoryAccounting
+    from workbench.training import train
+
+    plan = rung(plan)
+    device = torch.device(device)
+    row: dict[str, Any] = {"rung": plan.name, "tier": plan.tier, "batch": batch, "seq": int(blocks.shape[1]),
+                           "steps": steps, "device": str(device), "budget_mib": budget_mib}
+    run_on = torch.device("cpu") if plan.placement == "cpu" else device
+    reason = plan.cannot_run_here(device)
+    if reason:
+        return {**row, "status": "skipped", "reason": reason}
+    rows: list[dict[str, Any]] = []
+    try:
+        model = apply_trainable(load().to(run_on), plan)
+        settings = plan.settings(batch, steps, lr=lr)
+        optimizer = make_plan_optimizer(model, plan, settings, run_on)
+        budget = int(budget_mib * 2**20) if budget_mib is not None and plan.placement != "cpu" else None
+        if run_on.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run_on)
+        with MemoryAccounting(run_on, budget_bytes=budget) as acc:
+            acc.watch(model)
+            result = train(model, blocks, settings, device=run_on, optimizer=optimizer,
+                           sinks=[rows.append, *sinks], extra={"rung": plan.name})
+    except torch.OutOfMemoryError as e:
+        return {**row, "status": "oom", "reason": str(e)[:300]}
+    report = acc.report()
+    timed = [r for r in rows if r["step"] > 1] or rows
+    step_ms = sorted(r["step_ms"] for r in timed)[len(timed) // 2]  # median
+    out = {
+        **row, "status": "ok", "reason": "",
+        "measured_peak_bytes": report.steady_peak_bytes,
+        "measured_first_step_peak_bytes": max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0), default=0),
+        "measured_where": report.where(),
+        "step_ms": step_ms, "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / (step_ms / 1e3),
+        "loss_after": result.final_loss,
+        **{f"measured_{c}_bytes": b for c, b in report.breakdown().items()},
+    }
+    if plan.placement == "cpu":
+        # CPU only: the count is host memory; the device holds nothing.
+        out["measured_host_bytes"], out["measured_peak_bytes"] = out["measured_peak_bytes"], 0
+    if run_on.type == "cuda":
+        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(run_on)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# auto-fit
+
+@dataclass
+class FitChoice:
+    rung: str | None  # None: nothing is predicted to fit
+    budget_bytes: int
+    table: list[dict[str, Any]]  # one row per rung: predicted peak, fits, rank
+
+    def order(self) -> list[str]:
+        """Rungs predicted to fit, fastest first: the order to try them in."""
+        return [r["rung"] for r in sorted(self.table, key=lambda r: r["rank"]) if r["fits"]]
+
+
+def _check_budget(budget_mib: float) -> int:
+    if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float)) or not budget_mib > 0:
+        raise ConfigError(f"budget must be a positive number of MiB, got {budget_mib!r}")
+    return int(budget_mib * 2**20)
+
+
+def auto_fit(
+    model: Any,
+    *,
+    batch: int,
+    seq: int,
+    budget_mib: float,
+    rungs: tuple[str, ...] | None = None,
+    step_ms: dict[str, float] | None = None,
+    predictions: dict[str, Any] | None = None,
+) -> FitChoice:
+    """Pick the fastest rung predicted to fit `budget_mib` for `model` at `batch` x `seq`.
+
+    `model` is a name, config.json path, PretrainedConfig or nn.Module (see predict.predict).
+    Speed: measured `step_ms` where given, else the rung's `speed_rank`. Rungs that place
+    nothing on the device (cpu) always fit and come last.
+    """
+    from workbench.memory.predict import predict
+
+    budget = _check_budget(budget_mib)
+    names = list(rungs or RUNGS)
+    for n in names:
+        rung(n)
+    table = []
+    for n in names:
+        plan = RUNGS[n]
+        p = (predictions or {}).get(n) or predict(model, n, batch=batch, seq=seq)
+        need = p.fit_bytes
+        measured = (step_ms or {}).get(n)
+        # Measured step times rank first (in ms); rungs without one follow, by their speed prior.
+        rank = (0, measured) if measured is not None else (1, plan.speed_rank)
+        table.append({
+            "rung": n, "tier": plan.tier, "predicted_peak_bytes": p.peak_bytes, "fit_bytes": need,
+            "method": p.method, "fits": need <= budget, "rank": rank,
+        })
+    fitting = sorted((r for r in table if r["fits"]), key=lambda r: r["rank"])
+    return FitChoice(fitting[0]["rung"] if fitting else None, budget, table)
+
+
+def run_with_fallback(
+    choice: FitChoice,
+    attempt: Callable[[str], Any],
+    *,
+    log: Callable[[str], None] = print,
+) -> tuple[str, Any, list[dict[str, Any]]]:
+    """Try the fitting rungs fastest first; on a real OOM step down to the next one.
+
+    `attempt(rung_name)` runs the job (inside its own device budget) and returns its result.
+    Returns (rung that worked, its result, one row per attempt with its status).
+    """
+    tries = []
+    for name in choice.order():
+        t0 = time.perf_counter()
+        try:
+            result = attempt(name)
+        except torch.OutOfMemoryError as e:
+            tries.append({"rung": name, "status": "oom", "seconds": time.perf_counter() - t0, "error": str(e)[:200]})
+            log(f"auto-fit: {name} ran out of memory; stepping down the ladder")
+            continue
+        tries.append({"rung": name, "status": "ok", "seconds": time.perf_counter() - t0, "error": ""})
+        return name, result, tries
+    raise torch.OutOfMemoryError(
+        f"auto-fit: no rung fits {choice.budget_bytes / 2**20:.0f} MiB "
+        f"(tried: {', '.join(t['rung'] for t in tries) or 'none predicted to fit'})"
+    )

@@ -1,0 +1,284 @@
+"""Will this fine-tune fit, without a GPU and without the weights? Predicting the peak of a step.
+
+    from workbench.memory.predict import predict
+    p = predict("data/configs/qwen2-0.5b.json", "bf16_ckpt", batch=1, seq=512)
+    p.peak_bytes, p.breakdown, p.where, p.method        # method: predicted | estimated
+
+The prediction runs the real training loop (`workbench.training.train`, the same code a measured
+run uses) over FakeTensorMode tensors: every op computes its output's shape, dtype and storage
+but no values, and `MemoryAccounting` counts the live bytes per category and phase exactly as it
+does for real tensors. Two optimizer steps are simulated (by default) and the figure reported is
+the peak of the last one, when the optimizer state already exists (the steady state).
+
+Workarounds, all measured (FIELD_NOTES.md):
+- Under fake tensors transformers thinks it is being traced and builds an explicit seq x seq
+  attention mask that a real run skips; `find_packed_sequence_indices` answers "not packed"
+  (None) for fake inputs, as it does for real unpacked ones.
+- `Module.to()` and peft's `get_peft_model` fail on fake parameters: the model is built on the
+  meta device, peft is applied there, then each parameter becomes a fake CPU tensor.
+- bitsandbytes' Linear4bit cannot be built under fake mode: QLoRA layers are quantized for real
+  (from zeros; the bytes are what matter) and fake activations run through them. 8-bit
+  optimizers read values in their constructor: they are built outside fake mode, stepped inside.
+- `.item()` / `float(loss)` have no value to return: the accounting answers 0.0.
+
+Rungs whose mechanism moves tensors between a GPU and the host (accelerate's device_map,
+DeepSpeed ZeRO-Offload) and fp16 autocast (CUDA only) cannot be simulated on a CPU-only torch.
+Their figures are *estimated* from a simulated rung plus the library's own numbers, and the
+result says so (`method="estimated"` and a `note` with the formula).
+Known gap: the fake run uses the CPU's kernels' choices (autocast op lists, attention backend);
+the optimizer is the same fused AdamW the loop uses on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from workbench.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport, model_tensors
+from workbench.memory.ladder import Plan, apply_trainable, make_plan_optimizer, rung
+from workbench.training import train
+
+MiB = 2**20
+
+
+@dataclass
+class Prediction:
+    """The predicted device peak of a steady-state training step for one rung."""
+
+    rung: str
+    model: str
+    batch: int
+    seq: int
+    peak_bytes: int  # steady-state peak on the device
+    breakdown: dict[str, int]  # bytes per category at that peak
+    where: str  # "step 2, backward (op)"
+    method: str  # "predicted" (simulated over fake tensors) or "estimated" (see note)
+    note: str = ""
+    seconds: float = 0.0
+    first_step_peak_bytes: int = 0
+    host_bytes: int = 0  # bytes the rung keeps in host memory instead (offload, CPU only)
+    pageable_bytes: int = 0  # device bytes that can page out to the host under pressure
+    phases: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit in the device budget (paged optimizer state can be evicted)."""
+        return self.peak_bytes - self.pageable_bytes
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / MiB
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "rung": self.rung, "model": self.model, "batch": self.batch, "seq": self.seq,
+            "method": self.method, "predicted_peak_bytes": self.peak_bytes,
+            "predicted_peak_mib": self.peak_mib, "fit_bytes": self.fit_bytes,
+            "first_step_peak_bytes": self.first_step_peak_bytes, "host_bytes": self.host_bytes,
+            "where": self.where, "predict_seconds": self.seconds, "note": self.note,
+            **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# the model, from whatever names it
+
+def model_config(model: Any, spec=None):
+    """A PretrainedConfig from a name / model dir / config.json path, a config, or a model."""
+    from transformers import PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return model.config
+    from workbench.models import load_config
+
+    return load_config(model, spec=spec) if spec is not None else load_config(model)
+
+
+def model_label(config) -> str:
+    return getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
+
+
+def build_meta_model(config) -> torch.nn.Module:
+    """The model's modules on the meta device, fp32 (as `load_model` loads it), no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def fakeify(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str = "cpu") -> torch.nn.Module:
+    """Turn every meta parameter and buffer into a fake tensor on `device`; tied stay tied."""
+    memo: dict[int, torch.Tensor] = {}
+    dev = torch.device(device)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(FakeTensor(fake_mode, p.data, dev), requires_grad=p.requires_grad)
+            module._parameters[name] = memo[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is None or b.device.type != "meta":
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = FakeTensor(fake_mode, b, dev)
+            module._buffers[name] = memo[id(b)]
+    return model
+
+
+@contextlib.contextmanager
+def _unpacked_for_fake_inputs():
+    """transformers builds an explicit mask for fake inputs; answer 'not packed' as for real ones."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def find(position_ids):
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+# ------------------------------------------------------------------------------------------------
+# simulation
+
+def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None) -> MemoryReport:
+    """Run `steps` real training steps of `plan` over fake tensors and account their bytes.
+
+    `n_blocks`: how many blocks the training set holds (the loop keeps a shuffled index of them,
+    8 bytes each); default: just enough for the simulated steps.
+    """
+    if steps < 2:
+        raise ValueError("simulate at least two steps: the steady state starts at the second")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device("cpu")
+    model = apply_trainable(build_meta_model(config), plan)
+    fakeify(model, fake_mode)
+    settings = plan.settings(batch, steps)
+    optimizer = make_plan_optimizer(model, plan, settings, device)  # outside fake mode (bnb reads values)
+    with fake_mode:
+        blocks = torch.zeros((n_blocks or batch * steps, seq), dtype=torch.long)
+    # Real tensors in the model (bitsandbytes' quantized weights and their quantization state)
+    # meet fake activations; fake mode converts them to fake twins, memoized while the real one
+    # lives. Their bytes are counted once, under the real tensor: the twins are aliases.
+    real = [t for t in model_tensors(model) if not isinstance(t, FakeTensor)]
+    twins = [fake_mode.from_tensor(t) for t in real]
+    with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True) as acc:
+        acc.watch(model)
+        acc.alias(twins)
+        train(model, blocks, settings, device=device, optimizer=optimizer)
+    return acc.report()
+
+
+def _act_temp_peak(report: MemoryReport) -> int:
+    """The most bytes activations + temporaries held together in forward or backward."""
+    return max((p.by_category["activations"] + p.by_category["temporaries"]
+                for (s, ph), p in report.phase_peaks.items() if ph in ("forward", "backward")), default=0)
+
+
+def _weights_bytes(config) -> tuple[int, int, int]:
+    """(parameters, fp32 bytes, largest decoder layer's parameters) from a meta model."""
+    model = build_meta_model(config)
+    params = {id(p): p for p in model.parameters()}
+    n = sum(p.numel() for p in params.values())
+    from workbench.strategies import model_parts
+
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model_parts(model).layers)
+    return n, 4 * n, largest
+
+
+def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int) -> tuple[MemoryReport, dict[str, Any]]:
+    """Figures for rungs that cannot be simulated here, from a simulated rung + library numbers."""
+    if plan.precision == "fp16":
+        base = simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps)
+        return base, {"note": "estimated: the bf16 simulation (same 2-byte activations); fp16 autocast needs "
+                              "CUDA, which a CPU-only torch cannot simulate; the GradScaler adds a few bytes"}
+    base = simulate(config, plan.compose(plan.name, plan.help, placement="device"), batch=batch, seq=seq, steps=steps)
+    act = _act_temp_peak(base)
+    n, fp32_bytes, largest = _weights_bytes(config)
+    from workbench.memory.baselines import deepspeed_estimates
+
+    ds = deepspeed_estimates(n, largest)
+    if plan.placement == "zero_offload":
+        gpu = ds["zero2_offload_gpu_bytes"]
+        return base, {"peak": gpu + act, "host": ds["zero2_offload_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
+                      "note": "estimated: DeepSpeed's ZeRO-2 offload model-state estimate (16-bit params on the GPU) "
+                              "+ the simulated activations and temporaries of bf16_ckpt"}
+    if plan.placement == "zero_offload_params":
+        gpu = ds["zero3_offload_params_gpu_bytes"]
+        return base, {"peak": gpu + act, "host": ds["zero3_offload_params_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
+                      "note": "estimated: DeepSpeed's ZeRO-3 param+optimizer offload estimate (the largest layer "
+                              "gathered on the GPU) + the simulated activations and temporaries of bf16_ckpt"}
+    # device_map: accelerate places whole decoder layers so that half the weights stay on the GPU;
+    # those train (weights + grads + 2 AdamW moments, fp32); offloaded layers stream in one at a time.
+    from workbench.memory.baselines import accelerate_device_map
+
+    placed = accelerate_device_map(config, device_bytes=fp32_bytes // 2)
+    on_dev = placed["device_bytes"]
+    peak = 4 * on_dev + placed["largest_offloaded_bytes"] + act
+    return base, {"peak": peak, "host": placed["host_bytes"],
+                  "parts": {"weights": on_dev + placed["largest_offloaded_bytes"], "gradients": on_dev,
+                            "optimizer_state": 2 * on_dev, "activations": act},
+                  "note": "estimated: accelerate's infer_auto_device_map with max_memory = half the fp32 weights; "
+                          "device = its layers x (weights + grads + 2 AdamW moments) + the largest offloaded layer "
+                          "streamed in + the simulated activations and temporaries of bf16_ckpt"}
+
+
+def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int = 2,
+            n_blocks: int | None = None, spec=None) -> Prediction:
+    """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
+
+    `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
+    (its config; the weights are never read). Raises ConfigError for an unknown rung or a
+    non-positive shape, ModelNotFoundError for a config that is not a model's.
+    """
+    from workbench.config import ConfigError
+
+    plan = rung(rung_name)
+    for name, v in (("batch", batch), ("seq", seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    config = model_config(model, spec)
+    t0 = time.perf_counter()
+    host = 0
+    pageable = 0
+    if plan.precision == "fp16" or plan.placement in ("device_map", "zero_offload", "zero_offload_params"):
+        report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps)
+        method, note = "estimated", est["note"]
+        peak = est.get("peak", report.steady_peak_bytes)
+        breakdown = {c: est["parts"].get(c, 0) for c in CATEGORIES} if "parts" in est else report.breakdown()
+        host = est.get("host", 0)
+        where = "not simulated" if "parts" in est else report.where()
+    else:
+        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks)
+        method, note = "predicted", ""
+        peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
+        if plan.placement == "cpu":
+            # Everything lives in host memory: the simulated peak is the host's; the device holds nothing.
+            host, peak, breakdown = peak, 0, dict.fromkeys(CATEGORIES, 0)
+            note = "CPU only: the simulated peak is host memory; nothing is on the device"
+        if plan.optimizer == "paged_adamw8bit":
+            pageable = report.breakdown()["optimizer_state"]
+            note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; it is counted "
+                    "here but can page to the host under pressure (fit_bytes leaves it out)")
+    if plan.accum > 1 and batch < plan.accum:
+        note = (note + "; " if note else "") + f"batch {batch} cannot be split into {plan.accum} micro-batches"
+    return Prediction(
+        rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),
+        breakdown=breakdown, where=where, method=method, note=note, seconds=time.perf_counter() - t0,
+        first_step_peak_bytes=max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0), default=0),
+        host_bytes=int(host), pageable_bytes=int(pageable), phases=report.rows(),
+    )
