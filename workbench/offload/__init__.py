@@ -10,6 +10,8 @@ schedule simulation; every figure it gives is labelled modelled), study (the run
 
 from workbench.offload.adam import AdamHP
 from workbench.offload.balance import Rates, balance_k
+from workbench.offload.config import SplitConfig
 from workbench.offload.engine import SplitEngine
+from workbench.offload.study import run_split_study
 
-__all__ = ["AdamHP", "Rates", "SplitEngine", "balance_k"]
+__all__ = ["AdamHP", "Rates", "SplitConfig", "SplitEngine", "balance_k", "run_split_study"]

@@ -213,6 +213,12 @@ def accel_memory_bytes(shape: Shape, batch: int, k_actual: float, mode: str) -> 
     return n * 2 + 2 * largest * 2 + k_actual * n * (4 + 8 + 4) + act
 
 
+def k_max_for_memory(shape: Shape, batch: int, memory_bytes: float) -> float:
+    """The largest accelerator share whose fp32 master + Adam state still fit (16 B/param)."""
+    free = memory_bytes - accel_memory_bytes(shape, batch, 0.0, "split")
+    return min(1.0, max(0.0, free / (16.0 * shape.n_params)))
+
+
 def simulate(shape: Shape, m: Machine, k: float, batch: int, mode: str = "split") -> dict:
     """One steady-state iteration. mode: 'split' (host updates overlap backward),
     'zero-offload' (all on the host, updates after backward), 'all-accelerator'."""

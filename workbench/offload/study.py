@@ -1,0 +1,293 @@
+"""Study 3: when the optimizer must live on the host, how much speed does an adaptive
+accelerator/host split of the Adam update win back?
+
+    df = run_split_study(SplitConfig())            # one row per run, measured and modelled
+    df.attrs["steps"]       # one row per iteration of every measured run (loss, k, overlap)
+    df.attrs["timeline"]    # backward, transfers and updates of one iteration, per side
+    df.attrs["host"]        # this machine's host Adam rate and memory bandwidth
+    df.attrs["published"]   # the seed's operating point, as the model computes it
+
+Two halves. Measured: the engine trains a tiny model here for k = 0 (host-only update), a
+static sweep of k, adaptive k and plain torch AdamW (optionally DeepSpeed ZeRO-Offload), on the
+same synthetic tokens; on a CPU-only machine the accelerator is the CPU, so these runs show that
+training is unchanged and how the work overlaps, not GPU speed. Modelled: the performance model
+runs the same sweep for a real model on named GPUs, with the host Adam rate measured here.
+Every row says which it is in `source` (measured / modelled / published).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from typing import Callable, Iterable
+
+import pandas as pd
+import torch
+
+from workbench.offload import perf_model as pm
+from workbench.offload.adam import AdamHP, backend_status
+from workbench.offload.balance import balance_k
+from workbench.offload.config import SplitConfig
+from workbench.offload.engine import SplitEngine
+from workbench.offload.hostbench import measure_host
+
+STUDY = "split"
+
+
+# ---------------------------------------------------------------- model and data
+def build_model(cfg: SplitConfig) -> torch.nn.Module:
+    """A random-weight tiny model from a config (no download); tiny-gpt2 ties its embeddings."""
+    import transformers
+
+    torch.manual_seed(cfg.seed)
+    h = cfg.hidden_size
+    if cfg.model == "tiny-gpt2":
+        c = transformers.GPT2Config(n_embd=h, n_layer=cfg.num_layers, n_head=4, vocab_size=cfg.vocab_size,
+                                    n_positions=cfg.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                    bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(c)
+    c = transformers.Qwen2Config(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=cfg.num_layers,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=cfg.vocab_size,
+                                 max_position_embeddings=max(cfg.seq_len, 128))
+    return transformers.Qwen2ForCausalLM(c)
+
+
+def synthetic_batches(cfg: SplitConfig) -> list[torch.Tensor]:
+    """Learnable tokens: each token is a fixed function of the previous one 90% of the time
+    (a random permutation), otherwise random; so the loss falls from log(V) towards ~0.5."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    nxt = torch.randperm(cfg.vocab_size, generator=g)
+    out = []
+    for _ in range(cfg.iterations):
+        x = torch.empty(cfg.batch_size, cfg.seq_len, dtype=torch.long)
+        x[:, 0] = torch.randint(0, cfg.vocab_size, (cfg.batch_size,), generator=g)
+        noise = torch.rand(cfg.batch_size, cfg.seq_len, generator=g) < 0.1
+        rand = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
+        for t in range(1, cfg.seq_len):
+            x[:, t] = torch.where(noise[:, t], rand[:, t], nxt[x[:, t - 1]])
+        out.append(x)
+    return out
+
+
+# ---------------------------------------------------------------- measured runs
+def _plain_adamw(model, batches, hp: AdamHP) -> list[dict]:
+    """torch.optim.AdamW (fused), everything on the accelerator: the reference."""
+    opt = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
+                            weight_decay=hp.weight_decay, fused=True)
+    rows = []
+    for i, b in enumerate(batches):
+        t0 = time.perf_counter()
+        loss = model(input_ids=b, labels=b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if b.is_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3, "tokens": b.numel(),
+                     "tokens_per_s": b.numel() / dt, "k_actual": 1.0, "accel_idle_share": 0.0})
+    return rows
+
+
+def _runs(cfg: SplitConfig) -> list[dict]:
+    """(name, mode, engine kwargs) of every measured run."""
+    runs = [{"name": f"k={k:g}", "mode": "host only (k=0)" if k == 0 else "static",
+             "kw": dict(k=k, adaptive=False)} for k in cfg.k_sweep]
+    if cfg.adaptive:
+        runs.append({"name": "adaptive", "mode": "adaptive",
+                     "kw": dict(k=cfg.k_start, adaptive=True, k_every=cfg.k_every)})
+    return runs
+
+
+def _summary(rows: list[dict], warmup: int) -> dict:
+    """Means over the iterations after warm-up (they are left out and flagged in steps)."""
+    df = pd.DataFrame(rows)
+    keep = df[df["iteration"] >= warmup] if len(df) > warmup else df
+    out = {"iterations": len(df), "warmup": warmup, "final_loss": float(df["loss"].iloc[-1])}
+    for col in ("tokens_per_s", "iteration_ms", "accel_idle_share", "host_done_before_bwd_end_share",
+                "k_actual", "alpha", "forward_wait_ms", "host_tail_ms"):
+        if col in keep:
+            out[col] = float(keep[col].mean())
+    out["tokens_per_s"] = float(keep["tokens"].sum() / (keep["iteration_ms"].sum() / 1e3))
+    return out
+
+
+def measured_runs(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = (),
+                  run_dir: Callable[[str], object] | None = None):
+    """Train the tiny model under every measured setting; (run rows, step rows, timeline rows)."""
+    device = torch.device(cfg.resolved_device())
+    base = build_model(cfg)
+    shape = pm.shape_from_model(base, cfg.model, cfg.seq_len)
+    flops_tok = shape.flops_per_token()
+    batches = [b.to(device) for b in synthetic_batches(cfg)]
+    hp = AdamHP(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    runs, steps, events = [], [], []
+    common = {"source": "measured", "hardware": f"this machine ({device.type})", "model": cfg.model,
+              "n_params": shape.n_params, "precision": cfg.precision, "backend": cfg.backend}
+
+    ref_w = None
+    if cfg.reference:
+        model = copy.deepcopy(base).to(device)
+        rows = _plain_adamw(model, batches, hp)
+        ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+        for r in rows:
+            steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
+        runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "ok",
+                     **_summary(rows, cfg.warmup)})
+
+    status = backend_status(cfg.backend)
+    for spec in _runs(cfg):
+        name = spec["name"]
+        head = {**common, "run": name, "mode": spec["mode"], "k_target": spec["kw"]["k"]}
+        if status != "ok":
+            runs.append({**head, "status": "skipped", "reason": status})
+            continue
+        rd = run_dir(name) if run_dir else None
+        jsonl = rd.steps_sink() if rd else None
+        tag = {"run": name, "mode": spec["mode"], "source": "measured"}
+        run_sinks = [lambda row, s=s: s({**row, **tag}) for s in sinks] + ([jsonl] if jsonl else [])
+        model = copy.deepcopy(base).to(device)
+        try:
+            eng = SplitEngine(model, hp=hp, precision=cfg.precision, backend=cfg.backend,
+                              host_workers=cfg.host_workers, include_transfer=cfg.include_transfer,
+                              sinks=run_sinks, **spec["kw"])
+            for b in batches:
+                eng.step(b)
+            eng.close()
+        except Exception as e:  # a failed run is a row, never a gap
+            runs.append({**head, "status": "error", "reason": f"{type(e).__name__}: {e}"})
+            if rd:
+                rd.write_summary({"status": "error", "reason": str(e)})
+            continue
+        finally:
+            if jsonl:
+                jsonl.close()
+        summary = {**head, "status": "ok", **_summary(eng.rows, cfg.warmup)}
+        if ref_w is not None:
+            masters = eng.master_weights()
+            summary["max_abs_diff_vs_adamw"] = max(float((masters[n] - w).abs().max()) for n, w in ref_w.items())
+        runs.append(summary)
+        if rd:
+            rd.write_summary(summary)
+        steps += [{**r, **tag, "warmup": r["iteration"] < cfg.warmup} for r in eng.rows]
+        last = max(e["iteration"] for e in eng.events)
+        events += [{**e, **tag} for e in eng.events if e["iteration"] == last]
+
+    if cfg.zero_offload:
+        from workbench.offload.zero_baseline import run_zero_offload
+
+        rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
+                                        cfg.precision)
+        head = {**common, "run": "DeepSpeed ZeRO-Offload", "mode": "ZeRO-Offload", "k_target": 0.0,
+                "backend": "deepspeed"}
+        if reason:
+            runs.append({**head, "status": "skipped", "reason": reason})
+        else:
+            runs.append({**head, "status": "ok", **_summary(rows, cfg.warmup)})
+            steps += [{**r, "run": head["run"], "mode": "ZeRO-Offload", "source": "measured"} for r in rows]
+
+    for r in runs:
+        if "tokens_per_s" in r:
+            r["tflops"] = r["tokens_per_s"] * flops_tok / 1e12
+    return runs, steps, events
+
+
+# ---------------------------------------------------------------- modelled runs
+def modelled_runs(cfg: SplitConfig, host: dict):
+    """The performance model's sweep on each GPU profile; (run rows, timeline rows)."""
+    shape = pm.model_shape(cfg.modelled_model, cfg.modelled_seq)
+    rows, events = [], []
+    for gpu in cfg.profiles:
+        m = pm.machine(gpu, cfg.host, host_share=host["bandwidth_share"],
+                       host_s_per_param=host["adam_s_per_param"], alpha=cfg.alpha)
+        r = pm.rates(shape, m, cfg.modelled_batch)
+        # the balance asks for k; the card's memory caps it (master + Adam state of k live there)
+        k_mem = pm.k_max_for_memory(shape, cfg.modelled_batch, m.memory_bytes)
+        k_adapt = min(balance_k(r, cfg.include_transfer), k_mem)
+        hw = f"{gpu} + {cfg.host}"
+        specs = [(f"k={k:.2f}", "static" if k else "host only (k=0)", k, "split")
+                 for k in (i / (cfg.modelled_k_points - 1) for i in range(cfg.modelled_k_points))]
+        specs += [("adaptive", "adaptive", k_adapt, "split"),
+                  ("seed formula", "seed formula (no transfers)", min(balance_k(r, False), k_mem), "split"),
+                  ("ZeRO-Offload", "ZeRO-Offload", 0.0, "zero-offload"),
+                  ("all on accelerator", "all on accelerator", 1.0, "all-accelerator")]
+        for name, mode, k, sim_mode in specs:
+            sim = pm.simulate(shape, m, k, cfg.modelled_batch, sim_mode)
+            ev = sim.pop("events")
+            row = {**sim, "source": "modelled", "hardware": hw, "run": f"{gpu}: {name}", "mode": mode,
+                   "model": shape.name, "n_params": shape.n_params, "precision": "bf16",
+                   "backend": "modelled", "alpha": m.alpha, "t_backward_s": r.t_backward_s,
+                   "t_update_host_s": r.t_update_host_s, "t_transfer_s": r.t_transfer_s,
+                   "k_balance": balance_k(r, cfg.include_transfer), "k_max_memory": k_mem,
+                   "host_rate_from": m.notes["host update"], "status": "ok" if sim["fits"] else "oom"}
+            if not sim["fits"]:  # an OOM is a result: keep the row, do not show a speed
+                row["reason"] = f"needs {sim['accel_memory_gib']:.0f} GiB of {m.memory_bytes / 2**30:.0f}"
+            rows.append(row)
+            if name == "adaptive":
+                events += [{**e, "source": "modelled", "run": row["run"], "iteration": 0} for e in ev]
+    return rows, events
+
+
+def published_rows() -> tuple[list[dict], dict]:
+    """The seed's claim beside what the model computes for its setting."""
+    claims = pm.published_claims()
+    op = pm.published_operating_point()
+    lo, hi = op["k_band"]
+    claim = {"source": "published", "hardware": f"{claims['setup']['gpu']} + {claims['setup']['cpu']}",
+             "run": "seed (HyTrainDNN)", "mode": "adaptive", "model": claims["setup"]["model"],
+             "tflops": claims["claims"]["throughput_tflops"], "alpha": claims["claims"]["alpha"],
+             "k_band": f"{lo}-{hi}", "status": "ok"}
+    shape = pm.model_shape(op["model"], op["seq_len"])
+    m = pm.machine(op["gpu"], alpha=op["alpha"], fwd_bwd_tflops=claims["claims"]["throughput_tflops"])
+    sim = pm.simulate(shape, m, op["k_seed_formula"], op["batch"])
+    sim.pop("events")
+    model_row = {**sim, "source": "modelled", "hardware": f"{op['gpu']} (published setting)",
+                 "run": "published setting: seed formula", "model": op["model"], "n_params": op["n_params"],
+                 "alpha": op["alpha"], "t_backward_s": op["t_backward_s"],
+                 "t_update_host_s": op["t_update_host_s"], "t_transfer_s": op["t_transfer_s"],
+                 "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
+                 "mode": "adaptive", "status": "ok" if sim["fits"] else "oom"}
+    return [claim, model_row], op
+
+
+# ---------------------------------------------------------------- the entry point
+def run_split_study(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = ()) -> pd.DataFrame:
+    """Run study 3 (measured + modelled); one row per run, step/timeline tables in attrs."""
+    from workbench.results import RunDir, atomic_write_csv, atomic_write_json, results_root, write_runs_table
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        key = cfg.hash()
+        run_dir = None
+        if cfg.write_results:
+            def run_dir(name: str):
+                rd = RunDir(STUDY, f"{key}-{name.replace('=', '').replace(' ', '_')}")
+                rd.write_config({**cfg.to_dict(), "run": name})
+                return rd
+
+        runs, steps, events = measured_runs(cfg, sinks, run_dir)
+        # the host Adam uses every core in a real run: measure it so (a fraction of a second)
+        torch.set_num_threads(os.cpu_count() or 1)
+        host = measure_host(numel=4_000_000, backend="torch_fused")
+        mod_rows, mod_events = modelled_runs(cfg, host)
+        pub_rows, op = published_rows()
+    finally:
+        torch.set_num_threads(threads)
+
+    df = pd.DataFrame(runs + mod_rows + pub_rows)
+    df.insert(0, "study_key", key)
+    for col in ("tokens_per_s", "tflops"):  # an OOM row has no speed
+        df.loc[df["status"] == "oom", col] = math.nan
+    steps_df = pd.DataFrame(steps)
+    timeline = pd.DataFrame(events + mod_events)
+    df.attrs.update(steps=steps_df, timeline=timeline, host=host, published=op)
+    if cfg.write_results:
+        study_dir = results_root() / STUDY
+        write_runs_table(study_dir, df.to_dict("records"))
+        atomic_write_csv(study_dir / "steps.csv", steps_df)
+        atomic_write_csv(study_dir / "timeline.csv", timeline)
+        atomic_write_json(study_dir / "host_and_published.json", {"host": host, "published": op})
+    return df
