@@ -18,6 +18,7 @@ several times at the end of backward, and optimizer temporaries (FIELD_NOTES.md)
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -68,8 +69,15 @@ def accelerate_device_map(config, *, device_bytes: int) -> dict[str, int]:
 
     model = build_meta_model(config)
     no_split = getattr(model, "_no_split_modules", None) or []
-    dmap = infer_auto_device_map(model, max_memory={0: int(device_bytes), "cpu": 2**50},
-                                 no_split_module_classes=no_split, dtype=torch.float32)
+    # GPU 0 may not exist here: accelerate warns about it but places the layers all the same.
+    log = logging.getLogger("accelerate.utils.modeling")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        dmap = infer_auto_device_map(model, max_memory={0: int(device_bytes), "cpu": 2**50},
+                                     no_split_module_classes=no_split, dtype=torch.float32)
+    finally:
+        log.setLevel(level)
     sizes: dict[str, int] = {}
     for name, p in model.named_parameters():  # tied weights once (named_parameters dedups)
         owner = max((k for k in dmap if name == k or name.startswith(k + ".") or k == ""), key=len)

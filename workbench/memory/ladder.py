@@ -280,12 +280,14 @@ def auto_fit(
     rungs: tuple[str, ...] | None = None,
     step_ms: dict[str, float] | None = None,
     predictions: dict[str, Any] | None = None,
+    device: str | torch.device = "cuda",
 ) -> FitChoice:
     """Pick the fastest rung predicted to fit `budget_mib` for `model` at `batch` x `seq`.
 
     `model` is a name, config.json path, PretrainedConfig or nn.Module (see predict.predict).
     Speed: measured `step_ms` where given, else the rung's `speed_rank`. Rungs that place
-    nothing on the device (cpu) always fit and come last.
+    nothing on the device (cpu) always fit and come last. `device`: the target; paged
+    optimizer state can page out only on CUDA, so elsewhere it counts in full.
     """
     from workbench.memory.predict import predict
 
@@ -297,7 +299,7 @@ def auto_fit(
     for n in names:
         plan = RUNGS[n]
         p = (predictions or {}).get(n) or predict(model, n, batch=batch, seq=seq)
-        need = p.fit_bytes
+        need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
         measured = (step_ms or {}).get(n)
         # Measured step times rank first (in ms); rungs without one follow, by their speed prior.
         rank = (0, measured) if measured is not None else (1, plan.speed_rank)

@@ -1,0 +1,127 @@
+"""How much device memory is in use right now, while a run goes? A background sampler.
+
+    with MemoryMonitor("cpu", interval_s=0.1, sinks=[chart.add_row], live=budget.live):
+        train(...)
+
+A daemon thread wakes every `interval_s` and sends one plain row to the sinks (the same sinks
+the training loop uses, so a live chart shows memory beside the loss):
+- on a GPU: NVML's used memory for the device (nvidia-ml-py's `pynvml`; it sees every process
+  and the CUDA context, which torch does not) and torch's allocated / reserved / peak bytes;
+- on the CPU: the process's resident set (psutil) and, when a LiveBytes count is given, the
+  live tensor bytes (the "device" memory of a CPU emulating a small GPU).
+A missing NVIDIA driver is reported in one line on stderr and the monitor carries on with what
+it can read. Sampling costs microseconds per row; benchmarks/monitor_overhead.py measures it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+MiB = 2**20
+Sink = Callable[[dict[str, Any]], None]
+
+
+def open_nvml(index: int = 0, *, say: Callable[[str], None] | None = None):
+    """An NVML handle for GPU `index`, or None (and one line saying why) without a driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError ...
+        (say or _stderr)(f"workbench monitor: NVML unavailable ({type(e).__name__}: {e}); "
+                         f"no driver-level GPU memory figures, sampling what torch and psutil can read")
+        return None
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+class MemoryMonitor:
+    """Samples memory on a background thread and sends each sample to `sinks` as a row."""
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        *,
+        interval_s: float = 0.1,
+        sinks: Iterable[Sink] = (),
+        live=None,
+        nvml: bool | None = None,
+        extra: dict[str, Any] | None = None,
+    ):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self.device = torch.device(device)
+        self.interval_s = interval_s
+        self.sinks = list(sinks)
+        self.live = live  # a LiveBytes (or anything with current_bytes), for CPU runs
+        self.extra = dict(extra or {})
+        self.rows: list[dict[str, Any]] = []
+        self.peak: dict[str, float] = {}
+        want_nvml = self.device.type == "cuda" if nvml is None else nvml
+        self._nvml = open_nvml(self.device.index or 0) if want_nvml else None
+        import psutil
+
+        self._proc = psutil.Process(os.getpid())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def sample(self) -> dict[str, Any]:
+        """One row: what can be read now, in MiB."""
+        row: dict[str, Any] = {**self.extra, "source": "monitor", "t_s": time.perf_counter() - self._t0,
+                               "rss_mib": self._proc.memory_info().rss / MiB}
+        if self.live is not None:
+            row["live_mib"] = self.live.current_bytes / MiB
+        if self.device.type == "cuda":
+            row["cuda_allocated_mib"] = torch.cuda.memory_allocated(self.device) / MiB
+            row["cuda_reserved_mib"] = torch.cuda.memory_reserved(self.device) / MiB
+            row["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / MiB
+        if self._nvml is not None:
+            import pynvml
+
+            info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+            row["nvml_used_mib"] = info.used / MiB
+            row["nvml_total_mib"] = info.total / MiB
+        for k, v in row.items():
+            if k.endswith("_mib"):
+                self.peak[k] = max(self.peak.get(k, 0.0), v)
+        return row
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            row = self.sample()
+            self.rows.append(row)
+            for sink in self.sinks:
+                sink(row)
+
+    def start(self) -> "MemoryMonitor":
+        self._t0 = time.perf_counter()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="workbench-memory-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        row = self.sample()  # one last row, so a short run has at least one
+        self.rows.append(row)
+        for sink in self.sinks:
+            sink(row)
+
+    def __enter__(self) -> "MemoryMonitor":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
