@@ -268,3 +268,68 @@ def test_simulated_schedule_accounts_for_all_work():
     ev = {e["activity"] for e in k0["events"]}
     assert {"backward", "to host", "host update", "to accelerator", "forward (next)"} <= ev
     assert 0.0 <= k0["accel_idle_share"] < 1.0
+
+
+# ---------------------------------------------------------------- config, study runner, CLI
+TINY = {"hidden_size": 32, "num_layers": 2, "vocab_size": 128, "batch_size": 2, "seq_len": 16,
+        "iterations": 4, "warmup": 1, "k_sweep": [0.0, 0.5, 1.0], "modelled_k_points": 3}
+
+
+@pytest.mark.parametrize("bad", [
+    {"k_sweep": [0.0, 1.5]},  # k outside [0, 1]
+    {"k_start": -0.1},
+    {"warmup": 12, "iterations": 12},  # nothing left to measure
+    {"iterations": 0},
+    {"lr": 0.0},
+    {"profiles": ["A100-40GB-made-up"]},  # not in profiles.json
+    {"host": "a-laptop"},
+    {"backend": "deepspeed", "host_workers": 2},  # one shared C++ optimizer
+    {"host_share": 1.5},
+    {"alpha": 0.0},
+    {"precision": "fp8"},  # not a choice
+    {"iterations": "12"},  # wrong type
+    {"k_sweep": 0.5},  # not a list
+    {"learning_rate": 1e-3},  # unknown name
+])
+def test_bad_config_values_are_refused(bad):
+    from workbench.offload.config import SplitConfig
+
+    with pytest.raises(ConfigError):
+        SplitConfig.from_dict(bad)
+
+
+def test_study_runner_measured_and_modelled(tmp_path, monkeypatch):
+    from workbench.offload import SplitConfig, run_split_study
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    seen = []
+    df = run_split_study(SplitConfig.from_dict({**TINY, "host_share": 0.8}), sinks=[seen.append])
+    measured = df[df["source"] == "measured"]
+    assert set(measured["run"]) == {"plain AdamW", "k=0", "k=0.5", "k=1", "adaptive"}
+    assert (measured["status"] == "ok").all()
+    engine_runs = measured[measured["run"] != "plain AdamW"]
+    assert (engine_runs["max_abs_diff_vs_adamw"] == 0.0).all()  # fp32: the same weights as AdamW
+    modelled = df[df["source"] == "modelled"]
+    assert {"adaptive", "ZeRO-Offload", "all on accelerator"} <= set(modelled["mode"])
+    assert (modelled["host_share_from"].dropna() == "config").all()
+    assert set(df["source"]) == {"measured", "modelled", "published"}
+    # an all-GPU 10B run does not fit an 80 GB card: kept as an oom row without a speed
+    oom = modelled[modelled["mode"] == "all on accelerator"]
+    assert (oom["status"] == "oom").all() and oom["tokens_per_s"].isna().all()
+    steps = df.attrs["steps"]
+    host_share = steps[steps["run"] == "k=0"]["host_done_before_bwd_end_share"]
+    assert len(host_share) == TINY["iterations"] and host_share.between(0, 1).all()
+    assert len(seen) == 4 * TINY["iterations"] and all("run" in r for r in seen)  # sinks: engine rows
+    lanes = set(df.attrs["timeline"]["lane"])
+    assert {"accelerator", "host", "transfer to host", "transfer to accelerator"} <= lanes
+    out = tmp_path / "split"
+    assert (out / "runs.csv").exists() and (out / "steps.csv").exists() and (out / "timeline.csv").exists()
+    assert len(list(out.glob("*/summary.json"))) == 4
+
+
+def test_cli_published_and_bad_set():
+    from workbench.cli import main
+
+    assert main(["split", "--published"]) == 0
+    assert main(["split", "--set", "nosuch=1"]) == 2
+    assert main(["split", "--set", "k_sweep=[2]"]) == 2

@@ -69,6 +69,9 @@ class SplitConfig(Config):
     modelled_batch: int = param(8, "batch of the modelled runs")
     modelled_seq: int = param(128, "sequence length of the modelled runs")
     modelled_k_points: int = param(11, "points of the modelled static k sweep (0..1)")
+    host_share: float | None = param(
+        None, "share of memory bandwidth the host Adam reaches (None: measured here, now)"
+    )
     alpha: float | None = param(
         None, "fix alpha = t_update_accelerator / t_update_host (None: from the profiles)"
     )
@@ -92,6 +95,8 @@ class SplitConfig(Config):
                 raise ConfigError(f"k values must lie in [0, 1], got {k}")
         if self.modelled_k_points < 2:
             raise ConfigError("modelled_k_points must be at least 2")
+        if self.host_share is not None and not 0 < self.host_share <= 1:
+            raise ConfigError(f"host_share must be in (0, 1], got {self.host_share}")
         if self.alpha is not None and not self.alpha > 0:
             raise ConfigError(f"alpha must be positive, got {self.alpha}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -11,6 +11,7 @@ Both are the best of `reps` timed runs after one warm-up run.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -63,4 +64,6 @@ def measure_host(numel: int = 8_000_000, backend: str = "torch_fused", reps: int
         "adam_bytes_per_s": adam_bps,
         "memory_bytes_per_s": bw,
         "bandwidth_share": adam_bps / bw,
+        # other processes on the same cores slow the compute-heavier Adam more than the probe
+        "load_average_1min": os.getloadavg()[0],
     }

@@ -6,6 +6,7 @@ accelerator/host split of the Adam update win back?
     df.attrs["timeline"]    # backward, transfers and updates of one iteration, per side
     df.attrs["host"]        # this machine's host Adam rate and memory bandwidth
     df.attrs["published"]   # the seed's operating point, as the model computes it
+    df.attrs["sensitivity"] # k of the seed's setting against its unstated sequence length
 
 Two halves. Measured: the engine trains a tiny model here for k = 0 (host-only update), a
 static sweep of k, adaptive k and plain torch AdamW (optionally DeepSpeed ZeRO-Offload), on the
@@ -200,7 +201,8 @@ def modelled_runs(cfg: SplitConfig, host: dict):
     shape = pm.model_shape(cfg.modelled_model, cfg.modelled_seq)
     rows, events = [], []
     for gpu in cfg.profiles:
-        m = pm.machine(gpu, cfg.host, host_share=host["bandwidth_share"],
+        share = cfg.host_share or host["bandwidth_share"]
+        m = pm.machine(gpu, cfg.host, host_share=share,
                        host_s_per_param=host["adam_s_per_param"], alpha=cfg.alpha)
         r = pm.rates(shape, m, cfg.modelled_batch)
         # the balance asks for k; the card's memory caps it (master + Adam state of k live there)
@@ -221,7 +223,9 @@ def modelled_runs(cfg: SplitConfig, host: dict):
                    "backend": "modelled", "alpha": m.alpha, "t_backward_s": r.t_backward_s,
                    "t_update_host_s": r.t_update_host_s, "t_transfer_s": r.t_transfer_s,
                    "k_balance": balance_k(r, cfg.include_transfer), "k_max_memory": k_mem,
-                   "host_rate_from": m.notes["host update"], "status": "ok" if sim["fits"] else "oom"}
+                   "host_rate_from": m.notes["host update"],
+                   "host_share_from": "config" if cfg.host_share else "measured here",
+                   "status": "ok" if sim["fits"] else "oom"}
             if not sim["fits"]:  # an OOM is a result: keep the row, do not show a speed
                 row["reason"] = f"needs {sim['accel_memory_gib']:.0f} GiB of {m.memory_bytes / 2**30:.0f}"
             rows.append(row)
@@ -271,7 +275,7 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = 
         runs, steps, events = measured_runs(cfg, sinks, run_dir)
         # the host Adam uses every core in a real run: measure it so (a fraction of a second)
         torch.set_num_threads(os.cpu_count() or 1)
-        host = measure_host(numel=4_000_000, backend="torch_fused")
+        host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)  # out of cache
         mod_rows, mod_events = modelled_runs(cfg, host)
         pub_rows, op = published_rows()
     finally:
@@ -279,11 +283,16 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = 
 
     df = pd.DataFrame(runs + mod_rows + pub_rows)
     df.insert(0, "study_key", key)
+    df.insert(1, "panel", df["source"] + ": " + df["hardware"])  # one chart panel per machine
     for col in ("tokens_per_s", "tflops"):  # an OOM row has no speed
         df.loc[df["status"] == "oom", col] = math.nan
     steps_df = pd.DataFrame(steps)
     timeline = pd.DataFrame(events + mod_events)
-    df.attrs.update(steps=steps_df, timeline=timeline, host=host, published=op)
+    if len(timeline):
+        timeline["duration_ms"] = timeline["end_ms"] - timeline["start_ms"]
+    sensitivity = pd.DataFrame(pm.published_sensitivity())
+    sensitivity["source"] = "modelled"
+    df.attrs.update(steps=steps_df, timeline=timeline, host=host, published=op, sensitivity=sensitivity)
     if cfg.write_results:
         study_dir = results_root() / STUDY
         write_runs_table(study_dir, df.to_dict("records"))
