@@ -1,0 +1,83 @@
+"""`workbench estimate`: a config file is enough; bad input is one clear line, not a traceback.
+
+    .venv/bin/python -m pytest tests/test_estimate_cli.py -q        # about 20 s
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import main
+from workbench.memory.ladder import RUNGS
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "tie_word_embeddings": True, "max_position_embeddings": 256}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+def test_json_output_has_the_peak_in_bytes(tiny_config, capsys):
+    assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "bf16_ckpt", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (p,) = out["predictions"]
+    assert p["rung"] == "bf16_ckpt" and p["method"] == "predicted"
+    assert isinstance(p["peak_bytes"], int) and p["peak_bytes"] == sum(p["breakdown_bytes"].values())
+    assert set(p["breakdown_bytes"]) == {"weights", "gradients", "optimizer_state", "activations", "temporaries"}
+    # weights: the tiny model's fp32 parameters (tied embedding once) + the rotary buffer
+    n = 512 * 64 + 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert n * 4 <= p["breakdown_bytes"]["weights"] <= n * 4 + 1024
+
+
+def test_table_and_auto_fit(tiny_config, capsys):
+    code = main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--budget-mib", "1.2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    for name in RUNGS:
+        assert name in out
+    line = [l for l in out.splitlines() if l.startswith("auto-fit:")][0]
+    chosen = line.split()[1]
+    assert chosen in RUNGS and chosen != "fp32"  # fp32 needs ~1.9 MiB here
+    fp32 = [l for l in out.splitlines() if l.startswith("fp32 ")][0]
+    assert fp32.rstrip().endswith("no")
+
+
+def test_help_lists_the_rungs():
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "estimate", "--help"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0
+    for name in RUNGS:
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rung", "fp64"], "unknown rung 'fp64'"),
+    (["--budget-mib", "0"], "--budget-mib must be a positive number"),
+    (["--budget-mib", "-5", "--auto-fit"], "--budget-mib must be a positive number"),
+    (["--batch", "0"], "--batch must be a positive integer"),
+])
+def test_bad_arguments_are_one_clear_line(tiny_config, capsys, args, message):
+    assert main(["estimate", "--model", tiny_config, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_config_that_is_not_a_model_config(tmp_path, capsys):
+    path = tmp_path / "train_config.json"
+    path.write_text(json.dumps({"learning_rate": 1e-4, "epochs": 3}))
+    assert main(["estimate", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a model config" in err and "Traceback" not in err
+    assert main(["estimate", "--model", str(tmp_path / "missing_dir")]) == 2
+    assert "could not be loaded" in capsys.readouterr().err
