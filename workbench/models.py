@@ -47,7 +47,7 @@ class EmbeddedSpec:
     intermediate_size: int = 512
     seq_len: int = 128
     batch: int = 16
-    steps: int = 500
+    steps: int = 400
     lr: float = 2e-3
     source_mib: float = 6.0
     seed: int = 0
@@ -59,7 +59,7 @@ class EmbeddedSpec:
 
 # A spec small enough for tests: it builds in seconds.
 TINY_SPEC = EmbeddedSpec(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                         intermediate_size=128, seq_len=64, batch=8, steps=30, source_mib=0.5)
+                         intermediate_size=128, seq_len=64, batch=8, steps=150, lr=3e-3, source_mib=0.5)
 
 
 def cache_root() -> Path:
@@ -215,8 +215,13 @@ def load_model(
 ):
     """(model, tokenizer) for the embedded base, a hub id or a local directory; safetensors only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one bar per load is noise in a study of many loads
     path = resolve_model_path(name, spec)
+    local = Path(path).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise ModelNotFoundError(_not_found_message(name, FileNotFoundError(f"no config.json in {local}")))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -225,7 +230,7 @@ def load_model(
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
         )
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ModelNotFoundError(_not_found_message(name, e)) from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

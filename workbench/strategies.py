@@ -93,13 +93,21 @@ class Selection:
         }
 
 
+def n_elements(p: torch.Tensor) -> int:
+    """Elements a parameter stands for: a 4-bit packed weight counts its unpacked shape."""
+    qs = getattr(p, "quant_state", None)
+    if qs is not None and getattr(qs, "shape", None) is not None:
+        return int(torch.Size(qs.shape).numel())
+    return p.numel()
+
+
 def count_selection(model: nn.Module, strategy: str, notes: list[str] | None = None) -> Selection:
     params = _unique_params(model)
     train = [p for p in params if p.requires_grad]
     return Selection(
         strategy,
-        sum(p.numel() for p in train),
-        sum(p.numel() for p in params),
+        sum(n_elements(p) for p in train),
+        sum(n_elements(p) for p in params),
         len(train),
         len(params),
         notes or [],

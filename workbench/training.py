@@ -145,8 +145,9 @@ def train(
     sinks = list(sinks)
     extra = dict(extra or {})
     torch.manual_seed(settings.seed)
+    autocast(device, settings.precision)  # rejects fp16 without CUDA before anything runs
     if settings.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if optimizer is None:
         optimizer = make_optimizer(model.parameters(), settings, device)
@@ -206,7 +207,7 @@ def train(
             raise FloatingPointError(f"loss became {loss_value} at step {step + 1}; lower the learning rate")
     seconds = time.perf_counter() - t_start
     if settings.grad_checkpointing:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
     return TrainResult(settings.steps, tokens, seconds, losses[-1], losses)
 
 

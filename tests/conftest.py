@@ -1,0 +1,63 @@
+"""Test fixtures: a tiny embedded base built once per session, results in a temporary folder.
+
+Every test runs the real entry points on tiny models on the CPU. The environment variables are
+set before any workbench import, so notebook kernels started by papermill inherit them too.
+"""
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="workbench-tests-"))
+os.environ.setdefault("WORKBENCH_CACHE", str(_SESSION_DIR / "cache"))
+os.environ["WORKBENCH_RESULTS"] = str(_SESSION_DIR / "results")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may wait on the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_base():
+    """Path of the tiny embedded base (built once per session)."""
+    from workbench.models import TINY_SPEC, ensure_embedded_base
+
+    return ensure_embedded_base(TINY_SPEC, progress=False)
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    """A fresh results folder for this test (notebook kernels inherit it)."""
+    d = tmp_path / "results"
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(d))
+    return d
+
+
+def tiny_config(arch: str):
+    """Tiny random configs of the five architectures study 1 must handle."""
+    import transformers as T
+
+    common = dict(vocab_size=128)
+    if arch == "qwen2":
+        return T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                             num_key_value_heads=2, tie_word_embeddings=True, **common)
+    if arch == "llama":
+        return T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                             num_key_value_heads=2, **common)
+    if arch == "gpt2":
+        return T.GPT2Config(n_embd=32, n_layer=6, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0, **common)
+    if arch == "opt":
+        return T.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=6, num_attention_heads=4,
+                           max_position_embeddings=64, word_embed_proj_dim=32, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=1, **common)
+    if arch == "gpt_neox":
+        return T.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                               max_position_embeddings=64, bos_token_id=0, eos_token_id=0, **common)
+    raise ValueError(arch)
+
+
+ARCHS = ("qwen2", "llama", "gpt2", "opt", "gpt_neox")

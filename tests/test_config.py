@@ -1,0 +1,51 @@
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from workbench.config import Config, ConfigError, param
+
+
+@dataclass(frozen=True)
+class Demo(Config):
+    steps: int = param(10, "steps")
+    lr: float = param(1e-3, "learning rate")
+    name: str = param("x", "a name")
+    seeds: tuple[int, ...] = param((0,), "seeds")
+    mode: Literal["a", "b"] = param("a", "a mode")
+    flag: bool = param(False, "a flag")
+
+
+def test_unknown_names_are_rejected_with_the_known_ones_listed():
+    with pytest.raises(ConfigError, match=r"unknown parameter for Demo: stpes.*Known: steps"):
+        Demo.from_dict({"stpes": 3})
+
+
+@pytest.mark.parametrize("values", [
+    {"steps": "10"}, {"steps": 1.5}, {"steps": True}, {"lr": "fast"}, {"seeds": 3},
+    {"seeds": ["a"]}, {"mode": "c"}, {"flag": 1}, {"name": 3},
+])
+def test_wrong_types_are_rejected(values):
+    with pytest.raises(ConfigError):
+        Demo.from_dict(values)
+
+
+def test_lossless_coercions():
+    cfg = Demo.from_dict({"lr": 1, "steps": 4.0, "seeds": [1, 2]})
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+    assert cfg.steps == 4 and cfg.seeds == (1, 2)
+
+
+def test_from_namespace_takes_plain_values_and_rejects_strays():
+    import math
+
+    ns = {"steps": 5, "math": math, "Demo": Demo, "print": print, "_private": 1, "In": [], "Out": {}}
+    assert Demo.from_namespace(ns).steps == 5
+    with pytest.raises(ConfigError, match="unknown parameter.*typo"):
+        Demo.from_namespace({**ns, "typo": 3})
+
+
+def test_hash_is_stable_and_sensitive():
+    a, b = Demo(), Demo.from_dict({"steps": 11})
+    assert a.hash() == Demo().hash() and a.hash() != b.hash()
+    assert a.replace(steps=11) == b

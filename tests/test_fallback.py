@@ -1,0 +1,87 @@
+"""Device fallback and the CPU-played memory budget (DESIGN.md section 3)."""
+
+import gc
+
+import pytest
+import torch
+
+from workbench.config import ConfigError
+from workbench.fallback import Attempt, default_attempts, run_with_fallback
+from workbench.memory import LiveBytes, device_budget
+
+
+def test_budget_raises_the_same_error_as_cuda_and_releases_memory():
+    with LiveBytes() as outer:
+        start = outer.current_bytes
+        with pytest.raises(torch.OutOfMemoryError, match="budget exceeded"):
+            with device_budget("cpu", budget_mib=1.0):
+                keep = [torch.zeros(64 * 1024) for _ in range(8)]  # 2 MiB in 256 KiB pieces
+        gc.collect()
+        assert outer.current_bytes == start
+
+
+def test_live_bytes_counts_storages_once_and_frees_them():
+    with LiveBytes() as lb:
+        a = torch.zeros(1024)  # 4 KiB
+        v = a.view(32, 32)  # a view shares the storage: not counted again
+        b = a + 1
+        assert lb.current_bytes == 8192
+        del a, v
+        assert lb.current_bytes == 4096  # the view kept nothing alive once both were gone
+        del b
+    assert lb.current_bytes == 0 and lb.peak_bytes == 8192
+
+
+def _job_needing(mib):
+    def job(attempt, budget, phase):
+        phase("forward")
+        x = torch.zeros(int(mib * 2**18))  # mib MiB of fp32
+        phase("backward")
+        y = x + 1
+        return float(y[0])
+    return job
+
+
+def test_fallback_goes_to_the_next_attempt_and_records_the_phase():
+    attempts = (Attempt.parse("cpu@3"), Attempt.parse("cpu"))
+    out = run_with_fallback(attempts, _job_needing(2))  # 2 MiB fits once, not twice
+    assert out.status == "fallback" and str(out.attempt) == "cpu"
+    assert out.history[0]["result"] == "oom" and out.history[0]["phase"] == "backward"
+    assert out.history_text() == "cpu@3: oom in backward -> cpu: ok"
+    assert out.value == 1.0
+
+
+def test_first_attempt_fitting_is_ok_and_preflight_skips():
+    attempts = (Attempt.parse("cpu@8"), Attempt.parse("cpu"))
+    assert run_with_fallback(attempts, _job_needing(2)).status == "ok"
+    out = run_with_fallback(attempts, _job_needing(2), preflight=lambda a: (100.0, "test"))
+    assert out.history[0]["result"] == "skipped" and "predicted peak 100.0 MiB" in out.history[0]["reason"]
+    assert out.status == "fallback"
+
+
+def test_nothing_fits_is_an_oom_outcome_not_a_crash():
+    attempts = (Attempt.parse("cpu@1"), Attempt.parse("cpu@2"))
+    with LiveBytes() as outer:
+        start = outer.current_bytes
+        out = run_with_fallback(attempts, _job_needing(4))
+        gc.collect()
+        assert outer.current_bytes == start
+    assert out.status == "oom" and [h["result"] for h in out.history] == ["oom", "oom"]
+
+
+def test_other_errors_are_not_swallowed():
+    def job(attempt, budget, phase):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), job)
+
+
+def test_attempt_parsing():
+    assert Attempt.parse("cuda:1@512") == Attempt("cuda:1", 512.0)
+    assert str(Attempt.parse("cpu@48")) == "cpu@48"
+    for bad in ("gpu", "cpu@-1", "cpu@lots"):
+        with pytest.raises(ConfigError):
+            Attempt.parse(bad)
+    if not torch.cuda.is_available():
+        assert default_attempts(48) == (Attempt("cpu", 48.0), Attempt("cpu"))

@@ -1,0 +1,65 @@
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from workbench import models
+from workbench.models import (TINY_SPEC, ModelNotFoundError, cache_is_valid, embedded_metrics,
+                              ensure_embedded_base, load_config, load_model)
+
+
+def test_embedded_base_loads_through_auto_classes(tiny_base):
+    model, tok = load_model("embedded", spec=TINY_SPEC)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert (tiny_base / "model.safetensors").exists() and not list(tiny_base.glob("*.bin"))
+    ids = tok("def f(x):\n    return x", return_tensors="pt")["input_ids"]
+    assert tok.decode(ids[0]) == "def f(x):\n    return x"  # byte-level BPE round-trips code
+    out = model(input_ids=ids, labels=ids)
+    assert torch.isfinite(out.loss)
+
+
+def test_tiny_base_is_a_language_model(tiny_base):
+    m = embedded_metrics(TINY_SPEC)
+    # far below a uniform guess over the vocabulary, and below a unigram model
+    assert m["heldout_perplexity"] < m["unigram_perplexity"] < TINY_SPEC.vocab_size
+
+
+def test_cache_is_reused_and_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    spec = replace(TINY_SPEC, steps=3, source_mib=0.1)
+    builds = []
+    real_build = models._build_embedded
+    monkeypatch.setattr(models, "_build_embedded", lambda *a, **k: (builds.append(1), real_build(*a, **k)))
+    path = ensure_embedded_base(spec, progress=False)
+    assert cache_is_valid(path) and len(builds) == 1
+    assert ensure_embedded_base(spec, progress=False) == path and len(builds) == 1  # reused
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a partial write
+    assert not cache_is_valid(path)
+    ensure_embedded_base(spec, progress=False)
+    assert len(builds) == 2 and cache_is_valid(path)
+    (path / "manifest.json").unlink()  # an interrupted build leaves no manifest
+    ensure_embedded_base(spec, progress=False)
+    assert len(builds) == 3
+
+
+def test_local_directory_and_config_file(tiny_base, tmp_path):
+    model, _ = load_model(str(tiny_base))
+    assert model.config.hidden_size == TINY_SPEC.hidden_size
+    cfg = load_config(str(tiny_base / "config.json"))
+    assert cfg.model_type == "qwen2"
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ModelNotFoundError, match="not a model config"):
+        load_config(str(bad))
+
+
+def test_missing_model_names_the_model_and_the_fix(tmp_path):
+    with pytest.raises(ModelNotFoundError, match=r"'nobody/no-such-model'.*local directory"):
+        load_model("nobody/no-such-model")
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    with pytest.raises(ModelNotFoundError, match="holds no loadable model"):
+        load_model(str(empty))

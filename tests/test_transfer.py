@@ -1,0 +1,75 @@
+"""Study 1 end to end on the tiny embedded base: strategies, fallback, results files, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.config import ConfigError
+from workbench.data import CorpusError
+from workbench.models import ModelNotFoundError
+from workbench.transfer import StrategiesConfig, claims_table, rebuild_runs_table, run_strategies, summarize
+
+TINY = dict(base_size="tiny", seq_len=64, token_budget=4096, eval_blocks=8)
+
+
+def test_four_strategies_fallback_and_results(tiny_base, results_dir):
+    # A budget between what the small strategies need and what full fine-tuning needs.
+    cfg = StrategiesConfig(strategies=("adapter", "freeze_lower", "freeze_embeddings", "full"), seeds=(0,),
+                           budget_mib=11.0, preflight=False, **TINY)
+    df = run_strategies(cfg, progress=False)
+    assert list(df["strategy"]) == ["adapter", "freeze_lower", "freeze_embeddings", "full"]
+    assert set(df["status"]) <= {"ok", "fallback"} and "fallback" in set(df["status"])
+    full = df.set_index("strategy").loc["full"]
+    assert full["device_history"].startswith("cpu@11: oom in ") and full["device"] == "cpu"
+    assert (df["ppl_after"] < df["ppl_before"]).all()  # every strategy learned something
+    assert df["ppl_before"].nunique() == 1  # all start from the same fresh base
+    assert (df.set_index("strategy")["trainable_share"].loc[["adapter", "full"]].diff().iloc[1]) > 0
+    # files: one folder per run, a runs table with every run and the environment
+    for run_id in df["run_id"]:
+        run = results_dir / "strategies" / run_id
+        assert json.loads((run / "summary.json").read_text())["status"] in ("ok", "fallback")
+        steps = (run / "steps.jsonl").read_text().splitlines()
+        assert steps and "loss" in json.loads(steps[-1])
+    runs = rebuild_runs_table()
+    assert len(runs) == 4 and {"env_torch", "env_git_commit", "status"} <= set(runs.columns)
+    s = summarize(df)
+    assert list(s["strategy"]) == list(df["strategy"])
+    claims = claims_table(df)
+    assert list(claims["published_trainable"].str.extract(r"^(\d+)/291")[0].astype(int)) == [3, 26, 290, 291]
+    assert claims["measured_ppl_after"].notna().all() and claims["why_they_differ"].str.len().gt(20).all()
+
+
+def test_finished_runs_are_reused(tiny_base, results_dir):
+    cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)
+    first = run_strategies(cfg, progress=False)
+    summary = results_dir / "strategies" / first["run_id"][0] / "summary.json"
+    stamp = summary.stat().st_mtime_ns
+    again = run_strategies(cfg, progress=False)
+    assert summary.stat().st_mtime_ns == stamp  # not retrained
+    assert again["ppl_after"][0] == first["ppl_after"][0]
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"strategies": ["adaptor"]}, "unknown strategy adaptor"),
+    ({"token_budget": 0}, "token_budget must be positive"),
+    ({"micro_batch": -2}, "micro_batch must be positive"),
+    ({"budget_mib": "lots"}, "expected a number"),
+    ({"seeds": 3}, "expected a list"),
+    ({"learning_rate": 1e-3}, "unknown parameter"),
+    ({"devices": ["tpu"]}, "not a device"),
+    ({"precision": "fp16", "devices": ["cpu"]}, "fp16 needs a CUDA device"),
+])
+def test_bad_input_is_rejected_before_training(bad, error):
+    with pytest.raises(ConfigError, match=error):
+        StrategiesConfig.from_dict(bad)
+
+
+def test_missing_model_and_empty_corpus_fail_before_training(tmp_path, results_dir):
+    with pytest.raises(ModelNotFoundError, match="nobody/missing"):
+        run_strategies(StrategiesConfig(model="nobody/missing", **TINY), progress=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(CorpusError, match="no text"):
+        run_strategies(StrategiesConfig(corpus=str(empty), **TINY), progress=False)
+    assert not (results_dir / "strategies").exists() or not list(Path(results_dir / "strategies").glob("*/summary.json"))

@@ -1,0 +1,369 @@
+"""Study 1: which transfer strategy gives the best model for a small target domain on my card?
+
+    from workbench.transfer import StrategiesConfig, run_strategies
+    df = run_strategies(StrategiesConfig(token_budget=20_000, seeds=(0,)))   # CPU-sized
+
+Every (strategy, seed) run starts from a fresh copy of the base model, trains on the target
+domain's training text for the same token budget, and is scored by held-out perplexity before
+and after. Each run goes through the device-fallback ladder (workbench.fallback): by default, on a
+machine without a GPU, the CPU playing a GPU of `budget_mib`, then the CPU without a budget.
+Results: results/strategies/<run_id>/{config.json, steps.jsonl, summary.json} and
+results/strategies/runs.csv (every run ever made here); a finished run is not trained again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal
+
+import pandas as pd
+import torch
+
+from workbench.config import Config, ConfigError, param
+from workbench.data import corpus_blocks, target_corpus
+from workbench.fallback import Attempt, Outcome, default_attempts, run_with_fallback
+from workbench.models import EMBEDDED, TINY_SPEC, EmbeddedSpec, load_model, resolve_model_path
+from workbench.results import RunDir, atomic_write_csv, results_root, write_runs_table
+from workbench.strategies import PAPER_STRATEGIES, STRATEGIES, StrategyNotApplicable, apply_strategy
+from workbench.training import TrainSettings, evaluate_perplexity, train
+
+STUDY = "strategies"
+Sink = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class StrategiesConfig(Config):
+    model: str = param(EMBEDDED, "'embedded', a Hugging Face model id, or a local model directory")
+    base_size: Literal["default", "tiny"] = param("default", "embedded base: 'default' or 'tiny' (tests)")
+    corpus: str = param("embedded", "target domain: 'embedded' (Python's language reference) or a text file/folder")
+    strategies: tuple[str, ...] = param(PAPER_STRATEGIES + ("lora", "bitfit", "qlora"), "strategies to compare")
+    seeds: tuple[int, ...] = param((0, 1, 2), "one run per seed and strategy")
+    token_budget: int = param(150_000, "training tokens per run (equal for every strategy)")
+    seq_len: int = param(128, "tokens per sequence")
+    micro_batch: int = param(8, "sequences per forward/backward pass")
+    grad_accum: int = param(1, "micro-batches per optimizer step")
+    lr: float = param(1e-3, "peak learning rate (warm-up then cosine decay)")
+    lora_rank: int = param(8, "rank of the LoRA and QLoRA adapters")
+    precision: Literal["fp32", "bf16", "fp16"] = param("fp32", "autocast precision (fp16 needs CUDA)")
+    budget_mib: float = param(90.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none")
+    devices: tuple[str, ...] = param((), "attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu']; empty = default")
+    preflight: bool = param(True, "skip an attempt whose predicted peak exceeds its budget")
+    eval_blocks: int = param(64, "held-out blocks used for perplexity")
+    trust_remote_code: bool = param(False, "let transformers run model code from the hub (off: safer)")
+
+    def __post_init__(self):
+        for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.budget_mib < 0:
+            raise ConfigError(f"budget_mib must be >= 0 (0 = no budget), got {self.budget_mib}")
+        if not self.strategies:
+            raise ConfigError("strategies is empty")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ConfigError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+        if len(set(self.strategies)) != len(self.strategies) or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError("strategies and seeds must not repeat")
+        if not self.seeds:
+            raise ConfigError("seeds is empty")
+        for d in self.devices:
+            Attempt.parse(d)
+        if self.precision == "fp16" and not any(d.startswith("cuda") for d in self.attempts_as_text()):
+            raise ConfigError("fp16 needs a CUDA device; use bf16 or fp32")
+
+    # derived values are methods, not stored fields
+    def spec(self) -> EmbeddedSpec:
+        return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()
+
+    def attempts(self) -> tuple[Attempt, ...]:
+        if self.devices:
+            return tuple(Attempt.parse(d) for d in self.devices)
+        return default_attempts(self.budget_mib or None)
+
+    def attempts_as_text(self) -> list[str]:
+        return [str(a) for a in self.attempts()]
+
+    def steps(self) -> int:
+        return max(1, self.token_budget // (self.micro_batch * self.grad_accum * self.seq_len))
+
+    def train_settings(self, seed: int) -> TrainSettings:
+        steps = self.steps()
+        return TrainSettings(steps=steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
+                             lr=self.lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
+
+    def run_id(self, strategy: str, seed: int) -> str:
+        run_fields = {k: v for k, v in self.to_dict().items() if k not in ("strategies", "seeds")}
+        key = type(self).from_dict(run_fields).hash()
+        return f"{strategy}-s{seed}-{key}"
+
+
+# ------------------------------------------------------------------------------------------------
+# one run
+
+
+def _simple_peak_estimate(total_params: int, trainable_params: int, cfg: StrategiesConfig, vocab: int) -> float:
+    """A deliberately simple pre-flight estimate in MiB: weights + grads + 2 Adam moments + logits.
+
+    It ignores most activations and temporaries, so it can only under-estimate: an attempt it
+    skips would certainly not have fitted.
+    """
+    bytes_ = 4 * (total_params + 3 * trainable_params)
+    bytes_ += 4 * cfg.micro_batch * cfg.seq_len * vocab  # one fp32 logits tensor
+    return bytes_ / 2**20
+
+
+def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
+    if strategy == "qlora":
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise StrategyNotApplicable("QLoRA needs bitsandbytes, which is not installed") from e
+        from peft import prepare_model_for_kbit_training
+
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_compute_dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        path = resolve_model_path(cfg.model, cfg.spec())
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": device},
+                                                     use_safetensors=True, trust_remote_code=cfg.trust_remote_code)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return model
+    model, _ = load_model(cfg.model, device=device, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
+    return model
+
+
+def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks, held_blocks,
+                  sinks: list[Sink], run: RunDir) -> dict[str, Any]:
+    settings = cfg.train_settings(seed)
+    steps_sink = run.steps_sink()
+    probe_info: dict[str, Any] = {}
+
+    def preflight(attempt: Attempt):
+        if "estimate" not in probe_info:
+            return None
+        return probe_info["estimate"], "weights + grads + Adam + logits; no activations"
+
+    def job(attempt: Attempt, budget, phase):
+        phase("load")
+        torch.manual_seed(seed)
+        model = _load_for(cfg, strategy, attempt.device)
+        budget.track_module(model)
+        model, sel = apply_strategy(model, strategy, lora_rank=cfg.lora_rank)
+        phase("eval_before")
+        ppl_before = evaluate_perplexity(model, held_blocks, device=attempt.device, precision=cfg.precision,
+                                         max_blocks=cfg.eval_blocks, batch_size=cfg.micro_batch)
+        phase("train")
+        extra = {"strategy": strategy, "seed": seed, "device": str(attempt), "budget_mib": attempt.budget_mib}
+        t0 = time.perf_counter()
+        result = train(model, train_blocks, settings, device=attempt.device, sinks=[steps_sink, *sinks],
+                       memory_probe=lambda: budget.current_mib, extra=extra)
+        wall = time.perf_counter() - t0
+        phase("eval_after")
+        ppl_after = evaluate_perplexity(model, held_blocks, device=attempt.device, precision=cfg.precision,
+                                        max_blocks=cfg.eval_blocks, batch_size=cfg.micro_batch)
+        return {**sel.as_row(), "ppl_before": ppl_before, "ppl_after": ppl_after, "train_seconds": wall,
+                "tokens_per_s": result.tokens / result.seconds, "tokens": result.tokens,
+                "final_loss": result.final_loss}
+
+    # A cheap probe to size the pre-flight estimate (the model on the meta device: no memory).
+    if cfg.preflight:
+        probe_info.update(_estimate_for(cfg, strategy, held_blocks))
+
+    def announce(event):
+        for sink in sinks:
+            sink({"event": "attempt", "strategy": strategy, "seed": seed, **event})
+
+    try:
+        outcome = run_with_fallback(cfg.attempts(), job, preflight=preflight if cfg.preflight else None,
+                                    on_event=announce)
+    except StrategyNotApplicable as e:
+        outcome = Outcome("skipped", None, {"notes": str(e)}, [{"attempt": "-", "result": "skipped", "reason": str(e)}])
+    finally:
+        steps_sink.close()
+    row: dict[str, Any] = {"strategy": strategy, "seed": seed, "run_id": run.run_id, "status": outcome.status,
+                           "device": str(outcome.attempt) if outcome.attempt else None,
+                           "device_history": outcome.history_text(), "peak_mem_mib": outcome.peak_mib,
+                           "history": json.dumps(outcome.history)}
+    if outcome.value:
+        row.update(outcome.value)
+    if "ppl_after" in row:
+        row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
+    if "estimate" in probe_info:
+        row["preflight_estimate_mib"] = probe_info["estimate"]
+    return row
+
+
+def _estimate_for(cfg: StrategiesConfig, strategy: str, held_blocks) -> dict[str, Any]:
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from workbench.models import load_config
+
+    config = load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config)
+    try:
+        meta, sel = apply_strategy(meta, "lora" if strategy == "qlora" else strategy, lora_rank=cfg.lora_rank)
+    except StrategyNotApplicable:
+        return {}
+    return {"estimate": _simple_peak_estimate(sel.total_params, sel.trainable_params, cfg, config.vocab_size)}
+
+
+# ------------------------------------------------------------------------------------------------
+# the study
+
+
+def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progress: bool = True) -> pd.DataFrame:
+    """Run every (strategy, seed) of `cfg`; one row per run. Finished runs are read back, not redone."""
+    from tqdm.auto import tqdm
+
+    sinks = list(sinks)
+    _, tokenizer = load_model(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code) \
+        if cfg.model == EMBEDDED else (None, _tokenizer(cfg))
+    corpus = target_corpus(cfg.corpus)
+    train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len)
+    rows = []
+    jobs = [(s, seed) for seed in cfg.seeds for s in cfg.strategies]
+    bar = tqdm(jobs, desc="strategies", unit="run", disable=not progress)
+    for strategy, seed in bar:
+        bar.set_postfix(strategy=strategy, seed=seed)
+        run = RunDir(STUDY, cfg.run_id(strategy, seed))
+        done = run.summary()
+        if done is not None and done.get("status") in ("ok", "fallback", "oom", "skipped"):
+            rows.append(done["row"])
+            continue
+        run.write_config({**cfg.to_dict(), "strategy": strategy, "seed": seed,
+                          "train_blocks": len(train_blocks), "heldout_blocks": len(held_blocks),
+                          **corpus.describe()})
+        try:
+            row = _run_strategy(cfg, strategy, seed, train_blocks, held_blocks, sinks, run)
+        except Exception as e:
+            run.write_summary({"status": "error", "row": {"strategy": strategy, "seed": seed, "status": "error",
+                                                          "error": f"{type(e).__name__}: {e}"}})
+            raise
+        row["config_hash"] = cfg.hash()
+        run.write_summary({"status": row["status"], "row": row})
+        rows.append(row)
+    bar.close()
+    rebuild_runs_table()
+    df = pd.DataFrame(rows)
+    return df
+
+
+def _tokenizer(cfg: StrategiesConfig):
+    from transformers import AutoTokenizer
+
+    from workbench.models import ModelNotFoundError, _not_found_message
+
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model, cfg.spec()),
+                                            trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise ModelNotFoundError(_not_found_message(cfg.model, e)) from e
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def rebuild_runs_table() -> pd.DataFrame:
+    """results/strategies/runs.csv from every run's summary.json (so it never disagrees with them)."""
+    root = results_root() / STUDY
+    rows = []
+    for p in sorted(root.glob("*/summary.json")):
+        s = json.loads(p.read_text())
+        rows.append({**s.get("row", {}), "status": s["status"], "finished": s.get("finished")})
+    return write_runs_table(root, rows)
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean and spread over seeds, one row per strategy, in the order the strategies were run."""
+    order = list(dict.fromkeys(df["strategy"]))
+    ok = df[df["status"].isin(["ok", "fallback"])]
+    agg = ok.groupby("strategy").agg(
+        trainable_params=("trainable_params", "first"),
+        trainable_share=("trainable_share", "first"),
+        ppl_before=("ppl_before", "mean"),
+        ppl_after_mean=("ppl_after", "mean"),
+        ppl_after_std=("ppl_after", "std"),
+        improvement_pct_mean=("improvement_pct", "mean"),
+        improvement_pct_std=("improvement_pct", "std"),
+        tokens_per_s=("tokens_per_s", "mean"),
+        train_seconds=("train_seconds", "mean"),
+        peak_mem_mib=("peak_mem_mib", "max"),
+        seeds=("seed", "count"),
+    )
+    status = df.groupby("strategy").agg(
+        statuses=("status", lambda s: ", ".join(sorted(set(s)))),
+        devices=("device", lambda s: ", ".join(sorted({str(x) for x in s}))),
+        device_history=("device_history", "first"),
+    )
+    out = status.join(agg, how="left").reindex(order).reset_index()
+    return out
+
+
+def claims_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The published study's four rows beside what the workbench measured, with the reasons they differ."""
+    from workbench.claims import study1_comparison
+
+    return study1_comparison(summarize(df))
+
+
+def write_tables(df: pd.DataFrame) -> dict[str, str]:
+    """Write the summary and claims tables beside runs.csv; returns their paths."""
+    root = results_root() / STUDY
+    paths = {"summary": root / "summary.csv", "claims": root / "claims.csv"}
+    atomic_write_csv(paths["summary"], summarize(df))
+    atomic_write_csv(paths["claims"], claims_table(df))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def steps_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """Every run's per-step rows (loss curves), read from steps.jsonl."""
+    from workbench.results import read_steps
+
+    frames = []
+    for run_id in df["run_id"]:
+        p = results_root() / STUDY / run_id / "steps.jsonl"
+        if p.exists() and p.stat().st_size:
+            frames.append(read_steps(p))
+    if not frames:
+        return pd.DataFrame(columns=["strategy", "seed", "step", "loss", "tokens"])
+    out = pd.concat(frames, ignore_index=True)
+    return out[out.get("event").isna()] if "event" in out else out
+
+
+def is_finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def report_section() -> list[tuple[str, str, Any]]:
+    """The report's parts for study 1, from results/strategies/ (the latest configuration run)."""
+    from workbench import plots
+    from workbench.claims import study1_general_problems
+
+    runs = results_root() / STUDY / "runs.csv"
+    if not runs.exists():
+        return []
+    df = pd.read_csv(runs)
+    if "config_hash" in df and df["config_hash"].notna().any():
+        latest = df.sort_values("finished")["config_hash"].dropna().iloc[-1]
+        df = df[df["config_hash"] == latest]
+    where = "GPU" if df["device"].astype(str).str.startswith("cuda").any() else "CPU"
+    tag = f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, not a real GPU'
+    problems = "".join(f"<li>{p}</li>" for p in study1_general_problems())
+    return [
+        ("text", "", tag),
+        ("table", "Summary over seeds", summarize(df)),
+        ("figure", "", plots.perplexity_spread(df)),
+        ("figure", "", plots.loss_curves(steps_frame(df))),
+        ("table", "Every run and its device history",
+         df[["strategy", "seed", "status", "device_history", "peak_mem_mib", "ppl_before", "ppl_after"]]),
+        ("text", "Why the published figures differ", f"<ul>{problems}</ul>"),
+        ("table", "Published claims beside this measurement", claims_table(df)),
+    ]
