@@ -244,14 +244,15 @@ class SplitEngine:
 
         def wait(module, args):
             pending = [s for s in slots if s.future is not None]
-            if not pending or self._cur is None:
+            if not pending:
                 return
             t0 = self.clock.host_ms()
             for s in pending:
                 s.future.result()  # host update + the copy back have been issued
                 self._wait_ready(s)
                 s.future = None
-            self._cur.wait_ms += self.clock.host_ms() - t0
+            if self._cur is not None:  # outside step() (an eval forward) it still waits, unrecorded
+                self._cur.wait_ms += self.clock.host_ms() - t0
 
         return wait
 
