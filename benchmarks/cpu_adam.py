@@ -95,6 +95,9 @@ def main() -> int:
         row["env_deepspeed"] = deepspeed.__version__
     except ImportError:
         pass
+    if row["load_average_1min"] > (os.cpu_count() or 1) - 0.5:
+        print(f"  warning: the machine was busy (load {row['load_average_1min']:.1f} on {os.cpu_count()} cores); "
+              "multi-threaded Adam kernels slow down far more than the probe: rerun when idle")
     print(f"  row appended to {append_row(row)}")
     print(f"{NAME}: {share:.3f}")
     return 0

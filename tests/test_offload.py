@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from workbench.offload.balance import Rates, balance_k
 from workbench.offload.engine import SplitEngine
 from workbench.offload.layers import last_arriving, split_layers
 
-ROOT = Path(__file__).resolve().parent.parent
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
 
 
