@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,18 @@ from workbench.memory.monitor import MemoryMonitor
 from workbench.memory.study import LadderConfig, run_ladder
 from workbench.models import TINY_SPEC, load_model
 
-CACHE = Path(os.environ.get("WORKBENCH_TEST_CACHE", Path(tempfile.gettempdir()) / "workbench-test-cache"))
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    old = {k: os.environ.get(k) for k in ("WORKBENCH_CACHE", "WORKBENCH_RESULTS")}
+def env(tiny_base, tmp_path_factory):
+    """A results folder for this module; the tiny base comes from conftest (built once)."""
+    old = os.environ.get("WORKBENCH_RESULTS")
     results = tmp_path_factory.mktemp("results")
-    os.environ["WORKBENCH_CACHE"], os.environ["WORKBENCH_RESULTS"] = str(CACHE), str(results)
+    os.environ["WORKBENCH_RESULTS"] = str(results)
     torch.set_num_threads(1)
     yield results
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    if old is not None:
+        os.environ["WORKBENCH_RESULTS"] = old
 
 
 def test_rungs_are_composed_plans():

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,13 @@ from workbench.memory.ladder import RUNGS, measure
 from workbench.memory.predict import predict
 from workbench.models import TINY_SPEC, ModelNotFoundError, load_model
 
-# One cache for every test file of the memory study (the tiny base builds once, ~10 s); a cache
-# that is partial or corrupt is rebuilt by models.ensure_embedded_base, never loaded.
-CACHE = Path(os.environ.get("WORKBENCH_TEST_CACHE", Path(tempfile.gettempdir()) / "workbench-test-cache"))
 SEQ, BATCH = 64, 4
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    old = {k: os.environ.get(k) for k in ("WORKBENCH_CACHE", "WORKBENCH_RESULTS")}
-    os.environ["WORKBENCH_CACHE"] = str(CACHE)
+def tiny(tiny_base, tmp_path_factory):
+    """(config, train blocks) of the tiny embedded base (conftest builds it once per session)."""
+    old = os.environ.get("WORKBENCH_RESULTS")
     os.environ["WORKBENCH_RESULTS"] = str(tmp_path_factory.mktemp("results"))
     torch.set_num_threads(1)
     from workbench.data import corpus_blocks, target_corpus
@@ -35,11 +31,8 @@ def tiny(tmp_path_factory):
     model, tok = load_model("embedded", spec=TINY_SPEC)
     blocks, _ = corpus_blocks(tok, target_corpus(), SEQ)
     yield model.config, blocks
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    if old is not None:
+        os.environ["WORKBENCH_RESULTS"] = old
 
 
 def _load():

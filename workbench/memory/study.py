@@ -50,6 +50,7 @@ class LadderConfig(Config):
     reference_batch: int = param(1, "batch of the reference prediction")
     reference_seq: int = param(512, "sequence length of the reference prediction")
     reference_budget_mib: float = param(6144.0, "budget the reference model is checked against (MiB)")
+    breakdown_rung: str = param("bf16_ckpt", "rung whose per-category breakdown the notebook shows")
     threads: int = param(0, "torch threads (0 = leave as set)")
     seed: int = param(0, "seed of the measured runs")
 
@@ -60,6 +61,8 @@ class LadderConfig(Config):
                               f"known rungs: {', '.join(RUNGS)}")
         if not self.rungs:
             raise ConfigError("rungs must name at least one rung")
+        if self.breakdown_rung not in self.rungs:
+            raise ConfigError(f"breakdown_rung {self.breakdown_rung!r} is not among rungs: {', '.join(self.rungs)}")
         for name in ("batch", "seq_len", "reference_batch", "reference_seq"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

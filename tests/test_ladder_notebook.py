@@ -1,0 +1,61 @@
+"""Study 2's notebook runs headless through papermill on tiny parameters and writes results.
+
+    .venv/bin/python -m pytest tests/test_ladder_notebook.py -q        # about 60 s
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+
+from workbench.memory.study import LadderConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "02_memory_ladder.ipynb"
+# Few rungs and a short reference sequence: each Qwen2-0.5B prediction still costs ~2-3 s here.
+TINY = {"tiny": True, "rungs": ["fp32", "bf16_ckpt", "zero_offload", "cpu"], "batch": 4, "seq_len": 64,
+        "steps": 2, "budget_mib": 3.0, "reference_seq": 32, "breakdown_rung": "bf16_ckpt", "threads": 1}
+
+
+def test_notebook_shape():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1
+    names = [t.id for node in ast.parse(params[0].source).body for t in node.targets]
+    assert set(names) == set(LadderConfig.fields())  # 1:1 with the config
+    for line in params[0].source.splitlines():
+        assert "  # " in line, f"parameter without a help comment: {line}"
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.get("outputs") and cell.get("execution_count") is None  # committed clean
+            tree = ast.parse(cell.source)
+            assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
+    LadderConfig.from_dict({n: ast.literal_eval(node.value) for node in ast.parse(params[0].source).body
+                            for n in [node.targets[0].id]})  # the defaults are a valid config
+
+
+@pytest.mark.slow
+def test_notebook_runs_on_tiny_parameters(tiny_base, tmp_path, monkeypatch):
+    import papermill as pm
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "results"))
+    out = tmp_path / "02_memory_ladder.ipynb"
+    pm.execute_notebook(str(NOTEBOOK), str(out), parameters=TINY, cwd=str(ROOT), progress_bar=False)
+    nb = nbformat.read(out, as_version=4)
+    plots = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+             if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(plots) == 4  # ladder, breakdown, published table, estimators
+    (run_dir,) = (tmp_path / "results" / "ladder").glob("ladder-*")
+    df = pd.read_csv(run_dir / "ladder.csv")
+    hand = df[df["role"] == "at hand"].set_index("rung")
+    assert hand.loc["zero_offload", "status"] == "skipped" and hand.loc["zero_offload", "method"] == "estimated"
+    ok = hand[(hand["status"] == "ok") & (hand.index != "cpu")]
+    assert len(ok) == 2
+    assert ((ok["predicted_peak_bytes"] / ok["measured_peak_bytes"] - 1).abs() < 0.01).all()
+    ref = df[df["role"] == "reference"]
+    assert len(ref) == len(TINY["rungs"]) and (ref["predicted_peak_bytes"] > 0).sum() == 3  # cpu: 0 on the device
+    assert len(pd.read_csv(run_dir / "baselines.csv")) >= 4
