@@ -1,0 +1,86 @@
+"""How long does predicting a rung's peak take, without a GPU, for a real model size?
+
+    .venv/bin/python benchmarks/predict_ladder.py                      # Qwen2-0.5B config, 1 x 512, every rung (~2 min)
+    .venv/bin/python benchmarks/predict_ladder.py --rungs fp32 lora    # a few rungs
+
+What it counts: for each rung, the wall time of one `workbench.memory.predict.predict` call on
+the Qwen2-0.5B config (data/configs/qwen2-0.5b.json) at batch 1 x seq 512: building the model on
+the meta device, applying the rung, and simulating two training steps over fake tensors (for
+estimated rungs: the simulation they start from plus the library estimate). One warm-up
+prediction (imports, first-call caches) runs first and is not counted. Target: under 30 s each.
+
+Last line: `predict_ladder: VALUE`, the slowest prediction in seconds.
+A row goes to results/benchmarks.csv with versions and hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from workbench.memory.ladder import RUNGS  # noqa: E402
+from workbench.memory.predict import model_config, predict  # noqa: E402
+from workbench.results import atomic_write_csv, environment, now, results_root  # noqa: E402
+
+NAME = "predict_ladder"
+VERSION = 1  # bump when the method changes
+TARGET_S = 30.0
+
+
+def append_row(row: dict) -> Path:
+    """Add one row to results/benchmarks.csv (locked read-modify-atomic-write)."""
+    path = results_root() / "benchmarks.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
+        atomic_write_csv(path, pd.concat([old, pd.DataFrame([row])], ignore_index=True))
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "data" / "configs" / "qwen2-0.5b.json"), help="config to predict")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--rungs", nargs="*", default=list(RUNGS), help="rungs (default: all)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    config = model_config(args.model)
+    print(f"{NAME} v{VERSION}: {Path(args.model).name}, batch {args.batch} x seq {args.seq}, "
+          f"{args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
+    predict(config, "fp32", batch=1, seq=16)  # warm-up: imports and first-call caches, not counted
+    rows = []
+    print(f"  {'rung':<20} {'method':<10} {'peak MiB':>10} {'seconds':>8}  where")
+    for name in args.rungs:
+        t0 = time.perf_counter()
+        p = predict(config, name, batch=args.batch, seq=args.seq)
+        s = time.perf_counter() - t0
+        rows.append({"rung": name, "method": p.method, "peak_bytes": p.peak_bytes, "seconds": s})
+        print(f"  {name:<20} {p.method:<10} {p.peak_mib:>10,.1f} {s:>8.1f}  {p.where}")
+    slowest = max(r["seconds"] for r in rows)
+    print(f"  slowest prediction {slowest:.1f} s (target < {TARGET_S:.0f} s): "
+          f"{'met' if slowest < TARGET_S else 'NOT met'}")
+    env = environment()
+    append_row({"benchmark": NAME, "version": VERSION, "value": slowest, "unit": "s (slowest prediction)",
+                "time": now(), "model": Path(args.model).name, "batch": args.batch, "seq": args.seq,
+                "detail": json.dumps(rows), "load_avg": os.getloadavg()[0],
+                **{f"env_{k}": v for k, v in env.items()}})
+    print(f"{NAME}: {slowest:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
