@@ -46,7 +46,7 @@ STUDIES: dict[str, StudyNotebook] = {
             "workbench.transfer:StrategiesConfig",
             quick={"base_size": "tiny", "seq_len": 64, "token_budget": 6000, "seeds": [0, 1],
                    "strategies": ["adapter", "freeze_lower", "freeze_embeddings", "full", "lora"],
-                   "budget_mib": 11.0, "eval_blocks": 16},
+                   "budget_mib": 13.0, "eval_blocks": 16},
             title="Study 1: transfer strategies with device fallback",
         ),
         StudyNotebook(

@@ -48,7 +48,7 @@ class StrategiesConfig(Config):
     lr: float = param(1e-3, "peak learning rate (warm-up then cosine decay)")
     lora_rank: int = param(8, "rank of the LoRA and QLoRA adapters")
     precision: Literal["fp32", "bf16", "fp16"] = param("fp32", "autocast precision (fp16 needs CUDA)")
-    budget_mib: float = param(90.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none")
+    budget_mib: float = param(125.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none")
     devices: tuple[str, ...] = param((), "attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu']; empty = default")
     preflight: bool = param(True, "skip an attempt whose predicted peak exceeds its budget")
     eval_blocks: int = param(64, "held-out blocks used for perplexity")

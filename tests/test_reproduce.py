@@ -1,0 +1,54 @@
+"""The main job and notebook 01 run headless through papermill, as the README's command does."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from workbench.config import ConfigError
+from workbench.notebooks import STUDIES, run_notebook
+
+BIN = Path(sys.executable).parent
+
+
+def test_cli_help_lists_the_main_job():
+    out = subprocess.run([BIN / "workbench", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "reproduce" in out
+    out = subprocess.run([BIN / "workbench", "reproduce", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--quick" in out
+
+
+def test_reproduce_quick_runs_notebook_01_and_writes_results(tiny_base, results_dir):
+    env = {**os.environ, "WORKBENCH_RESULTS": str(results_dir)}
+    proc = subprocess.run([BIN / "workbench", "reproduce", "--quick", "--only", "01_strategies"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = pd.read_csv(results_dir / "strategies" / "runs.csv")
+    quick = STUDIES["01_strategies"].quick
+    assert len(runs) == len(quick["strategies"]) * len(quick["seeds"])
+    assert runs["ppl_before"].notna().all() and runs["ppl_after"].notna().all()
+    # the quick budget makes at least one strategy fall back and lets at least one fit
+    assert "fallback" in set(runs["status"]) and "ok" in set(runs["status"])
+    assert (results_dir / "strategies" / "claims.csv").exists()
+    executed = results_dir / "notebooks" / "01_strategies.ipynb"
+    nb = json.loads(executed.read_text())
+    assert executed.stat().st_size < 3 * 2**20
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs)
+    report = (results_dir / "index.html").read_text()
+    assert "Study 1" in report and "measured" in report and "freeze_lower" in report
+
+
+def test_unknown_parameter_is_an_error_before_and_inside_the_notebook(tmp_path):
+    with pytest.raises(ConfigError, match="unknown parameter.*token_budgt"):
+        run_notebook("01_strategies", {"token_budgt": 10}, tmp_path / "out.ipynb")
+    import papermill as pm
+
+    with pytest.raises(pm.PapermillExecutionError, match="unknown parameter"):
+        pm.execute_notebook(str(STUDIES["01_strategies"].path), str(tmp_path / "out2.ipynb"),
+                            parameters={"token_budgt": 10}, kernel_name="python3", progress_bar=False)
