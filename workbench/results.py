@@ -164,3 +164,21 @@ def read_steps(path: str | Path) -> pd.DataFrame:
         except json.JSONDecodeError:
             continue
     return pd.DataFrame(rows)
+
+
+def append_benchmark_row(row: dict[str, Any]) -> Path:
+    """Add one row to results/benchmarks.csv, with the environment, under a file lock.
+
+    Benchmarks have different columns, so the file is read, extended and rewritten atomically
+    (a crash never leaves a torn file; two benchmarks at once do not lose each other's rows).
+    """
+    import fcntl
+
+    path = results_root() / "benchmarks.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = {"when": now(), **row, **{f"env_{k}": v for k, v in environment().items()}}
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
+        atomic_write_csv(path, pd.concat([old, pd.DataFrame([full])], ignore_index=True))
+    return path
