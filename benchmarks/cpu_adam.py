@@ -6,9 +6,10 @@
 What it counts: one AdamW step over `numel` fp32 parameters held in 50 equal tensors, one
 optimizer per tensor, exactly as the split engine steps them (workbench.offload.adam.ParamAdam).
 Effective bytes/s = 28 bytes per parameter (read weight, gradient, two moments; write weight,
-two moments) / step time. The bandwidth beside it is an in-place fp32 add over two tensors of
-`numel` elements (12 bytes per element), measured in the same run, before and after the
-backends; the higher of the two is used, so the share is not flattered by a slow probe.
+two moments) / step time. The bandwidth beside it is the best of three in-place fp32 streaming
+kernels over `numel` elements (copy, a += b, a += b * c: 8, 12, 16 bytes per element; see
+workbench.offload.hostbench), measured in the same run before and after the backends; the
+higher is used, so the share is not flattered by a slow probe.
 Every time is the best of `--reps` runs after one warm-up run (state allocation excluded).
 Other processes on the same cores slow Adam (compute-heavier) more than the probe: the load
 average is printed and recorded.
@@ -37,7 +38,7 @@ from workbench.offload.hostbench import ADAM_BYTES, adam_step_time, memory_bandw
 from workbench.results import atomic_write_csv, environment, now, results_root  # noqa: E402
 
 NAME = "cpu_adam_bandwidth_share"
-VERSION = 1  # bump when the method changes
+VERSION = 2  # bump when the method changes (2: best of three bandwidth probes)
 BACKENDS = ("torch_fused", "deepspeed", "torch_single", "torch_foreach")
 
 
@@ -77,7 +78,7 @@ def main() -> int:
         gc.collect()
     bw = max(bw_before, memory_bandwidth(n, args.reps))
 
-    print(f"  memory bandwidth (in-place add, 12 B/element): {bw / 1e9:.1f} GB/s "
+    print(f"  memory bandwidth (best streaming probe): {bw / 1e9:.1f} GB/s "
           f"(before {bw_before / 1e9:.1f})")
     print(f"  {'backend':<14} {'step ms':>9} {'GB/s':>7} {'share':>6}")
     for b, r in results.items():

@@ -4,9 +4,10 @@
 
 An Adam step is memory-bound: per fp32 parameter it reads weight, gradient and two moments
 and writes weight and two moments, ADAM_BYTES = 28 bytes. Its effective rate (28 * numel /
-step time) is compared with a bandwidth probe that moves memory the same way (in place,
-read-read-write: `a += b`, 12 bytes per element), in the same process and thread setting.
-Both are the best of `reps` timed runs after one warm-up run.
+step time) is compared with bandwidth probes that move memory the same way (in-place fp32
+streaming kernels: copy, `a += b`, `a += b * c`), in the same process and thread setting.
+Each figure is the best of `reps` timed runs after one warm-up run, and the bandwidth is the
+best of the three probes (how many streams run at once changes what the cores can pull).
 """
 
 from __future__ import annotations
@@ -33,9 +34,17 @@ def _best(fn, reps: int) -> float:
 
 
 def memory_bandwidth(numel: int, reps: int = 5) -> float:
-    """Bytes/s of an in-place fp32 add over two `numel` tensors (far larger than any cache)."""
-    a, b = torch.ones(numel), torch.full((numel,), 1e-7)
-    return ADD_BYTES * numel / _best(lambda: a.add_(b), reps)
+    """Bytes/s this machine's memory moves for in-place fp32 streaming kernels over `numel`
+    elements (far larger than any cache): the best of three probes with 2, 3 and 4 streams
+    (copy, a += b, a += b * c), since how many streams run at once changes what one core can
+    pull from memory. The best is taken so that Adam's share of it is never flattered."""
+    a, b, c = torch.ones(numel), torch.full((numel,), 1e-7), torch.full((numel,), 1.0)
+    probes = {
+        8: lambda: a.copy_(b),  # read b, write a
+        ADD_BYTES: lambda: a.add_(b),  # read a, b, write a
+        16: lambda: a.addcmul_(b, c),  # read a, b, c, write a
+    }
+    return max(nbytes * numel / _best(fn, reps) for nbytes, fn in probes.items())
 
 
 def adam_step_time(backend: str, numel: int, tensors: int = 50, reps: int = 5) -> float:
