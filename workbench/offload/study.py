@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from typing import Callable, Iterable
 
@@ -273,9 +272,11 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = 
                 return rd
 
         runs, steps, events = measured_runs(cfg, sinks, run_dir)
-        # the host Adam uses every core in a real run: measure it so (a fraction of a second)
-        torch.set_num_threads(os.cpu_count() or 1)
-        host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)  # out of cache
+        # The host Adam's share of memory bandwidth, per core: on a shared machine a
+        # multi-threaded measurement mostly measures the other processes (seen here: a 2-thread
+        # step 50x slower under load, a 1-thread one unchanged). Out of cache, under a second.
+        torch.set_num_threads(1)
+        host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)
         mod_rows, mod_events = modelled_runs(cfg, host)
         pub_rows, op = published_rows()
     finally:
