@@ -17,7 +17,6 @@ A row goes to results/benchmarks.csv with versions and hardware.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import sys
 import time
@@ -25,27 +24,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from workbench.memory.monitor import MemoryMonitor  # noqa: E402
-from workbench.results import atomic_write_csv, environment, now, results_root  # noqa: E402
+from workbench.results import append_benchmark_row  # noqa: E402
 from workbench.training import TrainSettings, train  # noqa: E402
 
 NAME = "monitor_overhead"
 VERSION = 1  # bump when the method changes
 TARGET = 1.01
 
-
-def append_row(row: dict) -> Path:
-    """Add one row to results/benchmarks.csv (locked read-modify-atomic-write)."""
-    path = results_root() / "benchmarks.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
-        atomic_write_csv(path, pd.concat([old, pd.DataFrame([row])], ignore_index=True))
-    return path
 
 
 def main() -> int:
@@ -55,6 +43,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=0.1, help="monitor sampling interval (s)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -83,10 +72,9 @@ def main() -> int:
     ratio = on / off
     print(f"  total off {off:.2f} s, on {on:.2f} s, {samples} samples; target <= {TARGET}: "
           f"{'met' if ratio <= TARGET else 'NOT met'}")
-    env = environment()
-    append_row({"benchmark": NAME, "version": VERSION, "value": ratio, "unit": "ratio (with / without monitor)",
-                "time": now(), "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval}",
-                "load_avg": os.getloadavg()[0], **{f"env_{k}": v for k, v in env.items()}})
+    append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio, "unit": "ratio (with / without monitor)",
+                "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval}",
+                "load_avg": os.getloadavg()[0]})
     print(f"{NAME}: {ratio:.4f}")
     return 0
 

@@ -16,7 +16,6 @@ A row goes to results/benchmarks.csv with versions and hardware.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import sys
@@ -26,27 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from workbench.memory.ladder import RUNGS  # noqa: E402
 from workbench.memory.predict import model_config, predict  # noqa: E402
-from workbench.results import atomic_write_csv, environment, now, results_root  # noqa: E402
+from workbench.results import append_benchmark_row  # noqa: E402
 
 NAME = "predict_ladder"
 VERSION = 1  # bump when the method changes
 TARGET_S = 30.0
 
-
-def append_row(row: dict) -> Path:
-    """Add one row to results/benchmarks.csv (locked read-modify-atomic-write)."""
-    path = results_root() / "benchmarks.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
-        atomic_write_csv(path, pd.concat([old, pd.DataFrame([row])], ignore_index=True))
-    return path
 
 
 def main() -> int:
@@ -57,6 +45,7 @@ def main() -> int:
     ap.add_argument("--rungs", nargs="*", default=list(RUNGS), help="rungs (default: all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     config = model_config(args.model)
     print(f"{NAME} v{VERSION}: {Path(args.model).name}, batch {args.batch} x seq {args.seq}, "
@@ -73,11 +62,9 @@ def main() -> int:
     slowest = max(r["seconds"] for r in rows)
     print(f"  slowest prediction {slowest:.1f} s (target < {TARGET_S:.0f} s): "
           f"{'met' if slowest < TARGET_S else 'NOT met'}")
-    env = environment()
-    append_row({"benchmark": NAME, "version": VERSION, "value": slowest, "unit": "s (slowest prediction)",
-                "time": now(), "model": Path(args.model).name, "batch": args.batch, "seq": args.seq,
-                "detail": json.dumps(rows), "load_avg": os.getloadavg()[0],
-                **{f"env_{k}": v for k, v in env.items()}})
+    append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": slowest, "unit": "s (slowest prediction)",
+                "model": Path(args.model).name, "batch": args.batch, "seq": args.seq,
+                "detail": json.dumps(rows), "load_avg": os.getloadavg()[0]})
     print(f"{NAME}: {slowest:.2f}")
     return 0
 
