@@ -57,13 +57,16 @@ devices = []                  # attempts in order, e.g. ['cuda', 'cpu'] or ['cpu
 preflight = True              # skip an attempt whose predicted peak exceeds its budget
 eval_blocks = 64              # held-out blocks scored for perplexity
 trust_remote_code = False     # let transformers run model code from the hub""", "parameters"),
-    ("code", """from workbench.transfer import StrategiesConfig, run_strategies, summarize, claims_table, steps_frame, write_tables
+    ("code", """from workbench.transfer import StrategiesConfig, run_strategies, summarize, claims_table, steps_frame, write_tables, app
 from workbench import plots
 from workbench.claims import study1_general_problems
+from workbench.live import LiveChart
 
 cfg = StrategiesConfig.from_namespace(globals())
 print("attempts per strategy:", " -> ".join(cfg.attempts_as_text()), "|", cfg.steps(), "steps per run")
-df = run_strategies(cfg)"""),
+live = LiveChart(title="Study 1: loss, device memory against the budget, speed (live)")
+df = run_strategies(cfg, sinks=[live])
+live.close();"""),
     ("md", "## What each strategy achieved (mean and spread over seeds)"),
     ("code", """summary = summarize(df)
 summary[["strategy", "statuses", "device_history", "trainable_params", "trainable_share", "ppl_before",
@@ -75,7 +78,7 @@ summary[["strategy", "statuses", "device_history", "trainable_params", "trainabl
 
 `device_history` lists every attempt: `skipped` (the pre-flight estimate said it would not fit),
 `oom` with the phase it ran out in, then `ok` on the device that finished it."""),
-    ("code", """df[["strategy", "seed", "status", "device", "device_history", "peak_mem_mib", "preflight_estimate_mib", "notes"]]"""),
+    ("code", """df[["strategy", "seed", "status", "device", "device_history", "peak_mem_mib", "predicted_peak_mib", "notes"]]"""),
     ("code", "plots.device_timeline(df).show()"),
     ("md", """## The published claims beside this measurement
 
@@ -86,6 +89,11 @@ rows are shown beside what this run measured for the same strategies."""),
     print("-", problem)
 claims_table(df)"""),
     ("code", "write_tables(df)"),
+    ("md", """## Try other settings
+
+The knobs map onto the same config as the `parameters` cell and are validated the same way.
+Press **Run** to run the study again with live charts; finished runs are read back, not redone."""),
+    ("code", "app(cfg)"),
 ]
 
 

@@ -73,3 +73,14 @@ def test_missing_model_and_empty_corpus_fail_before_training(tmp_path, results_d
     with pytest.raises(CorpusError, match="no text"):
         run_strategies(StrategiesConfig(corpus=str(empty), **TINY), progress=False)
     assert not (results_dir / "strategies").exists() or not list(Path(results_dir / "strategies").glob("*/summary.json"))
+
+
+def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
+    cfg = StrategiesConfig(strategies=("bitfit", "full"), seeds=(0,), budget_mib=11.0, **TINY)
+    df = run_strategies(cfg, progress=False).set_index("strategy")
+    assert df.loc["bitfit", "status"] == "ok" and df.loc["bitfit", "device"] == "cpu@11"
+    assert df.loc["full", "device_history"] == "cpu@11: skipped in preflight -> cpu: ok"
+    assert df.loc["full", "status"] == "fallback"
+    # the prediction (fake tensors, no weights) is the measured peak within 1%
+    for s in ("bitfit", "full"):
+        assert abs(df.loc[s, "predicted_peak_mib"] / df.loc[s, "peak_mem_mib"] - 1) < 0.01

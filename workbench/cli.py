@@ -50,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from workbench.config import ConfigError
+    from workbench.data import CorpusError
+    from workbench.models import ModelNotFoundError
 
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
+    except (ConfigError, ModelNotFoundError, CorpusError) as e:
         print(f"workbench {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -52,11 +52,15 @@ STUDIES: dict[str, StudyNotebook] = {
         StudyNotebook(
             "02_memory_ladder",
             "workbench.memory.study:LadderConfig",
+            quick={"tiny": True, "rungs": ["fp32", "bf16", "bf16_ckpt", "lora", "zero_offload", "cpu"],
+                   "batch": 4, "seq_len": 64, "steps": 2, "budget_mib": 3.0, "reference_seq": 32,
+                   "breakdown_rung": "bf16_ckpt"},
             title="Study 2: the memory ladder",
         ),
         StudyNotebook(
             "03_adaptive_split",
             "workbench.offload:SplitConfig",
+            quick={"iterations": 6, "warmup": 1, "k_sweep": [0.0, 0.5, 1.0], "modelled_k_points": 6},
             title="Study 3: the adaptive GPU/CPU update split",
         ),
     )

@@ -167,6 +167,10 @@ def _bitfit(model, parts, notes):
     return biases
 
 
+def _is_4bit(model: nn.Module) -> bool:
+    return any(type(m).__name__ == "Linear4bit" for m in model.modules())
+
+
 class StrategyNotApplicable(ValueError):
     """The strategy cannot apply to this model (BitFit without biases, QLoRA without bitsandbytes)."""
 
@@ -205,6 +209,9 @@ def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[
         from peft import LoraConfig, get_peft_model
 
         if name == "qlora":
+            if not _is_4bit(model):
+                raise StrategyNotApplicable("qlora needs a model loaded in 4-bit (bitsandbytes); "
+                                            "load it with a BitsAndBytesConfig(load_in_4bit=True) first")
             notes.append("base weights quantized to 4-bit NF4 by bitsandbytes; LoRA adapters in fp32")
         cfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                          target_modules="all-linear", task_type="CAUSAL_LM")

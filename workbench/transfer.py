@@ -39,7 +39,8 @@ class StrategiesConfig(Config):
     model: str = param(EMBEDDED, "'embedded', a Hugging Face model id, or a local model directory")
     base_size: Literal["default", "tiny"] = param("default", "embedded base: 'default' or 'tiny' (tests)")
     corpus: str = param("embedded", "target domain: 'embedded' (Python's language reference) or a text file/folder")
-    strategies: tuple[str, ...] = param(PAPER_STRATEGIES + ("lora", "bitfit", "qlora"), "strategies to compare")
+    strategies: tuple[str, ...] = param(PAPER_STRATEGIES + ("lora", "bitfit", "qlora"), "strategies to compare",
+                                        choices=tuple(STRATEGIES))
     seeds: tuple[int, ...] = param((0, 1, 2), "one run per seed and strategy")
     token_budget: int = param(150_000, "training tokens per run (equal for every strategy)")
     seq_len: int = param(128, "tokens per sequence")
@@ -106,15 +107,31 @@ class StrategiesConfig(Config):
 # one run
 
 
-def _simple_peak_estimate(total_params: int, trainable_params: int, cfg: StrategiesConfig, vocab: int) -> float:
-    """A deliberately simple pre-flight estimate in MiB: weights + grads + 2 Adam moments + logits.
+_PREDICTIONS: dict[tuple, tuple[float, str] | None] = {}
 
-    It ignores most activations and temporaries, so it can only under-estimate: an attempt it
-    skips would certainly not have fitted.
+
+def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> tuple[float, str] | None:
+    """The predicted steady-state peak of one training step of `strategy`, in MiB (no weights read).
+
+    It runs the real training loop on fake tensors (workbench.memory.predict), so it counts
+    activations and temporaries too, not just weights + gradients + Adam state. Cached per setting.
     """
-    bytes_ = 4 * (total_params + 3 * trainable_params)
-    bytes_ += 4 * cfg.micro_batch * cfg.seq_len * vocab  # one fp32 logits tensor
-    return bytes_ / 2**20
+    from workbench.memory.ladder import Plan
+    from workbench.memory.predict import simulate
+    from workbench.models import load_config
+
+    key = (cfg.model, cfg.base_size, strategy, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.seq_len,
+           cfg.lora_rank, n_blocks)
+    if key not in _PREDICTIONS:
+        config = load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
+        plan = Plan(f"study1-{strategy}", 0, "", precision=cfg.precision, trainable=strategy,
+                    accum=cfg.grad_accum, lora_rank=cfg.lora_rank)
+        try:
+            report = simulate(config, plan, batch=cfg.micro_batch * cfg.grad_accum, seq=cfg.seq_len, n_blocks=n_blocks)
+            _PREDICTIONS[key] = (report.steady_peak_bytes / 2**20, "fake-tensor prediction of the training step")
+        except StrategyNotApplicable:
+            _PREDICTIONS[key] = None
+    return _PREDICTIONS[key]
 
 
 def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
@@ -142,12 +159,11 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                   sinks: list[Sink], run: RunDir) -> dict[str, Any]:
     settings = cfg.train_settings(seed)
     steps_sink = run.steps_sink()
-    probe_info: dict[str, Any] = {}
+    predicted: list = []
 
     def preflight(attempt: Attempt):
-        if "estimate" not in probe_info:
-            return None
-        return probe_info["estimate"], "weights + grads + Adam + logits; no activations"
+        predicted.append(predicted_peak_mib(cfg, strategy, len(train_blocks)))
+        return predicted[-1]
 
     def job(attempt: Attempt, budget, phase):
         phase("load")
@@ -171,10 +187,6 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                 "tokens_per_s": result.tokens / result.seconds, "tokens": result.tokens,
                 "final_loss": result.final_loss}
 
-    # A cheap probe to size the pre-flight estimate (the model on the meta device: no memory).
-    if cfg.preflight:
-        probe_info.update(_estimate_for(cfg, strategy, held_blocks))
-
     def announce(event):
         for sink in sinks:
             sink({"event": "attempt", "strategy": strategy, "seed": seed, **event})
@@ -194,25 +206,9 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         row.update(outcome.value)
     if "ppl_after" in row:
         row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
-    if "estimate" in probe_info:
-        row["preflight_estimate_mib"] = probe_info["estimate"]
+    if predicted and predicted[-1]:
+        row["predicted_peak_mib"] = predicted[-1][0]
     return row
-
-
-def _estimate_for(cfg: StrategiesConfig, strategy: str, held_blocks) -> dict[str, Any]:
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from workbench.models import load_config
-
-    config = load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
-    with init_empty_weights():
-        meta = AutoModelForCausalLM.from_config(config)
-    try:
-        meta, sel = apply_strategy(meta, "lora" if strategy == "qlora" else strategy, lora_rank=cfg.lora_rank)
-    except StrategyNotApplicable:
-        return {}
-    return {"estimate": _simple_peak_estimate(sel.total_params, sel.trainable_params, cfg, config.vocab_size)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,6 +336,25 @@ def steps_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 def is_finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def app(cfg: StrategiesConfig):
+    """The study's control panel: a knob per parameter; Run shows live charts, then the summary."""
+    from IPython.display import display
+
+    from workbench import plots
+    from workbench.live import LiveChart
+    from workbench.panel import knobs
+
+    def run(c: StrategiesConfig) -> pd.DataFrame:
+        live = LiveChart(title="Study 1: transfer strategies")
+        df = run_strategies(c, sinks=[live], progress=False)
+        live.close()
+        display(summarize(df))
+        plots.perplexity_spread(df).show()
+        return df
+
+    return knobs(StrategiesConfig, cfg, run, title="Study 1: change the settings and press Run")
 
 
 def report_section() -> list[tuple[str, str, Any]]:

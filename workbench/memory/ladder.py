@@ -36,7 +36,8 @@ from workbench.training import TrainSettings, make_optimizer
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Optimizer = Literal["adamw", "adamw8bit", "paged_adamw8bit"]
-Trainable = Literal["full", "lora", "qlora"]
+# "full", LoRA/QLoRA, or any of study 1's structural strategies (workbench.strategies).
+Trainable = Literal["full", "lora", "qlora", "adapter", "freeze_lower", "freeze_embeddings", "bitfit"]
 Placement = Literal["device", "device_map", "zero_offload", "zero_offload_params", "cpu"]
 
 
@@ -159,17 +160,18 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
 
 
 def apply_trainable(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
-    """Full fine-tuning, LoRA or QLoRA on `model` (real or on the meta device)."""
+    """What trains under the plan, on `model` (real or on the meta device): the same selection
+    code as study 1 (workbench.strategies), after 4-bit quantization for QLoRA."""
+    from workbench.strategies import apply_strategy
+
     if plan.trainable == "full":
         return model
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
     if plan.trainable == "qlora":
+        from peft import prepare_model_for_kbit_training
+
         quantize_4bit(model, torch.bfloat16 if plan.precision == "bf16" else torch.float32)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.grad_checkpointing)
-    cfg = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
-                     target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    return apply_strategy(model, plan.trainable, lora_rank=plan.lora_rank)[0]
 
 
 def make_plan_optimizer(model: torch.nn.Module, plan: Plan, settings: TrainSettings, device: torch.device):
