@@ -1,0 +1,218 @@
+"""Papermill sweeps: failures isolated, finished runs skipped, a killed sweep resumed, bad grids refused.
+
+    python -m pytest tests/test_sweep.py -q      # about a minute on 2 busy cores
+
+The runs use tests/notebooks/sweep_point.ipynb (a kernel start and a few lines each), which writes
+one line per execution to $SWEEP_TEST_COUNTER, so a test can tell which points ran again.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from workbench.config import ConfigError
+from workbench.sweep import (SWEEP_OUT_ENV, combine, load_grid, points_from_options, run_sweep,
+                             threads_per_worker)
+
+NOTEBOOK = Path(__file__).parent / "notebooks" / "sweep_point.ipynb"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def counter(tmp_path, monkeypatch):
+    path = tmp_path / "counter.txt"
+    monkeypatch.setenv("SWEEP_TEST_COUNTER", str(path))
+    return path
+
+
+def runs_of(counter: Path) -> list[int]:
+    return [int(v) for v in counter.read_text().split()] if counter.exists() else []
+
+
+def sweep_processes(out: Path) -> list[int]:
+    """Pids of live processes (workers, kernels) started for the sweep writing to `out`."""
+    mark = f"{SWEEP_OUT_ENV}={out}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if mark in (d / "environ").read_bytes().split(b"\0"):
+                    status = (d / "status").read_text()
+                    if "\nState:\tZ" not in status:  # a zombie is already dead
+                        pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+def wait_until(cond, timeout_s: float, what: str):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_grid_forms_and_options(tmp_path):
+    g = tmp_path / "g.yaml"
+    g.write_text("lr: [1e-3, 3.0e-4]\nseeds: [[0], [1, 2]]\nbase_size: tiny\n")
+    assert load_grid(g) == [
+        {"lr": 1e-3, "seeds": [0], "base_size": "tiny"}, {"lr": 1e-3, "seeds": [1, 2], "base_size": "tiny"},
+        {"lr": 3e-4, "seeds": [0], "base_size": "tiny"}, {"lr": 3e-4, "seeds": [1, 2], "base_size": "tiny"},
+    ]
+    g.write_text("fixed: {sleep_s: 0.5}\ngrid: {x: [1, 2]}\npoints:\n  - {x: 9, fail: true}\n")
+    assert load_grid(g) == [{"sleep_s": 0.5, "x": 1}, {"sleep_s": 0.5, "x": 2},
+                            {"sleep_s": 0.5, "x": 9, "fail": True}]
+    j = tmp_path / "g.json"
+    j.write_text(json.dumps([{"x": 1}, {"x": 2, "fail": True}]))
+    assert load_grid(j) == [{"x": 1}, {"x": 2, "fail": True}]
+    opts = points_from_options(["x=1", "x=2", "seeds=[0, 1]", "fail=false", "lr=1e-3"])
+    assert opts == [{"x": 1, "seeds": [0, 1], "fail": False, "lr": 1e-3},
+                    {"x": 2, "seeds": [0, 1], "fail": False, "lr": 1e-3}]
+    # -p values are crossed with the grid file's points and win over them
+    assert combine([{"x": 1, "y": 0}, {"x": 2, "y": 0}], [{"y": 5}]) == [{"x": 1, "y": 5}, {"x": 2, "y": 5}]
+
+
+def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    # an unknown parameter of a study notebook: every bad point is listed, no folder is made
+    with pytest.raises(ConfigError) as e:
+        run_sweep("01_strategies", [{"base_size": "tiny"}, {"base_sise": "tiny"}, {"seq_len": "long"}], out=out)
+    msg = str(e.value)
+    assert "2 of 3 points are invalid; nothing was run" in msg
+    assert "point 2" in msg and "base_sise" in msg and "point 3" in msg and "seq_len" in msg
+    assert "point 1" not in msg
+    assert not out.exists()
+    # an unknown name for a plain notebook is checked against its parameters cell
+    with pytest.raises(ConfigError, match=r"unknown parameter y; the notebook's parameters cell has: "
+                                          r"check_threads, fail, sleep_s, x"):
+        run_sweep(NOTEBOOK, [{"x": 1}, {"y": 2}], out=out)
+    assert not out.exists()
+    # malformed and misshapen grid files, through the command line: one line, exit code 2
+    from workbench.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("x: [1, 2\nfail: false\n")
+    assert main(["sweep", str(NOTEBOOK), "--grid", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"workbench sweep: malformed grid file {bad}"), err
+    bad.write_text("- {x: 1}\n- 2\n")
+    assert main(["sweep", str(NOTEBOOK), "--grid", str(bad), "--out", str(out)]) == 2
+    assert "point 2 is not a mapping" in capsys.readouterr().err
+    bad.write_text("x: []\n")
+    with pytest.raises(ConfigError, match="x has an empty list"):
+        load_grid(bad)
+    assert not out.exists()
+
+
+def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("points:\n  - {x: 1}\n  - {x: 2}\n  - {x: 3, fail: true}\n  - {x: 4, check_threads: true}\n")
+    out = tmp_path / "sweep"
+    df = run_sweep(NOTEBOOK, load_grid(grid), workers=2, out=out, progress=False)
+
+    assert list(df.x) == [1, 2, 3, 4] and df.point.is_unique
+    assert list(df.status) == ["ok", "ok", "error", "ok"]
+    err = df.set_index("x").loc[3]
+    assert err.error == "ValueError: failing on purpose at x=3"
+    assert Path(err.notebook).exists()  # the failed run's notebook is kept: it shows the error
+    ok = df[df.status == "ok"].set_index("x")
+    assert list(ok.x_squared) == [1, 4, 16]
+    assert pd.isna(df.set_index("x").loc[3, "x_squared"])  # nothing recorded for the failed run
+    # two workers on these cores: each kernel got its share of threads, and torch used it
+    share = threads_per_worker(2)
+    assert set(ok.omp_threads.astype(int)) == {share}
+    assert ok.loc[4, "torch_threads"] == share
+    table = pd.read_csv(out / "runs.csv")
+    assert len(table) == 4 and list(table.status) == list(df.status)
+    assert sorted(runs_of(counter)) == [1, 2, 3, 4]
+
+    stamps = {k: (out / k / "status.json").stat().st_mtime_ns for k in df.point}
+    again = run_sweep(NOTEBOOK, load_grid(grid), workers=2, out=out, progress=False)
+    # the three finished points did not run again; the failed one was retried (and failed again)
+    assert sorted(runs_of(counter)) == [1, 2, 3, 3, 4]
+    assert list(again.reused) == [True, True, False, True]
+    assert list(again.status) == ["ok", "ok", "error", "ok"]
+    for k, row in again.set_index("point").iterrows():
+        same = (out / k / "status.json").stat().st_mtime_ns == stamps[k]
+        assert same == (row.status == "ok")
+    assert list(again.x_squared.dropna()) == [1, 4, 16]  # results of reused points are still in the table
+
+
+def test_timeout_stops_a_run(tmp_path, counter):
+    df = run_sweep(NOTEBOOK, [{"x": 1, "sleep_s": 60.0}], out=tmp_path / "sweep", timeout_s=2, progress=False)
+    assert df.status[0] == "error" and "Timeout" in df.error[0], df.error[0]
+    assert df.seconds[0] < 30
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
+    points = [{"x": x, "sleep_s": 1.5} for x in range(1, 6)]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps(points))
+    out = tmp_path / "sweep"
+    env = {**os.environ, "WORKBENCH_RESULTS": str(tmp_path / "results")}
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "sweep", str(NOTEBOOK), "--grid", str(grid),
+                             "--workers", "2", "--out", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def finished():
+            return [p for p in out.glob("*/status.json")]
+
+        # kill it once some points are finished and others are running
+        wait_until(lambda: len(finished()) >= 2 or proc.poll() is not None, 90, "two finished points")
+        assert proc.poll() is None, proc.stdout.read()
+        assert len(finished()) < len(points)
+        proc.send_signal(sig)
+        log = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == (130 if sig == signal.SIGTERM else -9), log
+    # no worker or kernel of that sweep outlives it
+    wait_until(lambda: not sweep_processes(out), 20, "the sweep's workers and kernels to exit")
+
+    done = {json.loads((d.parent / "point.json").read_text())["parameters"]["x"]
+            for d in out.glob("*/status.json")}
+    assert all(json.loads(p.read_text())["status"] == "ok" for p in out.glob("*/status.json"))
+    assert 2 <= len(done) < len(points)
+    if sig == signal.SIGTERM:  # the table written on the way out has every point, unfinished ones pending
+        table = pd.read_csv(out / "runs.csv")
+        assert sorted(table.x) == [1, 2, 3, 4, 5]
+        assert set(table[table.status == "ok"].x) == done and set(table.status) == {"ok", "pending"}
+        assert "interrupted; finished runs are kept" in log
+    before = runs_of(counter)
+
+    df = run_sweep(NOTEBOOK, points, workers=2, out=out, progress=False)
+    after = runs_of(counter)
+    ran_now = after[len(before):]
+    assert sorted(ran_now) == sorted(set(range(1, 6)) - done)  # only the missing points ran
+    assert sorted(df.x) == [1, 2, 3, 4, 5] and df.point.is_unique
+    assert (df.status == "ok").all() and set(df[df.reused].x) == done
+    assert list(pd.read_csv(out / "runs.csv").x) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_sweep_over_study_notebook(tmp_path, tiny_base):
+    from workbench.transfer import StrategiesConfig
+
+    tiny = {"base_size": "tiny", "seq_len": 64, "token_budget": 2000, "strategies": ["bitfit"],
+            "budget_mib": 13.0, "eval_blocks": 4}
+    points = [{**tiny, "seeds": [0]}, {**tiny, "seeds": [1]}]
+    out = tmp_path / "sweep"
+    df = run_sweep("01_strategies", points, workers=2, out=out, progress=False)
+    assert (df.status == "ok").all(), df.error.tolist()
+    assert list(df.point) == [StrategiesConfig.from_dict(p).hash() for p in points]
+    study = pd.read_csv(out / "study_runs.csv")  # each run's own table, stacked with its point
+    assert sorted(study.groupby("point").seed.first()) == [0, 1]
+    assert set(study.point) == set(df.point) and (study.status == "ok").all()
