@@ -147,6 +147,10 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter):
         same = (out / k / "status.json").stat().st_mtime_ns == stamps[k]
         assert same == (row.status == "ok")
     assert list(again.x_squared.dropna()) == [1, 4, 16]  # results of reused points are still in the table
+    # --rerun runs a finished point again
+    third = run_sweep(NOTEBOOK, [{"x": 1}], out=out, progress=False, rerun=True)
+    assert sorted(runs_of(counter)) == [1, 1, 2, 3, 3, 4]
+    assert list(third.reused) == [False] and list(third.status) == ["ok"]
 
 
 def test_timeout_stops_a_run(tmp_path, counter):

@@ -20,8 +20,8 @@ names of its cell tagged `parameters`. One bad point is a ConfigError that lists
 
 Layout (default `<out>` = results/sweeps/<notebook stem>/):
 
-    <out>/runs.csv                 one row per point: point, parameters, status, seconds, error,
-                                   notebook, results the notebook recorded, reused
+    <out>/runs.csv                 one row per point of the latest call's grid: point, parameters,
+                                   status, seconds, error, notebook, recorded results, reused
     <out>/study_runs.csv           every point's results/*/runs.csv stacked, with a `point` column
     <out>/<key>/point.json         the notebook and parameters of this point
     <out>/<key>/<stem>.ipynb       the executed notebook (also for a failed run: it shows the error)
@@ -36,7 +36,8 @@ Results convention: a notebook records scalar results with `workbench.sweep.reco
 which writes `sweep_result.json` into $WORKBENCH_SWEEP_DIR (the point's folder, also the kernel's
 working directory). They become columns of runs.csv (prefixed `result_` if a name is taken).
 
-Resuming: a point whose status.json says ok is never run again (a failed point is retried). A
+Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun
+redoes every point, e.g. after the notebook changed, since the key is the parameters only). A
 point's status.json is written only after its executed notebook is complete and renamed into
 place, so a run stopped halfway (Ctrl-C, SIGTERM, SIGKILL, a crash) has none and is redone.
 
@@ -471,7 +472,8 @@ class _Progress:
 
 
 def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int = 1,
-              out: str | Path | None = None, timeout_s: float | None = None, progress: bool = True):
+              out: str | Path | None = None, timeout_s: float | None = None, progress: bool = True,
+              rerun: bool = False):
     """Run `notebook` once per point (skipping finished ones) and return the runs table.
 
     Raises ConfigError before running anything if a point is invalid, SweepBusy if another sweep
@@ -486,7 +488,7 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     out = Path(out) if out else results_root() / "sweeps" / path.stem
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
-    reused = {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
+    reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
     todo = [p for p in planned if p.key not in reused]
     workers = max(1, min(workers, len(todo) or 1))
     threads = threads_per_worker(workers)
@@ -605,6 +607,7 @@ def register(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="output folder (default results/sweeps/<notebook stem>/)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="a run taking longer than this is stopped and recorded as an error")
+    p.add_argument("--rerun", action="store_true", help="run every point again, even finished ones")
     p.add_argument("--dry-run", action="store_true", help="validate and list the points; run nothing")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=main)
@@ -622,7 +625,7 @@ def main(args) -> int:
         return 0
     try:
         df = run_sweep(args.notebook, points, workers=args.workers, out=args.out,
-                       timeout_s=args.timeout, progress=not args.quiet)
+                       timeout_s=args.timeout, progress=not args.quiet, rerun=args.rerun)
     except SweepBusy as e:
         print(f"workbench sweep: {e}", file=sys.stderr)
         return 1
