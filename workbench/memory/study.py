@@ -3,6 +3,7 @@
     from workbench.memory.study import LadderConfig, run_ladder
     df = run_ladder(LadderConfig(tiny=True, steps=3))       # seconds, on the CPU
     df.attrs["published"], df.attrs["baselines"], df.attrs["autofit"]
+    df = run_ladder(cfg, sinks=[LiveChart(run_keys=("rung", "stage"))])   # live, per training step
 
 For every rung of the ladder (workbench.memory.ladder) and two models - the model at hand (the
 embedded base by default) and a reference config (Qwen2-0.5B) - the study predicts the
@@ -15,6 +16,11 @@ budget enforced, stepping down the ladder on a real out-of-memory error.
 Results: results/ladder/<run_id>/{config.json, ladder.csv, baselines.csv, autofit.csv,
 summary.json} and results/ladder/runs.csv. Columns say which figures are `measured`,
 `predicted` or `estimated`; sizes are bytes (`_bytes`) or MiB (`_mib`).
+
+Sinks receive the training rows of every measured rung (`stage` "ladder") and of every auto-fit
+attempt (`stage` "auto-fit"), labelled with `rung` and the `budget_mib` to fit, plus one event
+row per rung or attempt that did not train to the end (skipped, oom). `app(cfg)` is the
+notebook's control panel; `report_section()` is study 2's part of results/index.html.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import pandas as pd
 import torch
@@ -38,7 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 class LadderConfig(Config):
     model: str = param("embedded", "model at hand: 'embedded', a model directory, or a config.json (random init)")
     tiny: bool = param(False, "use the tiny embedded base (tests; builds in ~10 s)")
-    rungs: tuple[str, ...] = param(tuple(RUNGS), "rungs to predict and measure, top of the ladder first")
+    rungs: tuple[str, ...] = param(tuple(RUNGS), "rungs to predict and measure, top of the ladder first",
+                                   choices=tuple(RUNGS))
     batch: int = param(8, "sequences per optimizer step for the model at hand")
     seq_len: int = param(128, "tokens per sequence for the model at hand")
     steps: int = param(6, "optimizer steps measured per rung (the first is warm-up, left out of timings)")
@@ -128,13 +135,37 @@ def published_table() -> pd.DataFrame:
     return df
 
 
-def run_ladder(cfg: LadderConfig) -> pd.DataFrame:
-    """Predict (and where possible measure) every rung; returns one row per (model, rung)."""
+Sink = Callable[[dict[str, Any]], None]
+
+
+def _labelled(sinks: list[Sink], **labels: Any) -> tuple[Sink, ...]:
+    """One sink that adds `labels` to each row and passes it on to every sink (none: nothing)."""
+    if not sinks:
+        return ()
+
+    def feed(row: dict[str, Any]) -> None:
+        row = {**row, **labels}
+        for sink in sinks:
+            sink(row)
+
+    return (feed,)
+
+
+def _event(sinks: list[Sink], **row: Any) -> None:
+    for sink in sinks:
+        sink({"event": "attempt", **row})
+
+
+def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
+    """Predict (and where possible measure) every rung; returns one row per (model, rung).
+
+    `sinks` get every measured training step as a plain row (see the module docstring)."""
     from workbench.memory.baselines import baseline_table
     from workbench.memory.ladder import auto_fit, measure, run_with_fallback
     from workbench.memory.predict import model_config, predict
     from workbench.results import RunDir, atomic_write_csv, results_root, write_runs_table
 
+    sinks = list(sinks)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run = RunDir("ladder", cfg.run_id())
@@ -153,7 +184,10 @@ def run_ladder(cfg: LadderConfig) -> pd.DataFrame:
                "fits_predicted": p.fit_bytes <= budget, "data": data_note}
         if cfg.measure:
             torch.manual_seed(cfg.seed)
-            m = measure(name, load, blocks, batch=cfg.batch, steps=cfg.steps, lr=cfg.lr, sinks=(steps_sink,))
+            m = measure(name, load, blocks, batch=cfg.batch, steps=cfg.steps, lr=cfg.lr,
+                        sinks=(steps_sink, *_labelled(sinks, stage="ladder", budget_mib=cfg.budget_mib)))
+            if m["status"] != "ok":
+                _event(sinks, rung=name, attempt=name, result=m["status"])
             row.update({k: v for k, v in m.items() if k not in row or k in ("status", "reason")})
             if m["status"] == "ok":
                 row["fits_measured"] = m["measured_peak_bytes"] <= budget
@@ -186,7 +220,9 @@ def run_ladder(cfg: LadderConfig) -> pd.DataFrame:
                           rungs=cfg.rungs, predictions=preds, device="cpu")
 
         def attempt(name):
-            m = measure(name, load, blocks, batch=cfg.batch, steps=2, lr=cfg.lr, budget_mib=cfg.budget_mib)
+            m = measure(name, load, blocks, batch=cfg.batch, steps=2, lr=cfg.lr, budget_mib=cfg.budget_mib,
+                        sinks=_labelled(sinks, stage="auto-fit", budget_mib=cfg.budget_mib))
+            _event(sinks, rung=name, attempt=f"auto-fit {name}", result=m["status"])
             if m["status"] == "oom":
                 raise torch.OutOfMemoryError(m["reason"])
             if m["status"] != "ok":
@@ -232,3 +268,136 @@ def run_ladder(cfg: LadderConfig) -> pd.DataFrame:
     keep = [{k: v for k, v in r.items() if not k.startswith("env_")} for r in old if r.get("run_id") != this["run_id"]]
     write_runs_table(results_root() / "ladder", keep + [this])
     return df
+
+
+# ------------------------------------------------------------------------------------------------
+# the panel and the report
+
+LADDER_COLUMNS = ["rung", "method", "predicted_peak_mib", "measured_peak_mib", "status", "reason", "step_ms",
+                  "tokens_per_s", "loss_after", "fits_predicted", "fits_measured"]
+
+
+def ladder_figure(df: pd.DataFrame, budget_mib: float, title: str = ""):
+    """Predicted, estimated and measured peaks per rung of the model at hand, with the budget.
+
+    Each bar trace says where its figures come from: `predicted` (the training step run over
+    fake tensors), `estimated` (a formula, for rungs the simulation cannot run) or `measured`
+    here (live tensor bytes of a real run); a rung that did not run here has no measured bar.
+    """
+    import plotly.graph_objects as go
+
+    hand = df[df["role"] == "at hand"]
+    fig = go.Figure()
+    for method in ("predicted", "estimated"):
+        part = hand[hand["method"] == method]
+        if len(part):
+            fig.add_trace(go.Bar(x=part["rung"], y=part["predicted_peak_mib"], name=f"{method} (not measured)",
+                                 marker_pattern_shape="/" if method == "estimated" else "",
+                                 hovertext=part["note"].fillna("") if "note" in part else None))
+    if "measured_peak_mib" in hand:
+        ok = hand[hand["status"] == "ok"]
+        fig.add_trace(go.Bar(x=ok["rung"], y=ok["measured_peak_mib"], name="measured on this machine"))
+    fig.add_hline(y=budget_mib, line_dash="dash", line_color="red", annotation_text=f"budget {budget_mib:g} MiB")
+    fig.update_layout(barmode="group", height=420, yaxis_title="peak device memory (MiB)",
+                      xaxis=dict(categoryorder="array", categoryarray=list(hand["rung"])),
+                      title=title or "Memory ladder: peak device memory per rung")
+    return fig
+
+
+def app(cfg: LadderConfig):
+    """Study 2's control panel: a knob per parameter; Run shows live training charts, then the ladder."""
+    from IPython.display import display
+
+    from workbench.live import LiveChart
+    from workbench.panel import knobs
+
+    def run(c: LadderConfig) -> pd.DataFrame:
+        live = LiveChart(title="Study 2: each measured rung (loss, memory against the budget, speed)",
+                         run_keys=("rung", "stage"))
+        df = run_ladder(c, sinks=[live])
+        live.close()
+        hand = df[df["role"] == "at hand"]
+        display(hand[[col for col in LADDER_COLUMNS if col in hand]])
+        ladder_figure(df, c.budget_mib, title=f"memory ladder: {c.model}, batch {c.batch} x seq {c.seq_len}").show()
+        display(df.attrs["autofit"])
+        return df
+
+    return knobs(LadderConfig, cfg, run, title="Study 2: change the settings and press Run")
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    """A results table; an empty file (a table with no rows, e.g. auto-fit switched off) is empty."""
+    try:
+        return pd.read_csv(path)
+    except (FileNotFoundError, pd.errors.EmptyDataError):
+        return pd.DataFrame()
+
+
+def report_section() -> list[tuple[str, str, Any]]:
+    """The report's parts for study 2, from the latest run in results/ladder/ ([] if none)."""
+    import plotly.graph_objects as go
+
+    from workbench import plots
+    from workbench.results import read_steps, results_root
+
+    root = results_root() / "ladder"
+    runs = _read_csv(root / "runs.csv")
+    if runs.empty:
+        return []
+    last = runs.iloc[-1]  # run_ladder puts the run it just wrote last
+    run_dir = root / str(last["run_id"])
+    df = _read_csv(run_dir / "ladder.csv")
+    if df.empty:
+        return []
+    budget = float(last["budget_mib"])
+    hand = df[df["role"] == "at hand"]
+    ref = df[df["role"] == "reference"]
+    measured = hand[hand["status"] == "ok"]
+    where = ", ".join(sorted(set(measured["device"].astype(str)))) if "device" in measured else ""
+    cpu_note = " (the CPU plays the device: live tensor bytes are counted, as a GPU's allocator would)" \
+        if where == "cpu" else ""
+    tags = (
+        f'<span class="tag measured">measured</span> on this machine ({where or "nothing measured"}){cpu_note}: '
+        f"peak, step time, tokens/s and loss of {len(measured)} rung(s) of {last['model']} "
+        f"(batch {last['batch']} x seq {last['seq_len']}), and the auto-fit attempts.<br>"
+        '<span class="tag modelled">predicted</span> every peak in the "predicted" columns: the real training '
+        "step run over fake tensors (no weights, no GPU)"
+        + (f"; the reference model ({ref['model'].iloc[0]}) is predicted only" if len(ref) else "") + ".<br>"
+        '<span class="tag modelled">estimated</span> rungs whose method is "estimated" (a formula, see note).<br>'
+        "The published memory table was not measured by its authors either; it is shown as published."
+    )
+    parts: list[tuple[str, str, Any]] = [
+        ("text", "", tags),
+        ("table", f"The ladder for the model at hand (budget {budget:g} MiB)",
+         hand[[c for c in LADDER_COLUMNS if c in hand]]),
+        ("figure", "", ladder_figure(df, budget)),
+    ]
+    steps_path = run_dir / "steps.jsonl"
+    if steps_path.exists() and steps_path.stat().st_size:
+        steps = read_steps(steps_path)
+        if "event" in steps:
+            steps = steps[steps["event"].isna()]
+        if {"rung", "step", "loss"} <= set(steps.columns):
+            steps = steps.drop_duplicates(["rung", "step"], keep="last")  # a rerun appends its steps
+            parts.append(("figure", "", plots.loss_curves(steps, color="rung",
+                                                          title="Training loss per rung (measured on this machine)")))
+    fit = _read_csv(run_dir / "autofit.csv")
+    if not fit.empty:
+        parts.append(("table", "Auto-fit: the rung predicted fastest to fit, run with the budget enforced (measured)",
+                      fit))
+    if len(ref):
+        parts.append(("table", f"Reference model {ref['model'].iloc[0]}: predicted peaks (not measured)",
+                      ref[[c for c in ("rung", "method", "predicted_peak_mib", "budget_mib", "fits_predicted", "note")
+                           if c in ref]]))
+    pub = _read_csv(run_dir / "published.csv")
+    if not pub.empty and "workbench_predicted_mib" in pub and len(ref):
+        fig = go.Figure([go.Bar(name="published (not measured)", x=pub["strategy"], y=pub["published_mib"]),
+                         go.Bar(name="workbench prediction (not measured)", x=pub["strategy"],
+                                y=pub["workbench_predicted_mib"])])
+        fig.update_layout(barmode="group", yaxis_title="MiB", height=400,
+                          title=f"Published memory table beside the prediction for {ref['model'].iloc[0]}")
+        parts.append(("figure", "", fig))
+    base = _read_csv(run_dir / "baselines.csv")
+    if not base.empty:
+        parts.append(("table", "Library estimators beside the workbench prediction (none measured)", base))
+    return parts

@@ -5,13 +5,14 @@
 
 Modules: engine (the split training engine), adam (host Adam backends), layers (what a layer
 is, arrival order), balance (the k formula), perf_model (named GPU profiles, the per-layer
-schedule simulation; every figure it gives is labelled modelled), study (the runner), cli.
+schedule simulation; every figure it gives is labelled modelled), study (the runner, its panel
+`app` and its report section), cli.
 """
 
 from workbench.offload.adam import AdamHP
 from workbench.offload.balance import Rates, balance_k
 from workbench.offload.config import SplitConfig
 from workbench.offload.engine import SplitEngine
-from workbench.offload.study import run_split_study
+from workbench.offload.study import app, report_section, run_split_study
 
-__all__ = ["AdamHP", "Rates", "SplitConfig", "SplitEngine", "balance_k", "run_split_study"]
+__all__ = ["AdamHP", "Rates", "SplitConfig", "SplitEngine", "app", "balance_k", "report_section", "run_split_study"]

@@ -14,6 +14,9 @@ same synthetic tokens; on a CPU-only machine the accelerator is the CPU, so thes
 training is unchanged and how the work overlaps, not GPU speed. Modelled: the performance model
 runs the same sweep for a real model on named GPUs, with the host Adam rate measured here.
 Every row says which it is in `source` (measured / modelled / published).
+
+`app(cfg)` is the notebook's control panel (knobs + live chart); `report_section()` is study
+3's part of results/index.html, read from results/split/.
 """
 
 from __future__ import annotations
@@ -34,6 +37,37 @@ from workbench.offload.engine import SplitEngine
 from workbench.offload.hostbench import measure_host
 
 STUDY = "split"
+Sink = Callable[[dict], None]
+
+
+class _RunSink:
+    """Collects each iteration's row of one run and hands them to the study's sinks as training rows.
+
+    It adds the run's labels, `step` (iteration + 1), cumulative `tokens` (the engine's row counts
+    one iteration's: kept as `iteration_tokens`) and, on CUDA, the allocator's `mem_mib` then.
+    The rows are passed on by `flush()` when the run ends, not as they come: the engine emits a row
+    between an iteration's forward and backward, so a chart redraw there (~20 ms here) would be
+    timed as backward and move the adaptive k. A run of the tiny model takes seconds.
+    """
+
+    def __init__(self, sinks: list[Sink], labels: dict, device: torch.device):
+        self.sinks, self.labels, self.device = sinks, labels, device
+        self.tokens = 0
+        self.rows: list[dict] = []
+
+    def __call__(self, row: dict) -> None:
+        self.tokens += row["tokens"]
+        out = {**row, **self.labels, "step": row["iteration"] + 1, "iteration_tokens": row["tokens"],
+               "tokens": self.tokens}
+        if self.device.type == "cuda":
+            out["mem_mib"] = torch.cuda.memory_allocated(self.device) / 2**20
+        self.rows.append(out)
+
+    def flush(self) -> None:
+        for row in self.rows:
+            for sink in self.sinks:
+                sink(row)
+        self.rows = []
 
 
 # ---------------------------------------------------------------- model and data
@@ -72,7 +106,7 @@ def synthetic_batches(cfg: SplitConfig) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- measured runs
-def _plain_adamw(model, batches, hp: AdamHP) -> list[dict]:
+def _plain_adamw(model, batches, hp: AdamHP, sinks: Iterable[Sink] = ()) -> list[dict]:
     """torch.optim.AdamW (fused), everything on the accelerator: the reference."""
     opt = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
                             weight_decay=hp.weight_decay, fused=True)
@@ -88,6 +122,8 @@ def _plain_adamw(model, batches, hp: AdamHP) -> list[dict]:
         dt = time.perf_counter() - t0
         rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3, "tokens": b.numel(),
                      "tokens_per_s": b.numel() / dt, "k_actual": 1.0, "accel_idle_share": 0.0})
+        for sink in sinks:
+            sink(rows[-1])
     return rows
 
 
@@ -114,9 +150,12 @@ def _summary(rows: list[dict], warmup: int) -> dict:
     return out
 
 
-def measured_runs(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = (),
+def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
                   run_dir: Callable[[str], object] | None = None):
-    """Train the tiny model under every measured setting; (run rows, step rows, timeline rows)."""
+    """Train the tiny model under every measured setting; (run rows, step rows, timeline rows).
+
+    `sinks` get each iteration's row as each run ends (_RunSink: labelled with `run` and `mode`)."""
+    sinks = list(sinks)
     device = torch.device(cfg.resolved_device())
     base = build_model(cfg)
     shape = pm.shape_from_model(base, cfg.model, cfg.seq_len)
@@ -130,7 +169,9 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = ()
     ref_w = None
     if cfg.reference:
         model = copy.deepcopy(base).to(device)
-        rows = _plain_adamw(model, batches, hp)
+        live = _RunSink(sinks, {"run": "plain AdamW", "mode": "plain AdamW", "source": "measured"}, device)
+        rows = _plain_adamw(model, batches, hp, sinks=[live])
+        live.flush()
         ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
         for r in rows:
             steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
@@ -147,7 +188,8 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = ()
         rd = run_dir(name) if run_dir else None
         jsonl = rd.steps_sink() if rd else None
         tag = {"run": name, "mode": spec["mode"], "source": "measured"}
-        run_sinks = [lambda row, s=s: s({**row, **tag}) for s in sinks] + ([jsonl] if jsonl else [])
+        live = _RunSink(sinks, tag, device)
+        run_sinks = ([live] if sinks else []) + ([jsonl] if jsonl else [])
         model = copy.deepcopy(base).to(device)
         try:
             eng = SplitEngine(model, hp=hp, precision=cfg.precision, backend=cfg.backend,
@@ -164,6 +206,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = ()
         finally:
             if jsonl:
                 jsonl.close()
+            live.flush()  # the rows it made, also those of a run that failed
         summary = {**head, "status": "ok", **_summary(eng.rows, cfg.warmup)}
         if ref_w is not None:
             masters = eng.master_weights()
@@ -186,6 +229,10 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = ()
             runs.append({**head, "status": "skipped", "reason": reason})
         else:
             runs.append({**head, "status": "ok", **_summary(rows, cfg.warmup)})
+            done = _RunSink(sinks, {"run": head["run"], "mode": "ZeRO-Offload", "source": "measured"}, device)
+            for r in rows:
+                done(r)
+            done.flush()
             steps += [{**r, "run": head["run"], "mode": "ZeRO-Offload", "source": "measured"} for r in rows]
 
     for r in runs:
@@ -256,8 +303,12 @@ def published_rows() -> tuple[list[dict], dict]:
 
 
 # ---------------------------------------------------------------- the entry point
-def run_split_study(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = ()) -> pd.DataFrame:
-    """Run study 3 (measured + modelled); one row per run, step/timeline tables in attrs."""
+def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
+    """Run study 3 (measured + modelled); one row per run, step/timeline tables in attrs.
+
+    `sinks` get every measured iteration as a plain row (loss, cumulative tokens, tokens_per_s, k,
+    labelled with `run` and `mode`; `mem_mib` on CUDA), run by run as each run ends (see _RunSink).
+    The modelled half sends nothing: it is not a run."""
     from workbench.results import RunDir, atomic_write_csv, atomic_write_json, results_root, write_runs_table
 
     threads = torch.get_num_threads()
@@ -301,3 +352,120 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Callable[[dict], None]] = 
         atomic_write_csv(study_dir / "timeline.csv", timeline)
         atomic_write_json(study_dir / "host_and_published.json", {"host": host, "published": op})
     return df
+
+
+# ---------------------------------------------------------------- the panel and the report
+RUN_COLUMNS = ["hardware", "run", "mode", "k_actual", "tokens_per_s", "tflops", "accel_idle_share",
+               "host_done_before_bwd_end_share", "final_loss", "max_abs_diff_vs_adamw", "accel_memory_gib",
+               "status", "reason"]
+# SplitConfig fields without a knob: optional floats (None = measured here / from the profiles)
+# have no widget that can say None; the panel keeps the value it was given.
+_NO_KNOB = ("host_share", "alpha")
+
+
+def throughput_figure(df: pd.DataFrame):
+    """Tokens/s against k, one panel per machine; each panel's title says measured or modelled."""
+    import plotly.express as px
+
+    speed = df[df["source"] != "published"].dropna(subset=["tokens_per_s"])
+    fig = px.scatter(speed, x="k_actual", y="tokens_per_s", color="mode", symbol="mode", facet_col="panel",
+                     facet_col_wrap=2, hover_data=["run", "status"],
+                     labels={"k_actual": "k (share of parameters updated on the accelerator)",
+                             "tokens_per_s": "tokens/s"},
+                     title="Tokens/s against k (panels: measured on this machine, or modelled for a GPU profile)")
+    fig.update_traces(marker_size=10)
+    fig.update_yaxes(matches=None, showticklabels=True)
+    return fig
+
+
+def loss_figure(steps: pd.DataFrame):
+    """The measured runs' loss per iteration (they train on the same tokens from the same weights)."""
+    import plotly.express as px
+
+    return px.line(steps, x="iteration", y="loss", color="run", markers=True,
+                   title="Training loss per iteration (measured on this machine)")
+
+
+def app(cfg: SplitConfig):
+    """Study 3's control panel: a knob per parameter; Run shows live training charts, then the runs."""
+    from IPython.display import display
+
+    from workbench.live import LiveChart
+    from workbench.panel import knobs
+
+    def run(c: SplitConfig) -> pd.DataFrame:
+        live = LiveChart(title="Study 3: measured runs (loss, speed; device memory on CUDA)", run_keys=("run",))
+        df = run_split_study(c, sinks=[live])
+        live.close()
+        display(df[[col for col in ["source", *RUN_COLUMNS] if col in df]].round(4))
+        throughput_figure(df).show()
+        return df
+
+    fields = [n for n in SplitConfig.fields() if n not in _NO_KNOB]
+    return knobs(SplitConfig, cfg, run, fields=fields, title="Study 3: change the settings and press Run")
+
+
+def report_section() -> list[tuple[str, str, object]]:
+    """The report's parts for study 3, from results/split/ ([] when it has not run)."""
+    import json
+
+    import plotly.express as px
+
+    from workbench.results import results_root
+
+    root = results_root() / STUDY
+    if not (root / "runs.csv").exists():
+        return []
+    df = pd.read_csv(root / "runs.csv")
+    if df.empty or "source" not in df:
+        return []
+    measured = df[df["source"] == "measured"]
+    modelled = df[df["source"] == "modelled"]
+    published = df[df["source"] == "published"]
+    host = {}
+    if (root / "host_and_published.json").exists():
+        host = json.loads((root / "host_and_published.json").read_text()).get("host", {})
+    where = ", ".join(sorted(set(measured["hardware"].astype(str)))) or "nothing measured"
+    cpu_note = (" On a machine without a GPU the accelerator is the CPU too: these runs show that training"
+                " is unchanged and how the work overlaps, not GPU speed." if "(cpu)" in where else "")
+    gpus = ", ".join(sorted(set(modelled["hardware"].astype(str))))
+    tags = (
+        f'<span class="tag measured">measured</span> {len(measured)} run(s) of the split engine on {where}: '
+        f"tokens/s, idle share, loss, parity with AdamW; and the host Adam rate.{cpu_note}<br>"
+        f'<span class="tag modelled">modelled</span> {len(modelled)} run(s) of the performance model for '
+        f"{gpus or 'no GPU profile'} (data-sheet figures and stated efficiencies; the host Adam bandwidth "
+        "share measured here): no figure in these rows was measured on that hardware.<br>"
+        "Published: the seed's own claims (data/published_claims.json), shown as published."
+    )
+    def cols(d: pd.DataFrame) -> pd.DataFrame:
+        return d[[c for c in RUN_COLUMNS if c in d]]
+
+    parts: list[tuple[str, str, object]] = [
+        ("text", "", tags),
+        ("table", "Measured runs (this machine)", cols(measured)),
+        ("figure", "", throughput_figure(df)),
+        ("table", "Modelled runs (performance model; oom: the modelled card's memory does not fit)", cols(modelled)),
+    ]
+    key = df[df["mode"].isin(["host only (k=0)", "adaptive", "ZeRO-Offload", "all on accelerator", "plain AdamW"])
+             | (df["source"] == "published")].dropna(subset=["tflops"])
+    if len(key):
+        fig = px.bar(key, x="run", y="tflops", color="source", facet_col="source", hover_data=["status", "k_actual"],
+                     title="Achieved TFLOP/s of the key runs, by source (measured / modelled / published)",
+                     labels={"tflops": "TFLOP/s", "run": ""})
+        fig.update_xaxes(matches=None)
+        fig.update_yaxes(matches=None, showticklabels=True)
+        parts.append(("figure", "", fig))
+    if (root / "steps.csv").exists():
+        try:
+            steps = pd.read_csv(root / "steps.csv")
+        except pd.errors.EmptyDataError:
+            steps = pd.DataFrame()
+        if {"iteration", "loss", "run"} <= set(steps.columns):
+            parts.append(("figure", "", loss_figure(steps)))
+    if len(published):
+        parts.append(("table", "Published claims (the seed's own figures, not measured here)",
+                      published.dropna(axis=1, how="all")))
+    if host:
+        parts.append(("table", "Host Adam rate and memory bandwidth (measured on this machine)",
+                      pd.DataFrame([host])))
+    return parts
