@@ -113,6 +113,17 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(ConfigError, match="x has an empty list"):
         load_grid(bad)
     assert not out.exists()
+    # two sweeps never write one folder at once
+    from workbench.sweep import SweepBusy, _lock
+
+    out.mkdir()
+    held = _lock(out)
+    try:
+        with pytest.raises(SweepBusy, match="another sweep is running"):
+            run_sweep(NOTEBOOK, [{"x": 1}], out=out, progress=False)
+    finally:
+        held.close()
+    assert not list(out.glob("*/point.json"))
 
 
 def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter):
@@ -161,7 +172,7 @@ def test_timeout_stops_a_run(tmp_path, counter):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
-    points = [{"x": x, "sleep_s": 1.5} for x in range(1, 6)]
+    points = [{"x": x, "sleep_s": 1.0} for x in range(1, 6)]
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps(points))
     out = tmp_path / "sweep"

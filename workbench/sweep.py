@@ -56,6 +56,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -487,7 +488,7 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     path, planned = plan(notebook, points)
     out = Path(out) if out else results_root() / "sweeps" / path.stem
     out.mkdir(parents=True, exist_ok=True)
-    lock = _lock(out)
+    lock = _lock(out)  # released in the finally below, or by the OS if this process dies
     reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
     todo = [p for p in planned if p.key not in reused]
     workers = max(1, min(workers, len(todo) or 1))
@@ -498,24 +499,15 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
         print(f"sweep {path.stem}: {len(planned)} points, {len(reused)} already finished, "
               f"{workers} worker(s) x {threads} thread(s) -> {out}", file=sys.stderr, flush=True)
 
-    # SIGTERM is handled like Ctrl-C: stop the workers, keep what finished (main thread only).
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    import threading
-
-    old_term = None
-    if threading.current_thread() is threading.main_thread():
-        old_term = signal.signal(signal.SIGTERM, on_term)
-
     pool: list[_Worker] = []
+    spawned = itertools.count(1)
     sel = selectors.DefaultSelector()
     pending = list(reversed(todo))  # pop() from the end = grid order
-    logs = out / "logs"
+    logs = out / "logs"  # workers' stderr: papermill's and the kernels' warnings
     logs.mkdir(exist_ok=True)
 
     def spawn() -> _Worker:
-        w = _Worker(env, logs / f"worker-{len(pool) + 1}.log")
+        w = _Worker(env, logs / f"worker-{next(spawned)}.log")
         pool.append(w)
         sel.register(w.proc.stdout, selectors.EVENT_READ, w)
         return w
@@ -527,12 +519,23 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
         w.reap(time.monotonic() + 5)
 
     def fail(point: Point, message: str, seconds: float) -> None:
-        # The worker could not write a status (it died or was killed): write the error row here.
+        # The worker could not write a status (it died or was killed): write the error row here,
+        # unless it finished the run just before it was stopped.
+        if (read_status(out / point.key) or {}).get("status") == "ok":
+            bar.finished("ok", seconds)
+            return
         atomic_write_json(out / point.key / "status.json",
                           {"status": "error", "error": message, "seconds": round(seconds, 3),
                            "finished": now(), "notebook": None, "results": {}})
         bar.finished("error", seconds)
 
+    # SIGTERM is handled like Ctrl-C: stop the workers, keep what finished (main thread only).
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         for _ in range(workers if todo else 0):
             spawn()
@@ -576,7 +579,8 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
                     _write_tables(out, planned, reused)
                     bar.show(sum(1 for x in pool if x.point), f"{p.key} error: timed out")
     finally:
-        # Stop every worker (each shuts its kernel down); in-flight runs leave no status.json.
+        # Stop every worker; its kernel exits with it (ipykernel watches its parent process).
+        # In-flight runs leave no status.json, so the next call redoes them.
         for w in pool:
             w.stop()
         deadline = time.monotonic() + 10
