@@ -16,6 +16,7 @@ from workbench.memory.study import LadderConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "02_memory_ladder.ipynb"
+PLOTLY, WIDGET = "application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json"
 # Few rungs and a short reference sequence: each Qwen2-0.5B prediction still costs ~2-3 s here.
 TINY = {"tiny": True, "rungs": ["fp32", "bf16_ckpt", "zero_offload", "cpu"], "batch": 4, "seq_len": 64,
         "steps": 2, "budget_mib": 3.0, "reference_seq": 32, "breakdown_rung": "bf16_ckpt", "threads": 1}
@@ -45,10 +46,19 @@ def test_notebook_runs_on_tiny_parameters(tiny_base, tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "results"))
     out = tmp_path / "02_memory_ladder.ipynb"
     pm.execute_notebook(str(NOTEBOOK), str(out), parameters=TINY, cwd=str(ROOT), progress_bar=False)
+    assert out.stat().st_size < 3 * 2**20  # plotly JSON per chart, no plotly.js bundle
     nb = nbformat.read(out, as_version=4)
-    plots = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-             if "application/vnd.plotly.v1+json" in o.get("data", {})]
-    assert len(plots) == 4  # ladder, breakdown, published table, estimators
+    live_cell = next(i for i, c in enumerate(nb.cells) if "LiveChart(" in c.source)
+    plots = [(i, o["data"][PLOTLY]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+             for o in c.get("outputs", []) if PLOTLY in o.get("data", {})]
+    assert len([p for i, p in plots if i != live_cell]) == 4  # ladder, breakdown, published table, estimators
+    # the live chart's final state: every step of every measured rung, and the budget line
+    live = [p for i, p in plots if i == live_cell][-1]
+    loss = {t["name"]: t["y"] for t in live["data"] if t.get("xaxis", "x") == "x" and t.get("y")}
+    assert set(loss) == {"fp32 ladder", "bf16_ckpt ladder", "cpu ladder"}
+    assert all(len(y) == TINY["steps"] for y in loss.values())
+    assert any(s.get("y0") == TINY["budget_mib"] for s in live["layout"]["shapes"])
+    assert any(WIDGET in o.get("data", {}) for o in nb.cells[-1].get("outputs", []))  # the app(cfg) panel
     (run_dir,) = (tmp_path / "results" / "ladder").glob("ladder-*")
     df = pd.read_csv(run_dir / "ladder.csv")
     hand = df[df["role"] == "at hand"].set_index("rung")

@@ -16,6 +16,7 @@ from workbench.offload.config import SplitConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "03_adaptive_split.ipynb"
+PLOTLY, WIDGET = "application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json"
 TINY = {"hidden_size": 32, "num_layers": 2, "vocab_size": 128, "batch_size": 2, "seq_len": 16,
         "iterations": 3, "warmup": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
 
@@ -42,10 +43,18 @@ def test_notebook_runs_on_tiny_parameters(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "results"))
     out = tmp_path / "03_adaptive_split.ipynb"
     pm.execute_notebook(str(NOTEBOOK), str(out), parameters=TINY, cwd=str(ROOT), progress_bar=False)
+    assert out.stat().st_size < 3 * 2**20  # plotly JSON per chart, no plotly.js bundle
     nb = nbformat.read(out, as_version=4)
-    plots = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-             if "application/vnd.plotly.v1+json" in o.get("data", {})]
-    assert len(plots) >= 7
+    live_cell = next(i for i, c in enumerate(nb.cells) if "LiveChart(" in c.source)
+    plots = [(i, o["data"][PLOTLY]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+             for o in c.get("outputs", []) if PLOTLY in o.get("data", {})]
+    assert len([p for i, p in plots if i != live_cell]) >= 7
+    # the live chart's final state: every iteration of every measured run
+    live = [p for i, p in plots if i == live_cell][-1]
+    loss = {t["name"]: t["y"] for t in live["data"] if t.get("xaxis", "x") == "x" and t.get("y")}
+    assert set(loss) == {"plain AdamW", "k=0", "k=1", "adaptive"}
+    assert all(len(y) == TINY["iterations"] for y in loss.values())
+    assert any(WIDGET in o.get("data", {}) for o in nb.cells[-1].get("outputs", []))  # the app(cfg) panel
     runs = pd.read_csv(tmp_path / "results" / "split" / "runs.csv")
     assert set(runs["source"]) == {"measured", "modelled", "published"}
     assert (runs.loc[runs["source"] == "measured", "status"] == "ok").all()

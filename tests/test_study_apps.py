@@ -1,0 +1,184 @@
+"""Studies 2 and 3 as apps: knobs panels, live-chart sinks fed by real runs, report sections.
+
+    .venv/bin/python -m pytest tests/test_study_apps.py -q        # about 40 s on 2 cores
+
+The button tests replace the study runner by a fake that records the config it was given (a
+real run is seconds to minutes); the sink tests run the real runners on tiny settings once each.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from workbench.live import LiveChart
+from workbench.memory import study as ladder_study
+from workbench.memory.study import LadderConfig
+from workbench.offload import study as split_study
+from workbench.offload.config import SplitConfig
+
+LADDER_TINY = {"tiny": True, "rungs": ["fp32", "bf16_ckpt", "zero_offload"], "batch": 2, "seq_len": 32,
+               "steps": 2, "budget_mib": 3.0, "reference_model": "", "breakdown_rung": "fp32", "threads": 1}
+SPLIT_TINY = {"hidden_size": 32, "num_layers": 2, "vocab_size": 128, "batch_size": 2, "seq_len": 16,
+              "iterations": 3, "warmup": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
+
+
+def _loss_traces(fig) -> dict[str, tuple]:
+    return {t.name: tuple(t.y) for t in fig.data if t.xaxis == "x" and t.y}
+
+
+# ------------------------------------------------------------------------------------------------
+# study 2
+
+
+def test_ladder_run_feeds_a_live_chart_and_the_report(tiny_base, results_dir):
+    assert ladder_study.report_section() == []  # nothing run yet
+    cfg = LadderConfig.from_dict(LADDER_TINY)
+    rows: list[dict] = []
+    live = LiveChart(display=False, min_interval_s=0, run_keys=("rung", "stage"))
+    df = ladder_study.run_ladder(cfg, sinks=[live, rows.append])
+
+    steps = [r for r in rows if "loss" in r]
+    ladder = [r for r in steps if r["stage"] == "ladder"]
+    assert [(r["rung"], r["step"]) for r in ladder] == [("fp32", 1), ("fp32", 2), ("bf16_ckpt", 1), ("bf16_ckpt", 2)]
+    assert all(r["budget_mib"] == 3.0 for r in steps)
+    assert {"rung": "zero_offload", "attempt": "zero_offload", "result": "skipped"}.items() <= \
+        next(r for r in rows if r.get("event")).items()  # a rung that cannot run here is an event, not steps
+    # the same losses the runner wrote in its results
+    hand = df[df["role"] == "at hand"].set_index("rung")
+    assert ladder[1]["loss"] == pytest.approx(hand.loc["fp32", "loss_after"])
+
+    fig = live.close()
+    assert live.rows == len(steps)
+    assert _loss_traces(fig)["fp32 ladder"] == tuple(r["loss"] for r in ladder[:2])
+    assert any(s.y0 == 3.0 for s in fig.layout.shapes)  # the budget line
+
+    parts = ladder_study.report_section()
+    kinds = [k for k, _, _ in parts]
+    assert kinds[0] == "text" and 1 <= kinds.count("figure") <= 3 and kinds.count("table") >= 2
+    text = parts[0][2]
+    assert 'class="tag measured"' in text and 'class="tag modelled">predicted' in text
+    table = parts[1][2]
+    assert list(table["rung"]) == LADDER_TINY["rungs"]
+    assert table.set_index("rung").loc["zero_offload", "status"] == "skipped"
+    # no figure calls a number measured unless it was: the measured bars are the rungs that ran here
+    bars = parts[2][2]
+    measured = [t for t in bars.data if "measured on" in t.name]
+    assert len(measured) == 1 and list(measured[0].x) == ["fp32", "bf16_ckpt"]
+    assert all("not measured" in t.name for t in bars.data if t is not measured[0])
+    loss = next(p for k, _, p in parts if k == "figure" and "loss" in p.layout.title.text.lower())
+    assert "measured" in loss.layout.title.text and {t.name for t in loss.data} == {"fp32", "bf16_ckpt"}
+
+
+def _fake_ladder(calls):
+    def run_ladder(cfg, sinks=()):
+        calls.append(cfg)
+        for sink in sinks:
+            sink({"rung": "fp32", "stage": "ladder", "step": 1, "loss": 3.0, "tokens": 64, "budget_mib": cfg.budget_mib})
+        df = pd.DataFrame([{"rung": "fp32", "role": "at hand", "method": "predicted", "predicted_peak_mib": 5.0,
+                            "measured_peak_mib": 5.1, "status": "ok", "reason": "", "note": ""}])
+        df.attrs["autofit"] = pd.DataFrame()
+        return df
+
+    return run_ladder
+
+
+def test_ladder_app_validates_like_the_parameters_cell_and_runs(monkeypatch, results_dir):
+    calls: list[LadderConfig] = []
+    monkeypatch.setattr(ladder_study, "run_ladder", _fake_ladder(calls))
+    panel = ladder_study.app(LadderConfig.from_dict(LADDER_TINY))
+    assert tuple(panel.controls["rungs"].value) == tuple(LADDER_TINY["rungs"])  # a multi-select of the ladder
+
+    panel.controls["steps"].value = 1
+    panel.button.click()
+    assert calls == [] and "steps must be at least 2" in panel.message.value
+    panel.controls["steps"].value = 3
+    panel.controls["breakdown_rung"].value = "lora"  # not among the rungs
+    panel.button.click()
+    assert calls == [] and "breakdown_rung 'lora' is not among rungs" in panel.message.value
+
+    panel.controls["breakdown_rung"].value = "fp32"
+    panel.controls["rungs"].value = ("fp32", "cpu")
+    panel.controls["budget_mib"].value = 7.5
+    panel.button.click()
+    assert "done" in panel.message.value, panel.message.value
+    (cfg,) = calls
+    assert cfg.steps == 3 and cfg.rungs == ("fp32", "cpu") and cfg.budget_mib == 7.5 and cfg.tiny
+
+
+# ------------------------------------------------------------------------------------------------
+# study 3
+
+
+def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
+    assert split_study.report_section() == []
+    cfg = SplitConfig.from_dict(SPLIT_TINY)
+    rows: list[dict] = []
+    live = LiveChart(display=False, min_interval_s=0, run_keys=("run",))
+    df = split_study.run_split_study(cfg, sinks=[live, rows.append])
+
+    runs = ["plain AdamW", "k=0", "k=1", "adaptive"]
+    assert [r["run"] for r in rows] == [run for run in runs for _ in range(cfg.iterations)]
+    per_it = cfg.batch_size * cfg.seq_len
+    for run in runs:
+        mine = [r for r in rows if r["run"] == run]
+        assert [r["step"] for r in mine] == [1, 2, 3]
+        assert [r["tokens"] for r in mine] == [per_it, 2 * per_it, 3 * per_it]  # cumulative, like train()
+        assert all(r["tokens_per_s"] > 0 and r["source"] == "measured" for r in mine)
+    # the rows are the engine's own: the final loss matches the run's summary
+    measured = df[df["source"] == "measured"].set_index("run")
+    assert rows[-1]["loss"] == pytest.approx(measured.loc["adaptive", "final_loss"])
+
+    fig = live.close()
+    assert live.rows == len(rows) and set(_loss_traces(fig)) == set(runs)
+
+    parts = split_study.report_section()
+    kinds = [k for k, _, _ in parts]
+    assert kinds[0] == "text" and 1 <= kinds.count("figure") <= 3
+    assert 'class="tag measured"' in parts[0][2] and 'class="tag modelled"' in parts[0][2]
+    tables = {title: t for k, title, t in parts if k == "table"}
+    mtable = tables["Measured runs (this machine)"]
+    assert list(mtable["run"]) == runs and mtable["hardware"].str.startswith("this machine").all()
+    modelled = next(t for title, t in tables.items() if title.startswith("Modelled"))
+    assert len(modelled) and not modelled["hardware"].str.startswith("this machine").any()
+    # every panel of the throughput figure says where its points come from
+    speed = next(p for k, _, p in parts if k == "figure" and "against k" in p.layout.title.text)
+    panels = [a.text for a in speed.layout.annotations]
+    assert any(a.startswith("panel=measured: this machine") for a in panels)
+    assert all(a.startswith(("panel=measured", "panel=modelled")) for a in panels)
+    loss = next(p for k, _, p in parts if k == "figure" and "loss" in p.layout.title.text.lower())
+    assert "measured" in loss.layout.title.text and {t.name for t in loss.data} == set(runs)
+
+
+def _fake_split(calls):
+    def run_split_study(cfg, sinks=()):
+        calls.append(cfg)
+        for sink in sinks:
+            sink({"run": "k=0", "step": 1, "loss": 4.0, "tokens": 32, "tokens_per_s": 100.0})
+        return pd.DataFrame([{"source": "measured", "panel": "measured: this machine (cpu)", "run": "k=0",
+                              "mode": "host only (k=0)", "k_actual": 0.0, "tokens_per_s": 100.0, "status": "ok"}])
+
+    return run_split_study
+
+
+def test_split_app_validates_like_the_parameters_cell_and_runs(monkeypatch, results_dir):
+    calls: list[SplitConfig] = []
+    monkeypatch.setattr(split_study, "run_split_study", _fake_split(calls))
+    panel = split_study.app(SplitConfig.from_dict(SPLIT_TINY))
+    assert "host_share" not in panel.controls and panel.fixed["host_share"] == 0.8
+
+    panel.controls["k_sweep"].value = "[0.0, 2.0]"
+    panel.button.click()
+    assert calls == [] and "k values must lie in [0, 1], got 2.0" in panel.message.value
+    panel.controls["k_sweep"].value = "[0.0, 0.5]"
+    panel.controls["warmup"].value = 9
+    panel.button.click()
+    assert calls == [] and "warmup must be in [0, iterations)" in panel.message.value
+
+    panel.controls["warmup"].value = 1
+    panel.controls["iterations"].value = 5
+    panel.controls["model"].value = "tiny-gpt2"
+    panel.button.click()
+    assert "done" in panel.message.value, panel.message.value
+    (cfg,) = calls
+    assert cfg.iterations == 5 and cfg.k_sweep == (0.0, 0.5) and cfg.model == "tiny-gpt2" and cfg.host_share == 0.8
