@@ -74,7 +74,8 @@ def _fake_ladder(calls):
     def run_ladder(cfg, sinks=()):
         calls.append(cfg)
         for sink in sinks:
-            sink({"rung": "fp32", "stage": "ladder", "step": 1, "loss": 3.0, "tokens": 64, "budget_mib": cfg.budget_mib})
+            sink({"rung": "fp32", "stage": "ladder", "step": 1, "loss": 3.0, "tokens": 64,
+                  "budget_mib": cfg.budget_mib})
         df = pd.DataFrame([{"rung": "fp32", "role": "at hand", "method": "predicted", "predicted_peak_mib": 5.0,
                             "measured_peak_mib": 5.1, "status": "ok", "reason": "", "note": ""}])
         df.attrs["autofit"] = pd.DataFrame()
@@ -117,7 +118,7 @@ def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
     live = LiveChart(display=False, min_interval_s=0, run_keys=("run",))
     df = split_study.run_split_study(cfg, sinks=[live, rows.append])
 
-    runs = ["plain AdamW", "k=0", "k=1", "adaptive"]
+    runs = ["k=0", "k=1", "adaptive"]  # the engine's runs (plain AdamW, the reference, sends none)
     assert [r["run"] for r in rows] == [run for run in runs for _ in range(cfg.iterations)]
     per_it = cfg.batch_size * cfg.seq_len
     for run in runs:
@@ -138,7 +139,7 @@ def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
     assert 'class="tag measured"' in parts[0][2] and 'class="tag modelled"' in parts[0][2]
     tables = {title: t for k, title, t in parts if k == "table"}
     mtable = tables["Measured runs (this machine)"]
-    assert list(mtable["run"]) == runs and mtable["hardware"].str.startswith("this machine").all()
+    assert list(mtable["run"]) == ["plain AdamW", *runs] and mtable["hardware"].str.startswith("this machine").all()
     modelled = next(t for title, t in tables.items() if title.startswith("Modelled"))
     assert len(modelled) and not modelled["hardware"].str.startswith("this machine").any()
     # every panel of the throughput figure says where its points come from
@@ -147,7 +148,7 @@ def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
     assert any(a.startswith("panel=measured: this machine") for a in panels)
     assert all(a.startswith(("panel=measured", "panel=modelled")) for a in panels)
     loss = next(p for k, _, p in parts if k == "figure" and "loss" in p.layout.title.text.lower())
-    assert "measured" in loss.layout.title.text and {t.name for t in loss.data} == set(runs)
+    assert "measured" in loss.layout.title.text and {t.name for t in loss.data} == {"plain AdamW", *runs}
 
 
 def _fake_split(calls):

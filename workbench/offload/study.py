@@ -106,7 +106,7 @@ def synthetic_batches(cfg: SplitConfig) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------- measured runs
-def _plain_adamw(model, batches, hp: AdamHP, sinks: Iterable[Sink] = ()) -> list[dict]:
+def _plain_adamw(model, batches, hp: AdamHP) -> list[dict]:
     """torch.optim.AdamW (fused), everything on the accelerator: the reference."""
     opt = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
                             weight_decay=hp.weight_decay, fused=True)
@@ -122,8 +122,6 @@ def _plain_adamw(model, batches, hp: AdamHP, sinks: Iterable[Sink] = ()) -> list
         dt = time.perf_counter() - t0
         rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3, "tokens": b.numel(),
                      "tokens_per_s": b.numel() / dt, "k_actual": 1.0, "accel_idle_share": 0.0})
-        for sink in sinks:
-            sink(rows[-1])
     return rows
 
 
@@ -154,7 +152,8 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
                   run_dir: Callable[[str], object] | None = None):
     """Train the tiny model under every measured setting; (run rows, step rows, timeline rows).
 
-    `sinks` get each iteration's row as each run ends (_RunSink: labelled with `run` and `mode`)."""
+    `sinks` get each iteration's row of every engine run (the reference and ZeRO-Offload runs send
+    none), as each run ends (_RunSink: labelled with `run` and `mode`)."""
     sinks = list(sinks)
     device = torch.device(cfg.resolved_device())
     base = build_model(cfg)
@@ -169,9 +168,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     ref_w = None
     if cfg.reference:
         model = copy.deepcopy(base).to(device)
-        live = _RunSink(sinks, {"run": "plain AdamW", "mode": "plain AdamW", "source": "measured"}, device)
-        rows = _plain_adamw(model, batches, hp, sinks=[live])
-        live.flush()
+        rows = _plain_adamw(model, batches, hp)
         ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
         for r in rows:
             steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
@@ -229,10 +226,6 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
             runs.append({**head, "status": "skipped", "reason": reason})
         else:
             runs.append({**head, "status": "ok", **_summary(rows, cfg.warmup)})
-            done = _RunSink(sinks, {"run": head["run"], "mode": "ZeRO-Offload", "source": "measured"}, device)
-            for r in rows:
-                done(r)
-            done.flush()
             steps += [{**r, "run": head["run"], "mode": "ZeRO-Offload", "source": "measured"} for r in rows]
 
     for r in runs:
@@ -306,9 +299,9 @@ def published_rows() -> tuple[list[dict], dict]:
 def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
     """Run study 3 (measured + modelled); one row per run, step/timeline tables in attrs.
 
-    `sinks` get every measured iteration as a plain row (loss, cumulative tokens, tokens_per_s, k,
-    labelled with `run` and `mode`; `mem_mib` on CUDA), run by run as each run ends (see _RunSink).
-    The modelled half sends nothing: it is not a run."""
+    `sinks` get every iteration of the engine's runs as a plain row (loss, cumulative tokens,
+    tokens_per_s, k, labelled with `run` and `mode`; `mem_mib` on CUDA), run by run as each run
+    ends (see _RunSink). The modelled half sends nothing: it is not a run."""
     from workbench.results import RunDir, atomic_write_csv, atomic_write_json, results_root, write_runs_table
 
     threads = torch.get_num_threads()
@@ -394,7 +387,8 @@ def app(cfg: SplitConfig):
     from workbench.panel import knobs
 
     def run(c: SplitConfig) -> pd.DataFrame:
-        live = LiveChart(title="Study 3: measured runs (loss, speed; device memory on CUDA)", run_keys=("run",))
+        live = LiveChart(title="Study 3: the engine's measured runs (loss, speed; device memory on CUDA)",
+                         run_keys=("run",))
         df = run_split_study(c, sinks=[live])
         live.close()
         display(df[[col for col in ["source", *RUN_COLUMNS] if col in df]].round(4))
