@@ -383,8 +383,8 @@ def report_section() -> list[tuple[str, str, Any]]:
                                                           title="Training loss per rung (measured on this machine)")))
     fit = _read_csv(run_dir / "autofit.csv")
     if not fit.empty:
-        parts.append(("table", "Auto-fit: the rung predicted fastest to fit, run with the budget enforced (measured)",
-                      fit))
+        parts.append(("table", "Auto-fit: the rung predicted fastest to fit, run here with the budget enforced "
+                               "(measured where its status is ok or oom)", fit))
     if len(ref):
         parts.append(("table", f"Reference model {ref['model'].iloc[0]}: predicted peaks (not measured)",
                       ref[[c for c in ("rung", "method", "predicted_peak_mib", "budget_mib", "fits_predicted", "note")
