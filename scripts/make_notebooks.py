@@ -52,8 +52,8 @@ grad_accum = 1                # micro-batches per optimizer step
 lr = 1e-3                     # peak learning rate (warm-up, then cosine decay)
 lora_rank = 8                 # rank of the LoRA / QLoRA adapters
 precision = "fp32"            # 'fp32', 'bf16' (CPU or GPU) or 'fp16' (GPU only)
-budget_mib = 125.0            # memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none
-devices = []                  # attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu']; [] = default
+budget_mib = 125.0            # memory budget (MiB) of the first attempt: the GPU, or the CPU playing one (0: none)
+devices = []                  # attempts in order, e.g. cuda then cpu, or cpu@64 then cpu (empty: the default)
 preflight = True              # skip an attempt whose predicted peak exceeds its budget
 eval_blocks = 64              # held-out blocks scored for perplexity
 trust_remote_code = False     # let transformers run model code from the hub""", "parameters"),

@@ -23,6 +23,7 @@ import time
 from typing import Any, Sequence
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from workbench import plots  # noqa: F401  (sets the plotly_mimetype renderer)
@@ -37,6 +38,7 @@ class LiveChart:
         run_keys: Sequence[str] = ("strategy", "seed", "device"),
         min_interval_s: float = 1.0,
         display: bool = True,
+        output=None,
     ):
         self.title = title
         self.run_keys = tuple(run_keys)
@@ -54,10 +56,17 @@ class LiveChart:
         self._last_draw = 0.0
         self.rows = 0
         self._handle = None
-        if display:
+        # Inside an ipywidgets Output (the knobs panel) display ids are not updated in place, so
+        # the chart gets an Output of its own that is cleared and redrawn instead.
+        self._output = output
+        if output is not None:
+            self.draw()
+        elif display:
             from IPython.display import display as ipy_display
 
-            self._handle = ipy_display(self._snapshot(), display_id=True)
+            # A raw mimebundle: a plotly Figure displays itself through _ipython_display_, which
+            # ignores display ids, so every update would append a new chart instead of replacing it.
+            self._handle = ipy_display(self._bundle(), raw=True, display_id=True)
 
     # -- the sink --------------------------------------------------------------------------
     def __call__(self, row: dict[str, Any]) -> None:
@@ -118,10 +127,19 @@ class LiveChart:
             fig.update_layout(title=f"{self.title}<br><sub>{self._status}</sub>")
         return fig
 
+    def _bundle(self) -> dict:
+        return pio.renderers["plotly_mimetype"].to_mimebundle(self._snapshot().to_dict())
+
     def draw(self) -> None:
         self._last_draw = time.monotonic()
         if self._handle is not None:
-            self._handle.update(self._snapshot())
+            self._handle.update(self._bundle(), raw=True)
+        elif self._output is not None:
+            from IPython.display import display as ipy_display
+
+            self._output.clear_output(wait=True)
+            with self._output:
+                ipy_display(self._bundle(), raw=True)
 
     def close(self) -> go.Figure:
         """Draw the final state (whatever the throttle held back) and return the figure."""

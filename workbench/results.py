@@ -23,6 +23,8 @@ from typing import Any, Iterable
 import pandas as pd
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def results_root() -> Path:
@@ -42,6 +44,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are for everyone who can read the folder
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

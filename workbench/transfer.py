@@ -206,8 +206,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         row.update(outcome.value)
     if "ppl_after" in row:
         row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
-    if predicted and predicted[-1]:
-        row["predicted_peak_mib"] = predicted[-1][0]
+    row["predicted_peak_mib"] = predicted[-1][0] if predicted and predicted[-1] else None
     return row
 
 
@@ -347,7 +346,11 @@ def app(cfg: StrategiesConfig):
     from workbench.panel import knobs
 
     def run(c: StrategiesConfig) -> pd.DataFrame:
-        live = LiveChart(title="Study 1: transfer strategies")
+        import ipywidgets
+
+        chart = ipywidgets.Output()
+        display(chart)
+        live = LiveChart(title="Study 1: transfer strategies", output=chart)
         df = run_strategies(c, sinks=[live], progress=False)
         live.close()
         display(summarize(df))

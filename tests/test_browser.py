@@ -1,0 +1,200 @@
+"""A person's view: JupyterLab in a real (headless) browser, and the Voila dashboard.
+
+JupyterLab is started on 127.0.0.1 with a token; Debian's chromium is driven by Playwright for
+Python (no `playwright install`: FIELD_NOTES). The test opens study 1's notebook on tiny
+parameters, runs it, checks that the knobs and a chart with data rendered, moves a knob (a bad
+value shows the config error; a good one runs the study again) and saves a screenshot under
+results/browser/. Skipped with the reason when chromium or playwright is missing; `make test`
+installs both where it can (root, Debian).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SHOTS = ROOT / "results" / "browser"
+TINY = {"base_size": "tiny", "seq_len": 64, "token_budget": 2000, "seeds": [0], "strategies": ["bitfit", "full"],
+        "budget_mib": 11.0, "eval_blocks": 4}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc=None, timeout: float = 90) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before answering")
+        try:
+            return urllib.request.urlopen(url, timeout=5).status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer in {timeout} s")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # report the redirect (to a login page) instead of following it
+
+
+def status_of(url: str) -> int:
+    try:
+        return urllib.request.build_opener(_NoRedirect).open(url, timeout=10).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture
+def server_env(tiny_base, results_dir):
+    return {**os.environ, "WORKBENCH_RESULTS": str(results_dir)}
+
+
+def start(cmd, env, log: Path):
+    f = open(log, "w")
+    return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed (make test installs it as root)")
+def test_jupyterlab_runs_study_1_with_knobs_and_a_chart(tmp_path, server_env):
+    pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
+    import papermill as pm
+
+    work = tmp_path / "lab"
+    work.mkdir()
+    nb = work / "study1.ipynb"
+    pm.execute_notebook(str(ROOT / "notebooks" / "01_strategies.ipynb"), str(nb), parameters=TINY,
+                        prepare_only=True, kernel_name="python3", progress_bar=False)
+    port, token = free_port(), "test-token-0123"
+    lab = start([sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+                 f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+                 f"--ServerApp.root_dir={work}", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                 *(["--allow-root"] if os.geteuid() == 0 else [])],
+                server_env, tmp_path / "lab.log")
+    try:
+        assert wait_http(f"http://127.0.0.1:{port}/api/status?token={token}", lab) == 200
+        assert status_of(f"http://127.0.0.1:{port}/api/contents") == 403  # no token, no access
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        with pw.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            try:
+                drive_study_1(page, port, token)
+            except Exception:
+                page.screenshot(path=str(SHOTS / "jupyterlab_failure.png"))
+                raise
+            finally:
+                browser.close()
+    finally:
+        stop(lab)
+
+
+def drive_study_1(page, port: int, token: str) -> None:
+    page.goto(f"http://127.0.0.1:{port}/lab/tree/study1.ipynb?token={token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
+    page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=90_000)  # kernel connected
+    for _ in range(3):  # a click before the session is fully wired can be dropped: check that cells started
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+        try:
+            page.locator(".jp-InputPrompt", has_text="[1]").first.wait_for(timeout=20_000)
+            break
+        except Exception:
+            page.keyboard.press("Escape")
+    # the knobs panel is the last output: when it renders, every cell has run
+    run_button = page.locator("button.widget-button", has_text="Run")
+    run_button.wait_for(timeout=300_000)
+    assert page.locator(".jp-RenderedText", has_text="Traceback").count() == 0, "a cell raised"
+    chart = page.locator(".js-plotly-plot .scatterlayer .trace").first
+    chart.wait_for(timeout=60_000)
+    assert page.locator(".js-plotly-plot").count() >= 3
+    # move a knob: a bad value is refused with the config's own message ...
+    budget = page.locator(".widget-inline-hbox", has_text="token_budget").locator("input")
+    budget.fill("0")
+    budget.press("Enter")
+    run_button.click()
+    page.locator(".widget-html", has_text="token_budget must be positive").wait_for(timeout=30_000)
+    # ... a good one runs the study again, with its live chart inside the panel
+    budget.fill("1500")
+    budget.press("Enter")
+    run_button.click()
+    page.locator(".widget-html", has_text="done").wait_for(timeout=300_000)
+    panel_chart = page.locator(".widget-output .js-plotly-plot")
+    assert panel_chart.count() == 2  # the live chart, redrawn in place, and the summary chart
+    assert panel_chart.first.locator(".scatterlayer .trace").count() >= 1  # with data
+    page.screenshot(path=str(SHOTS / "jupyterlab_study1.png"), full_page=False)
+
+
+def test_dashboard_prepares_every_study_app(server_env):
+    prep = subprocess.run([sys.executable, "-m", "workbench.cli", "dashboard", "--quick", "--prepare-only"],
+                          env=server_env, capture_output=True, text=True, timeout=120)
+    assert prep.returncode == 0, prep.stderr
+    folder = Path(server_env["WORKBENCH_RESULTS"]) / "dashboard"
+    from workbench.notebooks import available
+
+    assert sorted(p.name for p in folder.glob("*.ipynb")) == sorted(nb.path.name for nb in available())
+    import nbformat
+
+    nb = nbformat.read(folder / "01_strategies.ipynb", 4)
+    injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected and "base_size = \"tiny\"" in injected[0].source
+    assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code")  # prepared, not run
+
+
+@pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed (make test installs it as root)")
+def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_path, server_env):
+    pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
+    import papermill as pm
+
+    from workbench.dashboard import voila_command
+
+    folder = tmp_path / "apps"
+    folder.mkdir()
+    pm.execute_notebook(str(ROOT / "notebooks" / "01_strategies.ipynb"), str(folder / "study1.ipynb"),
+                        parameters=TINY, prepare_only=True, kernel_name="python3", progress_bar=False)
+    port, token = free_port(), "dash-token-0123"
+    voila = start(voila_command(folder, port, token), server_env, tmp_path / "voila.log")
+    try:
+        assert wait_http(f"http://127.0.0.1:{port}/?token={token}", voila) == 200
+        assert status_of(f"http://127.0.0.1:{port}/voila/render/study1.ipynb") in (302, 403)  # no token
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        with pw.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            try:
+                page.goto(f"http://127.0.0.1:{port}/voila/render/study1.ipynb?token={token}", timeout=300_000)
+                page.locator("button.widget-button", has_text="Run").wait_for(timeout=300_000)
+                page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=60_000)
+                assert page.locator(".js-plotly-plot").count() >= 3
+                assert page.get_by_text("from_namespace").count() == 0  # an app shows outputs, not code
+                page.screenshot(path=str(SHOTS / "voila_study1.png"))
+            finally:
+                browser.close()
+    finally:
+        stop(voila)
+    assert "0.0.0.0" not in (tmp_path / "voila.log").read_text()
