@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-10)
 
-.PHONY: setup reproduce reproduce-quick test clean-cache
+.PHONY: setup reproduce reproduce-quick test browser clean-cache
 
 setup: $(STAMP)
 
@@ -26,7 +26,15 @@ reproduce: setup
 reproduce-quick: setup
 	$(BIN)/workbench reproduce --quick
 
-test: setup
+# The real-browser tests drive Debian's chromium; installed here when we may (root with apt),
+# otherwise those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "note: chromium not installed (needs root and apt); the browser tests will skip"; fi; }
+
+test: setup browser
 	$(BIN)/python -m pytest
 
 clean-cache:

@@ -229,8 +229,9 @@ def measure(
             torch.cuda.reset_peak_memory_stats(run_on)
         with MemoryAccounting(run_on, budget_bytes=budget) as acc:
             acc.watch(model)
+            probe = None if run_on.type == "cuda" else (lambda: acc.current_bytes / 2**20)  # CUDA: the allocator's figure
             result = train(model, blocks, settings, device=run_on, optimizer=optimizer,
-                           sinks=[rows.append, *sinks], extra={"rung": plan.name})
+                           sinks=[rows.append, *sinks], extra={"rung": plan.name}, memory_probe=probe)
     except torch.OutOfMemoryError as e:
         return {**row, "status": "oom", "reason": str(e)[:300]}
     report = acc.report()
