@@ -21,7 +21,6 @@ A row goes to results/benchmarks.csv with versions and hardware.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import gc
 import json
 import os
@@ -30,28 +29,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from workbench.offload.adam import backend_status  # noqa: E402
 from workbench.offload.hostbench import ADAM_BYTES, adam_step_time, memory_bandwidth  # noqa: E402
-from workbench.results import atomic_write_csv, environment, now, results_root  # noqa: E402
+from workbench.results import append_benchmark_row  # noqa: E402
 
 NAME = "cpu_adam_bandwidth_share"
 VERSION = 2  # bump when the method changes (2: best of three bandwidth probes)
 BACKENDS = ("torch_fused", "deepspeed", "torch_single", "torch_foreach")
-
-
-def append_row(row: dict) -> Path:
-    """Add one row to results/benchmarks.csv (locked read-modify-atomic-write: columns of
-    different benchmarks may differ, and a crash never leaves a torn file)."""
-    path = results_root() / "benchmarks.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
-        atomic_write_csv(path, pd.concat([old, pd.DataFrame([row])], ignore_index=True))
-    return path
 
 
 def main() -> int:
@@ -86,10 +72,9 @@ def main() -> int:
             r["share"] = r["bytes_per_s"] / bw
             print(f"  {b:<14} {r['step_ms']:9.1f} {r['bytes_per_s'] / 1e9:7.1f} {r['share']:6.2f}")
     share = results["torch_fused"]["share"]
-    row = {"benchmark": "cpu_adam", "benchmark_version": VERSION, "metric": NAME, "value": share,
-           "measured_at": now(), "numel": n, "threads": args.threads, "memory_bytes_per_s": bw,
-           "load_average_1min": os.getloadavg()[0], "details": json.dumps(results),
-           **{f"env_{k}": v for k, v in environment().items()}}
+    row = {"benchmark": "cpu_adam", "version": VERSION, "metric": NAME, "value": share,
+           "numel": n, "threads": args.threads, "memory_bytes_per_s": bw,
+           "load_average_1min": os.getloadavg()[0], "details": json.dumps(results)}
     try:
         import deepspeed
 
@@ -99,7 +84,7 @@ def main() -> int:
     if row["load_average_1min"] > (os.cpu_count() or 1) - 0.5:
         print(f"  warning: the machine was busy (load {row['load_average_1min']:.1f} on {os.cpu_count()} cores); "
               "multi-threaded Adam kernels slow down far more than the probe: rerun when idle")
-    print(f"  row appended to {append_row(row)}")
+    print(f"  row appended to {append_benchmark_row(row)}")
     print(f"{NAME}: {share:.3f}")
     return 0
 

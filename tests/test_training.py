@@ -57,7 +57,7 @@ def test_checkpointing_and_bf16_run():
     m, blocks = model_and_blocks()
     r = train(m, blocks, TrainSettings(steps=2, micro_batch=4, grad_checkpointing=True, precision="bf16"))
     assert math.isfinite(r.final_loss)
-    assert not m.is_activation_checkpointing()
+    assert not m.is_activation_checkpointing
 
 
 def test_schedule_and_bad_settings():

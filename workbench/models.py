@@ -239,7 +239,7 @@ def load_model(
 
 def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpec = EmbeddedSpec()):
     """A model's config without its weights: an id, a model directory, or a config.json file."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import AutoConfig
 
     if name.endswith(".json") and Path(name).is_file():
         try:
