@@ -41,7 +41,7 @@ class EmbeddedSpec:
 
     vocab_size: int = 4096
     hidden_size: int = 192
-    num_layers: int = 4
+    num_layers: int = 6
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 512

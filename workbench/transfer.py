@@ -14,7 +14,6 @@ results/strategies/runs.csv (every run ever made here); a finished run is not tr
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
@@ -47,9 +46,10 @@ class StrategiesConfig(Config):
     micro_batch: int = param(8, "sequences per forward/backward pass")
     grad_accum: int = param(1, "micro-batches per optimizer step")
     lr: float = param(1e-3, "peak learning rate (warm-up then cosine decay)")
+    qlora_lr: float = param(3e-4, "peak learning rate of the QLoRA row (on a 4-bit base the shared rate diverged)")
     lora_rank: int = param(8, "rank of the LoRA and QLoRA adapters")
     precision: Literal["fp32", "bf16", "fp16"] = param("fp32", "autocast precision (fp16 needs CUDA)")
-    budget_mib: float = param(125.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none")
+    budget_mib: float = param(160.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none")
     devices: tuple[str, ...] = param((), "attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu']; empty = default")
     preflight: bool = param(True, "skip an attempt whose predicted peak exceeds its budget")
     eval_blocks: int = param(64, "held-out blocks used for perplexity")
@@ -59,8 +59,8 @@ class StrategiesConfig(Config):
         for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.lr <= 0 or self.qlora_lr <= 0:
+            raise ConfigError(f"lr and qlora_lr must be positive, got {self.lr} and {self.qlora_lr}")
         if self.budget_mib < 0:
             raise ConfigError(f"budget_mib must be >= 0 (0 = no budget), got {self.budget_mib}")
         if not self.strategies:
@@ -92,10 +92,11 @@ class StrategiesConfig(Config):
     def steps(self) -> int:
         return max(1, self.token_budget // (self.micro_batch * self.grad_accum * self.seq_len))
 
-    def train_settings(self, seed: int) -> TrainSettings:
+    def train_settings(self, seed: int, strategy: str = "") -> TrainSettings:
         steps = self.steps()
+        lr = self.qlora_lr if strategy == "qlora" else self.lr
         return TrainSettings(steps=steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
-                             lr=self.lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
+                             lr=lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
 
     def run_id(self, strategy: str, seed: int) -> str:
         run_fields = {k: v for k, v in self.to_dict().items() if k not in ("strategies", "seeds")}
@@ -157,7 +158,7 @@ def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
 
 def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks, held_blocks,
                   sinks: list[Sink], run: RunDir) -> dict[str, Any]:
-    settings = cfg.train_settings(seed)
+    settings = cfg.train_settings(seed, strategy)
     steps_sink = run.steps_sink()
     predicted: list = []
 
@@ -219,8 +220,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     from tqdm.auto import tqdm
 
     sinks = list(sinks)
-    _, tokenizer = load_model(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code) \
-        if cfg.model == EMBEDDED else (None, _tokenizer(cfg))
+    tokenizer = _tokenizer(cfg)
     corpus = target_corpus(cfg.corpus)
     train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len)
     rows = []
@@ -259,7 +259,7 @@ def _tokenizer(cfg: StrategiesConfig):
     try:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model, cfg.spec()),
                                             trust_remote_code=cfg.trust_remote_code)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ModelNotFoundError(_not_found_message(cfg.model, e)) from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -323,18 +323,14 @@ def steps_frame(df: pd.DataFrame) -> pd.DataFrame:
     from workbench.results import read_steps
 
     frames = []
-    for run_id in df["run_id"]:
+    for run_id, device in zip(df["run_id"], df["device"]):
         p = results_root() / STUDY / run_id / "steps.jsonl"
-        if p.exists() and p.stat().st_size:
-            frames.append(read_steps(p))
+        if p.exists() and p.stat().st_size and isinstance(device, str):
+            steps = read_steps(p)
+            frames.append(steps[steps["device"] == device])  # the attempt that finished, not the ones that ran out
     if not frames:
         return pd.DataFrame(columns=["strategy", "seed", "step", "loss", "tokens"])
-    out = pd.concat(frames, ignore_index=True)
-    return out[out.get("event").isna()] if "event" in out else out
-
-
-def is_finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    return pd.concat(frames, ignore_index=True)
 
 
 def app(cfg: StrategiesConfig):
