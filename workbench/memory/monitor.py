@@ -1,6 +1,6 @@
 """How much device memory is in use right now, while a run goes? A background sampler.
 
-    with MemoryMonitor("cpu", interval_s=0.1, sinks=[chart.add_row], live=budget.live):
+    with MemoryMonitor("cpu", interval_s=0.5, sinks=[chart.add_row], live=budget.live):
         train(...)
 
 A daemon thread wakes every `interval_s` and sends one plain row to the sinks (the same sinks
@@ -51,7 +51,7 @@ class MemoryMonitor:
         self,
         device: str | torch.device = "cpu",
         *,
-        interval_s: float = 0.1,
+        interval_s: float = 0.5,
         sinks: Iterable[Sink] = (),
         live=None,
         nvml: bool | None = None,
