@@ -152,14 +152,9 @@ class MemoryAccounting(LiveBytes):
             self._snapshot()
         return True
 
-    def _forget(self, key: int, ref: weakref.ref) -> None:
-        with self._lock:
-            entry = self._live.get(key)
-            if entry is not None and entry[1] is ref:
-                del self._live[key]
-                self.current_bytes -= entry[0]
-                self.by_category[self._role.pop(key)] -= entry[0]
-                self._forward_made.discard(key)
+    def _forgotten(self, key: int, nbytes: int) -> None:
+        self.by_category[self._role.pop(key)] -= nbytes
+        self._forward_made.discard(key)
 
     def set_role(self, tensors, role: str, only_from: tuple[str, ...] | None = None, add: bool = True) -> None:
         """Label these tensors' storages `role` (counting them first if they are new and `add`)."""

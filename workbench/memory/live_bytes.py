@@ -67,6 +67,10 @@ class LiveBytes(TorchDispatchMode):
             if entry is not None and entry[1] is ref:
                 del self._live[key]
                 self.current_bytes -= entry[0]
+                self._forgotten(key, entry[0])
+
+    def _forgotten(self, key: int, nbytes: int) -> None:
+        """Called (under the lock) when a counted storage dies; subclasses keep their own books."""
 
     def _add(self, st) -> bool:
         key = id(st)
