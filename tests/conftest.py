@@ -61,3 +61,21 @@ def tiny_config(arch: str):
 
 
 ARCHS = ("qwen2", "llama", "gpt2", "opt", "gpt_neox")
+
+
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def executed_plots(path):
+    """(live chart outputs, other plotly outputs) of an executed study notebook.
+
+    The live chart is the output of the cell that builds a LiveChart; it is redrawn in place, so
+    that cell must hold exactly one plotly output, its final state.
+    """
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    live_cell = next(i for i, c in enumerate(nb.cells) if "LiveChart(" in c.source)
+    plots = [(i, o["data"][PLOTLY]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+             for o in c.get("outputs", []) if PLOTLY in o.get("data", {})]
+    return [p for i, p in plots if i == live_cell], [p for i, p in plots if i != live_cell]

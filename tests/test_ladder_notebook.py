@@ -12,6 +12,7 @@ import nbformat
 import pandas as pd
 import pytest
 
+from conftest import executed_plots
 from workbench.memory.study import LadderConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,18 +48,17 @@ def test_notebook_runs_on_tiny_parameters(tiny_base, tmp_path, monkeypatch):
     out = tmp_path / "02_memory_ladder.ipynb"
     pm.execute_notebook(str(NOTEBOOK), str(out), parameters=TINY, cwd=str(ROOT), progress_bar=False)
     assert out.stat().st_size < 3 * 2**20  # plotly JSON per chart, no plotly.js bundle
-    nb = nbformat.read(out, as_version=4)
-    live_cell = next(i for i, c in enumerate(nb.cells) if "LiveChart(" in c.source)
-    plots = [(i, o["data"][PLOTLY]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
-             for o in c.get("outputs", []) if PLOTLY in o.get("data", {})]
-    assert len([p for i, p in plots if i != live_cell]) == 4  # ladder, breakdown, published table, estimators
+    live_outputs, others = executed_plots(out)
+    assert len(others) == 4  # ladder, breakdown, published table, estimators
+    assert len(live_outputs) == 1  # redrawn in place, not appended
     # the live chart's final state: every step of every measured rung, and the budget line
-    live = [p for i, p in plots if i == live_cell][-1]
+    live = live_outputs[-1]
     loss = {t["name"]: t["y"] for t in live["data"] if t.get("xaxis", "x") == "x" and t.get("y")}
     assert set(loss) == {"fp32 ladder", "bf16_ckpt ladder", "cpu ladder"}
     assert all(len(y) == TINY["steps"] for y in loss.values())
     assert any(s.get("y0") == TINY["budget_mib"] for s in live["layout"]["shapes"])
-    assert any(WIDGET in o.get("data", {}) for o in nb.cells[-1].get("outputs", []))  # the app(cfg) panel
+    last = nbformat.read(out, as_version=4).cells[-1]
+    assert any(WIDGET in o.get("data", {}) for o in last.get("outputs", []))  # the app(cfg) panel
     (run_dir,) = (tmp_path / "results" / "ladder").glob("ladder-*")
     df = pd.read_csv(run_dir / "ladder.csv")
     hand = df[df["role"] == "at hand"].set_index("rung")

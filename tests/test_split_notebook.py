@@ -12,6 +12,7 @@ import nbformat
 import pandas as pd
 import pytest
 
+from conftest import executed_plots
 from workbench.offload.config import SplitConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,17 +45,16 @@ def test_notebook_runs_on_tiny_parameters(tmp_path, monkeypatch):
     out = tmp_path / "03_adaptive_split.ipynb"
     pm.execute_notebook(str(NOTEBOOK), str(out), parameters=TINY, cwd=str(ROOT), progress_bar=False)
     assert out.stat().st_size < 3 * 2**20  # plotly JSON per chart, no plotly.js bundle
-    nb = nbformat.read(out, as_version=4)
-    live_cell = next(i for i, c in enumerate(nb.cells) if "LiveChart(" in c.source)
-    plots = [(i, o["data"][PLOTLY]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
-             for o in c.get("outputs", []) if PLOTLY in o.get("data", {})]
-    assert len([p for i, p in plots if i != live_cell]) >= 7
+    live_outputs, others = executed_plots(out)
+    assert len(others) >= 7
+    assert len(live_outputs) == 1  # redrawn in place, not appended
     # the live chart's final state: every iteration of every measured run
-    live = [p for i, p in plots if i == live_cell][-1]
+    live = live_outputs[-1]
     loss = {t["name"]: t["y"] for t in live["data"] if t.get("xaxis", "x") == "x" and t.get("y")}
     assert set(loss) == {"k=0", "k=1", "adaptive"}  # the engine's runs
     assert all(len(y) == TINY["iterations"] for y in loss.values())
-    assert any(WIDGET in o.get("data", {}) for o in nb.cells[-1].get("outputs", []))  # the app(cfg) panel
+    last = nbformat.read(out, as_version=4).cells[-1]
+    assert any(WIDGET in o.get("data", {}) for o in last.get("outputs", []))  # the app(cfg) panel
     runs = pd.read_csv(tmp_path / "results" / "split" / "runs.csv")
     assert set(runs["source"]) == {"measured", "modelled", "published"}
     assert (runs.loc[runs["source"] == "measured", "status"] == "ok").all()

@@ -39,14 +39,6 @@ class Corpus:
     train: tuple[str, ...]
     heldout: tuple[str, ...]
 
-    @property
-    def train_text(self) -> str:
-        return "\n\n".join(self.train)
-
-    @property
-    def heldout_text(self) -> str:
-        return "\n\n".join(self.heldout)
-
     def describe(self) -> dict:
         return {
             "corpus": self.name,

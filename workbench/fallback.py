@@ -51,10 +51,6 @@ class Attempt:
     def __str__(self) -> str:
         return self.device if self.budget_mib is None else f"{self.device}@{self.budget_mib:g}"
 
-    @property
-    def plays_gpu(self) -> bool:
-        return self.device.startswith("cpu") and self.budget_mib is not None
-
 
 def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
     """GPU (under the budget, if any) then CPU on a GPU machine; else the CPU playing a GPU, then the CPU."""

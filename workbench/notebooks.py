@@ -10,7 +10,6 @@ names), and the notebook checks them again when it builds its config.
 from __future__ import annotations
 
 import importlib
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,10 +121,4 @@ def run_notebook(
         execution_timeout=timeout_s,
     )
     return output
-
-
-def timed_run(notebook, parameters, output, **kw) -> tuple[Path, float]:
-    t0 = time.perf_counter()
-    p = run_notebook(notebook, parameters, output, **kw)
-    return p, time.perf_counter() - t0
 

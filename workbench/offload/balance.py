@@ -18,7 +18,7 @@ simulation (perf_model.simulate) checks the formula against a schedule.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,6 @@ class Rates:
             return max(self.t_update_host_s, self.t_to_host_s, self.t_to_accel_s)
         return self.t_update_host_s + self.t_transfer_s
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "t_transfer_s": self.t_transfer_s}
 
 
 def balance_k(r: Rates, include_transfer: bool = True) -> float:
@@ -56,8 +54,3 @@ def balance_k(r: Rates, include_transfer: bool = True) -> float:
         return 0.0
     return min(1.0, max(0.0, (t_h - r.t_backward_s) / denom))
 
-
-def critical_path_s(r: Rates, k: float, include_transfer: bool = True) -> float:
-    """The longer of the two sides for a given k (the balance model's iteration tail)."""
-    accel = r.t_backward_s + k * r.alpha * r.t_update_host_s
-    return max(accel, (1.0 - k) * r.host_side_s(include_transfer))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 
@@ -103,6 +102,3 @@ def last_arriving(order: list[str], sizes: dict[str, int], k: float) -> tuple[se
             break
     return chosen, held / total if total else 0.0
 
-
-def param_bytes(p: torch.Tensor) -> int:
-    return p.numel() * p.element_size()
