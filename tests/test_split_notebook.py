@@ -18,8 +18,8 @@ from workbench.offload.config import SplitConfig
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "03_adaptive_split.ipynb"
 PLOTLY, WIDGET = "application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json"
-TINY = {"hidden_size": 32, "num_layers": 2, "vocab_size": 128, "batch_size": 2, "seq_len": 16,
-        "iterations": 3, "warmup": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
+TINY = {"base_size": "tiny", "batch_size": 2, "seq_len": 16, "iterations": 3, "warmup": 1,
+        "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8, "eval_blocks": 4}
 
 
 def test_notebook_shape():
@@ -38,7 +38,7 @@ def test_notebook_shape():
 
 
 @pytest.mark.slow
-def test_notebook_runs_on_tiny_parameters(tmp_path, monkeypatch):
+def test_notebook_runs_on_tiny_parameters(tmp_path, monkeypatch, tiny_base):
     import papermill as pm
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "results"))

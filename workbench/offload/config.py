@@ -3,7 +3,7 @@
     cfg = SplitConfig.from_dict({"iterations": 6, "k_sweep": [0.0, 0.5, 1.0]})
 
 One frozen config drives both halves of study 3: the engine runs measured on this machine
-(tiny model; on a CPU-only machine the "accelerator" is the CPU too) and the performance model
+(the embedded base on the target corpus; on a CPU-only machine the "accelerator" is the CPU too) and the performance model
 answers the throughput question for a named GPU (labelled modelled). Field names map 1:1 onto
 the parameters cell of notebooks/03_adaptive_split.ipynb and onto `workbench split --set`.
 """
@@ -24,12 +24,10 @@ class SplitConfig(Config):
     """Settings of study 3 (the adaptive accelerator/host update split)."""
 
     # ---- the measured runs (the engine on this machine)
-    model: Literal["tiny-qwen2", "tiny-gpt2"] = param(
-        "tiny-qwen2", "random-weight model built from a config (tiny-gpt2 has tied embeddings)"
-    )
-    hidden_size: int = param(64, "hidden width of the tiny model")
-    num_layers: int = param(4, "decoder layers of the tiny model")
-    vocab_size: int = param(512, "vocabulary of the tiny model and the synthetic tokens")
+    model: str = param("embedded", "model to train: 'embedded' (the built-in base), a Hugging Face id or a local directory")
+    base_size: Literal["default", "tiny"] = param("default", "embedded base: 'default' or 'tiny' (tests)")
+    corpus: str = param("embedded", "text to train on: 'embedded' (Python's language reference) or a text file/folder")
+    eval_blocks: int = param(32, "held-out blocks scored for perplexity before and after each run")
     batch_size: int = param(4, "sequences per iteration")
     seq_len: int = param(64, "tokens per sequence")
     iterations: int = param(12, "training iterations per measured run (warm-up included)")
@@ -54,7 +52,7 @@ class SplitConfig(Config):
     zero_offload: bool = param(False, "also run DeepSpeed ZeRO-Offload (ZeRO-2, optimizer on CPU) as a baseline")
     device: str = param("auto", "accelerator: auto (cuda if present, else cpu), cpu or cuda")
     threads: int = param(1, "torch threads for the measured runs (the CPU is shared)")
-    seed: int = param(0, "seed of weights and synthetic tokens")
+    seed: int = param(0, "seed of the order of the training blocks")
 
     # ---- the modelled runs (performance model: a named GPU + host rates)
     profiles: tuple[str, ...] = param(
@@ -70,16 +68,16 @@ class SplitConfig(Config):
     modelled_seq: int = param(128, "sequence length of the modelled runs")
     modelled_k_points: int = param(11, "points of the modelled static k sweep (0..1)")
     host_share: float | None = param(
-        None, "share of memory bandwidth the host Adam reaches (None: measured here, now)"
+        None, "host Adam's share of the Adam-pattern bandwidth (None: measured here, now, clipped to 1)"
     )
     alpha: float | None = param(
-        None, "fix alpha = t_update_accelerator / t_update_host (None: from the profiles)"
+        None, "what-if: fix alpha = t_update_accelerator / t_update_host (None: modelled from the profiles)"
     )
 
     write_results: bool = param(True, "write results/split/ (runs.csv, steps.csv, timeline.csv)")
 
     def __post_init__(self) -> None:
-        positive = ("hidden_size", "num_layers", "vocab_size", "batch_size", "seq_len", "iterations",
+        positive = ("eval_blocks", "batch_size", "seq_len", "iterations",
                     "host_workers", "k_every", "threads", "modelled_batch", "modelled_seq")
         for name in positive:
             if getattr(self, name) < 1:
@@ -103,8 +101,6 @@ class SplitConfig(Config):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.backend == "deepspeed" and self.host_workers != 1:
             raise ConfigError("the deepspeed backend shares one C++ optimizer: use host_workers=1")
-        if self.hidden_size % 4:
-            raise ConfigError("hidden_size must be a multiple of 4 (4 attention heads)")
         from workbench.offload.perf_model import load_profiles
 
         gpus, hosts = load_profiles()
@@ -120,3 +116,8 @@ class SplitConfig(Config):
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    def spec(self):
+        from workbench.models import TINY_SPEC, EmbeddedSpec
+
+        return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()

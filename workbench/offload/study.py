@@ -5,15 +5,20 @@ accelerator/host split of the Adam update win back?
     df.attrs["steps"]       # one row per iteration of every measured run (loss, k, overlap)
     df.attrs["timeline"]    # backward, transfers and updates of one iteration, per side
     df.attrs["host"]        # this machine's host Adam rate and memory bandwidth
-    df.attrs["published"]   # the seed's operating point, as the model computes it
-    df.attrs["sensitivity"] # k of the seed's setting against its unstated sequence length
+    df.attrs["published"]   # the seed's operating point, computed from the model's own inputs
+    df.attrs["sensitivity"] # k of the seed's setting against sequence length, host and MFU
+    df.attrs["verdict"]     # for which settings the seed's k band holds (one row per host, MFU)
+    df.attrs["validation"]  # the model against published offload measurements, error per point
+    df.attrs["inputs"]      # every input of the performance model with its source
 
-Two halves. Measured: the engine trains a tiny model here for k = 0 (host-only update), a
-static sweep of k, adaptive k and plain torch AdamW (optionally DeepSpeed ZeRO-Offload), on the
-same synthetic tokens; on a CPU-only machine the accelerator is the CPU, so these runs show that
-training is unchanged and how the work overlaps, not GPU speed. Modelled: the performance model
-runs the same sweep for a real model on named GPUs, with the host Adam rate measured here.
-Every row says which it is in `source` (measured / modelled / published).
+Two halves. Measured: the engine fine-tunes the embedded base (the tiny one in tests) on the
+real target corpus here for k = 0 (host-only update), a static sweep of k, adaptive k and plain
+torch AdamW (optionally DeepSpeed ZeRO-Offload), on the same blocks from the same weights, with
+held-out perplexity before and after each run; on a CPU-only machine the accelerator is the CPU,
+so these runs show that training is unchanged and how the work overlaps, not GPU speed.
+Modelled: the performance model runs the same sweep for a real model on named GPUs, with the
+host's rate from a bandwidth model of the named host (see perf_model). Every row says which it
+is in `source` (measured / modelled / published).
 
 `app(cfg)` is the notebook's control panel (knobs + live chart); `report_section()` is study
 3's part of results/index.html, read from results/split/.
@@ -71,57 +76,74 @@ class _RunSink:
 
 
 # ---------------------------------------------------------------- model and data
-def build_model(cfg: SplitConfig) -> torch.nn.Module:
-    """A random-weight tiny model from a config (no download); tiny-gpt2 ties its embeddings."""
-    import transformers
+def load_base(cfg: SplitConfig):
+    """(model, tokenizer) of the run's base: the embedded base (built once, cached) or a real one."""
+    from workbench.models import load_model
 
-    torch.manual_seed(cfg.seed)
-    h = cfg.hidden_size
-    if cfg.model == "tiny-gpt2":
-        c = transformers.GPT2Config(n_embd=h, n_layer=cfg.num_layers, n_head=4, vocab_size=cfg.vocab_size,
-                                    n_positions=cfg.seq_len, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                    bos_token_id=0, eos_token_id=0)
-        return transformers.GPT2LMHeadModel(c)
-    c = transformers.Qwen2Config(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=cfg.num_layers,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=cfg.vocab_size,
-                                 max_position_embeddings=max(cfg.seq_len, 128))
-    return transformers.Qwen2ForCausalLM(c)
+    return load_model(cfg.model, spec=cfg.spec())
 
 
-def synthetic_batches(cfg: SplitConfig) -> list[torch.Tensor]:
-    """Learnable tokens: each token is a fixed function of the previous one 90% of the time
-    (a random permutation), otherwise random; so the loss falls from log(V) towards ~0.5."""
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    nxt = torch.randperm(cfg.vocab_size, generator=g)
-    out = []
-    for _ in range(cfg.iterations):
-        x = torch.empty(cfg.batch_size, cfg.seq_len, dtype=torch.long)
-        x[:, 0] = torch.randint(0, cfg.vocab_size, (cfg.batch_size,), generator=g)
-        noise = torch.rand(cfg.batch_size, cfg.seq_len, generator=g) < 0.1
-        rand = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
-        for t in range(1, cfg.seq_len):
-            x[:, t] = torch.where(noise[:, t], rand[:, t], nxt[x[:, t - 1]])
-        out.append(x)
-    return out
+def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(training batches, held-out blocks) from the target corpus: `iterations` batches of
+    `batch_size` consecutive training blocks (from a seeded starting block, wrapping around), the
+    same for every run; the first `eval_blocks` held-out blocks for perplexity."""
+    from workbench.data import corpus_blocks, target_corpus
+
+    train, held = corpus_blocks(tokenizer, target_corpus(cfg.corpus), cfg.seq_len)
+    start = int(torch.randint(0, len(train), (1,), generator=torch.Generator().manual_seed(cfg.seed)))
+    batches = []
+    for i in range(cfg.iterations):
+        idx = (start + i * cfg.batch_size + torch.arange(cfg.batch_size)) % len(train)
+        batches.append(train[idx])
+    return batches, held[: cfg.eval_blocks]
+
+
+def heldout_ppl(model, held: torch.Tensor) -> float:
+    from workbench.training import evaluate_perplexity
+
+    return evaluate_perplexity(model, held, batch_size=8)
 
 
 # ---------------------------------------------------------------- measured runs
 def _plain_adamw(model, batches, hp: AdamHP) -> list[dict]:
-    """torch.optim.AdamW (fused), everything on the accelerator: the reference."""
+    """torch.optim.AdamW (fused), everything on the accelerator: the reference. k and the idle
+    share are measured as for the engine: k from where the optimizer state lives after each step,
+    idle from the accelerator's busy spans (forward, backward, step) within the iteration's period
+    (from its start to the next one's)."""
+    from workbench.offload._cuda import Clock
+
+    device = next(model.parameters()).device
+    clock = Clock(device)
     opt = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
                             weight_decay=hp.weight_decay, fused=True)
-    rows = []
-    for i, b in enumerate(batches):
-        t0 = time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    marks = []
+    for b in batches:
+        m = {"start": clock.mark()}
         loss = model(input_ids=b, labels=b).loss
+        m["forward_end"] = clock.mark()
         loss.backward()
+        m["backward_end"] = clock.mark()
         opt.step()
+        m["step_end"] = clock.mark()
         opt.zero_grad(set_to_none=True)
-        if b.is_cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3, "tokens": b.numel(),
-                     "tokens_per_s": b.numel() / dt, "k_actual": 1.0, "accel_idle_share": 0.0})
+        m["loss"] = loss.item()
+        on_accel = sum(p.numel() for p in params if opt.state[p]["exp_avg"].device == device)
+        m["k"] = on_accel / total
+        marks.append(m)
+    end = clock.mark()
+    rows = []
+    for i, m in enumerate(marks):
+        ms = {k: clock.ms(v) for k, v in m.items() if k not in ("loss", "k")}
+        nxt = clock.ms(marks[i + 1]["start"]) if i + 1 < len(marks) else clock.ms(end)
+        period = nxt - ms["start"]
+        busy = ms["step_end"] - ms["start"]  # forward + backward + step: the accelerator's own work
+        rows.append({"iteration": i, "loss": m["loss"], "iteration_ms": period, "tokens": batches[i].numel(),
+                     "tokens_per_s": batches[i].numel() / (period / 1e3), "k_actual": m["k"],
+                     "forward_ms": ms["forward_end"] - ms["start"], "backward_ms": ms["backward_end"] - ms["forward_end"],
+                     "accel_update_ms": ms["step_end"] - ms["backward_end"],
+                     "accel_idle_share": max(0.0, 1.0 - busy / period)})
     return rows
 
 
@@ -139,7 +161,8 @@ def _summary(rows: list[dict], warmup: int) -> dict:
     """Means over the iterations after warm-up (they are left out and flagged in steps)."""
     df = pd.DataFrame(rows)
     keep = df[df["iteration"] >= warmup] if len(df) > warmup else df
-    out = {"iterations": len(df), "warmup": warmup, "final_loss": float(df["loss"].iloc[-1])}
+    out = {"iterations": len(df), "warmup": warmup, "first_loss": float(df["loss"].iloc[0]),
+           "final_loss": float(df["loss"].iloc[-1])}
     for col in ("tokens_per_s", "iteration_ms", "accel_idle_share", "host_done_before_bwd_end_share",
                 "k_actual", "alpha", "forward_wait_ms", "host_tail_ms"):
         if col in keep:
@@ -150,20 +173,24 @@ def _summary(rows: list[dict], warmup: int) -> dict:
 
 def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
                   run_dir: Callable[[str], object] | None = None):
-    """Train the tiny model under every measured setting; (run rows, step rows, timeline rows).
+    """Fine-tune the base under every measured setting; (run rows, step rows, timeline rows).
 
     `sinks` get each iteration's row of every engine run (the reference and ZeRO-Offload runs send
     none), as each run ends (_RunSink: labelled with `run` and `mode`)."""
     sinks = list(sinks)
     device = torch.device(cfg.resolved_device())
-    base = build_model(cfg)
+    base, tokenizer = load_base(cfg)
     shape = pm.shape_from_model(base, cfg.model, cfg.seq_len)
     flops_tok = shape.flops_per_token()
-    batches = [b.to(device) for b in synthetic_batches(cfg)]
+    batches, held = text_batches(cfg, tokenizer)
+    batches, held = [b.to(device) for b in batches], held.to(device)
+    ppl_before = heldout_ppl(base.to(device), held)
     hp = AdamHP(lr=cfg.lr, weight_decay=cfg.weight_decay)
     runs, steps, events = [], [], []
-    common = {"source": "measured", "hardware": f"this machine ({device.type})", "model": cfg.model,
-              "n_params": shape.n_params, "precision": cfg.precision, "backend": cfg.backend}
+    name = f"{cfg.model} ({cfg.base_size})" if cfg.model == "embedded" else cfg.model
+    common = {"source": "measured", "hardware": f"this machine ({device.type})", "model": name,
+              "corpus": cfg.corpus, "n_params": shape.n_params, "precision": cfg.precision, "backend": cfg.backend,
+              "heldout_blocks": len(held), "ppl_before": ppl_before}
 
     ref_w = None
     if cfg.reference:
@@ -173,7 +200,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         for r in rows:
             steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
         runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "ok",
-                     **_summary(rows, cfg.warmup)})
+                     **_summary(rows, cfg.warmup), "ppl_after": heldout_ppl(model, held)})
 
     status = backend_status(cfg.backend)
     for spec in _runs(cfg):
@@ -204,7 +231,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
             if jsonl:
                 jsonl.close()
             live.flush()  # the rows it made, also those of a run that failed
-        summary = {**head, "status": "ok", **_summary(eng.rows, cfg.warmup)}
+        summary = {**head, "status": "ok", **_summary(eng.rows, cfg.warmup), "ppl_after": heldout_ppl(model, held)}
         if ref_w is not None:
             masters = eng.master_weights()
             summary["max_abs_diff_vs_adamw"] = max(float((masters[n] - w).abs().max()) for n, w in ref_w.items())
@@ -225,7 +252,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         if reason:
             runs.append({**head, "status": "skipped", "reason": reason})
         else:
-            runs.append({**head, "status": "ok", **_summary(rows, cfg.warmup)})
+            runs.append({**head, "status": "ok", **_summary(rows, cfg.warmup)})  # its weights stay in DeepSpeed
             steps += [{**r, "run": head["run"], "mode": "ZeRO-Offload", "source": "measured"} for r in rows]
 
     for r in runs:
@@ -240,9 +267,7 @@ def modelled_runs(cfg: SplitConfig, host: dict):
     shape = pm.model_shape(cfg.modelled_model, cfg.modelled_seq)
     rows, events = [], []
     for gpu in cfg.profiles:
-        share = cfg.host_share or host["bandwidth_share"]
-        m = pm.machine(gpu, cfg.host, host_share=share,
-                       host_s_per_param=host["adam_s_per_param"], alpha=cfg.alpha)
+        m = pm.machine(gpu, cfg.host, host_meas=host, host_share=cfg.host_share, alpha=cfg.alpha)
         r = pm.rates(shape, m, cfg.modelled_batch)
         # the balance asks for k; the card's memory caps it (master + Adam state of k live there)
         k_mem = pm.k_max_for_memory(shape, cfg.modelled_batch, m.memory_bytes)
@@ -259,10 +284,10 @@ def modelled_runs(cfg: SplitConfig, host: dict):
             ev = sim.pop("events")
             row = {**sim, "source": "modelled", "hardware": hw, "run": f"{gpu}: {name}", "mode": mode,
                    "model": shape.name, "n_params": shape.n_params, "precision": "bf16",
-                   "backend": "modelled", "alpha": m.alpha, "t_backward_s": r.t_backward_s,
+                   "backend": "modelled", "alpha": m.alpha, "mfu": m.notes["mfu"], "t_backward_s": r.t_backward_s,
                    "t_update_host_s": r.t_update_host_s, "t_transfer_s": r.t_transfer_s,
                    "k_balance": balance_k(r, cfg.include_transfer), "k_max_memory": k_mem,
-                   "host_rate_from": m.notes["host update"],
+                   "host_rate_from": m.notes["host update"], "compute_from": m.notes["forward/backward"],
                    "host_share_from": "config" if cfg.host_share else "measured here",
                    "status": "ok" if sim["fits"] else "oom"}
             if not sim["fits"]:  # an OOM is a result: keep the row, do not show a speed
@@ -273,24 +298,26 @@ def modelled_runs(cfg: SplitConfig, host: dict):
     return rows, events
 
 
-def published_rows() -> tuple[list[dict], dict]:
-    """The seed's claim beside what the model computes for its setting."""
+def published_rows(host: dict) -> tuple[list[dict], dict]:
+    """The seed's claim beside what the model computes for its setting from its own inputs
+    (none of them the seed's figures), at profiles.json's sequence length and first host."""
     claims = pm.published_claims()
-    op = pm.published_operating_point()
+    op = pm.published_operating_point(host_meas=host)
     lo, hi = op["k_band"]
     claim = {"source": "published", "hardware": f"{claims['setup']['gpu']} + {claims['setup']['cpu']}",
              "run": "seed (HyTrainDNN)", "mode": "adaptive", "model": claims["setup"]["model"],
              "tflops": claims["claims"]["throughput_tflops"], "alpha": claims["claims"]["alpha"],
              "k_band": f"{lo}-{hi}", "status": "ok"}
     shape = pm.model_shape(op["model"], op["seq_len"])
-    m = pm.machine(op["gpu"], alpha=op["alpha"], fwd_bwd_tflops=claims["claims"]["throughput_tflops"])
+    m = pm.machine(op["gpu"], op["host"], host_meas=host)
     sim = pm.simulate(shape, m, op["k_seed_formula"], op["batch"])
     sim.pop("events")
-    model_row = {**sim, "source": "modelled", "hardware": f"{op['gpu']} (published setting)",
-                 "run": "published setting: seed formula", "model": op["model"], "n_params": op["n_params"],
-                 "alpha": op["alpha"], "t_backward_s": op["t_backward_s"],
-                 "t_update_host_s": op["t_update_host_s"], "t_transfer_s": op["t_transfer_s"],
-                 "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
+    model_row = {**sim, "source": "modelled", "hardware": f"{op['gpu']} + {op['host']} (published setting)",
+                 "run": f"published setting, seq {op['seq_len']}: seed formula", "model": op["model"],
+                 "n_params": op["n_params"], "alpha": op["alpha_modelled"], "mfu": op["mfu"],
+                 "t_backward_s": op["t_backward_s"], "t_update_host_s": op["t_update_host_s"],
+                 "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
+                 "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
                  "mode": "adaptive", "status": "ok" if sim["fits"] else "oom"}
     return [claim, model_row], op
 
@@ -316,13 +343,17 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> pd.DataFram
                 return rd
 
         runs, steps, events = measured_runs(cfg, sinks, run_dir)
-        # The host Adam's share of memory bandwidth, per core: on a shared machine a
-        # multi-threaded measurement mostly measures the other processes (seen here: a 2-thread
-        # step 50x slower under load, a 1-thread one unchanged). Out of cache, under a second.
+        # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth: a per-core
+        # figure that the host model scales to the named host's cores (on a shared machine a
+        # multi-threaded measurement mostly measures the other processes: a 2-thread step was
+        # seen 50x slower under load, a 1-thread one unchanged). Out of cache, about a second.
         torch.set_num_threads(1)
         host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)
         mod_rows, mod_events = modelled_runs(cfg, host)
-        pub_rows, op = published_rows()
+        pub_rows, op = published_rows(host)
+        verdict = pm.seed_verdict(host)
+        validation = pd.DataFrame(pm.validate(host))
+        inputs = pd.DataFrame(pm.model_inputs(host))
     finally:
         torch.set_num_threads(threads)
 
@@ -335,22 +366,29 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> pd.DataFram
     timeline = pd.DataFrame(events + mod_events)
     if len(timeline):
         timeline["duration_ms"] = timeline["end_ms"] - timeline["start_ms"]
-    sensitivity = pd.DataFrame(pm.published_sensitivity())
+    sensitivity = pd.DataFrame(verdict["rows"])
     sensitivity["source"] = "modelled"
-    df.attrs.update(steps=steps_df, timeline=timeline, host=host, published=op, sensitivity=sensitivity)
+    verdicts = pd.DataFrame(verdict["verdicts"])
+    op = {**op, "verdict": verdict["text"]}
+    df.attrs.update(steps=steps_df, timeline=timeline, host=host, published=op, sensitivity=sensitivity,
+                    verdict=verdicts, validation=validation, inputs=inputs)
     if cfg.write_results:
         study_dir = results_root() / STUDY
         write_runs_table(study_dir, df.to_dict("records"))
         atomic_write_csv(study_dir / "steps.csv", steps_df)
         atomic_write_csv(study_dir / "timeline.csv", timeline)
         atomic_write_json(study_dir / "host_and_published.json", {"host": host, "published": op})
+        atomic_write_csv(study_dir / "sensitivity.csv", sensitivity)
+        atomic_write_csv(study_dir / "verdict.csv", verdicts)
+        atomic_write_csv(study_dir / "validation.csv", validation)
+        atomic_write_csv(study_dir / "model_inputs.csv", inputs)
     return df
 
 
 # ---------------------------------------------------------------- the panel and the report
 RUN_COLUMNS = ["hardware", "run", "mode", "k_actual", "tokens_per_s", "tflops", "accel_idle_share",
-               "host_done_before_bwd_end_share", "final_loss", "max_abs_diff_vs_adamw", "accel_memory_gib",
-               "status", "reason"]
+               "host_done_before_bwd_end_share", "first_loss", "final_loss", "ppl_before", "ppl_after",
+               "max_abs_diff_vs_adamw", "accel_memory_gib", "status", "reason"]
 # SplitConfig fields without a knob: optional floats (None = measured here / from the profiles)
 # have no widget that can say None; the panel keeps the value it was given.
 _NO_KNOB = ("host_share", "alpha")
@@ -372,11 +410,11 @@ def throughput_figure(df: pd.DataFrame):
 
 
 def loss_figure(steps: pd.DataFrame):
-    """The measured runs' loss per iteration (they train on the same tokens from the same weights)."""
+    """The measured runs' loss per iteration (the same text blocks from the same weights)."""
     import plotly.express as px
 
     return px.line(steps, x="iteration", y="loss", color="run", markers=True,
-                   title="Training loss per iteration (measured on this machine)")
+                   title="Training loss per iteration on the target corpus (measured on this machine)")
 
 
 def app(cfg: SplitConfig):
@@ -425,11 +463,14 @@ def report_section() -> list[tuple[str, str, object]]:
     gpus = ", ".join(sorted(set(modelled["hardware"].astype(str))))
     tags = (
         f'<span class="tag measured">measured</span> {len(measured)} run(s) of the split engine on {where}: '
-        f"tokens/s, idle share, loss, parity with AdamW; and the host Adam rate.{cpu_note}<br>"
+        f"the embedded base fine-tuned on the target corpus: tokens/s, idle share, loss, held-out perplexity "
+        f"before and after, parity with AdamW; and the host Adam rate.{cpu_note}<br>"
         f'<span class="tag modelled">modelled</span> {len(modelled)} run(s) of the performance model for '
-        f"{gpus or 'no GPU profile'} (data-sheet figures and stated efficiencies; the host Adam bandwidth "
-        "share measured here): no figure in these rows was measured on that hardware.<br>"
-        "Published: the seed's own claims (data/published_claims.json), shown as published."
+        f"{gpus or 'no GPU profile'} (data-sheet peaks x a published MFU; the host from a bandwidth model of the "
+        "named CPU, scaled per core from one core measured here): no figure in these rows was measured on that "
+        "hardware. Every input and its source is listed below; none of them is a figure the model is compared "
+        "with.<br>Published: the seed's own claims (data/published_claims.json), shown as published, and the "
+        "published offload measurements the model is validated against."
     )
     def cols(d: pd.DataFrame) -> pd.DataFrame:
         return d[[c for c in RUN_COLUMNS if c in d]]
@@ -459,7 +500,20 @@ def report_section() -> list[tuple[str, str, object]]:
     if len(published):
         parts.append(("table", "Published claims (the seed's own figures, not measured here)",
                       published.dropna(axis=1, how="all")))
+    extra = [("verdict.csv", "Verdict on the seed's k band 0.1-0.2 (modelled): for which sequence lengths it holds, "
+                              "per host and MFU"),
+             ("validation.csv", "The performance model against published offload measurements (modelled vs "
+                                "published, error per point)"),
+             ("model_inputs.csv", "Every input of the performance model, with its source")]
+    for name, title in extra:
+        if (root / name).exists():
+            parts.append(("table", title, pd.read_csv(root / name)))
+    pub = {}
+    if (root / "host_and_published.json").exists():
+        pub = json.loads((root / "host_and_published.json").read_text()).get("published", {})
+    if pub.get("verdict"):
+        parts.append(("text", "", pub["verdict"]))
     if host:
-        parts.append(("table", "Host Adam rate and memory bandwidth (measured on this machine)",
+        parts.append(("table", "Host Adam rate and Adam-pattern bandwidth (measured on this machine, one thread)",
                       pd.DataFrame([host])))
     return parts
