@@ -21,13 +21,38 @@ def test_unknown_names_are_rejected_with_the_known_ones_listed():
         Demo.from_dict({"stpes": 3})
 
 
-@pytest.mark.parametrize("values", [
+BAD = [
     {"steps": "10"}, {"steps": 1.5}, {"steps": True}, {"lr": "fast"}, {"seeds": 3},
     {"seeds": ["a"]}, {"mode": "c"}, {"flag": 1}, {"name": 3},
-])
+    {"lr": float("nan")}, {"lr": float("inf")}, {"lr": -float("inf")},
+]
+
+
+@pytest.mark.parametrize("values", BAD)
 def test_wrong_types_are_rejected(values):
     with pytest.raises(ConfigError):
         Demo.from_dict(values)
+
+
+@pytest.mark.parametrize("values", BAD)
+def test_configs_built_directly_are_checked_the_same_way(values):
+    with pytest.raises(ConfigError):
+        Demo(**values)
+
+
+def test_non_finite_floats_name_the_parameter():
+    with pytest.raises(ConfigError, match="lr: expected a finite number, got nan"):
+        Demo(lr=float("nan"))
+
+
+def test_a_subclass_checks_run_after_the_type_checks():
+    from workbench.transfer import StrategiesConfig
+
+    with pytest.raises(ConfigError, match="lr: expected a finite number"):
+        StrategiesConfig(lr=float("inf"))
+    with pytest.raises(ConfigError, match="token_budget must be positive"):
+        StrategiesConfig(token_budget=0)  # the subclass's own __post_init__ still runs
+    assert StrategiesConfig(seeds=[0, 1]).seeds == (0, 1)  # coerced as from_dict does
 
 
 def test_lossless_coercions():

@@ -1,14 +1,45 @@
 import pytest
 import torch
 
-from workbench.data import CorpusError, corpus_blocks, target_corpus, token_blocks, unigram_perplexity
+from workbench.data import (MAX_OVERLAP, WINDOW, CorpusError, _paragraphs, corpus_blocks, overlap_share,
+                            target_corpus, token_blocks, unigram_perplexity, window_hashes)
 
 
-def test_target_corpus_is_split_by_topic_and_deterministic():
+def test_window_hashes_match_the_windows_they_hash():
+    text = "abc" * 40 + "the same fifty characters of text, repeated twice!" + "xyz" * 30
+    h = window_hashes(text)
+    assert len(h) == len(text) - WINDOW + 1
+    by_window = {}
+    for i in range(len(text) - WINDOW + 1):  # equal windows hash equal, different ones differ
+        by_window.setdefault(text[i:i + WINDOW], set()).add(int(h[i]))
+    assert all(len(v) == 1 for v in by_window.values())
+    assert len({next(iter(v)) for v in by_window.values()}) == len(by_window)
+    assert len(window_hashes("short")) == 0
+
+
+def test_overlap_share_counts_shared_windows():
+    train = ["lorem ipsum " * 20]
+    assert overlap_share(train, ["lorem ipsum " * 10]) == 1.0
+    assert overlap_share(train, ["".join(chr(65 + (i * 7) % 26) for i in range(200))]) == 0.0
+    half = "lorem ipsum " * 5 + "".join(chr(97 + (i * 11) % 26) for i in range(60))
+    assert 0.05 < overlap_share(train, [half]) < 0.6
+
+
+def test_target_corpus_held_out_text_is_unseen_in_content():
+    """The review's finding: split by topic name, about half of the held-out windows were training text."""
     a, b = target_corpus(), target_corpus()
-    assert a == b
+    assert a == b and a.fingerprint() == b.fingerprint()  # deterministic
     assert a.train and a.heldout
-    assert not set(a.train) & set(a.heldout)  # held-out topics are unseen in training
+    ov = a.overlap
+    assert ov.share_by_name > 0.3  # what a split by name alone leaves (the old split)
+    # Measured here, independently of how the split was made:
+    assert overlap_share(a.train, a.heldout) <= MAX_OVERLAP
+    assert ov.share == overlap_share(a.train, a.heldout)
+    train_text = "\n".join(a.train)
+    held_paragraphs = [p for d in a.heldout for p in _paragraphs(d)]
+    assert not [p for p in held_paragraphs if p in train_text]  # no held-out paragraph occurs in training text
+    # Enough held-out text is left to measure perplexity on.
+    assert sum(map(len, a.heldout)) > 30_000
     assert 0.05 < len(a.heldout) / (len(a.train) + len(a.heldout)) < 0.4
 
 
@@ -17,6 +48,18 @@ def test_user_corpus_folder(tmp_path):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 50)
     c = target_corpus(str(tmp_path))
     assert len(c.train) + len(c.heldout) == 12 and c.heldout
+
+
+def test_user_corpus_that_repeats_itself_is_warned_about_and_cleaned(tmp_path):
+    shared = "A paragraph that every chapter of this manual copies word for word, so it repeats."
+    for i in range(20):
+        own = " ".join(f"chapter{i}-word{j}" for j in range(40))
+        (tmp_path / f"ch{i:02d}.md").write_text(f"{own}\n\n{shared} Variant {i % 2}.\n\n{own[::-1]}")
+    with pytest.warns(UserWarning, match=r"of the held-out text's 50-character windows occur verbatim.*files: .*ch\d\d.md"):
+        c = target_corpus(str(tmp_path))
+    assert c.overlap.share_by_name > MAX_OVERLAP and c.overlap.dropped_paragraphs + c.overlap.duplicate_paragraphs
+    assert overlap_share(c.train, c.heldout) <= MAX_OVERLAP
+    assert not any(shared in d for d in c.heldout)
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "blank_file"])

@@ -66,6 +66,7 @@ def test_help_lists_the_rungs():
     (["--budget-mib", "0"], "--budget-mib must be a positive number"),
     (["--budget-mib", "-5", "--auto-fit"], "--budget-mib must be a positive number"),
     (["--batch", "0"], "--batch must be a positive integer"),
+    (["--seq", "4096"], "sequence length 4096 is longer than"),
 ])
 def test_bad_arguments_are_one_clear_line(tiny_config, capsys, args, message):
     assert main(["estimate", "--model", tiny_config, *args]) == 2
@@ -81,3 +82,26 @@ def test_a_config_that_is_not_a_model_config(tmp_path, capsys):
     assert "not a model config" in err and "Traceback" not in err
     assert main(["estimate", "--model", str(tmp_path / "missing_dir")]) == 2
     assert "could not be loaded" in capsys.readouterr().err
+
+
+def test_a_model_that_is_not_a_causal_lm(tmp_path, capsys):
+    vit = {"model_type": "vit", "architectures": ["ViTForImageClassification"], "hidden_size": 768,
+           "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072, "image_size": 224,
+           "patch_size": 16, "num_channels": 3}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(vit))
+    assert main(["estimate", "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "'vit' model (ViTForImageClassification), not a causal language model" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_path, capsys):
+    gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+            "vocab_size": 512, "n_positions": 1024, "bos_token_id": 0, "eos_token_id": 0}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(gpt2))
+    assert main(["estimate", "--model", str(path), "--seq", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "sequence length 4096" in err and "(1024 positions)" in err and len(err.strip().splitlines()) == 1
+    assert main(["estimate", "--model", str(path), "--seq", "1024", "--json"]) == 0  # the limit itself is fine

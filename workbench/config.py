@@ -12,8 +12,10 @@ its help text in `metadata["help"]`, which the CLI and the widget panels show.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import math
 import types
 import typing
 from typing import Any, get_args, get_origin, get_type_hints
@@ -64,6 +66,8 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -88,9 +92,41 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Base of every workbench config. Subclasses are frozen dataclasses made of `param`s."""
+    """Base of every workbench config. Subclasses are frozen dataclasses made of `param`s.
+
+    Every field is type-checked (and coerced where lossless: a list to a tuple, 3 to 3.0) when
+    the config is built, however it is built: through `from_dict`, or directly as
+    `StrategiesConfig(lr=float("nan"))`. A subclass's own `__post_init__` (its range and
+    consistency checks) runs after the type checks; `__init_subclass__` chains the two, so a
+    subclass cannot forget to call the base.
+    """
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            checked = _check_type(f.name, value, hints[f.name])
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        own = cls.__dict__.get("__post_init__")
+        if own is not None and not getattr(own, "_chained", False):
+            def post_init(self, _own=own) -> None:
+                Config.__post_init__(self)
+                _own(self)
+
+            post_init._chained = True  # type: ignore[attr-defined]
+            functools.update_wrapper(post_init, own)
+            cls.__post_init__ = post_init
 
     @classmethod
     def fields(cls) -> dict[str, dataclasses.Field]:
@@ -110,7 +146,7 @@ class Config:
                 f"unknown parameter{'s' if len(unknown) > 1 else ''} for {cls.__name__}: "
                 f"{', '.join(unknown)}. Known: {', '.join(known)}"
             )
-        hints = get_type_hints(cls)
+        hints = _hints(cls)
         checked = {k: _check_type(k, v, hints[k]) for k, v in values.items()}
         return cls(**checked)
 

@@ -7,24 +7,41 @@ ships with Python.
   by path (tests and site-packages left out), the first `source_mib` MiB; the last 5% of files is
   held out.
 - Target domain (fine-tuning in study 1): the language reference that `pydoc_data.topics` ships
-  (79 topics in CPython 3.11). It is split *by topic*, so that held-out text is really unseen: a
-  topic goes to held-out when a stable hash of its name falls in the held-out share.
+  (79 topics in CPython 3.11). A topic goes to held-out when a stable hash of its name falls in
+  the held-out share.
 
 A user corpus (a text file or a folder of .txt/.md/.py files) can replace the target domain;
 its files are split the same way, by file.
+
+Held-out means unseen in content, not only in name. pydoc's topics repeat each other word for
+word (`compound` holds the `if`, `while`, `for` and `try` topics), so a split by name alone left
+about half of the held-out text's 50-character windows in the training text. Every corpus is
+therefore split content-disjoint (`disjoint_split`): documents are cut into paragraphs, repeated
+paragraphs are kept once, the documents are split, and a held-out paragraph that shares a
+50-character window with the training text is left out of the held-out text. What this removed,
+and the overlap left (`Overlap`: the share of held-out 50-character windows that occur verbatim
+in training text), travel with the corpus; a user corpus that needed it gets a warning naming
+the files.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import sysconfig
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 HELDOUT_SHARE = 0.2
+SPLIT_VERSION = 2  # changes whenever what `disjoint_split` keeps changes (part of the base's cache key)
+WINDOW = 50  # characters (UTF-8 bytes) of a window that counts as shared text
+MAX_OVERLAP = 0.005  # the most held-out windows that may occur in training text
 _TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+_PARAGRAPH = re.compile(r"\n[ \t]*\n")
 
 
 class CorpusError(ValueError):
@@ -32,21 +49,167 @@ class CorpusError(ValueError):
 
 
 @dataclass(frozen=True)
+class Overlap:
+    """How much held-out text occurs verbatim in training text, before and after the clean-up."""
+
+    share_by_name: float  # held-out windows in training text, split by document name alone
+    share: float  # the same after deduplication and the content-disjoint split
+    duplicate_paragraphs: int  # repeated paragraphs kept once
+    dropped_paragraphs: int  # held-out paragraphs left out: repeats of, or sharing a window with, training text
+    dropped_chars: int
+    heldout_windows: int
+    files: tuple[str, ...] = ()  # held-out documents that lost text, worst first
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d["files"] = ", ".join(self.files)
+        return d
+
+
+@dataclass(frozen=True)
 class Corpus:
-    """A domain's documents, already split into train and held-out."""
+    """A domain's documents, already split into train and held-out (content-disjoint)."""
 
     name: str
     train: tuple[str, ...]
     heldout: tuple[str, ...]
+    overlap: Overlap | None = field(default=None, compare=False)
 
     def describe(self) -> dict:
-        return {
+        d = {
             "corpus": self.name,
             "train_docs": len(self.train),
             "heldout_docs": len(self.heldout),
             "train_chars": sum(map(len, self.train)),
             "heldout_chars": sum(map(len, self.heldout)),
         }
+        if self.overlap is not None:
+            d["heldout_overlap_share"] = self.overlap.share
+            d["heldout_overlap_share_by_name"] = self.overlap.share_by_name
+        return d
+
+    def fingerprint(self) -> str:
+        """A content key of the split: any change to either side's text changes it."""
+        h = hashlib.sha256()
+        for side in (self.train, self.heldout):
+            for doc in side:
+                h.update(hashlib.sha256(doc.encode("utf-8", "replace")).digest())
+            h.update(b"|")
+        return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------
+# shared text: 50-character windows
+
+
+_P = 1099511628211  # the 64-bit FNV prime: odd, so it has an inverse modulo 2**64
+_P_INV = pow(_P, -1, 2**64)
+
+
+def window_hashes(text: str, width: int = WINDOW) -> np.ndarray:
+    """A 64-bit polynomial hash of every `width`-byte window of `text` (UTF-8): uint64 (n - width + 1,).
+
+    Rolling, in O(n) memory: with H[i] = sum_{k<i} b[k] P^k (mod 2**64), the window at i hashes to
+    (H[i + width] - H[i]) * P^-i. Integer overflow in numpy wraps, which is the modulo we want.
+    """
+    b = np.frombuffer(text.encode("utf-8", "replace"), dtype=np.uint8)
+    n = len(b) - width + 1
+    if n <= 0:
+        return np.empty(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        pw = np.full(len(b), _P, dtype=np.uint64)
+        pw[0] = 1
+        pw = np.cumprod(pw, dtype=np.uint64)  # P^k
+        prefix = np.concatenate([np.zeros(1, np.uint64), np.cumsum(b.astype(np.uint64) * pw, dtype=np.uint64)])
+        inv = np.full(n, _P_INV, dtype=np.uint64)
+        inv[0] = 1
+        inv = np.cumprod(inv, dtype=np.uint64)  # P^-i
+        return (prefix[width:width + n] - prefix[:n]) * inv
+
+
+def _window_set(docs) -> np.ndarray:
+    """Every window hash of `docs`, sorted and unique (for `_contains`)."""
+    parts = [window_hashes(d) for d in docs]
+    return np.unique(np.concatenate(parts)) if parts else np.empty(0, np.uint64)
+
+
+def _contains(sorted_set: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """Which of `hashes` are in `sorted_set` (binary search: O(m log n), unlike np.isin's sort of both)."""
+    if not len(sorted_set):
+        return np.zeros(len(hashes), dtype=bool)
+    idx = np.minimum(np.searchsorted(sorted_set, hashes), len(sorted_set) - 1)
+    return sorted_set[idx] == hashes
+
+
+def overlap_share(train: tuple[str, ...] | list[str], heldout: tuple[str, ...] | list[str]) -> float:
+    """The share of held-out `WINDOW`-character windows that occur verbatim in the training text."""
+    held = [window_hashes(d) for d in heldout]
+    held = np.concatenate(held) if held else np.empty(0, np.uint64)
+    if not len(held):
+        return 0.0
+    return float(_contains(_window_set(train), held).mean())
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p.strip("\n") for p in _PARAGRAPH.split(text) if p.strip()]
+
+
+def disjoint_split(items: list[tuple[str, str]], heldout_keys: set[str], name: str) -> Corpus:
+    """Split (key, text) documents into train and held-out so that held-out text is unseen.
+
+    1. Each document is cut into paragraphs (blank-line separated); a paragraph seen before (same
+       words, whitespace aside; training documents are read first) is dropped, so repeated text
+       exists once.
+    2. Documents whose key is in `heldout_keys` are held out.
+    3. A held-out paragraph that shares a `WINDOW`-character window with the training text (or, if
+       shorter than a window, occurs in it) is left out of the held-out text.
+    """
+    by_name = ([v for k, v in items if k not in heldout_keys], [v for k, v in items if k in heldout_keys])
+    seen: set[str] = set()
+    docs: list[tuple[str, list[str]]] = []
+    duplicates = 0
+    # Training documents first: a paragraph that both sides hold stays in training text and leaves
+    # the held-out side (decontaminate the held-out text, keep the training text whole).
+    lost: dict[str, int] = {}  # held-out document -> characters left out
+    dropped = dropped_chars = 0
+    for key, text in sorted(items, key=lambda kv: kv[0] in heldout_keys):
+        kept = []
+        for p in _paragraphs(text):
+            norm = " ".join(p.split())
+            if norm in seen:
+                duplicates += 1
+                if key in heldout_keys:
+                    dropped, dropped_chars = dropped + 1, dropped_chars + len(p)
+                    lost[key] = lost.get(key, 0) + len(p)
+                continue
+            seen.add(norm)
+            kept.append(p)
+        if kept:
+            docs.append((key, kept))
+    train = [(k, ps) for k, ps in docs if k not in heldout_keys]
+    held = [(k, ps) for k, ps in docs if k in heldout_keys]
+    train_text = ["\n\n".join(ps) for _, ps in train]
+    train_windows = _window_set(train_text)
+    joined = "\n\n".join(train_text)
+    heldout = []
+    for key, ps in held:
+        kept = []
+        for p in ps:
+            w = window_hashes(p)
+            shared = _contains(train_windows, w).any() if len(w) else p in joined
+            if shared:
+                dropped += 1
+                dropped_chars += len(p)
+                lost[key] = lost.get(key, 0) + len(p)
+            else:
+                kept.append(p)
+        if kept:
+            heldout.append("\n\n".join(kept))
+    files = tuple(sorted(lost, key=lambda k: -lost[k]))
+    held_windows = sum(max(0, len(d.encode("utf-8", "replace")) - WINDOW + 1) for d in heldout)
+    overlap = Overlap(overlap_share(*by_name), overlap_share(train_text, heldout), duplicates,
+                      dropped, dropped_chars, held_windows, files)
+    return Corpus(name, tuple(train_text), tuple(heldout), overlap)
 
 
 def _is_heldout(key: str, share: float = HELDOUT_SHARE) -> bool:
@@ -71,7 +234,7 @@ def source_corpus(source_mib: float = 8.0) -> Corpus:
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        docs.append(text)
+        docs.append((p, text))
         total += len(text)
         if total >= limit:
             break
@@ -81,11 +244,8 @@ def source_corpus(source_mib: float = 8.0) -> Corpus:
     # Interleave the held-out files through the sorted list so they span many packages.
     step = max(1, len(docs) // n_held)
     held_idx = set(range(step - 1, len(docs), step))
-    return Corpus(
-        "python-stdlib-source",
-        tuple(d for i, d in enumerate(docs) if i not in held_idx),
-        tuple(d for i, d in enumerate(docs) if i in held_idx),
-    )
+    items = [(str(p.relative_to(lib)), d) for p, d in docs]
+    return disjoint_split(items, {items[i][0] for i in held_idx}, "python-stdlib-source")
 
 
 def target_corpus(path: str | None = None) -> Corpus:
@@ -111,11 +271,19 @@ def target_corpus(path: str | None = None) -> Corpus:
         # One document: split it by paragraphs instead, so held-out text still exists.
         key, text = items[0]
         items = [(f"{key}#{i}", p) for i, p in enumerate(text.split("\n\n")) if p.strip()]
-    train = tuple(v for k, v in items if not _is_heldout(k))
-    held = tuple(v for k, v in items if _is_heldout(k))
-    if not train or not held:
-        raise CorpusError(f"corpus {name!r} is too small to split into train and held-out text")
-    return Corpus(name, train, held)
+    corpus = disjoint_split(items, {k for k, _ in items if _is_heldout(k)}, name)
+    if not corpus.train or not corpus.heldout:
+        raise CorpusError(f"corpus {name!r} is too small to split into train and held-out text "
+                          "(after repeated text was removed from the held-out side)")
+    ov = corpus.overlap
+    if path and path != "embedded" and ov.share_by_name > MAX_OVERLAP:
+        shown = ", ".join(ov.files[:5]) + (f" and {len(ov.files) - 5} more" if len(ov.files) > 5 else "")
+        warnings.warn(
+            f"corpus {name}: {ov.share_by_name:.1%} of the held-out text's {WINDOW}-character windows "
+            f"occur verbatim in the training text (files: {shown}); {ov.dropped_paragraphs} held-out "
+            f"paragraphs that repeat training text were left out, leaving {ov.share:.2%}",
+            stacklevel=2)
+    return corpus
 
 
 def token_blocks(tokenizer, text: str, seq_len: int) -> torch.Tensor:

@@ -123,12 +123,16 @@ def run_with_fallback(
                         "reason": f"predicted peak {mib:.1f} MiB ({how}) > budget {attempt.budget_mib:g} MiB"})
                 continue
         phase = Phase()
+        oom = None
         try:
             value, peak = _run_one(attempt, job, phase)
         except torch.OutOfMemoryError as e:
-            record({"attempt": str(attempt), "result": "oom", "phase": phase.name, "reason": str(e).splitlines()[0][:300]})
-            del e
+            oom = str(e).splitlines()[0][:300]
+        if oom is not None:
+            # Freed here, after the handler: inside it the exception (and through its traceback
+            # the failed attempt's frames, model and activations) is still alive.
             _free(attempt.device)
+            record({"attempt": str(attempt), "result": "oom", "phase": phase.name, "reason": oom})
             continue
         record({"attempt": str(attempt), "result": "ok", "phase": None, "peak_mib": peak})
         status = "ok" if i == 0 and len(history) == 1 else "fallback"

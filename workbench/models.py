@@ -35,6 +35,41 @@ class ModelNotFoundError(ValueError):
     """A model id or path that cannot be loaded here."""
 
 
+class NotACausalLMError(ModelNotFoundError):
+    """A model whose config transformers cannot build as a causal language model."""
+
+
+def check_causal_lm(config, name: str) -> None:
+    """Refuse, in one line, a config that is not a causal LM (a ViT, BERT, Whisper, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+        raise NotACausalLMError(
+            f"model {name!r} is a {kind!r} model ({arch}), not a causal language model: the workbench "
+            f"trains causal LMs (e.g. Qwen2, Llama, GPT-2, OPT, GPT-NeoX); pass one of those")
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings allow, if the config states one."""
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
+    """Refuse a sequence longer than the model's positions (GPT-2: 1024), naming the limit."""
+    from workbench.config import ConfigError
+
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"sequence length {seq_len} is longer than {name} allows ({limit} positions); "
+                          f"use a sequence length of at most {limit}")
+
+
 @dataclass(frozen=True)
 class EmbeddedSpec:
     """How the embedded base is built. Changing any field makes a new cache entry."""
@@ -53,7 +88,11 @@ class EmbeddedSpec:
     seed: int = 0
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "python": sys.version.split()[0], "v": 1}, sort_keys=True)
+        from workbench.data import SPLIT_VERSION
+
+        # v2: corpora split content-disjoint (the tokenizer and the pretraining text changed)
+        blob = json.dumps({**asdict(self), "python": sys.version.split()[0], "v": 2, "split": SPLIT_VERSION},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -113,6 +152,23 @@ def ensure_embedded_base(spec: EmbeddedSpec = EmbeddedSpec(), *, progress: bool 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def model_fingerprint(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
+    """A key of the weights a run starts from: the embedded base's manifest (every file's SHA-256),
+    a local directory's files (names, sizes, modification times), or a hub id as given."""
+    h = hashlib.sha256()
+    if name == EMBEDDED:
+        manifest = json.loads((ensure_embedded_base(spec, progress=False) / MANIFEST).read_text())
+        h.update(json.dumps(manifest["files"], sort_keys=True).encode())
+    elif Path(name).expanduser().is_dir():
+        for p in sorted(Path(name).expanduser().rglob("*")):
+            if p.is_file():
+                st = p.stat()
+                h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    else:
+        h.update(name.encode())
+    return h.hexdigest()[:16]
 
 
 def embedded_metrics(spec: EmbeddedSpec = EmbeddedSpec()) -> dict:
@@ -222,6 +278,7 @@ def load_model(
     local = Path(path).expanduser()
     if local.is_dir() and not (local / "config.json").is_file():
         raise ModelNotFoundError(_not_found_message(name, FileNotFoundError(f"no config.json in {local}")))
+    check_causal_lm(load_config(name, trust_remote_code=trust_remote_code, spec=spec), name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -252,12 +309,15 @@ def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpe
 
         if data["model_type"] not in CONFIG_MAPPING:
             raise ModelNotFoundError(f"{name}: unknown model_type {data['model_type']!r}")
-        return CONFIG_MAPPING[data["model_type"]].from_dict(data)
-    path = resolve_model_path(name, spec)
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ModelNotFoundError(_not_found_message(name, e)) from e
+        config = CONFIG_MAPPING[data["model_type"]].from_dict(data)
+    else:
+        path = resolve_model_path(name, spec)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ModelNotFoundError(_not_found_message(name, e)) from e
+    check_causal_lm(config, name)
+    return config
 
 
 def _not_found_message(name: str, err: Exception) -> str:

@@ -11,6 +11,7 @@ ok, oom, fallback, skipped or error, and a failed run is a row, never a gap.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -111,10 +112,10 @@ def now() -> str:
 class JsonlSink:
     """A training sink writing one flushed JSON line per row."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, fresh: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", buffering=1)
+        self._f = open(self.path, "w" if fresh else "a", buffering=1)
 
     def __call__(self, row: dict[str, Any]) -> None:
         self._f.write(json.dumps(row, default=float) + "\n")
@@ -137,7 +138,8 @@ class RunDir:
         atomic_write_json(self.path / "config.json", {**config, "env": environment(), "started": now()})
 
     def steps_sink(self) -> JsonlSink:
-        return JsonlSink(self.path / "steps.jsonl")
+        """The run's steps.jsonl, started afresh: a retried run replaces the steps of the try before."""
+        return JsonlSink(self.path / "steps.jsonl", fresh=True)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         status = summary.get("status")
@@ -148,6 +150,32 @@ class RunDir:
     def summary(self) -> dict[str, Any] | None:
         p = self.path / "summary.json"
         return json.loads(p.read_text()) if p.exists() else None
+
+
+RERUN_ENV = "WORKBENCH_RERUN"
+
+
+def reuse_finished_runs() -> bool:
+    """False when $WORKBENCH_RERUN is set (`workbench sweep --rerun` sets it for its notebooks):
+    then a study retrains a finished run instead of reading its summary back."""
+    return os.environ.get(RERUN_ENV, "").strip().lower() not in ("1", "true", "yes")
+
+
+@contextlib.contextmanager
+def locked(path: str | Path):
+    """An exclusive lock (fcntl, a `.lock` file beside `path`) for read-modify-write of a shared table.
+
+    The OS releases it when the holder dies, so a crash never leaves the table locked."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def write_runs_table(study_dir: str | Path, rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
@@ -175,13 +203,9 @@ def append_benchmark_row(row: dict[str, Any]) -> Path:
     Benchmarks have different columns, so the file is read, extended and rewritten atomically
     (a crash never leaves a torn file; two benchmarks at once do not lose each other's rows).
     """
-    import fcntl
-
     path = results_root() / "benchmarks.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
     full = {"when": now(), **row, **{f"env_{k}": v for k, v in environment().items()}}
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(path):
         old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
         atomic_write_csv(path, pd.concat([old, pd.DataFrame([full])], ignore_index=True))
     return path

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from workbench.config import ConfigError
+from workbench.results import RERUN_ENV
 
 RESULT_FILE = "sweep_result.json"
 SWEEP_DIR_ENV = "WORKBENCH_SWEEP_DIR"   # set in each kernel: the point's folder
@@ -494,6 +495,8 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     workers = max(1, min(workers, len(todo) or 1))
     threads = threads_per_worker(workers)
     env = {**os.environ, **{v: str(threads) for v in THREAD_VARS}, SWEEP_OUT_ENV: str(out)}
+    if rerun:  # the studies inside the notebooks retrain too, instead of reading finished runs back
+        env[RERUN_ENV] = "1"
     bar = _Progress(path.stem, len(planned), len(reused), workers, progress)
     if progress:
         print(f"sweep {path.stem}: {len(planned)} points, {len(reused)} already finished, "

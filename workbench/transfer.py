@@ -13,6 +13,7 @@ results/strategies/runs.csv (every run ever made here); a finished run is not tr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -21,11 +22,14 @@ from typing import Any, Callable, Iterable, Literal
 import pandas as pd
 import torch
 
+from workbench import __version__
 from workbench.config import Config, ConfigError, param
 from workbench.data import corpus_blocks, target_corpus
 from workbench.fallback import Attempt, Outcome, default_attempts, run_with_fallback
-from workbench.models import EMBEDDED, TINY_SPEC, EmbeddedSpec, load_model, resolve_model_path
-from workbench.results import RunDir, atomic_write_csv, results_root, write_runs_table
+from workbench.models import (EMBEDDED, TINY_SPEC, EmbeddedSpec, check_seq_len, load_config, load_model,
+                              model_fingerprint, resolve_model_path)
+from workbench.results import (RunDir, atomic_write_csv, locked, results_root, reuse_finished_runs,
+                               write_runs_table)
 from workbench.strategies import PAPER_STRATEGIES, STRATEGIES, StrategyNotApplicable, apply_strategy
 from workbench.training import TrainSettings, evaluate_perplexity, train
 
@@ -98,10 +102,19 @@ class StrategiesConfig(Config):
         return TrainSettings(steps=steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                              lr=lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
 
-    def run_id(self, strategy: str, seed: int) -> str:
+    def run_id(self, strategy: str, seed: int, inputs: str = "") -> str:
+        """The run's folder name: strategy, seed and a key of everything that changes its result:
+        the settings, and `inputs` (see `run_inputs`: corpus content, base weights, version)."""
         run_fields = {k: v for k, v in self.to_dict().items() if k not in ("strategies", "seeds")}
-        key = type(self).from_dict(run_fields).hash()
-        return f"{strategy}-s{seed}-{key}"
+        blob = json.dumps({"settings": type(self).from_dict(run_fields).hash(), "inputs": inputs}, sort_keys=True)
+        return f"{strategy}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def run_inputs(cfg: StrategiesConfig, corpus) -> dict[str, str]:
+    """What a run's result depends on beyond its settings: a finished run is reused only when all match."""
+    return {"corpus_fingerprint": corpus.fingerprint(),
+            "model_fingerprint": model_fingerprint(cfg.model, cfg.spec()),
+            "workbench_version": __version__}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,7 +132,6 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> t
     """
     from workbench.memory.ladder import Plan
     from workbench.memory.predict import simulate
-    from workbench.models import load_config
 
     key = (cfg.model, cfg.base_size, strategy, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.seq_len,
            cfg.lora_rank, n_blocks)
@@ -220,22 +232,27 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     from tqdm.auto import tqdm
 
     sinks = list(sinks)
+    check_seq_len(load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code),
+                  cfg.seq_len, repr(cfg.model))
     tokenizer = _tokenizer(cfg)
     corpus = target_corpus(cfg.corpus)
     train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len)
+    inputs = run_inputs(cfg, corpus)
+    inputs_key = json.dumps(inputs, sort_keys=True)
+    reuse = reuse_finished_runs()
     rows = []
     jobs = [(s, seed) for seed in cfg.seeds for s in cfg.strategies]
     bar = tqdm(jobs, desc="strategies", unit="run", disable=not progress)
     for strategy, seed in bar:
         bar.set_postfix(strategy=strategy, seed=seed)
-        run = RunDir(STUDY, cfg.run_id(strategy, seed))
-        done = run.summary()
+        run = RunDir(STUDY, cfg.run_id(strategy, seed, inputs_key))
+        done = run.summary() if reuse else None
         if done is not None and done.get("status") in ("ok", "fallback", "oom", "skipped"):
             rows.append(done["row"])
             continue
         run.write_config({**cfg.to_dict(), "strategy": strategy, "seed": seed,
                           "train_blocks": len(train_blocks), "heldout_blocks": len(held_blocks),
-                          **corpus.describe()})
+                          **corpus.describe(), **inputs})
         try:
             row = _run_strategy(cfg, strategy, seed, train_blocks, held_blocks, sinks, run)
         except Exception as e:
@@ -243,6 +260,8 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
                                                           "error": f"{type(e).__name__}: {e}"}})
             raise
         row["config_hash"] = cfg.hash()
+        row.update(inputs)
+        row["heldout_overlap_share"] = corpus.overlap.share if corpus.overlap else None
         run.write_summary({"status": row["status"], "row": row})
         rows.append(row)
     bar.close()
@@ -267,13 +286,16 @@ def _tokenizer(cfg: StrategiesConfig):
 
 
 def rebuild_runs_table() -> pd.DataFrame:
-    """results/strategies/runs.csv from every run's summary.json (so it never disagrees with them)."""
+    """results/strategies/runs.csv from every run's summary.json (so it never disagrees with them).
+
+    Under the study's lock: two processes finishing runs at once each write a complete table."""
     root = results_root() / STUDY
-    rows = []
-    for p in sorted(root.glob("*/summary.json")):
-        s = json.loads(p.read_text())
-        rows.append({**s.get("row", {}), "status": s["status"], "finished": s.get("finished")})
-    return write_runs_table(root, rows)
+    with locked(root / "runs.csv"):
+        rows = []
+        for p in sorted(root.glob("*/summary.json")):
+            s = json.loads(p.read_text())
+            rows.append({**s.get("row", {}), "status": s["status"], "finished": s.get("finished")})
+        return write_runs_table(root, rows)
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:

@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from workbench.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport, model_tensors
 from workbench.memory.ladder import Plan, apply_trainable, make_plan_optimizer, rung
+from workbench.models import check_seq_len
 from workbench.training import train
 
 MiB = 2**20
@@ -163,6 +164,7 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     """
     if steps < 2:
         raise ValueError("simulate at least two steps: the steady state starts at the second")
+    check_seq_len(config, seq, model_label(config))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device("cpu")
     model = apply_trainable(build_meta_model(config), plan)
@@ -252,6 +254,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
     config = model_config(model, spec)
+    check_seq_len(config, seq, model_label(config))
     t0 = time.perf_counter()
     host = 0
     pageable = 0

@@ -163,7 +163,7 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
     from workbench.memory.baselines import baseline_table
     from workbench.memory.ladder import auto_fit, measure, run_with_fallback
     from workbench.memory.predict import model_config, predict
-    from workbench.results import RunDir, atomic_write_csv, results_root, write_runs_table
+    from workbench.results import RunDir, atomic_write_csv, locked, results_root, write_runs_table
 
     sinks = list(sinks)
     if cfg.threads:
@@ -261,12 +261,14 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
                        "autofit_ran": fit_rows[-1]["ran"] if fit_rows else None})
     # runs.csv: one row per run; a run with the same settings replaces its earlier row.
     runs_csv = results_root() / "ladder" / "runs.csv"
-    old = pd.read_csv(runs_csv).to_dict("records") if runs_csv.exists() else []
     this = {**{k: json.dumps(v) if isinstance(v, list) else v for k, v in cfg.to_dict().items()},
             "run_id": cfg.run_id(), "status": "ok", "measured_ok": int((df["status"] == "ok").sum()),
             "autofit_ran": fit_rows[-1]["ran"] if fit_rows else None}
-    keep = [{k: v for k, v in r.items() if not k.startswith("env_")} for r in old if r.get("run_id") != this["run_id"]]
-    write_runs_table(results_root() / "ladder", keep + [this])
+    with locked(runs_csv):  # read-modify-write: another run may finish at the same time
+        old = pd.read_csv(runs_csv).to_dict("records") if runs_csv.exists() else []
+        keep = [{k: v for k, v in r.items() if not k.startswith("env_")} for r in old
+                if r.get("run_id") != this["run_id"]]
+        write_runs_table(results_root() / "ladder", keep + [this])
     return df
 
 
