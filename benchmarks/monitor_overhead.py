@@ -1,14 +1,19 @@
 """What does sampling memory on a background thread cost a training loop?
 
-    .venv/bin/python benchmarks/monitor_overhead.py            # ~40 s
+    .venv/bin/python benchmarks/monitor_overhead.py            # ~30 s idle; minutes when the cores are shared
     .venv/bin/python benchmarks/monitor_overhead.py --rounds 3 # shorter
 
 What it counts: the wall time of `workbench.training.train` on a small random Qwen2 (hidden
 128, 4 layers, vocab 2048; batch 8 x 128, fused AdamW, CPU) without and with a MemoryMonitor
 sampling every `--interval` s (process RSS via psutil; NVML too where a driver exists) and
-sending each row to a sink. Runs alternate (off, on, off, on, ...) so that load from other
-processes hits both alike; one warm-up run is excluded. The ratio is the total time with the
-monitor over the total without, from this one run. Target: at most 1.01.
+sending each row to a sink. Each run is timed the same way, from outside: time.perf_counter
+around the whole `train` call (with the monitor, its start and stop included), after
+gc.collect(). The order alternates ABBA (off, on | on, off | ...), so neither side always runs
+second and a linear drift of load from other processes hits both alike; one untimed warm-up run
+of each comes first. Threads: by default what a real study run gets (torch's threads = the cores
+this process may use, as `workbench sweep` gives a single worker; study 1 and 2 runs leave
+torch's default), because the monitor's thread competes with torch's for the cores. The ratio
+is the total time with the monitor over the total without, from this one run. Target: at most 1.01.
 
 Last line: `monitor_overhead: VALUE`.
 A row goes to results/benchmarks.csv with versions and hardware.
@@ -17,7 +22,9 @@ A row goes to results/benchmarks.csv with versions and hardware.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,20 +35,21 @@ import torch  # noqa: E402
 
 from workbench.memory.monitor import MemoryMonitor  # noqa: E402
 from workbench.results import append_benchmark_row  # noqa: E402
+from workbench.sweep import threads_per_worker  # noqa: E402
 from workbench.training import TrainSettings, train  # noqa: E402
 
 NAME = "monitor_overhead"
-VERSION = 2  # bump when the method changes (2: default interval 0.5 s)
+VERSION = 3  # bump when the method changes (2: default interval 0.5 s; 3: ABBA order, a real run's threads)
 TARGET = 1.01
-
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=6, help="off/on pairs")
+    ap.add_argument("--rounds", type=int, default=4, help="off/on pairs (order reversed every round)")
     ap.add_argument("--steps", type=int, default=15, help="training steps per run")
     ap.add_argument("--interval", type=float, default=0.5, help="monitor sampling interval (s); at 0.1 s it cost about 4%% here")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    ap.add_argument("--threads", type=int, default=threads_per_worker(1),
+                    help="torch threads (default: what a real run gets, all usable cores)")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
@@ -56,24 +64,38 @@ def main() -> int:
     print(f"{NAME} v{VERSION}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"{args.steps} steps x {args.rounds} off/on pairs, interval {args.interval} s, "
           f"{args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
-    train(model, blocks, settings)  # warm-up: allocation, kernel selection; not counted
-    off, on, samples = 0.0, 0.0, 0
-    for i in range(args.rounds):
+
+    def timed(monitor: bool) -> tuple[float, int]:
+        """(seconds, samples) of one whole train call, with or without the monitor around it."""
+        rows: list[dict] = []
+        gc.collect()  # the previous run's garbage is collected here, not inside the next timed call
         t0 = time.perf_counter()
-        train(model, blocks, settings)
-        a = time.perf_counter() - t0
-        rows = []
-        t0 = time.perf_counter()
-        with MemoryMonitor("cpu", interval_s=args.interval, sinks=[rows.append]):
+        if monitor:
+            with MemoryMonitor("cpu", interval_s=args.interval, sinks=[rows.append]):
+                train(model, blocks, settings)
+        else:
             train(model, blocks, settings)
-        b = time.perf_counter() - t0
-        off, on, samples = off + a, on + b, samples + len(rows)
-        print(f"  round {i + 1}: off {a:.2f} s, on {b:.2f} s ({len(rows)} samples)")
+        return time.perf_counter() - t0, len(rows)
+
+    timed(False), timed(True)  # warm-up: allocation, kernel selection, psutil; not counted
+    off, on, samples, ratios = 0.0, 0.0, 0, []
+    for i in range(args.rounds):
+        secs, n = {}, 0
+        for monitor in ((False, True) if i % 2 == 0 else (True, False)):  # ABBA
+            secs[monitor], got = timed(monitor)
+            n += got
+        a, b = secs[False], secs[True]
+        off, on, samples = off + a, on + b, samples + n
+        ratios.append(b / a)
+        first = "off" if i % 2 == 0 else "on"
+        print(f"  round {i + 1} ({first} first): off {a:.2f} s, on {b:.2f} s ({n} samples), on/off {b / a:.3f}")
     ratio = on / off
-    print(f"  total off {off:.2f} s, on {on:.2f} s, {samples} samples; target <= {TARGET}: "
+    print(f"  total off {off:.2f} s, on {on:.2f} s, {samples} samples; median of the rounds' on/off "
+          f"{statistics.median(ratios):.3f}; load average {os.getloadavg()[0]:.2f}; target <= {TARGET}: "
           f"{'met' if ratio <= TARGET else 'NOT met'}")
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio, "unit": "ratio (with / without monitor)",
-                "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval}",
+                "median_round_ratio": statistics.median(ratios), "threads": args.threads,
+                "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval} threads={args.threads} order=ABBA",
                 "load_avg": os.getloadavg()[0]})
     print(f"{NAME}: {ratio:.4f}")
     return 0
