@@ -58,7 +58,8 @@ devices = []                  # attempts in order, e.g. cuda then cpu, or cpu@64
 preflight = True              # skip an attempt whose predicted peak exceeds its budget
 eval_blocks = 64              # held-out blocks scored for perplexity
 trust_remote_code = False     # let transformers run model code from the hub""", "parameters"),
-    ("code", """from workbench.transfer import StrategiesConfig, run_strategies, summarize, claims_table, steps_frame, write_tables, app
+    ("code", """from workbench.transfer import (StrategiesConfig, run_strategies, summarize, claims_table, steps_frame,
+                                write_tables, corpus_overlap, app)
 from workbench import plots
 from workbench.claims import study1_general_problems
 from workbench.live import LiveChart
@@ -68,6 +69,12 @@ print("attempts per strategy:", " -> ".join(cfg.attempts_as_text()), "|", cfg.st
 live = LiveChart(title="Study 1: loss, device memory against the budget, speed (live)")
 df = run_strategies(cfg, sinks=[live])
 live.close();"""),
+    ("md", """## Is the held-out text really unseen?
+
+Share of held-out 50-character windows that occur verbatim in the training text: split by
+document name alone, and as the workbench splits (repeated paragraphs kept once, held-out
+paragraphs sharing a window with training text left out). The limit is 0.5%."""),
+    ("code", "corpus_overlap(cfg)"),
     ("md", "## What each strategy achieved (mean and spread over seeds)"),
     ("code", """summary = summarize(df)
 summary[["strategy", "statuses", "device_history", "trainable_params", "trainable_share", "ppl_before",

@@ -61,7 +61,7 @@ def test_run_ladder_predicts_measures_and_explains(env):
     # Rungs that cannot run here are rows that say why; their figure is labelled estimated.
     for name in ("fp16", "device_map"):
         row = at_hand.loc[name]
-        assert row["status"] == "skipped" and "CUDA" in row["reason"] or "GPU" in row["reason"]
+        assert row["status"] == "skipped" and ("CUDA" in row["reason"] or "GPU" in row["reason"]), name
         assert row["method"] == "estimated" and row["note"].startswith("estimated")
     # The ladder saves memory as it goes down.
     assert at_hand.loc["lora", "predicted_peak_bytes"] < at_hand.loc["bf16_ckpt", "predicted_peak_bytes"] \

@@ -90,8 +90,9 @@ class EmbeddedSpec:
     def key(self) -> str:
         from workbench.data import SPLIT_VERSION
 
-        # v2: corpora split content-disjoint (the tokenizer and the pretraining text changed)
-        blob = json.dumps({**asdict(self), "python": sys.version.split()[0], "v": 2, "split": SPLIT_VERSION},
+        # v3: corpora split content-disjoint (the tokenizer and the pretraining text changed),
+        # and the pretraining report holds the source corpus's held-out overlap
+        blob = json.dumps({**asdict(self), "python": sys.version.split()[0], "v": 3, "split": SPLIT_VERSION},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -245,6 +246,13 @@ def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
         "final_train_loss": result.final_loss,
         "heldout_perplexity": held_ppl,
         "unigram_perplexity": unigram,
+        # held-out source text seen in training (50-character windows): see workbench.data
+        "source_corpus": source.name,
+        "source_train_chars": sum(map(len, source.train)),
+        "source_heldout_chars": sum(map(len, source.heldout)),
+        "source_overlap_share": source.overlap.share,
+        "source_overlap_share_by_name": source.overlap.share_by_name,
+        "source_heldout_paragraphs_left_out": source.overlap.dropped_paragraphs,
     }
     (out / "pretrain.json").write_text(json.dumps(metrics, indent=2))
     if progress:

@@ -26,8 +26,8 @@ from workbench import __version__
 from workbench.config import Config, ConfigError, param
 from workbench.data import corpus_blocks, target_corpus
 from workbench.fallback import Attempt, Outcome, default_attempts, run_with_fallback
-from workbench.models import (EMBEDDED, TINY_SPEC, EmbeddedSpec, check_seq_len, load_config, load_model,
-                              model_fingerprint, resolve_model_path)
+from workbench.models import (EMBEDDED, TINY_SPEC, EmbeddedSpec, check_seq_len, embedded_metrics, load_config,
+                              load_model, model_fingerprint, resolve_model_path)
 from workbench.results import (RunDir, atomic_write_csv, locked, results_root, reuse_finished_runs,
                                write_runs_table)
 from workbench.strategies import PAPER_STRATEGIES, STRATEGIES, StrategyNotApplicable, apply_strategy
@@ -108,6 +108,35 @@ class StrategiesConfig(Config):
         run_fields = {k: v for k, v in self.to_dict().items() if k not in ("strategies", "seeds")}
         blob = json.dumps({"settings": type(self).from_dict(run_fields).hash(), "inputs": inputs}, sort_keys=True)
         return f"{strategy}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
+    """How much held-out text occurs verbatim in training text, for every corpus a study 1 run
+    uses: the target domain it fine-tunes and evaluates on, and (for the embedded base) the source
+    domain the base was pretrained and scored on. Measured on 50-character windows."""
+    from workbench.data import MAX_OVERLAP, WINDOW
+
+    corpus = corpus or target_corpus(cfg.corpus)
+    rows = []
+    ov = corpus.overlap
+    rows.append({"corpus": corpus.name, "role": "target (fine-tuning, held-out perplexity)",
+                 "train_chars": sum(map(len, corpus.train)), "heldout_chars": sum(map(len, corpus.heldout)),
+                 "overlap_split_by_name_pct": 100 * ov.share_by_name, "overlap_pct": 100 * ov.share,
+                 "heldout_paragraphs_left_out": ov.dropped_paragraphs, "docs_that_lost_text": ", ".join(ov.files)})
+    if cfg.model == EMBEDDED:
+        m = embedded_metrics(cfg.spec())
+        if "source_overlap_share" in m:
+            rows.append({"corpus": m["source_corpus"], "role": "source (pretraining the embedded base)",
+                         "train_chars": m["source_train_chars"], "heldout_chars": m["source_heldout_chars"],
+                         "overlap_split_by_name_pct": 100 * m["source_overlap_share_by_name"],
+                         "overlap_pct": 100 * m["source_overlap_share"],
+                         "heldout_paragraphs_left_out": m["source_heldout_paragraphs_left_out"],
+                         "docs_that_lost_text": ""})
+    df = pd.DataFrame(rows)
+    df["window_chars"] = WINDOW
+    df["limit_pct"] = 100 * MAX_OVERLAP
+    df["within_limit"] = df["overlap_pct"] <= 100 * MAX_OVERLAP
+    return df
 
 
 def run_inputs(cfg: StrategiesConfig, corpus) -> dict[str, str]:
@@ -215,9 +244,11 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                            "device": str(outcome.attempt) if outcome.attempt else None,
                            "device_history": outcome.history_text(), "peak_mem_mib": outcome.peak_mib,
                            "history": json.dumps(outcome.history)}
+    # Every row has the same columns: a run that did not finish has no perplexity (None), not a gap.
+    row.update({"ppl_before": None, "ppl_after": None, "improvement_pct": None})
     if outcome.value:
         row.update(outcome.value)
-    if "ppl_after" in row:
+    if row["ppl_after"] is not None:
         row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
     row["predicted_peak_mib"] = predicted[-1][0] if predicted and predicted[-1] else None
     return row
@@ -266,6 +297,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
         rows.append(row)
     bar.close()
     rebuild_runs_table()
+    atomic_write_csv(results_root() / STUDY / "corpus_overlap.csv", corpus_overlap(cfg, corpus))
     df = pd.DataFrame(rows)
     return df
 
@@ -383,7 +415,8 @@ def report_section() -> list[tuple[str, str, Any]]:
     from workbench import plots
     from workbench.claims import study1_general_problems
 
-    runs = results_root() / STUDY / "runs.csv"
+    root_dir = results_root() / STUDY
+    runs = root_dir / "runs.csv"
     if not runs.exists():
         return []
     df = pd.read_csv(runs)
@@ -393,8 +426,21 @@ def report_section() -> list[tuple[str, str, Any]]:
     where = "GPU" if df["device"].astype(str).str.startswith("cuda").any() else "CPU"
     tag = f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, not a real GPU'
     problems = "".join(f"<li>{p}</li>" for p in study1_general_problems())
+    overlap = root_dir / "corpus_overlap.csv"
+    overlap_parts = []
+    if overlap.exists():
+        ov = pd.read_csv(overlap)
+        overlap_parts = [
+            ("text", "Held-out text is unseen in content",
+             "Share of each corpus's held-out 50-character windows that occur verbatim in its training "
+             "text: split by document name alone, and as the workbench splits it (repeated paragraphs "
+             "kept once, held-out paragraphs that share a window with training text left out)."),
+            ("table", "", ov[["corpus", "role", "train_chars", "heldout_chars", "overlap_split_by_name_pct",
+                              "overlap_pct", "limit_pct", "heldout_paragraphs_left_out", "docs_that_lost_text"]]),
+        ]
     return [
         ("text", "", tag),
+        *overlap_parts,
         ("table", "Summary over seeds", summarize(df)),
         ("figure", "", plots.perplexity_spread(df)),
         ("figure", "", plots.loss_curves(steps_frame(df))),
