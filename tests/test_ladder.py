@@ -128,3 +128,116 @@ def test_monitor_rows_go_to_sinks_and_a_missing_driver_is_one_line(capsys):
     assert len(got) >= 3 and got == mon.rows
     assert all(r["source"] == "monitor" and r["rss_mib"] > 0 for r in got)
     assert mon.peak["live_mib"] >= 4.0
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU paths held on the CPU (issue 11 items 1 and 2)
+
+class _PretendCuda(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0: what quantize_4bit sees of a model on a GPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def _tiny_linear_model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).to(device)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (bitsandbytes' CUDA kernels quantize there)"))])
+def test_quantize_4bit_leaves_the_weights_on_the_models_device(device):
+    import bitsandbytes as bnb
+
+    from workbench.memory.ladder import quantize_4bit
+
+    model = _tiny_linear_model(device)
+    x = torch.randn(3, 64, device=device)
+    assert quantize_4bit(model, torch.float32, skip=()) == 2
+    layers = [m for m in model if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 2
+    for q in layers:
+        assert q.weight.device.type == device and q.weight.bnb_quantized
+        assert q.weight.quant_state.absmax.device.type == device
+        assert q.bias.device.type == device
+    assert model(x).shape == (3, 64)  # a device mismatch would fail here
+
+
+def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch):
+    """On a GPU the layer's weight says cuda: quantization must be asked for there, not on the CPU."""
+    import bitsandbytes as bnb
+
+    from workbench.memory.ladder import quantize_4bit
+
+    asked = []
+    real = bnb.nn.Params4bit._quantize
+
+    def spy(self, device):
+        asked.append(torch.device(device))
+        self.data = self.data.as_subclass(torch.Tensor)
+        return real(self, "cpu")  # the kernels this CPU has
+
+    monkeypatch.setattr(bnb.nn.Params4bit, "_quantize", spy)
+    model = _tiny_linear_model("cpu")
+    for lin in (model[0], model[2]):
+        lin.weight = torch.nn.Parameter(lin.weight.detach().as_subclass(_PretendCuda), requires_grad=False)
+    quantize_4bit(model, torch.float32, skip=())
+    assert asked == [torch.device("cuda", 0)] * 2
+
+
+@pytest.mark.parametrize("name", ["device_map", "zero_offload", "zero_offload_params"])
+def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypatch):
+    """On a (pretend) CUDA device these rungs go through their own mechanism; where it cannot run
+    they are `not measured` with the reason, never bf16_ckpt's figure under their name."""
+    import workbench.memory.ladder as ladder
+    import workbench.training as training
+
+    def plain(*a, **k):
+        raise AssertionError("trained as plain bf16")
+
+    monkeypatch.setattr(training, "train", plain)
+    blocks = torch.randint(0, 100, (8, 16))
+    loads = []
+
+    def load():
+        loads.append(1)
+        return torch.nn.Linear(4, 4)
+
+    # No CUDA here: the real mechanism runs, fails, and the row says so with no figure.
+    m = measure(name, load, blocks, batch=2, steps=2, device="cuda")
+    if not torch.cuda.is_available():
+        assert m["status"] == "not measured" and RUNGS[name].placement in m["reason"], m
+        assert "measured_peak_bytes" not in m and "step_ms" not in m
+    # The real mechanism is what measure() calls for these rungs, with the rung itself.
+    called = []
+
+    def mechanism(plan, load, blocks, **kw):
+        called.append((plan.name, str(kw["device"])))
+        return {"status": "ok", "reason": "", "measured_peak_bytes": 123, "measured_by": "cuda allocator"}
+
+    monkeypatch.setattr(ladder, "measure_offloaded", mechanism)
+    m = measure(name, load, blocks, batch=2, steps=2, device="cuda")
+    assert called == [(name, "cuda")] and m["status"] == "ok" and m["measured_peak_bytes"] == 123
+    assert m["rung"] == name and m["device"] == "cuda"
+    # On the CPU they are still skipped with the reason (nothing to move between two memories).
+    assert measure(name, load, blocks, batch=2, steps=2, device="cpu")["status"] == "skipped"
+
+
+def test_zero_and_device_map_settings():
+    from workbench.memory.ladder import device_map_memory, zero_config
+
+    s2 = zero_config(RUNGS["zero_offload"], RUNGS["zero_offload"].settings(8, 3))
+    s3 = zero_config(RUNGS["zero_offload_params"], RUNGS["zero_offload_params"].settings(8, 3))
+    assert s2["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert s3["zero_optimization"]["stage"] == 3
+    assert s3["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert s3["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert s2["bf16"]["enabled"] and not s2["fp16"]["enabled"]
+    assert s2["train_micro_batch_size_per_gpu"] * s2["gradient_accumulation_steps"] == 8
+    with pytest.raises(ValueError):
+        zero_config(RUNGS["bf16_ckpt"], RUNGS["bf16_ckpt"].settings(8, 3))
+    model = torch.nn.Linear(256, 256)  # 257 KiB of fp32 weights
+    mem = device_map_memory(model, 0)
+    assert mem[0] == (256 * 256 + 256) * 4 // 2 and mem["cpu"] > 4 * mem[0]

@@ -133,9 +133,11 @@ def rung(name: str | Plan) -> Plan:
 def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
     """Replace every nn.Linear outside `skip` by a bitsandbytes NF4 Linear4bit, in place.
 
-    The weights are quantized for real on the CPU (bitsandbytes cannot run under fake tensors):
-    from the layer's values when it has them, from zeros when it is on the meta device (a
-    prediction needs the bytes, not the values). Returns the number of layers replaced.
+    The weights are quantized for real (bitsandbytes cannot run under fake tensors) on the
+    device the layer is on: on CUDA by bitsandbytes' CUDA kernels, so a QLoRA model on a GPU
+    keeps its 4-bit weights and quantization state there; on the CPU on the CPU; on the meta
+    device (a prediction needs the bytes, not the values) from zeros on the CPU.
+    Returns the number of layers replaced.
     """
     import bitsandbytes as bnb
 
@@ -149,9 +151,10 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
                                   compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
                                   device="meta")
             w = child.weight.data
-            w = torch.zeros(w.shape, dtype=torch.float32) if w.device.type == "meta" else w.float().cpu()
+            on = torch.device("cpu") if w.device.type == "meta" else w.device
+            w = torch.zeros(w.shape, dtype=torch.float32) if w.device.type == "meta" else w.float()
             q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4",
-                                         module=q)._quantize("cpu")
+                                         module=q)._quantize(on)
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             setattr(module, child_name, q)
@@ -219,6 +222,16 @@ def measure(
     reason = plan.cannot_run_here(device)
     if reason:
         return {**row, "status": "skipped", "reason": reason}
+    if plan.placement in OFFLOADED:
+        # Measured through its own mechanism (accelerate / DeepSpeed), never as the plain bf16
+        # step below: that would put bf16_ckpt's figure under this rung's name.
+        try:
+            return {**row, **measure_offloaded(plan, load, blocks, batch=batch, steps=steps, device=device,
+                                               lr=lr, sinks=sinks)}
+        except torch.OutOfMemoryError as e:
+            return {**row, "status": "oom", "reason": str(e)[:300]}
+        except Exception as e:  # a library missing or failing: say so, report no figure
+            return {**row, "status": "not measured", "reason": f"{plan.placement} failed: {type(e).__name__}: {e}"[:300]}
     rows: list[dict[str, Any]] = []
     try:
         model = apply_trainable(load().to(run_on), plan)
@@ -251,6 +264,115 @@ def measure(
         out["measured_host_bytes"], out["measured_peak_bytes"] = out["measured_peak_bytes"], 0
     if run_on.type == "cuda":
         out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(run_on)
+        out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(run_on)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA only: the rungs that move tensors between the GPU and the host, each through its library
+
+OFFLOADED = ("device_map", "zero_offload", "zero_offload_params")
+
+
+def zero_config(plan: Plan, settings: TrainSettings) -> dict[str, Any]:
+    """The DeepSpeed config of a ZeRO-Offload rung: ZeRO-2 with the optimizer (state and the
+    CPU Adam step) on the host; ZeRO-3 with the parameters on the host as well."""
+    if plan.placement not in ("zero_offload", "zero_offload_params"):
+        raise ValueError(f"{plan.name} is not a ZeRO rung")
+    zero: dict[str, Any] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if plan.placement == "zero_offload_params":
+        zero.update(stage=3, offload_param={"device": "cpu", "pin_memory": True})
+    return {
+        "train_micro_batch_size_per_gpu": settings.micro_batch,
+        "gradient_accumulation_steps": settings.grad_accum,
+        "gradient_clipping": settings.max_grad_norm,
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": settings.lr, "weight_decay": settings.weight_decay}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+
+
+def device_map_memory(model: torch.nn.Module, gpu_index: int, *, gpu_share: float = 0.5) -> dict[Any, int]:
+    """`max_memory` for accelerate: the GPU gets `gpu_share` of the weights' bytes, the host the rest
+    (so about half the decoder layers run on the CPU, which is what this rung is about)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {gpu_index: max(1, int(weights * gpu_share)), "cpu": 4 * weights + 2**30}
+
+
+def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: torch.Tensor, *, batch: int,
+                      steps: int, device: torch.device, lr: float, sinks: tuple = ()) -> dict[str, Any]:
+    """CUDA only. Train `plan` with its own mechanism and report the allocator's peaks.
+
+    device_map: accelerate's `infer_auto_device_map` under `max_memory` places whole decoder layers
+    on the GPU or the host and `dispatch_model(main_device="cpu")` runs each layer where it lives
+    (host layers train on the CPU; hooks move activations across). ZeRO: `deepspeed.initialize`
+    with `zero_config` in one process (world size 1, NCCL).
+    """
+    if device.type != "cuda":
+        raise RuntimeError(f"{plan.placement} is measured on a CUDA device only, not {device}")
+    import os
+
+    settings = plan.settings(batch, steps, lr=lr)
+    model = load()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    rows: list[dict[str, Any]] = []
+    extra = {"rung": plan.name}
+    if plan.placement == "device_map":
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        memory = device_map_memory(model, device.index or 0)
+        dmap = infer_auto_device_map(model, max_memory=memory,
+                                     no_split_module_classes=list(getattr(model, "_no_split_modules", None) or []))
+        model = dispatch_model(model, device_map=dmap, main_device="cpu")
+        from workbench.training import train
+
+        result = train(model, blocks, settings, device=device, sinks=[rows.append, *sinks], extra=extra)
+        loss, placed = result.final_loss, f"{sum(d != 'cpu' for d in dmap.values())}/{len(dmap)} modules on the GPU"
+    else:
+        import deepspeed
+
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511").items():
+            os.environ.setdefault(k, v)
+        if plan.grad_checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                          config=zero_config(plan, settings))
+        from workbench.training import BlockSampler
+
+        sampler = BlockSampler(len(blocks), settings.seed)  # the same batches as the training loop
+        for step in range(steps):
+            t0 = time.perf_counter()
+            idx = sampler.take(settings.micro_batch * settings.grad_accum)
+            total = 0.0
+            for micro in idx.split(settings.micro_batch):
+                b = blocks[micro].to(engine.device)
+                loss = engine(input_ids=b, labels=b).loss
+                engine.backward(loss)
+                engine.step()
+                total += float(loss) / settings.grad_accum
+            dt = time.perf_counter() - t0
+            row = {**extra, "step": step + 1, "loss": total, "step_ms": dt * 1e3,
+                   "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / dt,
+                   "mem_mib": torch.cuda.memory_allocated(device) / 2**20}
+            rows.append(row)
+            for sink in sinks:
+                sink(row)
+        loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+        del engine
+    timed = [r for r in rows if r["step"] > 1] or rows
+    step_ms = sorted(r["step_ms"] for r in timed)[len(timed) // 2]
+    out = {"status": "ok", "reason": "", "measured_by": "cuda allocator",
+           "measured_peak_bytes": torch.cuda.max_memory_allocated(device),
+           "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+           "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+           "measured_where": placed, "step_ms": step_ms,
+           "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / (step_ms / 1e3), "loss_after": loss}
+    del model
     return out
 
 
