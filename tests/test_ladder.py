@@ -241,3 +241,57 @@ def test_zero_and_device_map_settings():
     model = torch.nn.Linear(256, 256)  # 257 KiB of fp32 weights
     mem = device_map_memory(model, 0)
     assert mem[0] == (256 * 256 + 256) * 4 // 2 and mem["cpu"] > 4 * mem[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# the memory monitor in the training rows (issue 11 item 7)
+
+def _fake_cuda_memory(monkeypatch):
+    """torch.cuda's statistics and NVML as a GPU would answer (MiB figures chosen to differ)."""
+    import sys
+    import types
+
+    MiB = 2**20
+    for fn, mib in [("max_memory_allocated", 100), ("max_memory_reserved", 128), ("memory_reserved", 120)]:
+        monkeypatch.setattr(torch.cuda, fn, lambda device=None, _m=mib: _m * MiB)
+    nvml = types.ModuleType("pynvml")
+    nvml.nvmlInit = lambda: None
+    nvml.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=500 * MiB, total=80_000 * MiB, free=0)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+
+def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
+    from workbench.memory.monitor import step_memory
+
+    assert step_memory("cpu") is None
+    _fake_cuda_memory(monkeypatch)
+    cols = step_memory("cuda:0")()
+    assert cols == {"cuda_peak_allocated_mib": 100.0, "cuda_peak_reserved_mib": 128.0, "cuda_reserved_mib": 120.0,
+                    "nvml_used_mib": 500.0}
+
+
+def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypatch):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import workbench.memory.monitor as monitor
+    from workbench.training import TrainSettings, train
+
+    def model():
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1))
+
+    blocks = torch.randint(0, 64, (8, 16))
+    settings = TrainSettings(steps=2, micro_batch=2, lr=1e-3)
+    rows: list[dict] = []
+    train(model(), blocks, settings, sinks=[rows.append])
+    assert len(rows) == 2 and not any(k.startswith(("cuda_", "nvml_")) for r in rows for k in r)
+    # Where step_memory answers (a GPU), its columns are in every row the sinks get.
+    _fake_cuda_memory(monkeypatch)
+    real = monitor.step_memory
+    monkeypatch.setattr(monitor, "step_memory", lambda device, **kw: real("cuda"))
+    rows.clear()
+    train(model(), blocks, settings, sinks=[rows.append])
+    assert [r["nvml_used_mib"] for r in rows] == [500.0, 500.0]
+    assert all(r["cuda_peak_allocated_mib"] == 100.0 and r["cuda_peak_reserved_mib"] == 128.0 for r in rows)

@@ -4,7 +4,8 @@
     result = train(model, train_blocks, TrainSettings(steps=100, micro_batch=8), sinks=[print])
 
 The loop knows nothing about widgets, plots or files: it calls each sink with one plain dict
-per optimizer step (step, loss, lr, tokens, step_ms, tokens_per_s, mem_mib). Live charts and the
+per optimizer step (step, loss, lr, tokens, step_ms, tokens_per_s, mem_mib; on CUDA also the
+peak allocated / reserved MiB and NVML's used MiB, see memory.monitor.step_memory). Live charts and the
 results writer are sinks. It supports autocast (bf16 or fp16 on CUDA with a grad scaler; bf16 on
 CPU), gradient checkpointing, micro-batches with gradient accumulation, a warm-up + cosine or
 linear schedule, and gradient clipping; it is seeded and deterministic on the CPU.
@@ -155,6 +156,9 @@ def train(
     scaler = torch.amp.GradScaler("cuda") if settings.precision == "fp16" else None
     if memory_probe is None and device.type == "cuda":
         memory_probe = lambda: torch.cuda.memory_allocated(device) / 2**20  # noqa: E731
+    from workbench.memory import monitor
+
+    gpu_columns = monitor.step_memory(device) if sinks else None  # CUDA peaks and NVML; None on the CPU
     sampler = BlockSampler(len(blocks), settings.seed)
     seq_len = blocks.shape[1]
     tokens_per_step = settings.tokens_per_step(seq_len)
@@ -200,6 +204,7 @@ def train(
                 "step_ms": dt * 1e3,
                 "tokens_per_s": tokens_per_step / dt if dt > 0 else float("nan"),
                 "mem_mib": memory_probe() if memory_probe else None,
+                **(gpu_columns() if gpu_columns else {}),
             }
             for sink in sinks:
                 sink(row)

@@ -10,7 +10,11 @@ the training loop uses, so a live chart shows memory beside the loss):
 - on the CPU: the process's resident set (psutil) and, when a LiveBytes count is given, the
   live tensor bytes (the "device" memory of a CPU emulating a small GPU).
 A missing NVIDIA driver is reported in one line on stderr and the monitor carries on with what
-it can read. Sampling costs microseconds per row; benchmarks/monitor_overhead.py measures it.
+it can read.
+
+The training loop takes the GPU figures per step as well (`step_memory`): on CUDA every training
+row of studies 1 and 2 carries the run's peak allocated and reserved bytes so far and NVML's used
+memory; on the CPU it adds no columns (a CPU has no allocator peak or NVML to report). Sampling costs microseconds per row; benchmarks/monitor_overhead.py measures it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,34 @@ def open_nvml(index: int = 0, *, say: Callable[[str], None] | None = None):
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
+
+
+def step_memory(device: str | torch.device, *, nvml=None) -> Callable[[], dict[str, float]] | None:
+    """Columns for the training loop's per-step rows on a GPU; None on any other device (no columns).
+
+    cuda_peak_allocated_mib / cuda_peak_reserved_mib: torch's peak counters, the running peak of
+    the run so far (whoever starts the run resets them: the device budget, the ladder's measure;
+    they are not reset per step because those callers read them when the run ends).
+    cuda_reserved_mib: the caching allocator's reserved bytes now (what a budget set with
+    set_per_process_memory_fraction caps, fragmentation included). nvml_used_mib: the driver's
+    figure for the whole card (every process, the CUDA context). `nvml`: a handle, or None to open one.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    handle = nvml if nvml is not None else open_nvml(device.index or 0)
+
+    def read() -> dict[str, float]:
+        cols = {"cuda_peak_allocated_mib": torch.cuda.max_memory_allocated(device) / MiB,
+                "cuda_peak_reserved_mib": torch.cuda.max_memory_reserved(device) / MiB,
+                "cuda_reserved_mib": torch.cuda.memory_reserved(device) / MiB}
+        if handle is not None:
+            import pynvml
+
+            cols["nvml_used_mib"] = pynvml.nvmlDeviceGetMemoryInfo(handle).used / MiB
+        return cols
+
+    return read
 
 
 class MemoryMonitor:
@@ -85,6 +117,7 @@ class MemoryMonitor:
             row["cuda_allocated_mib"] = torch.cuda.memory_allocated(self.device) / MiB
             row["cuda_reserved_mib"] = torch.cuda.memory_reserved(self.device) / MiB
             row["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / MiB
+            row["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / MiB
         if self._nvml is not None:
             import pynvml
 
