@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-10)
 
-.PHONY: setup reproduce reproduce-quick test browser clean-cache
+.PHONY: setup reproduce reproduce-quick test browser clean-cache gpu-check
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ browser:
 
 test: setup browser
 	$(BIN)/python -m pytest
+
+# Every GPU path on this card in minutes (results/gpu_check/); without CUDA: one line, exit 0.
+gpu-check: setup
+	@$(BIN)/workbench gpu-check
 
 clean-cache:
 	rm -rf .cache

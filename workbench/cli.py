@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "workbench.offload.cli",
     "workbench.sweep",
     "workbench.dashboard",
+    "workbench.gpu_check",
 )
 
 

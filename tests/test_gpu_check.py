@@ -1,0 +1,171 @@
+"""`workbench gpu-check`: its logic on fabricated measurements (CPU), its one line without a GPU.
+
+    .venv/bin/python -m pytest tests/test_gpu_check.py -q        # a few seconds
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench import gpu_check as gc
+from workbench.memory.ladder import RUNGS
+
+MiB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_without_cuda_it_says_so_in_one_line_and_exits_0(monkeypatch, capsys):
+    from workbench.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["gpu-check"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip().splitlines() == [gc.NO_GPU_LINE] and "GPU" in gc.NO_GPU_LINE
+    assert out.err == ""
+
+
+def test_make_target_runs_the_subcommand_after_setup():
+    text = (ROOT / "Makefile").read_text()
+    assert "gpu-check: setup\n\t@$(BIN)/workbench gpu-check\n" in text
+
+
+def test_every_gpu_rung_is_checked():
+    names = gc.gpu_rungs(RUNGS)
+    assert {"fp32", "bf16", "fp16", "bf16_ckpt", "lora", "qlora", "adamw8bit", "paged_adamw8bit", "device_map",
+            "zero_offload", "zero_offload_params"} <= set(names)
+    assert "cpu" not in names and list(names) == [n for n in RUNGS if n in names]
+
+
+def _measured(alloc_mib, reserved_mib, status="ok", **kw):
+    return {"status": status, "reason": kw.pop("reason", ""), "cuda_max_allocated_bytes": int(alloc_mib * MiB),
+            "cuda_max_reserved_bytes": int(reserved_mib * MiB), "measured_peak_bytes": int(alloc_mib * MiB), **kw}
+
+
+def _pred(peak_mib, fit_mib=None):
+    return {"predicted_peak_bytes": int(peak_mib * MiB), "fit_bytes": int((fit_mib or peak_mib) * MiB),
+            "method": "predicted"}
+
+
+def test_error_pct():
+    assert gc.error_pct(110, 100) == pytest.approx(10.0)
+    assert gc.error_pct(90, 100) == pytest.approx(-10.0)
+    assert gc.error_pct(None, 100) is None and gc.error_pct(1, 0) is None and gc.error_pct(1, None) is None
+
+
+def test_rung_row_puts_the_prediction_beside_the_card():
+    nvml = {"nvml_used_peak_mib": 2000.0, "nvml_used_before_mib": 500.0}
+    r = gc.rung_row("bf16", _pred(1000, 1100), _measured(950, 1200, step_ms=12.0), nvml)
+    assert r["predicted_peak_mib"] == 1000 and r["cuda_max_allocated_mib"] == 950 and r["cuda_max_reserved_mib"] == 1200
+    assert r["error_vs_allocated_pct"] == pytest.approx(100 * 50 / 950)
+    assert r["error_vs_reserved_pct"] == pytest.approx(100 * -100 / 1200)
+    assert r["nvml_used_peak_mib"] == 2000 and r["nvml_used_delta_mib"] == 1500 and r["passed"] is True
+    # Off by more than the allocated threshold: fails, and the verdict says which rung and by how much.
+    bad = gc.rung_row("fp32", _pred(1000), _measured(800, 1000), {})
+    assert bad["error_vs_allocated_pct"] == pytest.approx(25.0) and bad["passed"] is False
+    assert bad["nvml_used_peak_mib"] is None and bad["nvml_used_delta_mib"] is None
+    # Reserved far from the modelled reserved figure fails too.
+    assert gc.rung_row("fp32", _pred(1000, 1000), _measured(1000, 2000), {})["passed"] is False
+    # A rung that did not run has no verdict of its own.
+    nm = gc.rung_row("zero_offload", _pred(500), {"status": "not measured", "reason": "deepspeed failed"}, {})
+    assert nm["passed"] is None and nm["cuda_max_allocated_mib"] is None and nm["error_vs_allocated_pct"] is None
+
+
+def test_ladder_verdict():
+    good = [gc.rung_row("bf16", _pred(100), _measured(98, 110), {}),
+            gc.rung_row("fp32", _pred(200), {"status": "oom", "reason": "CUDA out of memory"}, {})]
+    v = gc.ladder_verdict(good)
+    assert v["status"] == "pass" and v["failures"] == []  # an OOM on the card is a result
+    bad = good + [gc.rung_row("fp16", _pred(100), _measured(50, 60), {}),
+                  gc.rung_row("device_map", _pred(100), {"status": "not measured", "reason": "no accelerate"}, {})]
+    v = gc.ladder_verdict(bad)
+    assert v["status"] == "fail" and len(v["failures"]) == 2
+    assert v["failures"][0].startswith("fp16: prediction off by +100.0%")
+    assert v["failures"][1] == "device_map: not measured: no accelerate"
+    assert gc.ladder_verdict([])["status"] == "fail"
+
+
+def _run(strategy, *history):
+    return {"strategy": strategy, "status": "fallback" if len(history) > 1 else "ok", "peak_mem_mib": 1.0,
+            "device_history": " -> ".join(f"{a}: {r}" for a, r in history),
+            "history": json.dumps([{"attempt": a, "result": r} for a, r in history])}
+
+
+def test_study1_verdict_needs_a_real_fallback_and_nothing_left_on_the_gpu():
+    runs = [_run("full", ("cuda@2", "oom"), ("cpu", "ok")), _run("adapter", ("cuda@2", "ok"))]
+    v = gc.study1_verdict(runs, 1024, 1024)
+    assert v["status"] == "pass" and v["fell_back"] == ["full"]
+    v = gc.study1_verdict(runs, 1024, 1024 + 512)
+    assert v["status"] == "fail" and v["failures"] == ["512 bytes left allocated on the GPU after study 1"]
+    v = gc.study1_verdict([_run("adapter", ("cuda@2", "ok"))], 0, 0)
+    assert v["status"] == "fail" and "no strategy ran out" in v["failures"][0]
+    # An OOM that never reached the CPU is not a fallback either.
+    assert gc.study1_verdict([_run("full", ("cuda@2", "oom"), ("cpu", "oom"))], 0, 0)["status"] == "fail"
+
+
+def _fake_checks(ladder_rows):
+    return {
+        "environment": lambda o: {"status": "pass", "env": {"gpu": "Fake H0", "gpu_total_mib": 81920.0,
+                                                            "torch": "2.13.0", "cuda": "12.8"}},
+        "ladder": lambda o: gc.ladder_verdict(ladder_rows),
+        "strategies": lambda o: {**gc.study1_verdict([_run("full", ("cuda@2", "oom"), ("cpu", "ok"))], 0, 0),
+                                 "budget_mib": 2.0},
+        "trace": lambda o: (_ for _ in ()).throw(RuntimeError("profiler broke")),
+    }
+
+
+def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_path):
+    rows = [gc.rung_row("bf16", _pred(100), _measured(98, 110), {"nvml_used_peak_mib": 900.0,
+                                                                   "nvml_used_before_mib": 700.0})]
+    said = []
+    summary = gc.run_checks(gc.Options(out=tmp_path), _fake_checks(rows), say=said.append)
+    assert summary["checks"] == {"environment": "pass", "ladder": "pass", "strategies": "pass", "trace": "error"}
+    assert summary["status"] == "fail" and "profiler broke" in summary["results"]["trace"]["error"]
+    assert len(said) == 4 and said[-1].startswith("gpu-check trace: error")
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["environment"]["gpu"] == "Fake H0" and saved["results"]["ladder"]["rows"][0]["rung"] == "bf16"
+    assert saved["thresholds"] == gc.THRESHOLDS and saved["within_time_limit"] is True
+    report = (tmp_path / "report.md").read_text()
+    assert "## GPU check: fail" in report and "Fake H0" in report
+    assert "| bf16 | ok | predicted | 100.0 | 98.0 | 2.0 |" in report
+    assert "caps the allocator's reserved memory" in report and "live tensor bytes" in report
+    assert "- full: fallback (cuda@2: oom -> cpu: ok)" in report
+    assert "trace: RuntimeError: profiler broke" in report
+    # Everything passes: the summary passes.
+    fine = {k: v for k, v in _fake_checks(rows).items() if k != "trace"}
+    assert gc.run_checks(gc.Options(out=tmp_path), fine, say=lambda s: None)["status"] == "pass"
+
+
+def test_only_runs_the_named_checks(tmp_path):
+    ran = []
+    found = {n: (lambda o, n=n: ran.append(n) or {"status": "pass"}) for n in ("environment", "ladder", "trace")}
+    gc.run_checks(gc.Options(out=tmp_path, extra={"only": ("trace",)}), found, say=lambda s: None)
+    assert ran == ["environment", "trace"]
+
+
+def test_study3_adds_its_split_check_through_the_extension_slot(monkeypatch, tmp_path):
+    # Not there yet: a visible "not provided" slot, not a silent gap (and not a failure).
+    monkeypatch.setattr(gc, "EXTENSIONS", ("workbench.offload.no_such_gpu_check",))
+    found = gc.checks()
+    assert list(found)[:4] == ["environment", "ladder", "strategies", "trace"]
+    assert found["split"](None)["status"] == "not provided"
+    # There: its checks join the list, after the workbench's own.
+    mod = types.ModuleType("fake_split_check")
+    mod.gpu_checks = lambda: {"split": lambda o: {"status": "pass", "alpha": 0.3}}
+    monkeypatch.setitem(sys.modules, "fake_split_check", mod)
+    monkeypatch.setattr(gc, "EXTENSIONS", ("fake_split_check",))
+    found = gc.checks()
+    assert list(found)[-1] == "split" and found["split"](None)["alpha"] == 0.3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the real check (make gpu-check)")
+def test_gpu_check_on_this_card(tmp_path):
+    summary = gc.run_checks(gc.Options(out=tmp_path, model="embedded", tiny=True, seq=64, steps=3))
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "trace.json").exists()
+    assert summary["checks"]["strategies"] == "pass", summary["results"]["strategies"]
+    assert summary["checks"]["ladder"] == "pass", summary["results"]["ladder"]["failures"]
