@@ -295,3 +295,14 @@ def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypat
     train(model(), blocks, settings, sinks=[rows.append])
     assert [r["nvml_used_mib"] for r in rows] == [500.0, 500.0]
     assert all(r["cuda_peak_allocated_mib"] == 100.0 and r["cuda_peak_reserved_mib"] == 128.0 for r in rows)
+
+
+def test_the_report_says_what_a_budget_caps_on_each_device(env):
+    from workbench.memory.study import BUDGET_NOTE, report_section
+
+    run_ladder(LadderConfig(tiny=True, rungs=("fp32",), breakdown_rung="fp32", batch=2, seq_len=32, steps=2,
+                            measure=False, autofit=False, reference_model=""))
+    parts = report_section()
+    assert "reserved memory" in BUDGET_NOTE and "live tensor bytes" in BUDGET_NOTE
+    assert BUDGET_NOTE in parts[0][2]
+    assert "reserved memory on a GPU, live tensor bytes on the CPU" in parts[1][1]

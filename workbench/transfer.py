@@ -424,7 +424,8 @@ def report_section() -> list[tuple[str, str, Any]]:
         latest = df.sort_values("finished")["config_hash"].dropna().iloc[-1]
         df = df[df["config_hash"] == latest]
     where = "GPU" if df["device"].astype(str).str.startswith("cuda").any() else "CPU"
-    tag = f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, not a real GPU'
+    tag = (f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, not a real GPU. '
+           "A CUDA budget caps the allocator's reserved memory (fragmentation included); the CPU budget counts live tensor bytes")
     problems = "".join(f"<li>{p}</li>" for p in study1_general_problems())
     overlap = root_dir / "corpus_overlap.csv"
     overlap_parts = []

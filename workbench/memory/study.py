@@ -275,6 +275,12 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------------
 # the panel and the report
 
+# What "fits the budget" means on each kind of device (issue 11 item 6).
+BUDGET_NOTE = ("On a GPU the budget caps the CUDA caching allocator's reserved memory "
+               "(set_per_process_memory_fraction: fragmentation and cached blocks count); on the CPU the "
+               "played budget counts live tensor bytes, so a played budget is a little more generous than "
+               "a card of the same size.")
+
 LADDER_COLUMNS = ["rung", "method", "predicted_peak_mib", "measured_peak_mib", "status", "reason", "step_ms",
                   "tokens_per_s", "loss_after", "fits_predicted", "fits_measured"]
 
@@ -366,11 +372,13 @@ def report_section() -> list[tuple[str, str, Any]]:
         "step run over fake tensors (no weights, no GPU)"
         + (f"; the reference model ({ref['model'].iloc[0]}) is predicted only" if len(ref) else "") + ".<br>"
         '<span class="tag modelled">estimated</span> rungs whose method is "estimated" (a formula, see note).<br>'
-        "The published memory table was not measured by its authors either; it is shown as published."
+        "The published memory table was not measured by its authors either; it is shown as published.<br>"
+        f"{BUDGET_NOTE}"
     )
     parts: list[tuple[str, str, Any]] = [
         ("text", "", tags),
-        ("table", f"The ladder for the model at hand (budget {budget:g} MiB)",
+        ("table", f"The ladder for the model at hand (budget {budget:g} MiB: reserved memory on a GPU, "
+                  f"live tensor bytes on the CPU)",
          hand[[c for c in LADDER_COLUMNS if c in hand]]),
         ("figure", "", ladder_figure(df, budget)),
     ]
