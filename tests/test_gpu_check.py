@@ -169,3 +169,21 @@ def test_gpu_check_on_this_card(tmp_path):
     assert (tmp_path / "summary.json").exists() and (tmp_path / "trace.json").exists()
     assert summary["checks"]["strategies"] == "pass", summary["results"]["strategies"]
     assert summary["checks"]["ladder"] == "pass", summary["results"]["ladder"]["failures"]
+
+
+def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, monkeypatch):
+    from workbench.results import RERUN_ENV, results_root, reuse_finished_runs
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", "/somewhere/else")
+    monkeypatch.delenv(RERUN_ENV, raising=False)
+    with gc._results_under(tmp_path / "runs"):
+        assert results_root() == tmp_path / "runs" and not reuse_finished_runs()
+    assert str(results_root()) == "/somewhere/else" and reuse_finished_runs()
+
+
+def test_only_rejects_an_unknown_check(monkeypatch, capsys):
+    from workbench.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the no-GPU line, before any CUDA call
+    assert main(["gpu-check", "--only", "ladder,tracee"]) == 2
+    assert "unknown check tracee" in capsys.readouterr().err

@@ -22,7 +22,7 @@ tested on the CPU with fabricated measurements (tests/test_gpu_check.py); the fu
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import importlib
 import os
 import time
@@ -257,21 +257,22 @@ def check_environment(opts: Options) -> dict[str, Any]:
     return {"status": "pass", "env": env}
 
 
-class _results_under:
-    """Study runs of the check write under out/runs, not into the user's results/."""
+@contextlib.contextmanager
+def _results_under(path: Path):
+    """Study runs of the check write under out/runs, not into the user's results/, and are always
+    run again (a finished run read back would not run out of memory on this card)."""
+    from workbench.results import RERUN_ENV
 
-    def __init__(self, path: Path):
-        self.path, self.old = path, None
-
-    def __enter__(self):
-        self.old = os.environ.get("WORKBENCH_RESULTS")
-        os.environ["WORKBENCH_RESULTS"] = str(self.path)
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop("WORKBENCH_RESULTS", None)
-        else:
-            os.environ["WORKBENCH_RESULTS"] = self.old
+    saved = {k: os.environ.get(k) for k in ("WORKBENCH_RESULTS", RERUN_ENV)}
+    os.environ.update({"WORKBENCH_RESULTS": str(path), RERUN_ENV: "1"})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def check_ladder(opts: Options) -> dict[str, Any]:
@@ -371,6 +372,12 @@ def _main(args) -> int:
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
                    seq=64 if args.quick else args.seq, steps=args.steps,
                    extra={"only": tuple(s for s in args.only.split(",") if s)})
-    summary = run_checks(opts)
+    found = checks()
+    unknown = [n for n in opts.extra["only"] if n not in found]
+    if unknown:
+        from workbench.config import ConfigError
+
+        raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
+    summary = run_checks(opts, found)
     print(f"gpu-check: {summary['status']} in {summary['seconds']:.0f} s; see {out / 'report.md'}")
     return 0 if summary["status"] == "pass" else 1
