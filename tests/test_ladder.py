@@ -221,6 +221,8 @@ def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypa
     m = measure(name, load, blocks, batch=2, steps=2, device="cuda")
     assert called == [(name, "cuda")] and m["status"] == "ok" and m["measured_peak_bytes"] == 123
     assert m["rung"] == name and m["device"] == "cuda"
+    over = measure(name, load, blocks, batch=2, steps=2, device="cuda", budget_mib=100 / 2**20)
+    assert over["status"] == "oom" and "> budget" in over["reason"]
     # On the CPU they are still skipped with the reason (nothing to move between two memories).
     assert measure(name, load, blocks, batch=2, steps=2, device="cpu")["status"] == "skipped"
 

@@ -226,8 +226,13 @@ def measure(
         # Measured through its own mechanism (accelerate / DeepSpeed), never as the plain bf16
         # step below: that would put bf16_ckpt's figure under this rung's name.
         try:
-            return {**row, **measure_offloaded(plan, load, blocks, batch=batch, steps=steps, device=device,
-                                               lr=lr, sinks=sinks)}
+            out = {**row, **measure_offloaded(plan, load, blocks, batch=batch, steps=steps, device=device,
+                                              lr=lr, sinks=sinks)}
+            if budget_mib is not None and out.get("measured_peak_bytes", 0) > budget_mib * 2**20:
+                # The libraries allocate outside the live-bytes count, so the budget is checked on the peak.
+                raise torch.OutOfMemoryError(f"{plan.name}: peak {out['measured_peak_bytes'] / 2**20:.1f} MiB "
+                                             f"> budget {budget_mib:g} MiB")
+            return out
         except torch.OutOfMemoryError as e:
             return {**row, "status": "oom", "reason": str(e)[:300]}
         except Exception as e:  # a library missing or failing: say so, report no figure
