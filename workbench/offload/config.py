@@ -32,7 +32,7 @@ class SplitConfig(Config):
     seq_len: int = param(64, "tokens per sequence")
     iterations: int = param(12, "training iterations per measured run (warm-up included)")
     warmup: int = param(2, "first iterations left out of the throughput means")
-    lr: float = param(1e-3, "AdamW learning rate")
+    lr: float = param(3e-4, "AdamW learning rate (1e-3 raised the held-out perplexity of the default base in 12 iterations)")
     weight_decay: float = param(0.01, "AdamW decoupled weight decay")
     precision: Literal["fp32", "bf16", "fp16"] = param(
         "fp32", "training copy dtype on the accelerator (fp32 gives bit-exact parity with AdamW)"
