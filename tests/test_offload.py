@@ -425,3 +425,269 @@ def test_cli_published_and_bad_set():
     assert main(["split", "--published"]) == 0
     assert main(["split", "--set", "nosuch=1"]) == 2
     assert main(["split", "--set", "k_sweep=[2]"]) == 2
+
+
+# ---------------------------------------------------------------- issue 11: pinned budget (item 3)
+def _record_pinned(monkeypatch) -> list[int]:
+    """Every host buffer the engine allocates goes through _cuda.alloc: record the bytes of those
+    asked to be page-locked (and allocate them unpinned: this CPU has no pinned allocator)."""
+    from workbench.offload import _cuda
+
+    pinned: list[int] = []
+    real = _cuda.alloc
+
+    def alloc(shape, dtype, pin):
+        t = real(shape, dtype, False)
+        if pin:
+            pinned.append(t.numel() * t.element_size())
+        return t
+
+    monkeypatch.setattr(_cuda, "alloc", alloc)
+    return pinned
+
+
+def wide_qwen() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pinned_memory_is_the_staging_rings_whatever_the_model(monkeypatch, precision):
+    """What the engine would pin on CUDA (counted here with pinning asked for on the CPU): the two
+    staging rings, the same bytes for a 0.1M- and a 6M-parameter model, and for a 7B plan."""
+    from workbench.offload import _cuda
+
+    pinned = _record_pinned(monkeypatch)
+    seen = {}
+    for make in (tiny_qwen, wide_qwen):
+        pinned.clear()
+        model = make()
+        eng = SplitEngine(model, hp=HP, precision=precision, pin_memory=True,
+                          staging_chunks=2, staging_chunk_mib=0.25)
+        n = sum(p.numel() for p in model.parameters())
+        seen[n] = sum(pinned)
+        assert eng.pinned_bytes == sum(pinned) == eng.staging_bytes
+        itemsize = eng.dtype.itemsize
+        assert sum(pinned) == 2 * 2 * (2**18 // itemsize) * itemsize  # 2 rings x 2 chunks x 256 KiB
+        eng.close()
+    small, big = sorted(seen)
+    assert big > 20 * small and seen[small] == seen[big]
+    # a Llama-2-7B-sized plan: the old design pinned 12-16 bytes per parameter (about 100 GB)
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig())
+    n7b = sum(p.numel() for p in llama.parameters())
+    assert n7b > 6e9 and 12 * n7b > 80e9
+    assert _cuda.staging_bytes(4, 8 * 2**20, torch.bfloat16) == 64 * 2**20  # the default: 64 MiB
+    # by default nothing is pinned on the CPU
+    pinned.clear()
+    eng = SplitEngine(tiny_qwen(), hp=HP)
+    assert eng.pinned_bytes == 0 and not pinned and eng.rows == []
+    eng.close()
+
+
+@pytest.mark.parametrize("k", [0.0, 0.5])
+def test_chunked_staging_keeps_parity(k):
+    """Chunks of 256 fp32 elements (1 KiB, two per ring): every gradient and weight goes through
+    many chunks and the ring wraps constantly; the weights are still AdamW's to the bit."""
+    base, data = tiny_qwen(), batches(512, 3)
+    ref_w, ref_loss = reference(copy.deepcopy(base), data)
+    model = copy.deepcopy(base)
+    eng, losses = run_engine(model, data, k=k, staging_chunks=2, staging_chunk_mib=1 / 1024)
+    assert eng.copier.grads.chunk_elems == 256
+    assert max(p.numel() for p in model.parameters()) > 100 * 256  # the big ones take >100 chunks
+    assert losses == ref_loss
+    masters = eng.master_weights()
+    params = dict(model.named_parameters())
+    for n, w in ref_w.items():
+        assert torch.equal(masters[n], w), n
+        assert torch.equal(params[n].detach(), w), n
+    assert eng.rows[-1]["pinned_bytes"] == 0 and eng.rows[-1]["staging_bytes"] == 2 * 2 * 1024
+    eng.close()
+
+
+def test_ring_hands_each_chunk_to_one_thread_at_a_time():
+    import threading
+
+    from workbench.offload._cuda import Ring
+
+    ring = Ring(2, 64, torch.float32, pinned=False)
+    assert ring.chunk_elems == 16 and list(ring.spans(40)) == [(0, 16), (16, 32), (32, 40)]
+    held, clash = set(), []
+    lock = threading.Lock()
+
+    def work():
+        for _ in range(300):
+            i = ring.acquire()
+            with lock:
+                clash.append(i in held)
+                held.add(i)
+            with lock:
+                held.discard(i)
+            ring.release(i)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(clash) == 900 and not any(clash)
+
+
+# ---------------------------------------------------------------- fp16 overflow without serialising (item 4)
+def hold_until_host_done(eng: SplitEngine, param: torch.nn.Parameter, then=lambda g: g):
+    """A gradient hook on the last-arriving `param`: backward goes on only once every host update
+    submitted so far has run, i.e. they all ran before the verdict (speculation, deterministically)."""
+    def hook(g):
+        for s in eng.slots.values():
+            if s.side == "host" and s.future is not None and s.param is not param:
+                s.future.result()
+        return then(g)
+
+    return param.register_hook(hook)
+
+
+def test_fp16_injected_inf_skips_every_layer_after_speculating():
+    """An inf in the gradient that arrives last (the input embedding): host updates of the other
+    layers have already run (speculatively) when backward ends; the verdict undoes every one of
+    them: no master, no training weight and no Adam state changes. The next step runs normally
+    and equals a fresh engine's first step at the halved scale."""
+    base, data = tiny_qwen(), batches(512, 2)
+    model = copy.deepcopy(base)
+    eng = SplitEngine(model, hp=HP, precision="fp16", k=0.0)
+    before = eng.master_weights()
+    before_copy = {n: p.detach().clone() for n, p in model.named_parameters()}
+    emb = model.model.embed_tokens.weight
+    h = hold_until_host_done(eng, emb, then=lambda g: torch.full_like(g, float("inf")))
+    eng.step(data[0])
+    h.remove()
+    eng.finish()
+    row = eng.rows[0]
+    assert row["skipped_overflow"] and eng.scale == 2.0**15
+    # every other layer was updated before the verdict, then undone
+    assert row["redone_host_params"] >= row["host_params"] - emb.numel() > 0
+    masters = eng.master_weights()
+    assert all(torch.equal(masters[n], before[n]) for n in before)
+    assert all(torch.equal(p.detach(), before_copy[n]) for n, p in model.named_parameters())
+    assert all(s.opt.export_state() == {} for s in eng.slots.values())  # no Adam step counted
+    eng.step(data[1])
+    eng.finish()
+    assert not eng.rows[1]["skipped_overflow"]
+    fresh, _ = run_engine(copy.deepcopy(base), data[1:], k=0.0, precision="fp16", loss_scale=2.0**15)
+    other = fresh.master_weights()
+    after = eng.master_weights()
+    assert all(torch.equal(after[n], other[n]) for n in after)
+    assert any(not torch.equal(after[n], before[n]) for n in after)
+    eng.close()
+    fresh.close()
+
+
+def test_fp16_host_updates_overlap_backward():
+    """fp16 without overflow: the host does not wait for the overflow verdict to update."""
+    base = tiny_qwen()
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, 512, (8, 64), generator=g) for _ in range(4)]
+    eng, _ = run_engine(copy.deepcopy(base), data, k=0.0, precision="fp16")
+    assert not any(r["skipped_overflow"] for r in eng.rows)
+    assert len(overlapped_iterations(eng.events)) >= 3, eng.events
+    assert all(r["redone_host_params"] == 0 for r in eng.rows)
+    eng.close()
+
+
+def test_cuda_calls_name_their_device():
+    """current_stream() without a device is the current GPU's stream, not the model's."""
+    import inspect
+
+    from workbench.offload import _cuda
+
+    src = inspect.getsource(_cuda)
+    assert "current_stream()" not in src and "current_stream(self.device)" in src
+
+
+# ---------------------------------------------------------------- gradient clipping (item 8)
+def reference_clipped(model, data, max_norm) -> tuple[dict, list]:
+    opt = torch.optim.AdamW(model.parameters(), lr=HP.lr, betas=HP.betas, eps=HP.eps,
+                            weight_decay=HP.weight_decay, fused=True)
+    norms = []
+    for b in data:
+        model(input_ids=b, labels=b).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("k", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("max_norm", [0.05, 1e9])
+def test_clipping_matches_clip_grad_norm_and_adamw_exactly(name, k, max_norm):
+    """max_norm 0.05 clips every step (speculated host updates redone with the coefficient);
+    1e9 never clips (speculated updates committed). Both: AdamW's weights to the bit."""
+    make, vocab = MODELS[name]
+    base, data = make(), batches(vocab, 3)
+    ref_w, ref_norms = reference_clipped(copy.deepcopy(base), data, max_norm)
+    model = copy.deepcopy(base)
+    eng = SplitEngine(model, hp=HP, k=k, max_grad_norm=max_norm)
+    first = model.get_input_embeddings().weight  # arrives last (GPT-2: tied, at the very end)
+    hold = hold_until_host_done(eng, first)  # every host update speculates before the verdict
+    for b in data:
+        eng.step(b)
+    eng.finish()
+    hold.remove()
+    masters = eng.master_weights()
+    for n, w in ref_w.items():
+        assert torch.equal(masters[n], w), n
+    assert [r["grad_norm"] for r in eng.rows] == ref_norms
+    clipped = max_norm < 1
+    assert all((r["clip_coef"] < 1.0) == clipped for r in eng.rows)
+    if k < 1.0:  # clipped: the speculated host updates were all redone with the coefficient
+        assert all((r["redone_host_params"] >= r["host_params"] - first.numel()) if clipped
+                   else r["redone_host_params"] == 0 for r in eng.rows)
+        assert all(r["host_params"] > first.numel() for r in eng.rows)
+    eng.close()
+
+
+def test_clipping_exact_without_speculation_budget():
+    """speculation_mib=0: host updates wait for the verdict (no overlap) and stay exact."""
+    base, data = tiny_qwen(), batches(512, 3)
+    ref_w, _ = reference_clipped(copy.deepcopy(base), data, 0.05)
+    eng, _ = run_engine(copy.deepcopy(base), data, k=0.5, max_grad_norm=0.05, speculation_mib=0)
+    masters = eng.master_weights()
+    assert all(torch.equal(masters[n], w) for n, w in ref_w.items())
+    assert all(r["redone_host_params"] == 0 for r in eng.rows)
+    eng.close()
+
+
+def test_clipping_keeps_overlap_when_under_the_norm():
+    base = tiny_qwen()
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, 512, (8, 64), generator=g) for _ in range(4)]
+    eng, _ = run_engine(copy.deepcopy(base), data, k=0.0, max_grad_norm=1e9)
+    assert len(overlapped_iterations(eng.events)) >= 3
+    eng.close()
+
+
+# ---------------------------------------------------------------- ZeRO-Offload baseline (item 5)
+def test_zero_offload_backend_is_nccl_on_cuda_gloo_on_cpu():
+    from workbench.offload.zero_baseline import dist_backend
+
+    assert dist_backend("cuda") == "nccl" and dist_backend(torch.device("cuda", 1)) == "nccl"
+    assert dist_backend("cpu") == "gloo" and dist_backend(torch.device("cpu")) == "gloo"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: pinned rings, copy streams, events")
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_cuda_engine_clipping_and_chunks(precision):
+    base, data = tiny_qwen(), batches(512)
+    ref_w, _ = reference_clipped(copy.deepcopy(base).cuda(), [b.cuda() for b in data], 0.05)
+    eng, _ = run_engine(copy.deepcopy(base).cuda(), [b.cuda() for b in data], k=0.5, precision=precision,
+                        max_grad_norm=0.05, staging_chunks=2, staging_chunk_mib=1 / 64)
+    assert eng.pinned_bytes == 2 * 2 * 2**14
+    masters = eng.master_weights()
+    tol = HP.lr * (1e-2 if precision == "fp32" else 0.5)
+    for n, w in ref_w.items():
+        torch.testing.assert_close(masters[n], w.cpu(), rtol=0, atol=tol)
+    for r in eng.rows:
+        assert 0.0 <= r["accel_idle_share"] <= 1.0 and r["to_host_ms"] >= 0 and r["to_accel_ms"] >= 0
+    eng.close()

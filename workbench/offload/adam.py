@@ -102,6 +102,23 @@ class ParamAdam:
                                        hp.weight_decay, True, p.data, p.grad.data,
                                        st["exp_avg"], st["exp_avg_sq"])
 
+    # ---- speculation (fp16 overflow, gradient clipping): a copy taken before an update, put back
+    def snapshot(self) -> dict:
+        """Copies of the master and the Adam state (12 bytes per element, pageable host memory)."""
+        st = self.export_state()
+        return {"master": self.master.detach().clone(),
+                "state": {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}}
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        """Undo the updates made since `snapshot()`: the same bits as before."""
+        self.master.copy_(snap["master"])
+        if self.opt is None:
+            self.state = {}
+        else:
+            self.opt.state.pop(self.master, None)
+        self.import_state(snap["state"])
+
     # ---- state moves (k changed): neutral form in, neutral form out
     def export_state(self) -> dict:
         st = self.state if self.opt is None else self.opt.state.get(self.master, {})

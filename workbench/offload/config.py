@@ -41,6 +41,10 @@ class SplitConfig(Config):
         "torch_fused", "host Adam: torch fused AdamW, or DeepSpeedCPUAdam (needs its op to build)"
     )
     host_workers: int = param(1, "host threads running Adam updates while backward goes on")
+    max_grad_norm: float = param(
+        0.0, "global-norm gradient clipping (0 = off). Exact (= clip_grad_norm_ + AdamW): host updates "
+        "speculate an unclipped step during backward and are redone after it when the norm is over (a "
+        "clipped step loses the overlap)")
     k_sweep: tuple[float, ...] = param(
         (0.0, 0.25, 0.5, 0.75, 1.0), "static k values (share of parameters updated on the accelerator)"
     )
@@ -86,6 +90,8 @@ class SplitConfig(Config):
             raise ConfigError(f"warmup must be in [0, iterations), got {self.warmup}")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"max_grad_norm must be >= 0 (0 = off), got {self.max_grad_norm}")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         for k in (*self.k_sweep, self.k_start):

@@ -7,8 +7,12 @@
     engine.rows                             # one plain dict per iteration (also sent to sinks)
 
 Layout (what lives where):
-- host: the fp32 master copy and the Adam state of every parameter the host updates (pinned
-  on CUDA machines), plus staging buffers for gradients and weights in the training dtype;
+- host: the fp32 master copy, an fp32 gradient buffer and the Adam state of every parameter the
+  host updates, all in ordinary (pageable) memory; plus two small rings of staging chunks in the
+  training dtype (gradients in, weights out; `staging_chunks` x `staging_chunk_mib` each), the
+  only page-locked memory on CUDA: the pinned budget does not grow with the model (rows report
+  `pinned_bytes`). Every copy goes through a chunk: device -> chunk (DMA) -> fp32 buffer (upcast
+  on the host), and fp32 master -> chunk (downcast) -> device;
 - accelerator: the training copy in the training dtype (the model itself); for the share k of
   parameters it updates, their fp32 master (the parameter itself when training in fp32) and
   Adam state.
@@ -17,13 +21,32 @@ One iteration:
 1. forward under autocast; each module waits (forward pre-hook) only for its own weights, so
    the next forward starts while the host is still finishing the layers it needs last;
 2. backward; a post-accumulate-grad hook fires once per parameter when its gradient is final
-   (a tied weight: at the very end of backward). Host parameters: the gradient is copied to
-   the host (a side stream on CUDA, the worker thread on CPU) and a worker thread runs the
-   host Adam on it, then copies the new weights back, while backward continues;
+   (a tied weight: at the very end of backward). The hook runs on the thread that runs
+   backward: the main thread on the CPU, autograd's device thread on CUDA (while the main thread
+   waits in `backward()`). It only appends to per-iteration lists (under `_lock`) and submits
+   jobs: a copy thread brings the gradient to the host through the gradient ring (side stream
+   on CUDA), and a host worker runs the host Adam on it and sends the new weights back through
+   the weight ring, while backward continues;
 3. after backward the accelerator updates its share k: the layers whose gradients arrived
    last, i.e. the ones the next forward needs first;
 4. measurements (backward time, per-parameter update times on both sides, seconds per byte
    moved) give the next k (balance.balance_k) every `k_every` iterations when adaptive.
+
+Decisions known only after backward (fp16 overflow, global-norm gradient clipping) are made by
+SPECULATION, so that the host updates keep overlapping backward: until backward has ended, a
+host update takes a snapshot of its master and Adam state (pageable; at most `speculation_mib`
+at a time, past that the remaining updates wait for the verdict, i.e. lose overlap), then
+updates as if the step were clean and unclipped. After backward the main thread decides once:
+- commit (no overflow; global norm <= max_grad_norm): snapshots are dropped, nothing redone;
+- skip (fp16 overflow): every speculated layer is restored from its snapshot and its old
+  weights are sent back; layers not yet updated skip; no layer's weights change;
+- clip (global norm > max_grad_norm): every speculated layer is restored and updated again with
+  its gradient times the clip coefficient; later layers use the coefficient directly.
+The result is exact: the same bits as `clip_grad_norm_` + `torch.optim.AdamW` in fp32 (the
+norm is computed as `clip_grad_norm_` computes it: per-tensor norms, stacked in
+`model.parameters()` order). The trade-off: a clipped step redoes the host's speculated updates
+after backward (serial: a clipped step is about as slow as no overlap at all), and every step
+copies 12 bytes per speculated parameter. With clipping off and bf16/fp32, nothing is speculated.
 
 On a CPU-only machine the "accelerator" is the CPU as well: the engine then shows correctness
 (parity with torch.optim.AdamW), scheduling and overlap, not GPU speed. Every row of an
@@ -51,22 +74,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HOST, ACCEL = "host", "accelerator"
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: slots key the speculation journal
 class _Slot:
     """One trainable parameter's bookkeeping."""
 
     name: str
     layer: str
     param: nn.Parameter  # the training copy (on the accelerator, training dtype)
-    host_master: torch.Tensor  # fp32 on the host (kept allocated whichever side updates)
-    host_grad: torch.Tensor  # fp32 gradient buffer on the host
-    g_stage: torch.Tensor  # gradient as it arrives (training dtype, pinned on CUDA)
-    w_stage: torch.Tensor  # new weights before they go back (training dtype, pinned on CUDA)
+    host_master: torch.Tensor  # fp32 on the host, pageable (kept allocated whichever side updates)
+    host_grad: torch.Tensor  # fp32 gradient buffer on the host, pageable
     side: str = HOST
     opt: ParamAdam | None = None
     accel_master: torch.Tensor | None = None
-    future: Future | None = None  # host work of the last iteration
-    ready: object = None  # CUDA event: the weights are back on the device
+    future: Future | None = None  # host work of the last iteration (update + weights sent back)
+    ready: object = None  # CUDA event: the weights are back on the device (None on the CPU)
 
     @property
     def numel(self) -> int:
@@ -81,18 +102,32 @@ class _Iter:
     k_target: float
     k_actual: float
     tokens: int
-    marks: dict = field(default_factory=dict)  # accelerator timeline marks (floats or events)
-    host_events: list = field(default_factory=list)  # (lane, slot name, start_ms, end_ms, numel, bytes)
+    marks: dict = field(default_factory=dict)  # accelerator timeline marks (Clock marks)
+    host_events: list = field(default_factory=list)  # (lane, slot name, start mark, end mark, numel, bytes)
     arrivals: list = field(default_factory=list)  # layer of each gradient, in arrival order
-    wait_ms: float = 0.0  # forward time spent waiting for weights (accelerator idle)
+    waits: list = field(default_factory=list)  # (start, end) marks: forward waiting for weights
+    wait_ms: float = 0.0  # their total (accelerator idle), filled in by _finalize
+    norms: dict = field(default_factory=dict)  # parameter -> its gradient's 2-norm (clipping only)
+    gate: "_Gate | None" = None  # fp16 / clipping: the verdict on this step
     loss: float = float("nan")
     skipped: bool = False  # fp16 overflow: no update
+    grad_norm: float = float("nan")  # global gradient norm (clipping only; unscaled)
+    clip_coef: float = 1.0
+    redone_numel: int = 0  # host parameters whose speculated update was undone (skip or clip)
     host_numel: int = 0
     accel_numel: int = 0
 
 
 class SplitEngine:
-    """Train `model` with the update split between the accelerator and the host (see module doc)."""
+    """Train `model` with the update split between the accelerator and the host (see module doc).
+
+    max_grad_norm: global-norm clipping, exact (speculate unclipped, redo when clipped; 0 = off).
+    staging_chunks, staging_chunk_mib: each ring's chunks (rounded up to a power of two); pinned
+        memory on CUDA is 2 x chunks x chunk size, whatever the model (`pinned_bytes`).
+    speculation_mib: fp16 / clipping snapshot budget (12 bytes per speculated host parameter,
+        pageable); past it, host updates wait for the verdict instead of speculating.
+    pin_memory: page-lock the staging rings (default: on CUDA only).
+    """
 
     def __init__(
         self,
@@ -108,6 +143,11 @@ class SplitEngine:
         host_workers: int = 1,
         sinks: Iterable[Callable[[dict], None]] = (),
         loss_scale: float = 2.0**16,
+        max_grad_norm: float = 0.0,
+        staging_chunks: int = 4,
+        staging_chunk_mib: float = 8.0,
+        speculation_mib: float = 4096.0,
+        pin_memory: bool | None = None,
     ):
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {list(DTYPES)}")
@@ -122,26 +162,32 @@ class SplitEngine:
         self.sinks = list(sinks)
         self.scale = loss_scale if precision == "fp16" else 1.0
         self._good_steps = 0
+        self.max_grad_norm = float(max_grad_norm)
+        self.speculation_bytes = int(speculation_mib * 2**20)
         self.clock = _cuda.Clock(self.device)
-        self.copier = _cuda.Copier(self.device) if self.cuda else None
+        # the only pinned memory (on CUDA): two rings of fixed chunks, whatever the model's size
+        self.copier = _cuda.Copier(self.device, staging_chunks, int(staging_chunk_mib * 2**20), self.dtype,
+                                   pinned=pin_memory)
+        self.pinned_bytes, self.staging_bytes = self.copier.pinned_bytes, self.copier.staging_bytes
+        self.copy_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="to-host")
         self.pool = ThreadPoolExecutor(max_workers=host_workers, thread_name_prefix="host-adam")
+        self._lock = threading.Lock()  # per-iteration lists appended from the hook and the workers
 
         # ---- masters from the fp32 weights, then the model becomes the training copy
         self.layers = split_layers(model)
         self.slots: dict[nn.Parameter, _Slot] = {}
         for layer in self.layers:
             for name, p in layer.params:
-                master = _cuda.host_empty_like(p, torch.float32, self.cuda).copy_(p.detach())
-                host_grad = _cuda.host_empty_like(p, torch.float32, self.cuda)
-                same = self.dtype == torch.float32 and not self.cuda  # no separate staging needed
-                g_stage = host_grad if same else _cuda.host_empty_like(p, self.dtype, self.cuda)
-                w_stage = master if same else _cuda.host_empty_like(p, self.dtype, self.cuda)
-                s = _Slot(name, layer.name, p, master, host_grad, g_stage, w_stage)
+                master = _cuda.host_empty_like(p, torch.float32, pinned=False).copy_(p.detach())
+                host_grad = _cuda.host_empty_like(p, torch.float32, pinned=False)
+                s = _Slot(name, layer.name, p, master, host_grad)
                 s.opt = ParamAdam(master, hp, backend)
                 self.slots[p] = s
         if self.dtype != torch.float32:
             for p in self.slots:
                 p.data = p.data.to(self.dtype)
+        self.host_bytes = 8 * sum(s.numel for s in self.slots.values())  # master + gradient, pageable
+        self._norm_order = [p for p in model.parameters() if p in self.slots]  # clip_grad_norm_'s order
         self.sizes = {l.name: l.numel for l in self.layers}
         self.total_numel = sum(self.sizes.values())
         self.order = guessed_arrival_order(self.layers)
@@ -162,7 +208,6 @@ class SplitEngine:
         self.events: list[dict] = []  # timeline of every iteration (lane, start/end ms)
         self._cur: _Iter | None = None
         self._pending: _Iter | None = None  # previous iteration, host work maybe still running
-        self._gate: threading.Event | None = None
         self._inf = None
 
     # ------------------------------------------------------------------ placement
@@ -228,8 +273,8 @@ class SplitEngine:
             steps()  # state allocation outside the timing
             return best(steps) / n
 
-        dev_buf = torch.empty(n, dtype=self.dtype, device=self.device)
-        host_buf = _cuda.host_empty_like(dev_buf, self.dtype, self.cuda)
+        host_buf = self.copier.grads.chunks[0]  # copies go through staging chunks
+        dev_buf = torch.empty(host_buf.numel(), dtype=self.dtype, device=self.device)
         nbytes = dev_buf.numel() * dev_buf.element_size()
         return {
             "host_s_per_elem": adam_time("cpu", self.backend),
@@ -246,13 +291,13 @@ class SplitEngine:
             pending = [s for s in slots if s.future is not None]
             if not pending:
                 return
-            t0 = self.clock.host_ms()
+            t0 = self.clock.host_mark()
             for s in pending:
                 s.future.result()  # host update + the copy back have been issued
                 self._wait_ready(s)
                 s.future = None
             if self._cur is not None:  # outside step() (an eval forward) it still waits, unrecorded
-                self._cur.wait_ms += self.clock.host_ms() - t0
+                self._cur.waits.append((t0, self.clock.host_mark()))
 
         return wait
 
@@ -262,59 +307,99 @@ class SplitEngine:
             s.ready = None
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        """The gradient of `p` is final (post-accumulate-grad hook, main thread)."""
+        """The gradient of `p` is final. Runs on the thread running backward (the main thread on
+        the CPU, autograd's device thread on CUDA): it touches only this iteration's lists (under
+        `_lock`), device-side flags read after backward, and thread-safe executors."""
         it, s = self._cur, self.slots[p]
         if it is None:
             return
-        it.arrivals.append(s.layer)
+        with self._lock:
+            it.arrivals.append(s.layer)
+        if self.max_grad_norm > 0:  # this tensor's norm, as clip_grad_norm_ computes it (on the device)
+            g = p.grad
+            it.norms[p] = (torch.linalg.vector_norm(g, 2) if g.dtype == torch.float32
+                           else torch.linalg.vector_norm(g, 2, dtype=torch.float32))
         if self.dtype == torch.float16:  # overflow flag, summed on the device, read once after backward
             bad = (~torch.isfinite(p.grad)).any()
             self._inf = bad if self._inf is None else self._inf | bad
         if s.side == ACCEL:
             return  # updated after backward (these layers arrive last anyway)
         grad = p.grad
-        p.grad = None  # the accelerator's copy of this gradient is no longer needed
-        copied = self.copier.to_host(grad, s.g_stage) if self.cuda else None
-        s.future = self.pool.submit(self._host_update, it, s, None if self.cuda else grad, copied, self._gate)
+        p.grad = None  # the copy job holds the gradient until it is on the host
+        ready = self.copier.ready_event()
+        copied = self.copy_pool.submit(self._to_host, it, s, grad, ready)
+        s.future = self.pool.submit(self._host_update, it, s, copied)
 
     # ------------------------------------------------------------------ host side (worker threads)
+    def _event(self, it: _Iter, *e) -> None:
+        with self._lock:
+            it.host_events.append(e)
+
     @torch.no_grad()
-    def _host_update(self, it: _Iter, s: _Slot, grad, copied, gate) -> None:
-        ms = self.clock.host_ms
-        nbytes = s.numel * self.dtype.itemsize
-        t0 = ms()
-        if copied is None:
-            s.g_stage.copy_(grad)  # "device -> host" when the device is the CPU
-            del grad
-            t1 = ms()
-            it.host_events.append(("to host", s.name, t0, t1, s.numel, nbytes))
+    def _to_host(self, it: _Iter, s: _Slot, grad: torch.Tensor, ready) -> None:
+        """Copy thread: the gradient into the pageable fp32 buffer, through the gradient ring."""
+        t0 = self.clock.host_mark()
+        self.copier.to_host(grad, ready, s.host_grad)
+        del grad  # the device's gradient memory can go now
+        self._event(it, "to host", s.name, t0, self.clock.host_mark(), s.numel, s.numel * self.dtype.itemsize)
+
+    @torch.no_grad()
+    def _host_update(self, it: _Iter, s: _Slot, copied: Future) -> None:
+        copied.result()
+        gate = it.gate
+        if gate is None:
+            self._apply(it, s, None)
+            return
+        if gate.scale != 1.0:
+            s.host_grad.mul_(1.0 / gate.scale)  # undo the fp16 loss scale (once; a redo reuses it)
+        with gate.lock:
+            if gate.decided.is_set():
+                mode = "final"
+            elif gate.used + 12 * s.numel <= gate.budget:
+                mode, gate.used = "speculate", gate.used + 12 * s.numel
+                gate.journal[s] = None  # registered under the lock: the verdict will see it
+            else:
+                mode = "wait"  # over the speculation budget: this one waits for the verdict
+        if mode == "speculate":
+            snap = s.opt.snapshot()
+            with gate.lock:
+                if s in gate.journal:  # still wanted (a commit drops the journal)
+                    gate.journal[s] = snap
+            self._apply(it, s, None)
+            return
+        if mode == "wait":
+            gate.decided.wait()
+        if not gate.skip:
+            self._apply(it, s, gate.coef)
+
+    @torch.no_grad()
+    def _redo(self, it: _Iter, s: _Slot, old: Future, gate: "_Gate") -> None:
+        """After a skip or clip verdict: undo a speculated update, then skip it or redo it clipped."""
+        old.result()
+        with gate.lock:
+            snap = gate.journal.pop(s)
+        s.opt.restore(snap)
+        if gate.skip:
+            t = self.clock.host_mark()
+            s.ready = self.copier.to_device(s.host_master, s.param.data)  # the old weights, again
+            self._event(it, "to accelerator", s.name, t, s.ready if self.cuda else self.clock.host_mark(),
+                        s.numel, s.numel * self.dtype.itemsize)
         else:
-            copied[1].synchronize()
-            t1 = ms()
-            it.host_events.append(("to host", s.name, ("ev", copied[0]), ("ev", copied[1]), s.numel, nbytes))
-        if gate is not None:  # fp16: wait until backward has said whether any gradient overflowed
-            gate.wait()
-            if gate.skip:
-                return
-            t1 = ms()
-        if s.g_stage is not s.host_grad:
-            s.host_grad.copy_(s.g_stage)  # upcast to fp32 (part of the host update's cost)
-        if gate is not None:
-            s.host_grad.mul_(1.0 / gate.scale)  # undo the fp16 loss scale
+            self._apply(it, s, gate.coef)
+
+    def _apply(self, it: _Iter, s: _Slot, coef: torch.Tensor | None) -> None:
+        """Host Adam on the gradient in host_grad (times the clip coefficient), weights back."""
+        t1 = self.clock.host_mark()
+        if coef is not None:
+            s.host_grad.mul_(coef)  # clip_grad_norm_'s own op: the same bits
         s.host_master.grad = s.host_grad
         s.opt.step()
         s.host_master.grad = None
-        if s.w_stage is not s.host_master:
-            s.w_stage.copy_(s.host_master)  # downcast to the training dtype
-        t2 = ms()
-        it.host_events.append(("host update", s.name, t1, t2, s.numel, s.numel * 4))
-        if self.cuda:
-            start, end = self.copier.to_device(s.w_stage, s.param.data)
-            s.ready = end
-            it.host_events.append(("to accelerator", s.name, ("ev", start), ("ev", end), s.numel, nbytes))
-        else:
-            s.param.data.copy_(s.w_stage)  # "host -> device" when the device is the CPU
-            it.host_events.append(("to accelerator", s.name, t2, ms(), s.numel, nbytes))
+        t2 = self.clock.host_mark()
+        self._event(it, "host update", s.name, t1, t2, s.numel, s.numel * 4)
+        s.ready = self.copier.to_device(s.host_master, s.param.data)  # downcast through the weight ring
+        end = s.ready if self.cuda else self.clock.host_mark()
+        self._event(it, "to accelerator", s.name, t2, end, s.numel, s.numel * self.dtype.itemsize)
 
     # ------------------------------------------------------------------ one iteration
     def _autocast(self):
@@ -329,8 +414,9 @@ class SplitEngine:
         it = _Iter(self.iteration, self.k_target, self.k_actual, input_ids.numel())
         it.host_numel = sum(s.numel for s in self.slots.values() if s.side == HOST)
         it.accel_numel = self.total_numel - it.host_numel
+        if self.dtype == torch.float16 or self.max_grad_norm > 0:
+            it.gate = _Gate(self.scale, self.speculation_bytes)
         self._cur = it
-        self._gate = _Gate(self.scale) if self.dtype == torch.float16 else None
         self._inf = None
         it.marks["start"] = self.clock.mark()
 
@@ -341,15 +427,15 @@ class SplitEngine:
         it.marks["forward_end"] = self.clock.mark()
         self._finalize(self._pending)  # every weight was waited for: last iteration's host work is done
 
-        (loss * self.scale if self.scale != 1.0 else loss).backward()
+        try:
+            (loss * self.scale if self.scale != 1.0 else loss).backward()
+        except BaseException:
+            if it.gate is not None:  # no verdict will come: let waiting workers skip
+                it.gate.decide(skip=True, coef=None)
+            raise
         it.marks["backward_end"] = self.clock.mark()
         it.loss = float(loss.detach())
-
-        if self._gate is not None:  # fp16 loss scaling: one device->host read of the overflow flag
-            found = bool(self._inf) if self._inf is not None else False
-            it.skipped = found
-            self._gate.release(skip=found)
-            self._update_scale(found)
+        coef = self._verdict(it) if it.gate is not None else None
 
         with torch.no_grad():  # the accelerator's share (fp32 master on the accelerator)
             for s in self.slots.values():
@@ -358,7 +444,10 @@ class SplitEngine:
                 if not it.skipped:
                     g = s.param.grad
                     if s.accel_master is not s.param:
-                        s.accel_master.grad = g.float().mul_(1.0 / self._gate.scale) if self._gate else g.float()
+                        g = g.float().mul_(1.0 / it.gate.scale) if self.dtype == torch.float16 else g.float()
+                        s.accel_master.grad = g
+                    if coef is not None:
+                        g.mul_(coef.to(g.device))
                     s.opt.step()
                     if s.accel_master is not s.param:
                         s.param.data.copy_(s.accel_master)
@@ -370,6 +459,30 @@ class SplitEngine:
         self._pending, self._cur = it, None
         self.iteration += 1
         return it.loss
+
+    def _verdict(self, it: _Iter) -> torch.Tensor | None:
+        """After backward: skip (fp16 overflow), clip (returns the coefficient) or commit; undo
+        and redo the host's speculated updates where the verdict is not commit."""
+        gate = it.gate
+        found = bool(self._inf) if self._inf is not None else False  # one device->host read
+        coef = None
+        if self.max_grad_norm > 0 and not found and it.norms:
+            # clip_grad_norm_: the norm of the per-tensor norms, in model.parameters() order
+            total = torch.linalg.vector_norm(torch.stack([it.norms[p] for p in self._norm_order if p in it.norms]), 2)
+            if self.dtype == torch.float16:
+                total = total / gate.scale
+            clamped = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            it.grad_norm, it.clip_coef = float(total), float(clamped)
+            if it.clip_coef < 1.0:
+                coef = clamped
+        it.skipped = found
+        redo = gate.decide(skip=found, coef=None if coef is None else coef.cpu())
+        for s in redo:
+            s.future = self.pool.submit(self._redo, it, s, s.future, gate)
+        it.redone_numel = sum(s.numel for s in redo)
+        if self.dtype == torch.float16:
+            self._update_scale(found)
+        return coef
 
     def _update_scale(self, found_inf: bool) -> None:
         # torch.amp.GradScaler's defaults: halve on overflow, double after 2000 good steps
@@ -399,7 +512,7 @@ class SplitEngine:
                 s.future = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        self._finalize(self._pending, end_ms=self.clock.host_ms())
+        self._finalize(self._pending, end=self.clock.mark())
         self._pending = None
 
     def close(self) -> None:
@@ -408,18 +521,21 @@ class SplitEngine:
             h.remove()
         self._handles = []
         self.pool.shutdown(wait=True)
+        self.copy_pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ measurements
-    def _finalize(self, it: _Iter | None, end_ms: float | None = None) -> None:
-        """Turn an iteration's marks into a row (its period ends when the next one starts)."""
+    def _finalize(self, it: _Iter | None, end=None) -> None:
+        """Turn an iteration's marks into a row (its period ends when the next one starts). Every
+        time is a Clock mark: one time base (see _cuda.Clock)."""
         if it is None:
             return
         ms = self.clock.ms
         m = {k: ms(v) for k, v in it.marks.items()}
-        nxt = self._cur.marks["start"] if self._cur is not None else None
-        end = ms(nxt) if nxt is not None else end_ms
+        end = ms(self._cur.marks["start"] if self._cur is not None else end)
         t0 = m["start"]
-        ev = [(lane, name, self._ev_ms(a), self._ev_ms(b), n, nb) for lane, name, a, b, n, nb in it.host_events]
+        with self._lock:
+            ev = [(lane, name, ms(a), ms(b), n, nb) for lane, name, a, b, n, nb in it.host_events]
+        it.wait_ms = sum(ms(b) - ms(a) for a, b in it.waits)
         bwd_end = m["backward_end"]
         fwd = m["forward_end"] - t0
         bwd = bwd_end - m["forward_end"]
@@ -457,6 +573,12 @@ class SplitEngine:
             "accel_idle_share": max(0.0, 1.0 - busy / period) if period > 0 else float("nan"),
             "skipped_overflow": it.skipped,
             "loss_scale": self.scale,
+            "grad_norm": it.grad_norm,
+            "clip_coef": it.clip_coef,
+            "redone_host_params": it.redone_numel,  # speculated updates undone (skip) or redone (clip)
+            "pinned_bytes": self.pinned_bytes,  # page-locked host memory (CUDA only): the staging rings
+            "staging_bytes": self.staging_bytes,  # the rings' size on any device
+            "host_pageable_bytes": self.host_bytes,  # fp32 masters + gradients (Adam state not counted)
         }
         self._learn(row)
         rates = self.current_rates()
@@ -467,9 +589,6 @@ class SplitEngine:
         self._timeline(it, m, ev)
         for sink in self.sinks:
             sink(row)
-
-    def _ev_ms(self, v) -> float:
-        return self.clock.ms(v[1]) if isinstance(v, tuple) else v
 
     def _learn(self, row: dict) -> None:
         """Blend this iteration's rates into the running ones (halfway: quick but not jumpy)."""
@@ -528,13 +647,25 @@ class SplitEngine:
         return {s.name: s.side for s in self.slots.values()}
 
 
-class _Gate(threading.Event):
-    """fp16 only: host updates wait here until backward has said whether to skip the step."""
+class _Gate:
+    """fp16 overflow / gradient clipping: the verdict on one step, known only after backward.
 
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale, self.skip = scale, False
+    Until `decide()`, host updates speculate (journal: slot -> snapshot, within `budget` bytes);
+    after it, they read `skip` and `coef`. All fields are read and written under `lock`."""
 
-    def release(self, skip: bool) -> None:
-        self.skip = skip
-        self.set()
+    def __init__(self, scale: float, budget: int):
+        self.scale, self.budget, self.used = scale, budget, 0
+        self.lock = threading.Lock()
+        self.decided = threading.Event()
+        self.skip, self.coef = False, None
+        self.journal: dict = {}
+
+    def decide(self, skip: bool, coef) -> list:
+        """Set the verdict; returns the slots whose speculated update must be undone (and redone)."""
+        with self.lock:
+            self.skip, self.coef = skip, coef
+            self.decided.set()
+            redo = list(self.journal) if (skip or coef is not None) else []
+            if not redo:
+                self.journal.clear()  # commit: the snapshots are not needed
+        return redo

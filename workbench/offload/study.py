@@ -105,7 +105,7 @@ def heldout_ppl(model, held: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------- measured runs
-def _plain_adamw(model, batches, hp: AdamHP) -> list[dict]:
+def _plain_adamw(model, batches, hp: AdamHP, max_grad_norm: float = 0.0) -> list[dict]:
     """torch.optim.AdamW (fused), everything on the accelerator: the reference. k and the idle
     share are measured as for the engine: k from where the optimizer state lives after each step,
     idle from the accelerator's busy spans (forward, backward, step) within the iteration's period
@@ -125,6 +125,8 @@ def _plain_adamw(model, batches, hp: AdamHP) -> list[dict]:
         m["forward_end"] = clock.mark()
         loss.backward()
         m["backward_end"] = clock.mark()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()
         m["step_end"] = clock.mark()
         opt.zero_grad(set_to_none=True)
@@ -195,7 +197,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     ref_w = None
     if cfg.reference:
         model = copy.deepcopy(base).to(device)
-        rows = _plain_adamw(model, batches, hp)
+        rows = _plain_adamw(model, batches, hp, cfg.max_grad_norm)
         ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
         for r in rows:
             steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
@@ -218,7 +220,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         try:
             eng = SplitEngine(model, hp=hp, precision=cfg.precision, backend=cfg.backend,
                               host_workers=cfg.host_workers, include_transfer=cfg.include_transfer,
-                              sinks=run_sinks, **spec["kw"])
+                              sinks=run_sinks, max_grad_norm=cfg.max_grad_norm, **spec["kw"])
             for b in batches:
                 eng.step(b)
             eng.close()
@@ -231,7 +233,8 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
             if jsonl:
                 jsonl.close()
             live.flush()  # the rows it made, also those of a run that failed
-        summary = {**head, "status": "ok", **_summary(eng.rows, cfg.warmup), "ppl_after": heldout_ppl(model, held)}
+        summary = {**head, "status": "ok", **_summary(eng.rows, cfg.warmup), "ppl_after": heldout_ppl(model, held),
+                   "pinned_bytes": eng.pinned_bytes, "staging_bytes": eng.staging_bytes}
         if ref_w is not None:
             masters = eng.master_weights()
             summary["max_abs_diff_vs_adamw"] = max(float((masters[n] - w).abs().max()) for n, w in ref_w.items())
