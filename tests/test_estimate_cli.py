@@ -41,7 +41,8 @@ def test_json_output_has_the_peak_in_bytes(tiny_config, capsys):
 
 
 def test_table_and_auto_fit(tiny_config, capsys):
-    code = main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--budget-mib", "1.2"])
+    code = main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--budget-mib", "1.2",
+                 "--device", "cpu"])  # the CPU budget counts live bytes
     out = capsys.readouterr().out
     assert code == 0
     for name in RUNGS:
@@ -105,3 +106,34 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     err = capsys.readouterr().err
     assert "sequence length 4096" in err and "(1024 positions)" in err and len(err.strip().splitlines()) == 1
     assert main(["estimate", "--model", str(path), "--seq", "1024", "--json"]) == 0  # the limit itself is fine
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--precision", "fp64"], "unknown precision 'fp64'; choose one of: fp32, bf16-mixed"),
+    (["--optimizer", "sgd"], "unknown optimizer 'sgd'; choose one of: adamw_torch"),
+    (["--trainable", "lora", "--lora-targets", "query,value"], "names no linear module of this model; use some of:"),
+    (["--precision", "fp16-mixed", "--device", "cpu"], "fp16-mixed needs --device cuda"),
+    (["--card", "0.0001"], "is smaller than the weights alone"),
+    (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
+    (["--rung", "bf16", "--precision", "fp32"], "--rung and --precision both describe the setup"),
+    (["--batch", "4", "--micro-batch", "3"], "--micro-batch 3 must divide --batch 4"),
+])
+def test_bad_setups_are_one_line_naming_the_fix(tiny_config, capsys, args, message):
+    assert main(["estimate", "--model", tiny_config, "--seq", "32", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_setup_from_flags_on_a_card(tiny_config, capsys):
+    args = ["estimate", "--model", tiny_config, "--batch", "4", "--seq", "32", "--precision", "bf16-true",
+            "--trainable", "lora", "--lora-targets", "q_proj,v_proj", "--checkpointing", "--micro-batch", "2",
+            "--card", "RTX 4060 Ti 8GB", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    (p,) = out["predictions"]
+    assert out["device"] == "cuda" and p["method"] == "predicted" and p["card"] == "RTX 4060 Ti 8GB"
+    assert p["fits_card"] is True and p["nvidia_smi_bytes"] == p["reserved_peak_bytes"] + p["context_bytes"]
+    assert p["reserved_peak_bytes"] >= p["allocated_peak_bytes"] >= p["peak_bytes"]
+    assert out["labels"]["reserved_peak_bytes"].startswith("modelled")
+    assert main(args[:-3] + ["--device", "cpu"]) == 0  # the same setup as a CPU step: live bytes only
+    assert "on cpu: predicted peak" in capsys.readouterr().out

@@ -77,6 +77,10 @@ class MemoryReport:
     peak: PeakSnapshot
     phase_peaks: dict[tuple[int, str], PeakSnapshot]
     steps: int
+    timeline: list[tuple[int, int]] | None = None  # (serial, nbytes) allocations, (serial, -1) frees
+    timeline_steps: list[int] | None = None  # the step of each timeline event
+    timeline_roles: dict[int, str] | None = None  # each allocation's category (when it died, or at the end)
+    kernels: dict[str, int] | None = None  # CUDA-modelled runs: the attention kernels used
 
     @property
     def peak_bytes(self) -> int:
@@ -117,9 +121,18 @@ class MemoryAccounting(LiveBytes):
         budget_bytes: int | None = None,
         *,
         stub_scalars: bool = False,
+        timeline: bool = False,
     ):
         super().__init__(device, budget_bytes)
         self.stub_scalars = stub_scalars
+        # With `timeline`, every allocation (serial, nbytes) and free (serial, -1) in order, the
+        # step each happened in, and each storage's role when it died (the CUDA allocator model
+        # replays it: workbench.memory.cuda_model.replay).
+        self.timeline: list[tuple[int, int]] | None = [] if timeline else None
+        self.timeline_steps: list[int] = []
+        self._serial: dict[int, int] = {}
+        self._serials = 0
+        self.roles_at_death: dict[int, str] = {}
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self._role: dict[int, str] = {}
         self._forward_made: set[int] = set()  # storages made in the current forward pass
@@ -147,13 +160,24 @@ class MemoryAccounting(LiveBytes):
         with self._lock:
             self._live[key] = (nbytes, ref)
             self._role[key] = role
+            if self.timeline is not None and nbytes:
+                self._serials += 1
+                self._serial[key] = self._serials
+                self.timeline.append((self._serials, nbytes))
+                self.timeline_steps.append(self.step)
             self.by_category[role] += nbytes
             self.current_bytes += nbytes
             self._snapshot()
         return True
 
     def _forgotten(self, key: int, nbytes: int) -> None:
-        self.by_category[self._role.pop(key)] -= nbytes
+        role = self._role.pop(key)
+        self.by_category[role] -= nbytes
+        if self.timeline is not None and key in self._serial:
+            serial = self._serial.pop(key)
+            self.timeline.append((serial, -1))
+            self.timeline_steps.append(self.step)
+            self.roles_at_death[serial] = role
         self._forward_made.discard(key)
 
     def set_role(self, tensors, role: str, only_from: tuple[str, ...] | None = None, add: bool = True) -> None:
@@ -271,7 +295,7 @@ class MemoryAccounting(LiveBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.stub_scalars and func is torch.ops.aten._local_scalar_dense.default:
-            return 0.0  # fake tensors have no values; the loop only logs them
+            return 1.0  # fake tensors have no values; the loop logs them, AdamW divides by 1 - beta**step
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward:
             self._enter_phase("backward")
@@ -283,7 +307,12 @@ class MemoryAccounting(LiveBytes):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def report(self) -> MemoryReport:
-        return MemoryReport(self.device_type, self.peak, dict(self.phase_peaks), self.step)
+        r = MemoryReport(self.device_type, self.peak, dict(self.phase_peaks), self.step)
+        if self.timeline is not None:
+            roles = dict(self.roles_at_death)
+            roles.update({serial: self._role[key] for key, serial in self._serial.items() if key in self._role})
+            r.timeline, r.timeline_steps, r.timeline_roles = list(self.timeline), list(self.timeline_steps), roles
+        return r
 
 
 def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

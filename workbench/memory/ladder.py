@@ -34,8 +34,21 @@ import torch
 from workbench.config import ConfigError
 from workbench.training import TrainSettings, make_optimizer
 
-Precision = Literal["fp32", "bf16", "fp16"]
-Optimizer = Literal["adamw", "adamw8bit", "paged_adamw8bit"]
+# "bf16"/"fp16": autocast over fp32 weights (bf16-mixed / fp16-mixed); "bf16_true"/"fp16_true": pure
+# half-precision weights, gradients and optimizer state (torchtune's and LitGPT's bf16-true).
+Precision = Literal["fp32", "bf16", "fp16", "bf16_true", "fp16_true"]
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16_true", "fp16_true")
+# "adamw": fused AdamW (what the workbench trains with); "adamw_torch": what torch.optim.AdamW()
+# picks on the target device (foreach on CUDA, single-tensor on the CPU).
+Optimizer = Literal["adamw", "adamw_torch", "adamw8bit", "paged_adamw8bit"]
+OPTIMIZERS = ("adamw", "adamw_torch", "adamw8bit", "paged_adamw8bit")
+TRAINABLES = ("full", "lora", "qlora", "adapter", "freeze_lower", "freeze_embeddings", "bitfit")
+PLACEMENTS = ("device", "device_map", "zero_offload", "zero_offload_params", "cpu")
+# the command line's names (issue 10) -> the plan's
+CLI_PRECISIONS = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16_true",
+                  "fp16-true": "fp16_true"}
+CLI_OPTIMIZERS = {"adamw_torch": "adamw_torch", "adamw_fused": "adamw", "adamw_8bit": "adamw8bit",
+                  "paged_adamw_8bit": "paged_adamw8bit"}
 # "full", LoRA/QLoRA, or any of study 1's structural strategies (workbench.strategies).
 Trainable = Literal["full", "lora", "qlora", "adapter", "freeze_lower", "freeze_embeddings", "bitfit"]
 Placement = Literal["device", "device_map", "zero_offload", "zero_offload_params", "cpu"]
@@ -56,6 +69,31 @@ class Plan:
     placement: Placement = "device"
     lora_rank: int = 8
     speed_rank: float = 0.0  # expected relative cost on a GPU; lower is faster
+    lora_targets: tuple[str, ...] | None = None  # module names LoRA wraps (None: every decoder linear)
+
+    def __post_init__(self):
+        for field_, value, known in (("precision", self.precision, PRECISIONS), ("optimizer", self.optimizer, OPTIMIZERS),
+                                     ("trainable", self.trainable, TRAINABLES), ("placement", self.placement, PLACEMENTS)):
+            if value not in known:
+                raise ConfigError(f"unknown {field_} {value!r}; choose one of: {', '.join(known)}")
+        if self.lora_targets is not None and self.trainable not in ("lora", "qlora"):
+            raise ConfigError(f"lora_targets needs trainable lora or qlora, not {self.trainable!r}")
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype this plan computes in (None: fp32)."""
+        return {"bf16": torch.bfloat16, "bf16_true": torch.bfloat16, "fp16": torch.float16,
+                "fp16_true": torch.float16}.get(self.precision)
+
+    @property
+    def pure_half(self) -> bool:
+        """Weights, gradients and optimizer state in 16 bits (no autocast, no fp32 master copy)."""
+        return self.precision.endswith("_true")
+
+    @property
+    def autocast_precision(self) -> str:
+        """The training loop's autocast setting: pure half-precision runs without autocast."""
+        return "fp32" if self.pure_half else self.precision
 
     def compose(self, name: str, help: str, **changes: Any) -> "Plan":
         """A new rung: this one plus `changes`."""
@@ -66,7 +104,7 @@ class Plan:
         micro = max(1, batch // self.accum)
         return TrainSettings.from_dict(
             dict(steps=steps, micro_batch=micro, grad_accum=max(1, batch // micro),
-                 precision=self.precision, grad_checkpointing=self.grad_checkpointing, **overrides)
+                 precision=self.autocast_precision, grad_checkpointing=self.grad_checkpointing, **overrides)
         )
 
     def cannot_run_here(self, device: torch.device) -> str | None:
@@ -75,7 +113,7 @@ class Plan:
             if device.type != "cuda":
                 return (f"{self.placement} moves tensors between a GPU and the host; on a machine "
                         f"without a GPU both are the same memory, so there is no device peak to measure")
-        if self.precision == "fp16" and device.type != "cuda":
+        if self.precision == "fp16" and device.type != "cuda":  # fp16_true runs anywhere: no GradScaler
             return "fp16 autocast with a GradScaler needs CUDA (the CPU runs bf16 autocast instead)"
         return None
 
@@ -109,9 +147,13 @@ def _ladder() -> dict[str, Plan]:
                         placement="zero_offload", tier=2, speed_rank=10)
     zero_p = ckpt.compose("zero_offload_params", "bf16 + checkpointing + DeepSpeed ZeRO-3, optimizer and parameters on the CPU",
                           placement="zero_offload_params", tier=2, speed_rank=11)
+    pure = fp32.compose("bf16_true", "pure bf16 weights, grads and AdamW state (torchtune / LitGPT bf16-true)",
+                        precision="bf16_true", speed_rank=0.9)
+    pure_lora = pure.compose("bf16_true_lora", "pure bf16 + LoRA r=8 on every decoder linear (peft)",
+                             trainable="lora", tier=2, speed_rank=6.8)
     cpu = fp32.compose("cpu", "CPU only: everything in host memory, nothing on the device",
                        placement="cpu", tier=3, speed_rank=20)
-    rungs = (fp32, fp16, bf16, ckpt, accum, adam8, paged, lora, qlora, dmap, zero, zero_p, cpu)
+    rungs = (fp32, fp16, bf16, pure, ckpt, accum, adam8, paged, lora, pure_lora, qlora, dmap, zero, zero_p, cpu)
     return {r.name: r for r in rungs}
 
 
@@ -162,31 +204,88 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
     return n
 
 
+def check_lora_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> None:
+    """Each target must name a linear module of `model` (peft matches a name's last parts)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise ConfigError(f"--lora-targets {','.join(missing)} names no linear module of this model; "
+                          f"use some of: {','.join(leaves)}")
+
+
 def apply_trainable(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     """What trains under the plan, on `model` (real or on the meta device): the same selection
-    code as study 1 (workbench.strategies), after 4-bit quantization for QLoRA."""
+    code as study 1 (workbench.strategies), after 4-bit quantization for QLoRA. A pure-half plan
+    casts the weights to 16 bits first (peft then keeps LoRA adapters in fp32, its default)."""
     from workbench.strategies import apply_strategy
 
+    if plan.pure_half:
+        model = model.to(plan.half_dtype)
     if plan.trainable == "full":
         return model
+    if plan.lora_targets is not None:
+        check_lora_targets(model, plan.lora_targets)
     if plan.trainable == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        quantize_4bit(model, torch.bfloat16 if plan.precision == "bf16" else torch.float32)
+        quantize_4bit(model, plan.half_dtype or torch.float32)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.grad_checkpointing)
+    if plan.lora_targets is not None:
+        from peft import LoraConfig, get_peft_model
+
+        if plan.trainable == "lora":
+            for p in model.parameters():
+                p.requires_grad_(False)
+        cfg = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
+                         target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
+        return get_peft_model(model, cfg)
     return apply_strategy(model, plan.trainable, lora_rank=plan.lora_rank)[0]
 
 
-def make_plan_optimizer(model: torch.nn.Module, plan: Plan, settings: TrainSettings, device: torch.device):
+def make_plan_optimizer(model: torch.nn.Module, plan: Plan, settings: TrainSettings, device: torch.device,
+                        target: str | torch.device | None = None):
     """The plan's optimizer over the model's trainable parameters (built outside fake mode:
-    bitsandbytes' constructors read tensor values)."""
+    bitsandbytes' constructors read tensor values). `target`: the device the step is for, when
+    it is simulated elsewhere (adamw_torch resolves to foreach on CUDA, single-tensor on the CPU)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if plan.optimizer == "adamw":
         return make_optimizer(params, settings, device)
+    if plan.optimizer == "adamw_torch":
+        on = torch.device(target or device)
+        if not params:
+            raise ConfigError("nothing to train: no parameter requires a gradient")
+        # torch's default (foreach=None) picks foreach for CUDA tensors, the single-tensor loop elsewhere.
+        foreach = on.type == "cuda" if on.type != device.type else None
+        return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, foreach=foreach)
     import bitsandbytes as bnb
 
     cls = bnb.optim.AdamW8bit if plan.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
     return cls(params, lr=settings.lr, weight_decay=settings.weight_decay)
+
+
+def plan_from_flags(*, precision: str = "fp32", optimizer: str = "adamw_torch", trainable: str = "full",
+                    lora_rank: int = 8, lora_targets: tuple[str, ...] | None = None, checkpointing: bool = False,
+                    batch: int = 1, micro_batch: int | None = None, name: str = "custom") -> Plan:
+    """A plan composed from the command line's names (issue 10): `--precision bf16-mixed` etc."""
+    if precision not in CLI_PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(CLI_PRECISIONS)}")
+    if optimizer not in CLI_OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(CLI_OPTIMIZERS)}")
+    if trainable not in TRAINABLES:
+        raise ConfigError(f"unknown trainable set {trainable!r}; choose one of: {', '.join(TRAINABLES)}")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0:
+        raise ConfigError(f"--lora-rank must be a positive integer, got {lora_rank!r}")
+    micro = batch if micro_batch is None else micro_batch
+    if micro <= 0 or batch % micro:
+        raise ConfigError(f"--micro-batch {micro} must divide --batch {batch} (the effective batch stays the same)")
+    if lora_targets is not None and trainable not in ("lora", "qlora"):
+        raise ConfigError("--lora-targets needs --trainable lora or qlora")
+    help_ = (f"{precision}, {optimizer}, {trainable}" + (f" r={lora_rank}" if trainable in ("lora", "qlora") else "")
+             + (", checkpointing" if checkpointing else "") + (f", micro-batch {micro}" if micro != batch else ""))
+    return Plan(name, 0, help_, precision=CLI_PRECISIONS[precision], grad_checkpointing=checkpointing,
+                accum=batch // micro, optimizer=CLI_OPTIMIZERS[optimizer], trainable=trainable,
+                lora_rank=lora_rank, lora_targets=tuple(lora_targets) if lora_targets else None)
 
 
 # ------------------------------------------------------------------------------------------------

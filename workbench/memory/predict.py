@@ -19,14 +19,17 @@ Workarounds, all measured (FIELD_NOTES.md):
 - bitsandbytes' Linear4bit cannot be built under fake mode: QLoRA layers are quantized for real
   (from zeros; the bytes are what matter) and fake activations run through them. 8-bit
   optimizers read values in their constructor: they are built outside fake mode, stepped inside.
-- `.item()` / `float(loss)` have no value to return: the accounting answers 0.0.
+- `.item()` / `float(loss)` have no value to return: the accounting answers 1.0 (an optimizer step
+  count, so single-tensor AdamW's bias correction is defined).
 
 Rungs whose mechanism moves tensors between a GPU and the host (accelerate's device_map,
-DeepSpeed ZeRO-Offload) and fp16 autocast (CUDA only) cannot be simulated on a CPU-only torch.
-Their figures are *estimated* from a simulated rung plus the library's own numbers, and the
+DeepSpeed ZeRO-Offload) cannot be simulated on a CPU-only torch; nor can fp16 autocast for the
+CPU. Their figures are *estimated* from a simulated rung plus the library's own numbers, and the
 result says so (`method="estimated"` and a `note` with the formula).
-Known gap: the fake run uses the CPU's kernels' choices (autocast op lists, attention backend);
-the optimizer is the same fused AdamW the loop uses on CUDA.
+
+`device="cpu"` (the default) predicts a CPU step, exactly. `device="cuda"` makes the simulated step
+take CUDA's choices (attention kernel, dropout masks, autocast lists, optimizer; simulated) and
+replays its allocations through the caching allocator (modelled): see workbench/memory/cuda_model.py.
 """
 
 from __future__ import annotations
@@ -65,11 +68,38 @@ class Prediction:
     host_bytes: int = 0  # bytes the rung keeps in host memory instead (offload, CPU only)
     pageable_bytes: int = 0  # device bytes that can page out to the host under pressure
     phases: list[dict[str, Any]] = field(default_factory=list)
+    device: str = "cpu"
+    # CUDA only (device="cuda"): the allocator model's figures (modelled) and the card
+    allocated_peak_bytes: int = 0  # max_memory_allocated: rounded blocks + cuBLAS workspaces
+    reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments
+    context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
+    allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
+    card: str = ""
+    card_bytes: int = 0
+    kernels: dict[str, int] = field(default_factory=dict)  # attention kernels the step used
+
+    @property
+    def nvidia_smi_bytes(self) -> int:
+        """What nvidia-smi would show in use for the process: reserved + the CUDA context."""
+        return self.reserved_peak_bytes + self.context_bytes if self.device == "cuda" else 0
 
     @property
     def fit_bytes(self) -> int:
-        """What must fit in the device budget (paged optimizer state can be evicted)."""
+        """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the
+        allocator's reserved peak, which a budget caps (set_per_process_memory_fraction); on the CPU
+        the live bytes, which the CPU budget counts."""
+        if self.device == "cuda" and self.reserved_peak_bytes:
+            return self.reserved_peak_bytes - self.pageable_bytes
         return self.peak_bytes - self.pageable_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the card holds it: reserved + the CUDA context within the card's memory."""
+        return None if not self.card_bytes else self.headroom_bytes >= 0
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if not self.card_bytes else self.card_bytes - self.fit_bytes - self.context_bytes
 
     @property
     def peak_mib(self) -> float:
@@ -83,6 +113,10 @@ class Prediction:
             "first_step_peak_bytes": self.first_step_peak_bytes, "host_bytes": self.host_bytes,
             "where": self.where, "predict_seconds": self.seconds, "note": self.note,
             **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
+            "device": self.device, "allocated_peak_bytes": self.allocated_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes, "context_bytes": self.context_bytes,
+            "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
+            "fits": self.fits, "headroom_bytes": self.headroom_bytes,
         }
 
 
@@ -156,11 +190,14 @@ def _unpacked_for_fake_inputs():
 # ------------------------------------------------------------------------------------------------
 # simulation
 
-def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None) -> MemoryReport:
+def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
+             target: str = "cpu", sm: int | None = None) -> MemoryReport:
     """Run `steps` real training steps of `plan` over fake tensors and account their bytes.
 
     `n_blocks`: how many blocks the training set holds (the loop keeps a shuffled index of them,
-    8 bytes each); default: just enough for the simulated steps.
+    8 bytes each); default: just enough for the simulated steps. `target`: the device the step is
+    for: "cpu" (exact), or "cuda" (CUDA's kernel, dropout, autocast and optimizer choices on a card
+    of compute capability `sm`, and the allocation timeline for the allocator model).
     """
     if steps < 2:
         raise ValueError("simulate at least two steps: the steady state starts at the second")
@@ -170,7 +207,7 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     model = apply_trainable(build_meta_model(config), plan)
     fakeify(model, fake_mode)
     settings = plan.settings(batch, steps)
-    optimizer = make_plan_optimizer(model, plan, settings, device)  # outside fake mode (bnb reads values)
+    optimizer = make_plan_optimizer(model, plan, settings, device, target=target)  # outside fake mode (bnb reads values)
     with fake_mode:
         blocks = torch.zeros((n_blocks or batch * steps, seq), dtype=torch.long)
     # Real tensors in the model (bitsandbytes' quantized weights and their quantization state)
@@ -178,11 +215,18 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     # lives. Their bytes are counted once, under the real tensor: the twins are aliases.
     real = [t for t in model_tensors(model) if not isinstance(t, FakeTensor)]
     twins = [fake_mode.from_tensor(t) for t in real]
-    with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True) as acc:
+    cuda = torch.device(target).type == "cuda"
+    from workbench.memory import cuda_model
+
+    choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
+    with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda) as acc:
         acc.watch(model)
         acc.alias(twins)
-        train(model, blocks, settings, device=device, optimizer=optimizer)
-    return acc.report()
+        with choices as mode:
+            train(model, blocks, settings, device=device, optimizer=optimizer)
+    report = acc.report()
+    report.kernels = dict(mode.kernels) if cuda else {}
+    return report
 
 
 def _act_temp_peak(report: MemoryReport) -> int:
@@ -202,13 +246,15 @@ def _weights_bytes(config) -> tuple[int, int, int]:
     return n, 4 * n, largest
 
 
-def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int) -> tuple[MemoryReport, dict[str, Any]]:
+def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: str = "cpu",
+              sm: int | None = None) -> tuple[MemoryReport, dict[str, Any]]:
     """Figures for rungs that cannot be simulated here, from a simulated rung + library numbers."""
-    if plan.precision == "fp16":
+    if plan.precision == "fp16" and plan.placement == "device":
         base = simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps)
         return base, {"note": "estimated: the bf16 simulation (same 2-byte activations); fp16 autocast needs "
                               "CUDA, which a CPU-only torch cannot simulate; the GradScaler adds a few bytes"}
-    base = simulate(config, plan.compose(plan.name, plan.help, placement="device"), batch=batch, seq=seq, steps=steps)
+    base = simulate(config, plan.compose(plan.name, plan.help, placement="device"), batch=batch, seq=seq, steps=steps,
+                    target=target, sm=sm)
     act = _act_temp_peak(base)
     n, fp32_bytes, largest = _weights_bytes(config)
     from workbench.memory.baselines import deepspeed_estimates
@@ -240,33 +286,44 @@ def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int) -> tuple[
 
 
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int = 2,
-            n_blocks: int | None = None, spec=None) -> Prediction:
+            n_blocks: int | None = None, spec=None, device: str = "cpu", card=None) -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
-    (its config; the weights are never read). Raises ConfigError for an unknown rung or a
-    non-positive shape, ModelNotFoundError for a config that is not a model's.
+    (its config; the weights are never read). `device`: "cpu" (the default: a CPU step, exact) or
+    "cuda" (CUDA's choices simulated, its allocator and context modelled). `card`: a preset name or
+    GiB (workbench.memory.cuda_model.CARDS) to say whether it fits. Raises ConfigError for an
+    unknown rung, a non-positive shape or a card smaller than the weights alone,
+    ModelNotFoundError for a config that is not a model's.
     """
     from workbench.config import ConfigError
+    from workbench.memory import cuda_model
 
     plan = rung(rung_name)
     for name, v in (("batch", batch), ("seq", seq)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; choose cpu or cuda")
+    the_card = cuda_model.card(card)
+    if the_card is not None and device != "cuda":
+        raise ConfigError("--card describes a CUDA card; use it with --device cuda")
+    sm = the_card.sm if the_card else cuda_model.DEFAULT_SM
     config = model_config(model, spec)
     check_seq_len(config, seq, model_label(config))
     t0 = time.perf_counter()
     host = 0
     pageable = 0
-    if plan.precision == "fp16" or plan.placement in ("device_map", "zero_offload", "zero_offload_params"):
-        report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps)
+    simulated_fp16 = plan.precision == "fp16" and device == "cuda"
+    if (plan.precision == "fp16" and not simulated_fp16) or plan.placement in ("device_map", "zero_offload", "zero_offload_params"):
+        report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps, target=device, sm=sm)
         method, note = "estimated", est["note"]
         peak = est.get("peak", report.steady_peak_bytes)
         breakdown = {c: est["parts"].get(c, 0) for c in CATEGORIES} if "parts" in est else report.breakdown()
         host = est.get("host", 0)
         where = "not simulated" if "parts" in est else report.where()
     else:
-        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks)
+        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm)
         method, note = "predicted", ""
         peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
         if plan.placement == "cpu":
@@ -279,9 +336,27 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                     "here but can page to the host under pressure (fit_bytes leaves it out)")
     if plan.accum > 1 and batch < plan.accum:
         note = (note + "; " if note else "") + f"batch {batch} cannot be split into {plan.accum} micro-batches"
+    if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
+        raise ConfigError(f"card {the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the weights "
+                          f"alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, --precision bf16-true, "
+                          f"--trainable qlora, or an offload rung")
+    cuda: dict[str, Any] = {}
+    if device == "cuda" and report.timeline is not None and plan.placement == "device":
+        ws = (the_card or cuda_model.Card("", 0, sm)).cublas_workspace_bytes
+        last = report.steps - 1
+        steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
+        # two cuBLAS handles: the forward's thread and autograd's device thread for backward
+        alloc = cuda_model.replay(report.timeline, report.timeline_roles, [("cublas", ws), ("cublas", ws)],
+                                  steady_from=steady_from)
+        cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
+                    reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
+                    allocated_breakdown=alloc.by_category_at_peak,
+                    context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES))
     return Prediction(
         rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),
         breakdown=breakdown, where=where, method=method, note=note, seconds=time.perf_counter() - t0,
         first_step_peak_bytes=max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0), default=0),
-        host_bytes=int(host), pageable_bytes=int(pageable), phases=report.rows(),
+        host_bytes=int(host), pageable_bytes=int(pageable), phases=report.rows(), device=device,
+        card=the_card.name if the_card else "", card_bytes=the_card.total_bytes if the_card else 0,
+        kernels=dict(report.kernels or {}), **cuda,
     )

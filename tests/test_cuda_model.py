@@ -1,0 +1,209 @@
+"""The CUDA model on a CPU-only machine: each mechanism CUDA changes, by the bytes it implies, and
+the caching allocator's rules.
+
+    .venv/bin/python -m pytest tests/test_cuda_model.py -q        # about 30 s
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from workbench.config import ConfigError
+from workbench.memory import cuda_model as cm
+from workbench.memory.ladder import RUNGS, make_plan_optimizer, plan_from_flags
+from workbench.memory.predict import predict
+
+MiB = 2**20
+TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "tie_word_embeddings": True, "max_position_embeddings": 256}
+
+
+def saved_bytes(fn, *inputs, cuda: bool, autocast=None):
+    """Bytes of the tensors autograd saves for backward in `fn(*inputs)`, inputs left out."""
+    seen, total = {id(t.untyped_storage()) for t in inputs}, 0
+
+    def pack(t):
+        nonlocal total
+        st = t.untyped_storage()
+        if id(st) not in seen:
+            seen.add(id(st))
+            total += st.nbytes()
+        return t
+
+    mode = cm.CudaChoices() if cuda else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False):
+            if mode:
+                with mode:
+                    out = fn(*inputs)
+            else:
+                out = fn(*inputs)
+    return total, out
+
+
+# ------------------------------------------------------------------------------------------------
+# the mechanisms
+
+def test_attention_saves_output_and_logsumexp_not_the_score_matrix():
+    """With attention dropout the CPU takes SDPA's math path (it materialises B x H x S x S); CUDA's
+    flash kernel keeps its output, the logsumexp and the dropout RNG state."""
+    B, H, S, D = 2, 4, 128, 32
+    with FakeTensorMode():
+        q, k, v = (torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        attn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)  # noqa: E731
+        cuda, out = saved_bytes(attn, q, k, v, cuda=True)
+        cpu, _ = saved_bytes(attn, q, k, v, cuda=False)
+    # flash: the output (bf16) + logsumexp (B, H, S fp32) + philox seed and offset (uint64)
+    assert cuda == B * H * S * D * 2 + B * H * S * 4 + 2 * 8 + 8
+    assert out.shape == (B, H, S, D)
+    # the CPU's math path keeps B x H x S x S probabilities (and their dropout mask): at least that much more
+    assert cpu - cuda >= B * H * S * S * 2
+
+
+def test_kernel_choice_follows_sdp_utils():
+    def t(dtype, d=64, h=4):
+        return torch.empty(1, h, 16, d, dtype=dtype, device="meta")
+
+    bf, f32, f16 = torch.bfloat16, torch.float32, torch.float16
+    assert cm.sdpa_backend(t(bf), t(bf), t(bf), is_causal=True) == "flash"
+    assert cm.sdpa_backend(t(bf), t(bf, h=2), t(bf, h=2)) == "flash"  # grouped K/V
+    assert cm.sdpa_backend(t(f32), t(f32), t(f32)) == "efficient"  # flash needs 16 bits
+    assert cm.sdpa_backend(t(bf), t(bf), t(bf), attn_mask=torch.empty(1, device="meta")) == "efficient"
+    assert cm.sdpa_backend(t(bf, d=512), t(bf, d=512), t(bf, d=512)) == "efficient"  # head_dim > 256
+    assert cm.sdpa_backend(t(f32, d=60), t(f32, d=60), t(f32, d=60)) == "math"
+    assert cm.sdpa_backend(t(f16), t(f16), t(f16), sm=75) == "efficient"  # Turing: no flash
+    assert cm.sdpa_backend(t(bf), t(bf), t(bf), sm=75) == "math"  # nor bf16 memory-efficient
+    assert cm.sdpa_backend(t(f16, d=200), t(f16, d=200), t(f16, d=200), sm=89) == "flash"  # no grad here
+
+
+def test_dropout_mask_is_one_byte_on_cuda():
+    n = 4096
+    with FakeTensorMode():
+        x = torch.randn(n, requires_grad=True)
+        drop = lambda x: F.dropout(x * 2, p=0.1, training=True)  # noqa: E731  (x * 2: not a leaf)
+        cuda, _ = saved_bytes(drop, x, cuda=True)
+        cpu, _ = saved_bytes(drop, x, cuda=False)
+    assert cuda == n * 1  # native_dropout's bool mask
+    assert cpu == n * 4  # the CPU's fp32 noise tensor
+
+
+def test_autocast_runs_cuda_fp32_list_ops_in_fp32():
+    with FakeTensorMode():
+        x = torch.randn(8, 64, dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with cm.CudaChoices():
+                cuda = [F.softmax(x, -1).dtype, x.sum().dtype, torch.exp(x).dtype, (x ** 2).dtype,
+                        F.layer_norm(x, (64,)).dtype, torch.mv(x.float(), x[0].float()).dtype]
+            cpu = [F.softmax(x, -1).dtype, x.sum().dtype, torch.exp(x).dtype, (x ** 2).dtype,
+                   F.layer_norm(x, (64,)).dtype, torch.mv(x.float(), x[0].float()).dtype]
+    assert cuda == [torch.float32] * 5 + [torch.bfloat16]
+    assert cpu == [torch.bfloat16] * 5 + [torch.float32]
+
+
+def test_adamw_torch_is_foreach_for_cuda_and_single_tensor_on_cpu():
+    plan = plan_from_flags(optimizer="adamw_torch")
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    cpu_dev = torch.device("cpu")
+    settings = plan.settings(1, 2)
+    assert make_plan_optimizer(torch.nn.ParameterList(params), plan, settings, cpu_dev, target="cuda").defaults["foreach"] is True
+    assert not make_plan_optimizer(torch.nn.ParameterList(params), plan, settings, cpu_dev).defaults["foreach"]
+
+
+def test_foreach_adamw_holds_more_in_the_optimizer_step(tmp_path):
+    """foreach takes sqrt(exp_avg_sq) of every parameter at once (one temporary the size of all
+    parameters); the single-tensor loop holds two temporaries of one parameter (sqrt, then the
+    division): the peak differs by all parameters' bytes less twice the largest's."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    plan = plan_from_flags(optimizer="adamw_torch")
+
+    def opt_peak(device):
+        p = predict(str(path), plan, batch=1, seq=32, device=device)
+        return max(r["peak_bytes"] for r in p.phases if r["step"] == 1 and r["phase"] == "optimizer"), p
+
+    cuda, p = opt_peak("cuda")
+    cpu, _ = opt_peak("cpu")
+    n = p.breakdown["weights"] - 64 * 4  # trainable fp32 bytes (less the rotary buffer)
+    largest = 512 * 64 * 4
+    assert cuda - cpu == pytest.approx(n - 2 * largest, abs=1024)
+
+
+# ------------------------------------------------------------------------------------------------
+# the caching allocator
+
+def test_rounding_and_segment_sizes():
+    assert cm.round_size(1) == 512 and cm.round_size(512) == 512 and cm.round_size(513) == 1024
+    assert cm.segment_size(512) == 2 * MiB and cm.segment_size(MiB) == 2 * MiB
+    assert cm.segment_size(MiB + 512) == 20 * MiB and cm.segment_size(10 * MiB - 512) == 20 * MiB
+    assert cm.segment_size(10 * MiB) == 10 * MiB and cm.segment_size(11 * MiB) == 12 * MiB
+
+
+def test_allocator_reuses_splits_and_merges():
+    a = cm.CachingAllocator()
+    x = a.malloc(100)
+    assert (a.allocated, a.reserved) == (512, 2 * MiB)
+    y = a.malloc(1000)  # split from the same small segment
+    assert (a.allocated, a.reserved) == (512 + 1024, 2 * MiB)
+    b1 = a.malloc(5 * MiB)  # a 20 MiB large segment, split
+    b2 = a.malloc(5 * MiB)  # from its remainder
+    assert a.reserved == 22 * MiB and a.segments == 2
+    a.free(b1)
+    a.free(b2)  # merged back into one 20 MiB free block
+    c = a.malloc(19 * MiB)  # fits the merged block: no new segment
+    assert a.reserved == 22 * MiB
+    big = a.malloc(11 * MiB)  # its own segment, rounded to 12 MiB
+    assert a.reserved == 34 * MiB
+    a.free(big)
+    again = a.malloc(11 * MiB + 512 * 1024)  # reuses it; 0.5 MiB left is not split off (large pool: > 1 MiB)
+    assert a.reserved == 34 * MiB and again.size == 12 * MiB
+    assert a.peak_reserved == 34 * MiB and a.peak_allocated >= 512 + 1024 + 19 * MiB + 12 * MiB
+    for blk in (x, y, c, again):
+        a.free(blk)
+    assert a.allocated == 0 and a.reserved == 34 * MiB  # reserved memory stays cached
+
+
+# ------------------------------------------------------------------------------------------------
+# the prediction
+
+def test_cuda_prediction_has_allocated_reserved_and_nvidia_smi(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    p = predict(str(path), "bf16", batch=2, seq=64, device="cuda", card="RTX 3060 12GB")
+    ws = 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)  # two cuBLAS handles on sm_86
+    assert p.kernels == {"flash": 2 * TINY["num_hidden_layers"]}
+    assert p.allocated_peak_bytes >= p.peak_bytes + ws
+    assert p.reserved_peak_bytes >= p.allocated_peak_bytes and p.reserved_peak_bytes % (2 * MiB) == 0
+    assert p.nvidia_smi_bytes == p.reserved_peak_bytes + cm.CONTEXT_BYTES
+    assert p.fits and p.headroom_bytes == 12 * 2**30 - p.nvidia_smi_bytes
+    cpu = predict(str(path), "bf16", batch=2, seq=64)
+    assert cpu.device == "cpu" and cpu.reserved_peak_bytes == 0 and cpu.kernels == {}
+
+
+def test_pure_bf16_rungs_halve_the_weights(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    assert {"bf16_true", "bf16_true_lora"} <= set(RUNGS)
+    full = predict(str(path), "fp32", batch=1, seq=32)
+    pure = predict(str(path), "bf16_true", batch=1, seq=32)
+    assert pure.breakdown["weights"] == pytest.approx(full.breakdown["weights"] / 2, abs=512)
+
+    def state(p):  # the optimizer state when the second step's forward starts
+        return next(r for r in p.phases if r["step"] == 1 and r["phase"] == "forward")["optimizer_state_bytes"]
+
+    assert state(pure) == pytest.approx(state(full) / 2, abs=512) and state(full) > 0
+
+
+def test_unknown_card_and_a_card_smaller_than_the_weights(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    with pytest.raises(ConfigError, match="unknown card"):
+        cm.card("GTX 9999")
+    assert cm.card("a100 80gb").total_bytes == 80 * 2**30 and cm.card("8").total_bytes == 8 * 2**30
+    with pytest.raises(ConfigError, match="smaller than the weights alone"):
+        predict(str(path), "fp32", batch=1, seq=32, device="cuda", card=0.0001)
