@@ -509,6 +509,7 @@ def test_chunked_staging_keeps_parity(k):
 
 def test_ring_hands_each_chunk_to_one_thread_at_a_time():
     import threading
+    import time
 
     from workbench.offload._cuda import Ring
 
@@ -517,17 +518,18 @@ def test_ring_hands_each_chunk_to_one_thread_at_a_time():
     held, clash = set(), []
     lock = threading.Lock()
 
-    def work():
+    def work(hold_s):
         for _ in range(300):
             i = ring.acquire()
             with lock:
                 clash.append(i in held)
                 held.add(i)
+            time.sleep(hold_s)  # threads hold chunks for different times: the turn order breaks
             with lock:
                 held.discard(i)
             ring.release(i)
 
-    threads = [threading.Thread(target=work) for _ in range(3)]
+    threads = [threading.Thread(target=work, args=(t * 1e-4,)) for t in range(3)]
     for t in threads:
         t.start()
     for t in threads:
