@@ -1,0 +1,147 @@
+"""Study 3's part of `workbench gpu-check`: its rows, comparisons and verdict on fabricated
+measurements and on a real CPU engine run (the CUDA layer itself needs a GPU).
+
+    .venv/bin/python -m pytest tests/test_offload_gpu_check.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from workbench.offload import gpu_check as sg
+
+LIMIT = 64 * 2**20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU is shared
+    yield
+    torch.set_num_threads(n)
+
+
+def _row(i, k=0.0, ms=100.0, tokens=1000, **kw):
+    r = {"iteration": i, "loss": 5.0 - i * 0.1, "k_actual": k, "iteration_ms": ms, "tokens": tokens,
+         "backward_ms": 40.0, "accel_idle_share": 0.3, "host_done_before_bwd_end_share": 0.5,
+         "to_host_ms": 10.0, "to_accel_ms": 20.0, "to_host_bytes": 2e8, "to_accel_bytes": 2e8,
+         "alpha": 0.05, "k_next": 0.2, "pinned_bytes": 2**25, "staging_bytes": 2**25}
+    r.update(kw)
+    return r
+
+
+def _events(i, bwd_end=50.0, host_start=30.0):
+    return [{"iteration": i, "activity": "backward", "what": "backward", "start_ms": 10.0, "end_ms": bwd_end},
+            {"iteration": i, "activity": "host update", "what": "w", "start_ms": host_start, "end_ms": host_start + 5}]
+
+
+def test_run_row_means_after_warmup_and_rates():
+    rows = [_row(0, ms=1000.0, accel_idle_share=0.9)] + [_row(i) for i in range(1, 4)]
+    events = [e for i in range(4) for e in _events(i, host_start=30.0 if i != 3 else 60.0)]
+    r = sg.run_row("k=0", rows, events, warmup=1, k_target=0.0)
+    assert r["tokens_per_s"] == pytest.approx(3000 / 0.3)  # warm-up iteration 0 left out
+    assert r["accel_idle_share"] == pytest.approx(0.3) and r["measured_iterations"] == 3
+    assert r["overlapped_iterations"] == 2  # iteration 3's host update started after backward ended
+    assert r["d2h_gb_per_s"] == pytest.approx(3 * 2e8 / (30.0 * 1e6))  # bytes / ms / 1e6 = GB/s
+    assert r["h2d_gb_per_s"] == pytest.approx(3 * 2e8 / (60.0 * 1e6))
+    assert r["pinned_bytes"] == 2**25 and r["alpha"] == 0.05 and r["k_target"] == 0.0
+    assert r["timeline_problems"] == []
+
+
+def test_timeline_problems_catch_two_clocks():
+    bad = [{"iteration": 2, "activity": "to host", "what": "w", "start_ms": 50.0, "end_ms": 10.0}]
+    assert len(sg.timeline_problems(bad)) == 1 and "40.000 ms before" in sg.timeline_problems(bad)[0]
+    assert sg.timeline_problems(_events(0)) == []
+
+
+def test_parity_row():
+    ref = {"a": torch.zeros(3), "b": torch.ones(2)}
+    good = sg.parity_row("fp32", ref, {"a": torch.full((3,), 1e-6), "b": torch.ones(2)}, lr=1e-3)
+    assert good["passed"] and good["worst_param"] == "a" and good["max_abs_diff"] == pytest.approx(1e-6)
+    bad = sg.parity_row("fp32", ref, {"a": torch.zeros(3), "b": torch.ones(2) + 1e-4}, lr=1e-3)
+    assert not bad["passed"] and bad["worst_param"] == "b"
+    nan = sg.parity_row("fp32", ref, {"a": torch.zeros(3), "b": torch.tensor([1.0, float("nan")])}, lr=1e-3)
+    assert not nan["passed"]
+
+
+def test_baseline_rows():
+    assert sg.baseline_row("torchao", [], sg.NOT_INSTALLED)["status"] == sg.NOT_INSTALLED
+    un = sg.baseline_row("ZeRO", [], "DeepSpeed ZeRO-Offload unavailable: ImportError")
+    assert un["status"] == "unavailable" and un["tokens_per_s"] is None
+    ok = sg.baseline_row("ZeRO", [_row(0, ms=500.0), _row(1, ms=200.0), _row(2, ms=200.0)], None, warmup=1)
+    assert ok["status"] == "ok" and ok["tokens_per_s"] == pytest.approx(2000 / 0.4)
+
+
+def _good_runs():
+    events = [e for i in range(4) for e in _events(i)]
+    return [sg.run_row(f"k={k:g}", [_row(i, k=k, ms=100.0 - 10 * k) for i in range(4)], events, warmup=1, k_target=k)
+            for k in (0.0, 0.5, 1.0)]
+
+
+def test_verdict_passes_and_compares_with_baselines():
+    parity = [{"run": "fp32", "max_abs_diff": 0.0, "worst_param": "a", "atol": 1e-5, "passed": True}]
+    base = [sg.baseline_row("ZeRO", [_row(i, ms=200.0) for i in range(4)], None, warmup=1),
+            sg.baseline_row("torchao", [], sg.NOT_INSTALLED)]
+    v = sg.split_verdict(parity, _good_runs(), base, LIMIT)
+    assert v["status"] == "pass", v["failures"]
+    zero, ao = v["comparisons"]
+    assert zero["best_engine_run"] == "k=1" and zero["speedup"] == pytest.approx(200.0 / 90.0)
+    assert ao["speedup"] is None and ao["status"] == sg.NOT_INSTALLED  # recorded, not a failure
+    md = sg.split_markdown({**v, "model": "m", "pinned_bytes": 1})
+    assert "k=1 vs ZeRO: 2.22x" in md and "torchao: not installed" in md and "| k=0.5 | ok |" in md
+
+
+def test_verdict_failures():
+    parity = [{"run": "fp32", "max_abs_diff": 1.0, "worst_param": "a", "atol": 1e-5, "passed": False}]
+    runs = _good_runs()
+    runs[0] = sg.run_row("k=0", [_row(i) for i in range(4)], [e for i in range(4) for e in _events(i, host_start=60.0)],
+                         warmup=1, k_target=0.0)  # never overlapped
+    runs[1]["pinned_bytes"] = 10 * LIMIT
+    runs[2]["accel_idle_share"] = 1.5
+    runs.append({"run": "adaptive", "status": "error", "reason": "RuntimeError: boom", "k_target": None})
+    v = sg.split_verdict(parity, runs, [], LIMIT)
+    text = "\n".join(v["failures"])
+    assert v["status"] == "fail" and len(v["failures"]) == 5
+    assert "parity fp32" in text and "no host update started" in text and "bytes pinned" in text
+    assert "outside [0, 1]" in text and "adaptive: error: RuntimeError: boom" in text
+
+
+def test_run_row_on_a_real_cpu_engine_run():
+    """The rows check_split reads are the engine's own: a CPU run goes through run_row and the
+    verdict (the 'accelerator' is the CPU here; on CUDA the same code reads the card's rows)."""
+    from workbench.offload.adam import AdamHP
+    from workbench.offload.engine import SplitEngine
+
+    base = sg._model(sg.QUICK)
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, 2048, (8, 64), generator=g) for _ in range(4)]
+    eng = SplitEngine(copy.deepcopy(base), hp=AdamHP(lr=sg.LR), k=0.0)
+    for b in data:
+        eng.step(b)
+    eng.finish()
+    r = sg.run_row("k=0", eng.rows, eng.events, warmup=1, k_target=0.0)
+    eng.close()
+    assert r["tokens_per_s"] > 0 and r["d2h_gb_per_s"] > 0 and r["h2d_gb_per_s"] > 0 and r["alpha"] > 0
+    assert r["pinned_bytes"] == 0 and r["staging_bytes"] > 0 and r["timeline_problems"] == []
+    v = sg.split_verdict([], [r], [], LIMIT)
+    assert v["status"] == "pass", v["failures"]
+
+
+def test_the_workbench_check_finds_the_split_check():
+    from workbench import gpu_check
+
+    found = gpu_check.checks()
+    assert found["split"] is sg.check_split and sg.gpu_checks() == {"split": sg.check_split}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the split check measures the card")
+def test_check_split_on_the_card(tmp_path):
+    from workbench.gpu_check import Options
+
+    r = sg.check_split(Options(out=tmp_path, tiny=True))
+    assert r["status"] == "pass", r["failures"]
+    assert {b["run"] for b in r["baselines"]} == {"DeepSpeed ZeRO-Offload", "torchao CPUOffloadOptimizer"}
