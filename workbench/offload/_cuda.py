@@ -119,8 +119,9 @@ class Copier:
         """Copy a device gradient into a pageable fp32 host buffer, chunk by chunk through the
         gradient ring (upcast on the host). Returns when `dst` holds the whole gradient. Up to
         n_chunks copies are in flight at once; each chunk is drained into `dst` as it lands."""
-        src, out, ring = grad.detach().reshape(-1), dst.view(-1), self.grads
+        out, ring = dst.view(-1), self.grads
         if not self.cuda:
+            src = grad.detach().reshape(-1)
             for a, b in ring.spans(src.numel()):
                 i = ring.acquire()
                 ring.chunks[i][: b - a].copy_(src[a:b])
@@ -130,6 +131,7 @@ class Copier:
         inflight = []
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(ready)  # the gradient was produced on the compute stream
+            src = grad.detach().reshape(-1)  # (a copy, if any, runs on this stream: after `ready`)
             for a, b in ring.spans(src.numel()):
                 if len(inflight) == ring.n_chunks:
                     self._drain(inflight.pop(0), out)

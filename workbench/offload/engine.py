@@ -382,7 +382,7 @@ class SplitEngine:
         if gate.skip:
             t = self.clock.host_mark()
             s.ready = self.copier.to_device(s.host_master, s.param.data)  # the old weights, again
-            self._event(it, "to accelerator", s.name, t, s.ready if self.cuda else self.clock.host_mark(),
+            self._event(it, "to accelerator", s.name, t, s.ready if s.ready is not None else self.clock.host_mark(),
                         s.numel, s.numel * self.dtype.itemsize)
         else:
             self._apply(it, s, gate.coef)
@@ -398,7 +398,7 @@ class SplitEngine:
         t2 = self.clock.host_mark()
         self._event(it, "host update", s.name, t1, t2, s.numel, s.numel * 4)
         s.ready = self.copier.to_device(s.host_master, s.param.data)  # downcast through the weight ring
-        end = s.ready if self.cuda else self.clock.host_mark()
+        end = s.ready if s.ready is not None else self.clock.host_mark()  # CUDA: when the last chunk landed
         self._event(it, "to accelerator", s.name, t2, end, s.numel, s.numel * self.dtype.itemsize)
 
     # ------------------------------------------------------------------ one iteration
