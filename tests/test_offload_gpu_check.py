@@ -138,6 +138,30 @@ def test_the_workbench_check_finds_the_split_check():
     assert found["split"] is sg.check_split and sg.gpu_checks() == {"split": sg.check_split}
 
 
+def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
+    """The CUDA layer's own code with the CPU as the device (shortened): every run, the parity
+    rows, both baseline rows (ZeRO-Offload stubbed: its op build takes minutes here) and the
+    report. On a card the same code measures the card."""
+    from workbench.gpu_check import Options
+    from workbench.offload import zero_baseline
+
+    monkeypatch.setattr(sg, "ITERATIONS", 3)
+    monkeypatch.setattr(sg, "WARMUP", 1)
+    monkeypatch.setattr(sg, "K_SWEEP", (0.0, 1.0))
+    monkeypatch.setattr(sg, "QUICK", {**sg.QUICK, "batch": 8})
+    calls = []
+    monkeypatch.setattr(zero_baseline, "run_zero_offload",
+                        lambda *a, **kw: calls.append(a) or ([], "DeepSpeed ZeRO-Offload unavailable: stubbed"))
+    r = sg.check_split(Options(out=tmp_path, tiny=True, device="cpu"))
+    assert r["status"] == "pass", r["failures"]
+    assert [p["max_abs_diff"] for p in r["parity"]] == [0.0, 0.0]  # the CPU: same kernels, bit for bit
+    assert [x["run"] for x in r["runs"]] == ["k=0", "k=1", "adaptive", "bf16 k=0", "fp16 k=0"]
+    assert all(x["status"] == "ok" and x["tokens_per_s"] > 0 for x in r["runs"])
+    assert r["pinned_bytes"] == 0 and len(calls) == 1 and next(calls[0][0].parameters()).device.type == "cpu"
+    assert {b["run"]: b["status"] for b in r["baselines"]}["DeepSpeed ZeRO-Offload"] == "unavailable"
+    assert "### Study 3 split engine on the card: pass" in r["report"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the split check measures the card")
 def test_check_split_on_the_card(tmp_path):
     from workbench.gpu_check import Options

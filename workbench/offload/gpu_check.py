@@ -189,7 +189,7 @@ def _model(shape: dict):
 def _reference(base, batches, clip: float = 0.0) -> dict:
     import torch
 
-    model = copy.deepcopy(base).cuda()
+    model = copy.deepcopy(base).to(batches[0].device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     for b in batches:
         model(input_ids=b, labels=b).loss.backward()
@@ -204,7 +204,7 @@ def _engine(base, batches, **kw):
     from workbench.offload.adam import AdamHP
     from workbench.offload.engine import SplitEngine
 
-    eng = SplitEngine(copy.deepcopy(base).cuda(), hp=AdamHP(lr=LR, weight_decay=WEIGHT_DECAY), **kw)
+    eng = SplitEngine(copy.deepcopy(base).to(batches[0].device), hp=AdamHP(lr=LR, weight_decay=WEIGHT_DECAY), **kw)
     try:
         for b in batches:
             eng.step(b)
@@ -225,18 +225,19 @@ def _torchao_rows(base, batches) -> tuple[list[dict], str | None]:
             from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
         except ImportError:
             return [], NOT_INSTALLED
-    model = copy.deepcopy(base).cuda()
+    model = copy.deepcopy(base).to(batches[0].device)
+    sync = torch.cuda.synchronize if batches[0].is_cuda else (lambda: None)
     try:
         opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=LR, weight_decay=WEIGHT_DECAY)
         rows = []
         for i, b in enumerate(batches):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             loss = model(input_ids=b, labels=b).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
-            torch.cuda.synchronize()
+            sync()
             dt = time.perf_counter() - t0
             rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3, "tokens": b.numel()})
         return rows, None
@@ -245,7 +246,8 @@ def _torchao_rows(base, batches) -> tuple[list[dict], str | None]:
 
 
 def check_split(opts) -> dict[str, Any]:
-    """CUDA: parity, overlap, rates, tokens/s against k, the baselines, pinned bytes."""
+    """CUDA: parity, overlap, rates, tokens/s against k, the baselines, pinned bytes. (With
+    opts.device "cpu" the same code runs on the CPU: the tests' dry run of this layer.)"""
     import torch
 
     from workbench.offload import _cuda
@@ -254,7 +256,8 @@ def check_split(opts) -> dict[str, Any]:
     shape = QUICK if getattr(opts, "tiny", False) else SMALL
     base = _model(shape)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g).cuda()
+    device = torch.device(getattr(opts, "device", "cuda"))
+    batches = [torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g).to(device)
                for _ in range(ITERATIONS)]
     n_params = sum(p.numel() for p in base.parameters())
 
@@ -270,14 +273,14 @@ def check_split(opts) -> dict[str, Any]:
     for name, kw, k in specs:
         try:
             rows, events, _, _ = _engine(base, batches, **kw)
-            runs.append(run_row(name, rows, events, k_target=k, precision=kw.get("precision", "fp32")))
+            runs.append(run_row(name, rows, events, warmup=WARMUP, k_target=k, precision=kw.get("precision", "fp32")))
         except Exception as e:
             runs.append({"run": name, "status": "error", "reason": f"{type(e).__name__}: {e}"[:300], "k_target": k})
 
-    zrows, zreason = run_zero_offload(copy.deepcopy(base).cuda(), batches, LR, WEIGHT_DECAY, "fp32")
+    zrows, zreason = run_zero_offload(copy.deepcopy(base).to(device), batches, LR, WEIGHT_DECAY, "fp32")
     trows, treason = _torchao_rows(base, batches)
-    baselines = [baseline_row("DeepSpeed ZeRO-Offload", zrows, zreason),
-                 baseline_row("torchao CPUOffloadOptimizer", trows, treason)]
+    baselines = [baseline_row("DeepSpeed ZeRO-Offload", zrows, zreason, warmup=WARMUP),
+                 baseline_row("torchao CPUOffloadOptimizer", trows, treason, warmup=WARMUP)]
     limit = _cuda.staging_bytes(4, 8 * 2**20, torch.float32)  # the engine's default rings, fp32
     result = split_verdict(parity, runs, baselines, limit)
     result.update(model=f"Qwen2-style, {n_params / 1e6:.1f}M parameters, batch {shape['batch']} x {shape['seq']}",
