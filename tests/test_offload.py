@@ -693,3 +693,17 @@ def test_cuda_engine_clipping_and_chunks(precision):
     for r in eng.rows:
         assert 0.0 <= r["accel_idle_share"] <= 1.0 and r["to_host_ms"] >= 0 and r["to_accel_ms"] >= 0
     eng.close()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_clipping_same_update_whatever_k(precision):
+    """bf16/fp16 with clipping: host (k=0) and accelerator (k=1) apply the same unscale and clip
+    coefficient to the same upcast gradient: identical masters; every step is clipped."""
+    base, data = tiny_qwen(), batches(512, 3)
+    out = {}
+    for k in (0.0, 1.0):
+        eng, _ = run_engine(copy.deepcopy(base), data, k=k, precision=precision, max_grad_norm=0.05)
+        out[k] = eng.master_weights()
+        assert all(r["clip_coef"] < 1.0 and not r["skipped_overflow"] for r in eng.rows)
+        eng.close()
+    assert all(torch.equal(out[0.0][n], out[1.0][n]) for n in out[0.0])
