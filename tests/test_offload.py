@@ -707,3 +707,19 @@ def test_low_precision_clipping_same_update_whatever_k(precision):
         assert all(r["clip_coef"] < 1.0 and not r["skipped_overflow"] for r in eng.rows)
         eng.close()
     assert all(torch.equal(out[0.0][n], out[1.0][n]) for n in out[0.0])
+
+
+def test_study_runner_clips_like_its_reference(tmp_path, monkeypatch, tiny_base):
+    """max_grad_norm reaches both the engine runs and the plain-AdamW reference (clip_grad_norm_):
+    the fp32 weights still agree to the bit."""
+    from workbench.offload import SplitConfig
+    from workbench.offload.study import measured_runs
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 0.5], "adaptive": False, "max_grad_norm": 0.05, "iterations": 2,
+                                 "write_results": False})
+    runs, steps, _ = measured_runs(cfg)
+    engine = [r for r in runs if r["run"] != "plain AdamW"]
+    assert [r["max_abs_diff_vs_adamw"] for r in engine] == [0.0, 0.0]
+    assert all(s["clip_coef"] < 1.0 for s in steps if s["run"] != "plain AdamW")
+    assert all(r["pinned_bytes"] == 0 and r["staging_bytes"] > 0 for r in engine)

@@ -28,7 +28,7 @@ def dist_backend(device: torch.device | str) -> str:
 
 
 def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: float, weight_decay: float,
-                     precision: str = "fp32") -> tuple[list[dict], str | None]:
+                     precision: str = "fp32", max_grad_norm: float = 0.0) -> tuple[list[dict], str | None]:
     """Train with deepspeed.initialize(ZeRO-2 + offload_optimizer=cpu); per-iteration rows, or
     ([], reason) when DeepSpeed cannot run here."""
     try:
@@ -49,6 +49,7 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
             "bf16": {"enabled": precision == "bf16"},
             "fp16": {"enabled": precision == "fp16"},
             "steps_per_print": 10**9,
+            "gradient_clipping": max_grad_norm,  # 0: off (DeepSpeed's default), as in the engine
         }
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     except Exception as e:  # build failures, missing package, unsupported device
