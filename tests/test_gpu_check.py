@@ -187,3 +187,11 @@ def test_only_rejects_an_unknown_check(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the no-GPU line, before any CUDA call
     assert main(["gpu-check", "--only", "ladder,tracee"]) == 2
     assert "unknown check tracee" in capsys.readouterr().err
+
+
+def test_a_check_that_brings_its_own_report_section_has_it_in_the_report(tmp_path):
+    found = {"environment": lambda o: {"status": "pass", "gpu": "Fake H0"},
+             "split": lambda o: {"status": "pass", "report": "### Study 3 on the card\n\n| k | tok/s |\n|---|---|\n| 0.5 | 123 |"}}
+    gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)
+    report = (tmp_path / "report.md").read_text()
+    assert "### Study 3 on the card" in report and "| 0.5 | 123 |" in report

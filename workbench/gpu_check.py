@@ -179,6 +179,10 @@ def report_markdown(summary: dict[str, Any]) -> str:
         lines += [f"- {r['strategy']}: {r['status']} ({r['device_history']})" for r in s1["runs"]]
         lines += [f"- left allocated on the GPU afterwards: "
                   f"{s1['allocated_after_bytes'] - s1['allocated_before_bytes']} bytes"]
+    # a check that brings its own section (study 3's split check) has it printed as it is
+    for name, r in summary["results"].items():
+        if isinstance(r.get("report"), str) and r["report"].strip():
+            lines += ["", r["report"].strip()]
     failures = [f"{n}: {f}" for n, r in summary["results"].items() for f in r.get("failures", [])]
     failures += [f"{n}: {r['error']}" for n, r in summary["results"].items() if r.get("error")]
     if failures:
