@@ -308,3 +308,13 @@ def test_the_report_says_what_a_budget_caps_on_each_device(env):
     assert "reserved memory" in BUDGET_NOTE and "live tensor bytes" in BUDGET_NOTE
     assert BUDGET_NOTE in parts[0][2]
     assert "reserved memory on a GPU, live tensor bytes on the CPU" in parts[1][1]
+
+
+def test_reference_device_is_validated_and_the_pure_bf16_rungs_are_in_the_study():
+    from workbench.config import ConfigError
+    from workbench.memory.study import LadderConfig
+
+    with pytest.raises(ConfigError, match="reference_device must be cpu or cuda"):
+        LadderConfig(reference_device="tpu")
+    assert LadderConfig().reference_device == "cpu"  # study 2's default stays the exact CPU prediction
+    assert {"bf16_true", "bf16_true_lora"} <= set(LadderConfig().rungs)

@@ -81,6 +81,7 @@ class MemoryReport:
     timeline_steps: list[int] | None = None  # the step of each timeline event
     timeline_roles: dict[int, str] | None = None  # each allocation's category (when it died, or at the end)
     kernels: dict[str, int] | None = None  # CUDA-modelled runs: the attention kernels used
+    timeline_ops: list[str] | None = None  # the phase and op of each timeline event
 
     @property
     def peak_bytes(self) -> int:
@@ -130,6 +131,7 @@ class MemoryAccounting(LiveBytes):
         # replays it: workbench.memory.cuda_model.replay).
         self.timeline: list[tuple[int, int]] | None = [] if timeline else None
         self.timeline_steps: list[int] = []
+        self.timeline_ops: list[str] = []  # the op that made each allocation ("" for frees)
         self._serial: dict[int, int] = {}
         self._serials = 0
         self.roles_at_death: dict[int, str] = {}
@@ -165,6 +167,7 @@ class MemoryAccounting(LiveBytes):
                 self._serial[key] = self._serials
                 self.timeline.append((self._serials, nbytes))
                 self.timeline_steps.append(self.step)
+                self.timeline_ops.append(f"{self.phase}: {self._op}" if self.phase != "setup" else "setup")
             self.by_category[role] += nbytes
             self.current_bytes += nbytes
             self._snapshot()
@@ -177,6 +180,7 @@ class MemoryAccounting(LiveBytes):
             serial = self._serial.pop(key)
             self.timeline.append((serial, -1))
             self.timeline_steps.append(self.step)
+            self.timeline_ops.append("")
             self.roles_at_death[serial] = role
         self._forward_made.discard(key)
 
@@ -312,6 +316,7 @@ class MemoryAccounting(LiveBytes):
             roles = dict(self.roles_at_death)
             roles.update({serial: self._role[key] for key, serial in self._serial.items() if key in self._role})
             r.timeline, r.timeline_steps, r.timeline_roles = list(self.timeline), list(self.timeline_steps), roles
+            r.timeline_ops = list(self.timeline_ops)
         return r
 
 

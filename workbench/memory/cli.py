@@ -61,6 +61,8 @@ def register(sub) -> None:
     p.add_argument("--budget-mib", type=float, default=None, help="device budget in MiB: say whether it fits")
     p.add_argument("--auto-fit", action="store_true", help="pick the fastest rung predicted to fit --budget-mib")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    p.add_argument("--snapshot", default=None, metavar="PATH", help="also write the predicted step's allocation "
+                   "timeline as a memory snapshot pickle (open it at pytorch.org/memory_viz); one setup only")
     p.set_defaults(func=_estimate)
 
 
@@ -123,6 +125,16 @@ def _estimate(args) -> int:
         print(f"workbench estimate: {e}", file=sys.stderr)
         return 2
     kw = dict(batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, card=args.card)
+    if args.snapshot:
+        if plan is None and len(names) != 1:
+            raise ConfigError("--snapshot writes one setup's timeline: give one --rung or a setup from flags")
+        from workbench.memory.snapshot import dump, predicted_snapshot
+
+        if args.device != "cuda":
+            raise ConfigError("--snapshot models the CUDA allocator: use it with --device cuda")
+        path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq, steps=args.steps,
+                                       card=args.card), args.snapshot)
+        print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
     if plan is not None:
         preds = {plan.name: predict(config, plan, **kw)}
     else:
@@ -180,14 +192,22 @@ def _estimate(args) -> int:
         if budget:
             print(f"  fits {args.budget_mib:.0f} MiB: {'yes' if p.fit_bytes <= budget else 'no'}")
         return 0
+    cuda = args.device == "cuda"
     head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{c[:10]:>10}" for c in p_cats())
+    if cuda:
+        head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
     print(head + ("   fits" if budget else ""))
     for p in preds.values():
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
             f"{p.breakdown.get(c, 0) / MiB:>10,.1f}" for c in p_cats())
+        if cuda:
+            line += "".join(f" {v / MiB:>10,.1f}" for v in (p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes))
         if budget:
             line += f"   {'yes' if p.fit_bytes <= budget else 'no'}"
         print(line)
+    if cuda:
+        print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
+              "smi: reserved + the CUDA context (modelled); offload rungs: no allocator figures (estimated)")
     notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note]
     if notes:
         print("notes:\n" + "\n".join(notes))

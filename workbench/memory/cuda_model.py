@@ -279,6 +279,10 @@ class CachingAllocator:
         self._segs = itertools.count()
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
         self.segments = 0
+        self.bases: dict[tuple, int] = {}  # segment -> its (modelled) device address
+        self.heads: dict[tuple, _Block] = {}  # segment -> its first block
+        self.new_segment = 0  # bytes of the segment the last malloc had to cudaMalloc (0: none)
+        self._next_addr = 0x7F0000000000
 
     def _insert(self, b, small):
         bisect.insort(self._pools[small], (b.size, b.seg, b.offset, b.id, b))
@@ -294,11 +298,15 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         pool = self._pools[small]
         i = bisect.bisect_left(pool, (size,))
+        self.new_segment = 0
         if i < len(pool):
             b = pool.pop(i)[4]
         else:
             seg = segment_size(size)
             b = _Block((small, next(self._segs)), 0, seg, next(self._ids))
+            self.bases[b.seg], self.heads[b.seg] = self._next_addr, b
+            self._next_addr += seg
+            self.new_segment = seg
             self.reserved += seg
             self.segments += 1
             self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -326,12 +334,26 @@ class CachingAllocator:
                     b.offset, b.prev = nb.offset, nb.prev
                     if nb.prev is not None:
                         nb.prev.next = b
+                    else:
+                        self.heads[b.seg] = b
                 else:
                     b.next = nb.next
                     if nb.next is not None:
                         nb.next.prev = b
                 b.size += nb.size
         self._insert(b, small)
+
+    def address(self, b: _Block) -> int:
+        return self.bases[b.seg] + b.offset
+
+    def segment_blocks(self):
+        """(segment key, base address, size, [blocks in address order]) for every segment."""
+        for seg, head in self.heads.items():
+            blocks, b = [], head
+            while b is not None:
+                blocks.append(b)
+                b = b.next
+            yield seg, self.bases[seg], sum(x.size for x in blocks), blocks
 
 
 @dataclass

@@ -8,12 +8,16 @@
 Each rung is a small frozen `Plan` (DESIGN.md section 2, "Study 2"), built from the one above it
 with `compose`, so a rung says only what it changes:
 
-    Tier 1  fp32 -> fp16 / bf16 autocast -> + gradient checkpointing -> + smaller micro-batch
-            with gradient accumulation
-    Tier 2  8-bit AdamW, paged 8-bit AdamW (bitsandbytes); LoRA; QLoRA (4-bit NF4 base);
+    Tier 1  fp32 -> fp16 / bf16 autocast (fp32 weights) -> pure bf16 weights, grads and AdamW
+            state (bf16_true) -> + gradient checkpointing -> + smaller micro-batch with
+            gradient accumulation
+    Tier 2  8-bit AdamW, paged 8-bit AdamW (bitsandbytes); LoRA (also over pure bf16); QLoRA (4-bit NF4 base);
             accelerate device_map with max_memory (layers on the CPU); DeepSpeed ZeRO-Offload
             (optimizer on the CPU; optimizer and parameters on the CPU)
     Tier 3  CPU only
+
+A setup that is not a rung composes from the command line's names with `plan_from_flags`
+(`workbench estimate --precision bf16-true --trainable lora --lora-targets q_proj,v_proj ...`).
 
 `build(plan, model_or_config, ...)` turns a plan into (model, optimizer, settings) the same way
 for a real run and for a prediction over fake tensors, so the two run the same step.

@@ -191,13 +191,14 @@ def _unpacked_for_fake_inputs():
 # simulation
 
 def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
-             target: str = "cpu", sm: int | None = None) -> MemoryReport:
+             target: str = "cpu", sm: int | None = None, timeline: bool = False) -> MemoryReport:
     """Run `steps` real training steps of `plan` over fake tensors and account their bytes.
 
     `n_blocks`: how many blocks the training set holds (the loop keeps a shuffled index of them,
     8 bytes each); default: just enough for the simulated steps. `target`: the device the step is
     for: "cpu" (exact), or "cuda" (CUDA's kernel, dropout, autocast and optimizer choices on a card
-    of compute capability `sm`, and the allocation timeline for the allocator model).
+    of compute capability `sm`, and the allocation timeline for the allocator model). `timeline`:
+    record the allocation timeline for a CPU target too (for a memory snapshot).
     """
     if steps < 2:
         raise ValueError("simulate at least two steps: the steady state starts at the second")
@@ -219,7 +220,7 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     from workbench.memory import cuda_model
 
     choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
-    with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda) as acc:
+    with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda or timeline) as acc:
         acc.watch(model)
         acc.alias(twins)
         with choices as mode:

@@ -57,6 +57,9 @@ class LadderConfig(Config):
     reference_batch: int = param(1, "batch of the reference prediction")
     reference_seq: int = param(512, "sequence length of the reference prediction")
     reference_budget_mib: float = param(6144.0, "budget the reference model is checked against (MiB)")
+    reference_device: str = param("cpu", "device the reference is predicted for: cpu (exact) or cuda (CUDA's "
+                                  "choices simulated, allocator modelled; the budget then caps reserved memory)",
+                                  choices=("cpu", "cuda"))
     breakdown_rung: str = param("bf16_ckpt", "rung whose per-category breakdown the notebook shows")
     threads: int = param(0, "torch threads (0 = leave as set)")
     seed: int = param(0, "seed of the measured runs")
@@ -68,6 +71,8 @@ class LadderConfig(Config):
                               f"known rungs: {', '.join(RUNGS)}")
         if not self.rungs:
             raise ConfigError("rungs must name at least one rung")
+        if self.reference_device not in ("cpu", "cuda"):
+            raise ConfigError(f"reference_device must be cpu or cuda, got {self.reference_device!r}")
         if self.breakdown_rung not in self.rungs:
             raise ConfigError(f"breakdown_rung {self.breakdown_rung!r} is not among rungs: {', '.join(self.rungs)}")
         for name in ("batch", "seq_len", "reference_batch", "reference_seq"):
@@ -203,7 +208,7 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
         ref = model_config(_resolve(cfg.reference_model))
         ref_budget = int(cfg.reference_budget_mib * MiB)
         for name in cfg.rungs:
-            p = predict(ref, name, batch=cfg.reference_batch, seq=cfg.reference_seq)
+            p = predict(ref, name, batch=cfg.reference_batch, seq=cfg.reference_seq, device=cfg.reference_device)
             ref_rows.append({**p.row(), "model": cfg.reference_model, "role": "reference",
                              "tier": RUNGS[name].tier, "help": RUNGS[name].help,
                              "budget_mib": cfg.reference_budget_mib, "fits_predicted": p.fit_bytes <= ref_budget,
