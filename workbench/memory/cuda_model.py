@@ -269,11 +269,17 @@ class _Block:
 
 
 class CachingAllocator:
-    """One stream, no empty_cache, no memory cap: best-fit among cached blocks (smallest size,
-    then lowest address), split when the rest is >= 512 B (small pool) or > 1 MiB (large pool),
-    freed blocks merge with free neighbours; reserved memory only grows."""
+    """One stream, no empty_cache: best-fit among cached blocks (smallest size, then lowest
+    address), split when the rest is >= 512 B (small pool) or > 1 MiB (large pool), freed blocks
+    merge with free neighbours; without a limit, reserved memory only grows.
 
-    def __init__(self):
+    Used online too (malloc(n) -> block, free(block), .allocated, .reserved): with `limit` (bytes,
+    what set_per_process_memory_fraction allows) a malloc that needs a new segment past the limit
+    first releases the wholly free cached segments (release_cached_blocks; with the default
+    max_split_size, release_available_cached_blocks does nothing), then raises OutOfMemoryError."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
         self._pools = {True: [], False: []}  # small?: sorted (size, seg, offset, id, block) of free blocks
         self._ids = itertools.count()
         self._segs = itertools.count()
@@ -303,6 +309,13 @@ class CachingAllocator:
             b = pool.pop(i)[4]
         else:
             seg = segment_size(size)
+            if self.limit is not None and self.reserved + seg > self.limit:
+                self.release_cached()
+            if self.limit is not None and self.reserved + seg > self.limit:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (modelled caching allocator): tried to allocate {size / MiB:.2f} MiB "
+                    f"(a new {seg / MiB:.0f} MiB segment); {self.reserved / MiB:.1f} MiB reserved, "
+                    f"{self.allocated / MiB:.1f} MiB allocated, limit {self.limit / MiB:.1f} MiB")
             b = _Block((small, next(self._segs)), 0, seg, next(self._ids))
             self.bases[b.seg], self.heads[b.seg] = self._next_addr, b
             self._next_addr += seg
@@ -342,6 +355,14 @@ class CachingAllocator:
                         nb.next.prev = b
                 b.size += nb.size
         self._insert(b, small)
+
+    def release_cached(self) -> None:
+        """Give back every segment that is one free block (release_cached_blocks, empty_cache)."""
+        for seg, head in list(self.heads.items()):
+            if head.free and head.next is None:
+                self._remove(head, seg[0])
+                del self.heads[seg], self.bases[seg]
+                self.reserved -= head.size
 
     def address(self, b: _Block) -> int:
         return self.bases[b.seg] + b.offset

@@ -1,0 +1,84 @@
+"""The played CPU budget with allocator="cuda": it caps the modelled caching allocator's reserved
+bytes, as set_per_process_memory_fraction caps a card's, instead of the live bytes.
+
+    .venv/bin/python -m pytest tests/test_played_allocator.py -q        # a few seconds
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workbench.memory import cuda_model as cm
+from workbench.memory.budget import device_budget
+
+MiB = 2**20
+
+
+def fragment(then_mib: int = 16):
+    """Eight 3 MiB tensors (two 20 MiB segments: 6 fit in the first), every other one freed: 12 MiB
+    live, 40 MiB reserved, no segment wholly free, the largest free block 14 MiB (the second
+    segment's tail); then one `then_mib` MiB tensor (16: a segment of its own)."""
+    keep = [torch.empty(3 * MiB, dtype=torch.uint8) for _ in range(8)]
+    del keep[::2]
+    big = torch.empty(then_mib * MiB, dtype=torch.uint8)
+    return keep, big
+
+
+def test_live_bytes_fit_but_reserved_bytes_do_not():
+    # live peak 28 MiB (4 x 3 + 16) fits 48 MiB; reserved 40 + 16 does not
+    with device_budget("cpu", 48) as b:
+        fragment()
+    assert b.peak_mib == 28 and math.isnan(b.peak_reserved_mib)
+    with pytest.raises(torch.OutOfMemoryError, match="modelled caching allocator"):
+        with device_budget("cpu", 48, allocator="cuda") as b:
+            fragment()
+    with device_budget("cpu", 56, allocator="cuda") as b:  # exactly the modelled reserved peak
+        fragment()
+    assert (b.peak_mib, b.peak_reserved_mib) == (28, 56)
+
+
+def test_freed_whole_segments_are_released_before_the_oom():
+    """A cached segment with nothing in use is given back (release_cached_blocks) before the
+    allocator gives up: 12 MiB freed, then 14 MiB needs a new segment, 26 > 15 MiB, but 14 fits."""
+    with device_budget("cpu", 15, allocator="cuda") as b:
+        a = torch.empty(12 * MiB, dtype=torch.uint8)
+        del a
+        c = torch.empty(14 * MiB, dtype=torch.uint8)
+        assert b.live.model.reserved == 14 * MiB
+        del c
+        d = torch.empty(MiB // 2, dtype=torch.uint8)  # a 2 MiB small segment: 16 > 15, 14 goes back
+        assert b.live.model.reserved == 2 * MiB and b.current_mib == 0.5
+        del d
+    assert b.peak_reserved_mib == 14
+
+
+def test_the_played_figures_equal_the_offline_replay():
+    """A small training step; the timeline the played budget saw, replayed offline, gives the same
+    allocated and reserved peaks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    opt = torch.optim.AdamW(model.parameters())
+    with device_budget("cpu", allocator="cuda") as b:
+        b.live.events = []
+        b.track_module(model)
+        for _ in range(2):
+            model(torch.randn(64, 256)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            fragment(then_mib=1)
+    report = cm.replay(b.live.events, {})
+    assert report.allocated_peak_bytes == b.peak_mib * MiB
+    assert report.reserved_peak_bytes == b.peak_reserved_mib * MiB
+    assert b.peak_reserved_mib > b.peak_mib >= b.live.peak_mib
+
+
+def test_default_and_bad_allocator():
+    with device_budget("cpu", 30) as b:
+        assert type(b.live).__name__ == "LiveBytes"
+        with pytest.raises(torch.OutOfMemoryError, match="MiB live > budget"):
+            torch.empty(31 * MiB, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="allocator"):
+        device_budget("cpu", 30, allocator="caching")
