@@ -82,3 +82,18 @@ def test_default_and_bad_allocator():
             torch.empty(31 * MiB, dtype=torch.uint8)
     with pytest.raises(ValueError, match="allocator"):
         device_budget("cpu", 30, allocator="caching")
+
+
+def test_live_chart_plots_the_cuda_columns_when_rows_carry_them():
+    from workbench.live import LiveChart
+
+    live = LiveChart(display=False, min_interval_s=0)
+    live({"step": 1, "loss": 2.0, "mem_mib": 10.0, "strategy": "a"})  # a CPU row: three traces
+    assert len(live.fig.data) == 3
+    for step in (1, 2):
+        live({"step": step, "loss": 2.0, "mem_mib": 10.0, "strategy": "b", "cuda_peak_allocated_mib": 11.0,
+              "cuda_peak_reserved_mib": 20.0, "nvml_used_mib": 520.0})
+    fig = live.close()
+    extra = {t.name: list(t.y) for t in fig.data[6:]}
+    assert extra == {"b allocated": [11.0, 11.0], "b reserved": [20.0, 20.0], "b NVML used": [520.0, 520.0]}
+    assert all(t.xaxis == fig.data[4].xaxis for t in fig.data[6:])  # the memory panel

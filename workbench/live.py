@@ -14,7 +14,9 @@ keeps the state it had when first displayed).
 
 Rows it understands: training rows (step, loss, tokens, mem_mib, tokens_per_s, and the run's
 labels such as strategy/seed/device/budget_mib) and event rows ({"event": "attempt", ...}) that
-say where a run went (shown in the title).
+say where a run went (shown in the title). On a GPU, rows that carry the memory monitor's CUDA
+columns (cuda_peak_allocated_mib, cuda_peak_reserved_mib, nvml_used_mib) add a trace each to the
+memory panel, so the allocator's reserved memory and nvidia-smi's figure show beside the budget.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from workbench import plots  # noqa: F401  (sets the plotly_mimetype renderer)
+
+
+CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
+                ("nvml_used_mib", "NVML used", "dot"))
 
 
 class LiveChart:
@@ -106,6 +112,13 @@ class LiveChart:
             self._append(i_mem, row["step"], row["mem_mib"])
         if row.get("tokens_per_s") is not None:
             self._append(i_tps, row["step"], row["tokens_per_s"])
+        for column, what, dash in CUDA_COLUMNS:
+            if row.get(column) is not None:
+                if (key, column) not in self._traces:
+                    self.fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"{self.fig.data[i_mem].name} {what}",
+                                                  legendgroup=str(key), showlegend=False, line_dash=dash), row=1, col=2)
+                    self._traces[(key, column)] = (len(self.fig.data) - 1,)
+                self._append(self._traces[(key, column)][0], row["step"], row[column])
         budget = row.get("budget_mib")
         if budget and budget not in self._budgets:
             self._budgets.add(budget)
