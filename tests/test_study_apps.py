@@ -19,7 +19,7 @@ from workbench.offload.config import SplitConfig
 
 LADDER_TINY = {"tiny": True, "rungs": ["fp32", "bf16_ckpt", "zero_offload"], "batch": 2, "seq_len": 32,
                "steps": 2, "budget_mib": 3.0, "reference_model": "", "breakdown_rung": "fp32", "threads": 1}
-SPLIT_TINY = {"hidden_size": 32, "num_layers": 2, "vocab_size": 128, "batch_size": 2, "seq_len": 16,
+SPLIT_TINY = {"base_size": "tiny", "eval_blocks": 4, "batch_size": 2, "seq_len": 16,
               "iterations": 3, "warmup": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
 
 

@@ -59,7 +59,7 @@ STUDIES: dict[str, StudyNotebook] = {
         StudyNotebook(
             "03_adaptive_split",
             "workbench.offload:SplitConfig",
-            quick={"iterations": 6, "warmup": 1, "k_sweep": [0.0, 0.5, 1.0], "modelled_k_points": 6},
+            quick={"base_size": "tiny", "iterations": 6, "warmup": 1, "k_sweep": [0.0, 0.5, 1.0], "modelled_k_points": 6},
             title="Study 3: the adaptive GPU/CPU update split",
         ),
     )
