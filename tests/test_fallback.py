@@ -85,3 +85,25 @@ def test_attempt_parsing():
             Attempt.parse(bad)
     if not torch.cuda.is_available():
         assert default_attempts(48) == (Attempt("cpu", 48.0), Attempt("cpu"))
+
+
+def test_a_played_card_can_model_the_caching_allocator():
+    """'cpu@48:cuda': the same budget, but over the modelled reserved bytes (as a card's budget is)."""
+    assert str(Attempt.parse("cpu@48:cuda")) == "cpu@48:cuda" and Attempt.parse("cpu@48:cuda").allocator == "cuda"
+    assert Attempt.parse("cpu@48").allocator == "live"
+    with pytest.raises(ConfigError, match="a real GPU uses its own"):
+        Attempt.parse("cuda@48:cuda")
+    MiB = 2**20
+
+    def job(attempt, budget, phase):
+        # Eight 3 MiB tensors, every other one freed, then 16 MiB: 28 MiB live at most, but the
+        # modelled allocator holds two 20 MiB segments it cannot give back, then a 16 MiB one.
+        keep = [torch.empty(3 * MiB, dtype=torch.uint8) for _ in range(8)]
+        del keep[::2]
+        big = torch.empty(16 * MiB, dtype=torch.uint8)
+        return len(keep) + big.numel() // MiB
+
+    out = run_with_fallback((Attempt.parse("cpu@48:cuda"), Attempt.parse("cpu@48")), job)
+    assert out.history_text() == "cpu@48:cuda: oom in start -> cpu@48: ok" and out.status == "fallback"
+    assert out.peak_mib == 28  # the live-bytes budget: the pattern fits
+

@@ -3,6 +3,7 @@
 Each strategy gets an ordered list of attempts, each a device with an optional memory budget:
 
     Attempt.parse("cuda"), Attempt.parse("cpu@48")   # 48 MiB budget: the CPU playing a small GPU
+    Attempt.parse("cpu@48:cuda")                      # ... with the card's caching allocator modelled
     default_attempts(budget_mib=48)                   # GPU then CPU on a GPU machine; else cpu@48 then cpu
 
 `run_with_fallback(attempts, job)` runs `job(attempt, budget)` on each attempt in turn. On
@@ -29,11 +30,20 @@ from workbench.memory.budget import DeviceBudget, device_budget
 class Attempt:
     device: str
     budget_mib: float | None = None
+    allocator: str = "live"  # CPU budgets: "live" caps live tensor bytes, "cuda" the modelled reserved bytes
 
     @classmethod
     def parse(cls, text: str) -> "Attempt":
-        """'cuda', 'cuda:1', 'cpu', or any of them with '@MiB' for a memory budget."""
+        """'cuda', 'cuda:1', 'cpu', or any of them with '@MiB' for a memory budget; a CPU budget
+        may end in ':cuda' ('cpu@48:cuda') to cap the modelled CUDA caching allocator's reserved
+        bytes (rounding, segments, fragmentation) instead of live bytes, as a card's budget does."""
         dev, _, budget = text.partition("@")
+        allocator = "live"
+        if budget.endswith(":cuda"):
+            budget, allocator = budget[: -len(":cuda")], "cuda"
+            if not dev.startswith("cpu"):
+                raise ConfigError(f"attempt {text!r}: ':cuda' models a card's allocator on the CPU; "
+                                  f"a real GPU uses its own (drop ':cuda')")
         try:
             torch.device(dev)
         except RuntimeError as e:
@@ -45,11 +55,13 @@ class Attempt:
                 raise ConfigError(f"attempt {text!r}: budget {budget!r} is not a number of MiB") from None
             if mib <= 0:
                 raise ConfigError(f"attempt {text!r}: the budget must be positive")
-            return cls(dev, mib)
+            return cls(dev, mib, allocator)
         return cls(dev)
 
     def __str__(self) -> str:
-        return self.device if self.budget_mib is None else f"{self.device}@{self.budget_mib:g}"
+        if self.budget_mib is None:
+            return self.device
+        return f"{self.device}@{self.budget_mib:g}" + (":cuda" if self.allocator == "cuda" else "")
 
 
 def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
@@ -143,7 +155,7 @@ def run_with_fallback(
 def _run_one(attempt: Attempt, job: Job, phase: Phase):
     # A function of its own, so that when an OOM unwinds, the attempt's frames (and the model,
     # optimizer and activations they hold) die with the traceback.
-    with device_budget(attempt.device, attempt.budget_mib) as budget:
+    with device_budget(attempt.device, attempt.budget_mib, allocator=attempt.allocator) as budget:
         value = job(attempt, budget, phase)
         peak = budget.peak_mib
     return value, peak

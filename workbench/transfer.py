@@ -54,7 +54,7 @@ class StrategiesConfig(Config):
     lora_rank: int = param(8, "rank of the LoRA and QLoRA adapters")
     precision: Literal["fp32", "bf16", "fp16"] = param("fp32", "autocast precision (fp16 needs CUDA)")
     budget_mib: float = param(160.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none")
-    devices: tuple[str, ...] = param((), "attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu']; empty = default")
+    devices: tuple[str, ...] = param((), "attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu'] ('cpu@64:cuda' also models a card's caching allocator); empty = default")
     preflight: bool = param(True, "skip an attempt whose predicted peak exceeds its budget")
     eval_blocks: int = param(64, "held-out blocks used for perplexity")
     trust_remote_code: bool = param(False, "let transformers run model code from the hub (off: safer)")
