@@ -67,6 +67,19 @@ class PlayedCudaAllocator(LiveBytes):
         super().reset_peak()
         self.model.peak_allocated, self.model.peak_reserved = self.model.allocated, self.model.reserved
 
+    # The figures a budget reports are the modelled allocator's (as torch.cuda's are a card's).
+    @property
+    def current_mib(self) -> float:
+        return self.model.allocated / MiB
+
+    @property
+    def peak_mib(self) -> float:
+        return self.model.peak_allocated / MiB
+
+    @property
+    def peak_reserved_mib(self) -> float:
+        return self.model.peak_reserved / MiB
+
 
 @dataclass
 class DeviceBudget:
@@ -78,16 +91,12 @@ class DeviceBudget:
     def current_mib(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / MiB
-        if isinstance(self.live, PlayedCudaAllocator):
-            return self.live.model.allocated / MiB
         return self.live.current_mib if self.live else float("nan")
 
     @property
     def peak_mib(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / MiB
-        if isinstance(self.live, PlayedCudaAllocator):
-            return self.live.model.peak_allocated / MiB
         return self.live.peak_mib if self.live else float("nan")
 
     @property
@@ -95,9 +104,7 @@ class DeviceBudget:
         """The allocator's reserved peak: real on CUDA, modelled with allocator="cuda", else NaN."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_reserved(self.device) / MiB
-        if isinstance(self.live, PlayedCudaAllocator):
-            return self.live.model.peak_reserved / MiB
-        return float("nan")
+        return getattr(self.live, "peak_reserved_mib", float("nan"))  # live bytes have no allocator
 
     def track_module(self, module: torch.nn.Module) -> None:
         """Count tensors made outside the budget's view (weights loaded by C++ code)."""
