@@ -69,11 +69,6 @@ def adam_pattern_bandwidth(numel: int, reps: int = 5) -> dict:
     return {"bytes_per_s": by_block[best], "block": best, "by_block": by_block}
 
 
-def memory_bandwidth(numel: int, reps: int = 5) -> float:
-    """Bytes/s this machine's memory moves in Adam's pattern (see adam_pattern_bandwidth)."""
-    return adam_pattern_bandwidth(numel, reps)["bytes_per_s"]
-
-
 def adam_step_time(backend: str, numel: int, tensors: int = 50, reps: int = 5) -> float:
     """Seconds for one AdamW step of `numel` fp32 parameters in `tensors` equal tensors, one
     optimizer per tensor, as the engine steps them."""

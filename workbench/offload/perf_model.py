@@ -476,9 +476,6 @@ def seed_verdict(host_meas: dict | None = None) -> dict:
     return {"rows": rows, "verdicts": verdicts, "text": text}
 
 
-def published_sensitivity(host_meas: dict | None = None) -> list[dict]:
-    """k of the seed's setting against the sequence length, every host and MFU of the verdict."""
-    return seed_verdict(host_meas)["rows"]
 
 
 # ---------------------------------------------------------------- validation against published offload systems
