@@ -4,11 +4,11 @@
     .venv/bin/python benchmarks/cpu_adam.py --numel 8000000 # smaller
 
 What it counts: one AdamW step over `numel` fp32 parameters held in 50 equal tensors, one
-optimizer per tensor, exactly as the split engine steps them (workbench.offload.adam.ParamAdam).
+optimizer per tensor, exactly as the split engine steps them (workbench.studies.split.adam.ParamAdam).
 Effective bytes/s = 28 bytes per parameter (read weight, gradient, two moments; write weight,
 two moments) / step time. The bandwidth beside it is a probe with Adam's own access pattern:
 4 read streams and 3 write streams over the same `numel` elements (blocked in-place kernels,
-the best of several block sizes; see workbench.offload.hostbench), measured in the same run
+the best of several block sizes; see workbench.studies.split.hostbench), measured in the same run
 before and after the backends; the higher is used.
 
 The share is clipped to 1: memory cannot deliver Adam's 7 streams faster than the probe that has
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workbench.offload.adam import backend_status  # noqa: E402
-from workbench.offload.hostbench import ADAM_BYTES, adam_pattern_bandwidth, adam_step_time, share_of  # noqa: E402
-from workbench.results import append_benchmark_row  # noqa: E402
+from workbench.studies.split.adam import backend_status  # noqa: E402
+from workbench.studies.split.hostbench import ADAM_BYTES, adam_pattern_bandwidth, adam_step_time, share_of  # noqa: E402
+from workbench.core.results import append_benchmark_row  # noqa: E402
 
 NAME = "cpu_adam"
 # bump when the method changes (2: best of three bandwidth probes; 3: one Adam-pattern probe,

@@ -7,9 +7,9 @@ the live-bytes hook that every study 1 run carries on the CPU add on top?
 Three loops train the same model (the embedded base's architecture, random weights) on the same
 batches with the same fused AdamW and gradient clipping:
 - bare:   the minimum (forward, backward, clip, step, zero_grad, loss.item());
-- ours:   workbench.training.train, which also samples blocks, sets the learning rate,
+- ours:   workbench.core.training.train, which also samples blocks, sets the learning rate,
           accumulates the loss and emits one row per step to a sink;
-- hooked: `ours` inside `device_budget("cpu", --budget-mib)`, exactly as workbench.fallback runs a
+- hooked: `ours` inside `device_budget("cpu", --budget-mib)`, exactly as workbench.core.fallback runs a
           study 1 attempt on the CPU: a LiveBytes TorchDispatchMode sees every op, counts each
           storage once and checks the budget; the model is tracked first and each row reads the
           live count as its memory figure. (On the CPU the hook is there with or without a budget.)
@@ -48,11 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workbench.memory.budget import device_budget  # noqa: E402
-from workbench.models import EmbeddedSpec  # noqa: E402
-from workbench.results import append_benchmark_row  # noqa: E402
-from workbench.sweep import threads_per_worker  # noqa: E402
-from workbench.training import BlockSampler, TrainSettings, train  # noqa: E402
+from workbench.core.memory.budget import device_budget  # noqa: E402
+from workbench.core.models import EmbeddedSpec  # noqa: E402
+from workbench.core.results import append_benchmark_row  # noqa: E402
+from workbench.front.sweep import threads_per_worker  # noqa: E402
+from workbench.core.training import BlockSampler, TrainSettings, train  # noqa: E402
 
 VERSION = 3  # bump when the method changes (3: all loops timed from outside; live-bytes hook figure)
 TARGET = 1.03
@@ -98,8 +98,8 @@ def run_arm(arm: str, base, blocks, batches, settings, budget_mib: float | None)
         return timed(lambda: bare_loop(model, batches, settings.lr))
     if arm == "ours":
         return timed(lambda: train(model, blocks, settings, device="cpu", sinks=[rows.append]).final_loss)
-    with device_budget("cpu", budget_mib) as budget:  # as workbench.fallback._run_one does
-        budget.track_module(model)  # as workbench.transfer's job does after loading
+    with device_budget("cpu", budget_mib) as budget:  # as workbench.core.fallback._run_one does
+        budget.track_module(model)  # as workbench.studies.strategies.runner's job does after loading
         return timed(lambda: train(model, blocks, settings, device="cpu", sinks=[rows.append],
                                    memory_probe=lambda: budget.current_mib).final_loss)
 

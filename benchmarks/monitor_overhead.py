@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/monitor_overhead.py            # ~30 s idle; minutes when the cores are shared
     .venv/bin/python benchmarks/monitor_overhead.py --rounds 3 # shorter
 
-What it counts: the wall time of `workbench.training.train` on a small random Qwen2 (hidden
+What it counts: the wall time of `workbench.core.training.train` on a small random Qwen2 (hidden
 128, 4 layers, vocab 2048; batch 8 x 128, fused AdamW, CPU) without and with a MemoryMonitor
 sampling every `--interval` s (process RSS via psutil; NVML too where a driver exists) and
 sending each row to a sink. Each run is timed the same way, from outside: time.perf_counter
@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workbench.memory.monitor import MemoryMonitor  # noqa: E402
-from workbench.results import append_benchmark_row  # noqa: E402
-from workbench.sweep import threads_per_worker  # noqa: E402
-from workbench.training import TrainSettings, train  # noqa: E402
+from workbench.core.memory.monitor import MemoryMonitor  # noqa: E402
+from workbench.core.results import append_benchmark_row  # noqa: E402
+from workbench.front.sweep import threads_per_worker  # noqa: E402
+from workbench.core.training import TrainSettings, train  # noqa: E402
 
 NAME = "monitor_overhead"
 VERSION = 3  # bump when the method changes (2: default interval 0.5 s; 3: ABBA order, a real run's threads)

@@ -5,14 +5,14 @@
     .venv/bin/python benchmarks/predict_ladder.py --device cuda --model data/configs/qwen2-7b.json --rungs bf16_true_lora
     .venv/bin/python benchmarks/predict_ladder.py --validate           # the validation table (~5 min)
 
-What it counts: for each rung, the wall time of one `workbench.memory.predict.predict` call on
+What it counts: for each rung, the wall time of one `workbench.core.memory.predict.predict` call on
 the Qwen2-0.5B config (data/configs/qwen2-0.5b.json) at batch 1 x seq 512: building the model on
 the meta device, applying the rung, and simulating two training steps over fake tensors (for
 estimated rungs: the simulation they start from plus the library estimate). One warm-up
 prediction (imports, first-call caches) runs first and is not counted. Target: under 30 s each
 for the 0.5B config, under 60 s for a 7B one (`--model data/configs/qwen2-7b.json`). `--device
 cuda` times the CUDA-modelled prediction (CUDA's choices + the allocator replay).
-`--validate` instead predicts every published GPU measurement in workbench.memory.validation and
+`--validate` instead predicts every published GPU measurement in workbench.studies.ladder.validation and
 writes results/ladder/validation.csv (prediction vs published, error %).
 
 Last line: `predict_ladder: VALUE`, the slowest prediction in seconds.
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from workbench.memory.ladder import RUNGS  # noqa: E402
-from workbench.memory.predict import model_config, predict  # noqa: E402
-from workbench.results import append_benchmark_row  # noqa: E402
+from workbench.studies.ladder.rungs import RUNGS  # noqa: E402
+from workbench.core.memory.predict import model_config, predict  # noqa: E402
+from workbench.core.results import append_benchmark_row  # noqa: E402
 
 NAME = "predict_ladder"
 VERSION = 2  # bump when the method changes (2: --device, a 7B target)
@@ -57,8 +57,8 @@ def main() -> int:
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     if args.validate:
-        from workbench.memory.validation import validation_table
-        from workbench.results import results_root
+        from workbench.studies.ladder.validation import validation_table
+        from workbench.core.results import results_root
 
         out = Path(results_root()) / "ladder" / "validation.csv"
         rows = validation_table(out=out)

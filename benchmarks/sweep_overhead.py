@@ -4,7 +4,7 @@
     python benchmarks/sweep_overhead.py --runs 4      # quicker
 
 A trivial notebook (a parameters cell and one line of arithmetic) is swept over --runs points
-through the whole sweep machinery (workbench.sweep.run_sweep: validation, worker processes,
+through the whole sweep machinery (workbench.front.sweep.run_sweep: validation, worker processes,
 papermill, a fresh kernel per run, status files, the runs table), into a temporary folder. What it
 counts:
 - wall: time.perf_counter around run_sweep, so it includes starting the worker processes and
@@ -57,8 +57,8 @@ def main() -> int:
 
     import papermill  # noqa: F401  (the sweeping process imports it once; not part of a run)
 
-    from workbench.results import append_benchmark_row
-    from workbench.sweep import run_sweep
+    from workbench.core.results import append_benchmark_row
+    from workbench.front.sweep import run_sweep
 
     load = os.getloadavg()[0]
     if load > (os.cpu_count() or 1):

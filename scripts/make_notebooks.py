@@ -39,7 +39,7 @@ Each run first tries the preferred device under a memory budget. On a machine wi
 CPU *plays* a GPU of `budget_mib` MiB: live tensor bytes are counted and an out-of-memory error is
 raised past the budget, exactly as CUDA would. A strategy that runs out of memory is freed and
 restarted from scratch on the next device; the `device_history` column says what happened."""),
-    ("code", """# Parameters: each maps onto a field of workbench.transfer.StrategiesConfig (unknown names are errors).
+    ("code", """# Parameters: each maps onto a field of workbench.studies.strategies.runner.StrategiesConfig (unknown names are errors).
 model = "embedded"            # 'embedded', a Hugging Face model id (e.g. 'Qwen/Qwen2-0.5B') or a local model directory
 base_size = "default"         # embedded base: 'default' or 'tiny' (tests)
 corpus = "embedded"           # target domain: 'embedded' (Python's language reference) or a text file/folder
@@ -58,11 +58,11 @@ devices = []                  # attempts in order, e.g. cuda then cpu, or cpu@64
 preflight = True              # skip an attempt whose predicted peak exceeds its budget
 eval_blocks = 64              # held-out blocks scored for perplexity
 trust_remote_code = False     # let transformers run model code from the hub""", "parameters"),
-    ("code", """from workbench.transfer import (StrategiesConfig, run_strategies, summarize, claims_table, steps_frame,
+    ("code", """from workbench.studies.strategies.runner import (StrategiesConfig, run_strategies, summarize, claims_table, steps_frame,
                                 write_tables, corpus_overlap, app)
-from workbench import plots
-from workbench.claims import study1_general_problems
-from workbench.live import LiveChart
+from workbench.studies.strategies import figures as plots
+from workbench.core.claims import study1_general_problems
+from workbench.front.live import LiveChart
 
 cfg = StrategiesConfig.from_namespace(globals())
 print("attempts per strategy:", " -> ".join(cfg.attempts_as_text()), "|", cfg.steps(), "steps per run")

@@ -24,7 +24,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def tiny_base():
     """Path of the tiny embedded base (built once per session)."""
-    from workbench.models import TINY_SPEC, ensure_embedded_base
+    from workbench.core.models import TINY_SPEC, ensure_embedded_base
 
     return ensure_embedded_base(TINY_SPEC, progress=False)
 

@@ -155,7 +155,7 @@ def test_dashboard_prepares_every_study_app(server_env):
                           env=server_env, capture_output=True, text=True, timeout=120)
     assert prep.returncode == 0, prep.stderr
     folder = Path(server_env["WORKBENCH_RESULTS"]) / "dashboard"
-    from workbench.notebooks import available
+    from workbench.front.notebooks import available
 
     assert sorted(p.name for p in folder.glob("*.ipynb")) == sorted(nb.path.name for nb in available())
     import nbformat
@@ -171,7 +171,7 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
     pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
     import papermill as pm
 
-    from workbench.dashboard import voila_command
+    from workbench.front.dashboard import voila_command
 
     folder = tmp_path / "apps"
     folder.mkdir()

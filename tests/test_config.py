@@ -3,7 +3,7 @@ from typing import Literal
 
 import pytest
 
-from workbench.config import Config, ConfigError, param
+from workbench.core.config import Config, ConfigError, param
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def test_non_finite_floats_name_the_parameter():
 
 
 def test_a_subclass_checks_run_after_the_type_checks():
-    from workbench.transfer import StrategiesConfig
+    from workbench.studies.strategies.runner import StrategiesConfig
 
     with pytest.raises(ConfigError, match="lr: expected a finite number"):
         StrategiesConfig(lr=float("inf"))

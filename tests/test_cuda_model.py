@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from workbench.config import ConfigError
-from workbench.memory import cuda_model as cm
-from workbench.memory.ladder import RUNGS, make_plan_optimizer, plan_from_flags
-from workbench.memory.predict import predict
+from workbench.core.config import ConfigError
+from workbench.core.memory import cuda_model as cm
+from workbench.studies.ladder.rungs import RUNGS, make_plan_optimizer, plan_from_flags
+from workbench.core.memory.predict import predict
 
 MiB = 2**20
 TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
@@ -210,7 +210,7 @@ def test_unknown_card_and_a_card_smaller_than_the_weights(tmp_path):
 
 
 def test_every_validation_row_has_its_config_and_a_complete_setup():
-    from workbench.memory.validation import CONFIGS, PUBLISHED, SOURCES
+    from workbench.studies.ladder.validation import CONFIGS, PUBLISHED, SOURCES
 
     for r in PUBLISHED:
         assert (CONFIGS / f"{r.model}.json").is_file(), r.model
@@ -236,7 +236,7 @@ def test_predicted_snapshot_replays_to_the_allocator_figures(tmp_path):
 
     from torch.cuda import _memory_viz
 
-    from workbench.memory.snapshot import dump, predicted_snapshot
+    from workbench.core.memory.snapshot import dump, predicted_snapshot
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))
@@ -254,11 +254,11 @@ def test_predicted_snapshot_replays_to_the_allocator_figures(tmp_path):
 def test_a_measured_cpu_step_exports_the_same_snapshot(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from workbench.memory.accounting import MemoryAccounting
-    from workbench.memory.ladder import rung
-    from workbench.memory.predict import simulate
-    from workbench.memory.snapshot import snapshot_from_report
-    from workbench.training import train
+    from workbench.core.memory.accounting import MemoryAccounting
+    from workbench.studies.ladder.rungs import rung
+    from workbench.core.memory.predict import simulate
+    from workbench.core.memory.snapshot import snapshot_from_report
+    from workbench.core.training import train
 
     config = Qwen2Config(**{k: v for k, v in TINY.items() if k not in ("model_type", "architectures")})
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from workbench.data import (MAX_OVERLAP, WINDOW, CorpusError, _paragraphs, corpus_blocks, overlap_share,
+from workbench.core.data import (MAX_OVERLAP, WINDOW, CorpusError, _paragraphs, corpus_blocks, overlap_share,
                             target_corpus, token_blocks, unigram_perplexity, window_hashes)
 
 

@@ -5,9 +5,9 @@ import gc
 import pytest
 import torch
 
-from workbench.config import ConfigError
-from workbench.fallback import Attempt, default_attempts, run_with_fallback
-from workbench.memory import LiveBytes, device_budget
+from workbench.core.config import ConfigError
+from workbench.core.fallback import Attempt, default_attempts, run_with_fallback
+from workbench.core.memory import LiveBytes, device_budget
 
 
 def test_budget_raises_the_same_error_as_cuda_and_releases_memory():

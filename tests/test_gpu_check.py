@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench import gpu_check as gc
-from workbench.memory.ladder import RUNGS
+from workbench.front import gpu_check as gc
+from workbench.studies.ladder.rungs import RUNGS
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def test_only_runs_the_named_checks(tmp_path):
 
 def test_study3_adds_its_split_check_through_the_extension_slot(monkeypatch, tmp_path):
     # Not there yet: a visible "not provided" slot, not a silent gap (and not a failure).
-    monkeypatch.setattr(gc, "EXTENSIONS", ("workbench.offload.no_such_gpu_check",))
+    monkeypatch.setattr(gc, "EXTENSIONS", ("workbench.studies.split.no_such_gpu_check",))
     found = gc.checks()
     assert list(found)[:4] == ["environment", "ladder", "strategies", "trace"]
     assert found["split"](None)["status"] == "not provided"
@@ -172,7 +172,7 @@ def test_gpu_check_on_this_card(tmp_path):
 
 
 def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, monkeypatch):
-    from workbench.results import RERUN_ENV, results_root, reuse_finished_runs
+    from workbench.core.results import RERUN_ENV, results_root, reuse_finished_runs
 
     monkeypatch.setenv("WORKBENCH_RESULTS", "/somewhere/else")
     monkeypatch.delenv(RERUN_ENV, raising=False)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.config import ConfigError
-from workbench.memory.ladder import RUNGS, FitChoice, auto_fit, measure, run_with_fallback
-from workbench.memory.monitor import MemoryMonitor
-from workbench.memory.study import LadderConfig, run_ladder
-from workbench.models import TINY_SPEC, load_model
+from workbench.core.config import ConfigError
+from workbench.studies.ladder.rungs import RUNGS, FitChoice, auto_fit, measure, run_with_fallback
+from workbench.core.memory.monitor import MemoryMonitor
+from workbench.studies.ladder.runner import LadderConfig, run_ladder
+from workbench.core.models import TINY_SPEC, load_model
 
 
 
@@ -76,7 +76,7 @@ def test_run_ladder_predicts_measures_and_explains(env):
 
 def test_auto_fit_steps_down_on_a_real_oom(env):
     model, tok = load_model("embedded", spec=TINY_SPEC)
-    from workbench.data import corpus_blocks, target_corpus
+    from workbench.core.data import corpus_blocks, target_corpus
 
     blocks, _ = corpus_blocks(tok, target_corpus(), 64)
     rungs = ("fp32", "bf16_ckpt", "lora")
@@ -113,7 +113,7 @@ def test_config_and_budget_errors():
 
 
 def test_monitor_rows_go_to_sinks_and_a_missing_driver_is_one_line(capsys):
-    from workbench.memory.live_bytes import LiveBytes
+    from workbench.core.memory.live_bytes import LiveBytes
 
     got = []
     with LiveBytes("cpu") as live, MemoryMonitor("cpu", interval_s=0.01, sinks=[got.append], live=live, nvml=True) as mon:
@@ -151,7 +151,7 @@ def _tiny_linear_model(device):
 def test_quantize_4bit_leaves_the_weights_on_the_models_device(device):
     import bitsandbytes as bnb
 
-    from workbench.memory.ladder import quantize_4bit
+    from workbench.studies.ladder.rungs import quantize_4bit
 
     model = _tiny_linear_model(device)
     x = torch.randn(3, 64, device=device)
@@ -169,7 +169,7 @@ def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch)
     """On a GPU the layer's weight says cuda: quantization must be asked for there, not on the CPU."""
     import bitsandbytes as bnb
 
-    from workbench.memory.ladder import quantize_4bit
+    from workbench.studies.ladder.rungs import quantize_4bit
 
     asked = []
     real = bnb.nn.Params4bit._quantize
@@ -191,8 +191,8 @@ def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch)
 def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypatch):
     """On a (pretend) CUDA device these rungs go through their own mechanism; where it cannot run
     they are `not measured` with the reason, never bf16_ckpt's figure under their name."""
-    import workbench.memory.ladder as ladder
-    import workbench.training as training
+    import workbench.studies.ladder.rungs as ladder
+    import workbench.core.training as training
 
     def plain(*a, **k):
         raise AssertionError("trained as plain bf16")
@@ -228,7 +228,7 @@ def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypa
 
 
 def test_zero_and_device_map_settings():
-    from workbench.memory.ladder import device_map_memory, zero_config
+    from workbench.studies.ladder.rungs import device_map_memory, zero_config
 
     s2 = zero_config(RUNGS["zero_offload"], RUNGS["zero_offload"].settings(8, 3))
     s3 = zero_config(RUNGS["zero_offload_params"], RUNGS["zero_offload_params"].settings(8, 3))
@@ -264,7 +264,7 @@ def _fake_cuda_memory(monkeypatch):
 
 
 def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
-    from workbench.memory.monitor import step_memory
+    from workbench.core.memory.monitor import step_memory
 
     assert step_memory("cpu") is None
     _fake_cuda_memory(monkeypatch)
@@ -276,8 +276,8 @@ def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
 def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypatch):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import workbench.memory.monitor as monitor
-    from workbench.training import TrainSettings, train
+    import workbench.core.memory.monitor as monitor
+    from workbench.core.training import TrainSettings, train
 
     def model():
         torch.manual_seed(0)
@@ -300,7 +300,7 @@ def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypat
 
 
 def test_the_report_says_what_a_budget_caps_on_each_device(env):
-    from workbench.memory.study import BUDGET_NOTE, report_section
+    from workbench.studies.ladder.runner import BUDGET_NOTE, report_section
 
     run_ladder(LadderConfig(tiny=True, rungs=("fp32",), breakdown_rung="fp32", batch=2, seq_len=32, steps=2,
                             measure=False, autofit=False, reference_model=""))
@@ -311,8 +311,8 @@ def test_the_report_says_what_a_budget_caps_on_each_device(env):
 
 
 def test_reference_device_is_validated_and_the_pure_bf16_rungs_are_in_the_study():
-    from workbench.config import ConfigError
-    from workbench.memory.study import LadderConfig
+    from workbench.core.config import ConfigError
+    from workbench.studies.ladder.runner import LadderConfig
 
     with pytest.raises(ConfigError, match="reference_device must be cpu or cuda"):
         LadderConfig(reference_device="tpu")

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from conftest import executed_plots
-from workbench.memory.study import LadderConfig
+from workbench.studies.ladder.runner import LadderConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "02_memory_ladder.ipynb"

@@ -2,9 +2,9 @@
 
 import pytest
 
-from workbench.live import LiveChart
-from workbench.panel import knobs
-from workbench.transfer import StrategiesConfig
+from workbench.front.live import LiveChart
+from workbench.front.panel import knobs
+from workbench.studies.strategies.runner import StrategiesConfig
 
 
 def rows():

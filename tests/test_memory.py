@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.config import ConfigError
-from workbench.memory.accounting import CATEGORIES, MemoryAccounting
-from workbench.memory.ladder import RUNGS, measure
-from workbench.memory.predict import predict
-from workbench.models import TINY_SPEC, ModelNotFoundError, load_model
+from workbench.core.config import ConfigError
+from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting
+from workbench.studies.ladder.rungs import RUNGS, measure
+from workbench.core.memory.predict import predict
+from workbench.core.models import TINY_SPEC, ModelNotFoundError, load_model
 
 SEQ, BATCH = 64, 4
 
@@ -26,7 +26,7 @@ def tiny(tiny_base, tmp_path_factory):
     old = os.environ.get("WORKBENCH_RESULTS")
     os.environ["WORKBENCH_RESULTS"] = str(tmp_path_factory.mktemp("results"))
     torch.set_num_threads(1)
-    from workbench.data import corpus_blocks, target_corpus
+    from workbench.core.data import corpus_blocks, target_corpus
 
     model, tok = load_model("embedded", spec=TINY_SPEC)
     blocks, _ = corpus_blocks(tok, target_corpus(), SEQ)

@@ -4,8 +4,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from workbench import models
-from workbench.models import (TINY_SPEC, ModelNotFoundError, cache_is_valid, embedded_metrics,
+from workbench.core import models
+from workbench.core.models import (TINY_SPEC, ModelNotFoundError, cache_is_valid, embedded_metrics,
                               ensure_embedded_base, load_config, load_model)
 
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from workbench.memory import cuda_model as cm
-from workbench.memory.budget import device_budget
+from workbench.core.memory import cuda_model as cm
+from workbench.core.memory.budget import device_budget
 
 MiB = 2**20
 
@@ -85,7 +85,7 @@ def test_default_and_bad_allocator():
 
 
 def test_live_chart_plots_the_cuda_columns_when_rows_carry_them():
-    from workbench.live import LiveChart
+    from workbench.front.live import LiveChart
 
     live = LiveChart(display=False, min_interval_s=0)
     live({"step": 1, "loss": 2.0, "mem_mib": 10.0, "strategy": "a"})  # a CPU row: three traces

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workbench.config import ConfigError
-from workbench.notebooks import STUDIES, run_notebook
+from workbench.core.config import ConfigError
+from workbench.front.notebooks import STUDIES, run_notebook
 
 BIN = Path(sys.executable).parent
 

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from conftest import executed_plots
-from workbench.offload.config import SplitConfig
+from workbench.studies.split.config import SplitConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "03_adaptive_split.ipynb"

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import ARCHS, tiny_config
-from workbench.strategies import STRATEGIES, StrategyNotApplicable, apply_strategy, model_parts
+from workbench.core.trainable import STRATEGIES, StrategyNotApplicable, apply_strategy, model_parts
 
 
 def fresh(arch):

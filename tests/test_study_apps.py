@@ -11,11 +11,11 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from workbench.live import LiveChart
-from workbench.memory import study as ladder_study
-from workbench.memory.study import LadderConfig
-from workbench.offload import study as split_study
-from workbench.offload.config import SplitConfig
+from workbench.front.live import LiveChart
+from workbench.studies.ladder import runner as ladder_study
+from workbench.studies.ladder.runner import LadderConfig
+from workbench.studies.split import runner as split_study
+from workbench.studies.split.config import SplitConfig
 
 LADDER_TINY = {"tiny": True, "rungs": ["fp32", "bf16_ckpt", "zero_offload"], "batch": 2, "seq_len": 32,
                "steps": 2, "budget_mib": 3.0, "reference_model": "", "breakdown_rung": "fp32", "threads": 1}

@@ -17,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from workbench.config import ConfigError
-from workbench.sweep import (SWEEP_OUT_ENV, combine, load_grid, points_from_options, run_sweep,
+from workbench.core.config import ConfigError
+from workbench.front.sweep import (SWEEP_OUT_ENV, combine, load_grid, points_from_options, run_sweep,
                              threads_per_worker)
 
 NOTEBOOK = Path(__file__).parent / "notebooks" / "sweep_point.ipynb"
@@ -114,7 +114,7 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
         load_grid(bad)
     assert not out.exists()
     # two sweeps never write one folder at once
-    from workbench.sweep import SweepBusy, _lock
+    from workbench.front.sweep import SweepBusy, _lock
 
     out.mkdir()
     held = _lock(out)
@@ -219,7 +219,7 @@ def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
 
 @pytest.mark.slow
 def test_sweep_over_study_notebook(tmp_path, tiny_base):
-    from workbench.transfer import StrategiesConfig
+    from workbench.studies.strategies.runner import StrategiesConfig
 
     tiny = {"base_size": "tiny", "seq_len": 64, "token_budget": 2000, "strategies": ["bitfit"],
             "budget_mib": 13.0, "eval_blocks": 4}

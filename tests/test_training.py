@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_config
-from workbench.config import ConfigError
-from workbench.training import TrainSettings, evaluate_perplexity, train
+from workbench.core.config import ConfigError
+from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
 
 def model_and_blocks(seed=0):

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from workbench.config import ConfigError
-from workbench.data import CorpusError
-from workbench.models import ModelNotFoundError
-from workbench.transfer import StrategiesConfig, claims_table, rebuild_runs_table, run_strategies, summarize
+from workbench.core.config import ConfigError
+from workbench.core.data import CorpusError
+from workbench.core.models import ModelNotFoundError
+from workbench.studies.strategies.runner import StrategiesConfig, claims_table, rebuild_runs_table, run_strategies, summarize
 
 TINY = dict(base_size="tiny", seq_len=64, token_budget=4096, eval_blocks=8)
 
@@ -66,7 +66,7 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     assert len((run / "steps.jsonl").read_text().splitlines()) == steps  # replaced, not appended to
     monkeypatch.delenv("WORKBENCH_RERUN")
     # Another corpus, other base weights or another workbench version: another run, not a read-back
-    from workbench import transfer
+    from workbench.studies.strategies import runner as transfer
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -120,7 +120,7 @@ def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
 
 
 def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(tiny_base, results_dir):
-    from workbench.memory import LiveBytes
+    from workbench.core.memory import LiveBytes
 
     cfg = StrategiesConfig(strategies=("bitfit", "full", "lora"), seeds=(0,), devices=("cpu@2", "cpu@3"),
                            preflight=False, **TINY)

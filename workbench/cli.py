@@ -17,12 +17,12 @@ import sys
 # Modules that add subcommands, in the order `--help` lists them. A module that is missing
 # (a study not built yet) is left out of the menu rather than breaking the others.
 _COMMAND_MODULES = (
-    "workbench.reproduce",
-    "workbench.memory.cli",
-    "workbench.offload.cli",
-    "workbench.sweep",
-    "workbench.dashboard",
-    "workbench.gpu_check",
+    "workbench.front.reproduce",
+    "workbench.studies.ladder.cli",
+    "workbench.studies.split.cli",
+    "workbench.front.sweep",
+    "workbench.front.dashboard",
+    "workbench.front.gpu_check",
 )
 
 
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from workbench.config import ConfigError
-    from workbench.data import CorpusError
-    from workbench.models import ModelNotFoundError
+    from workbench.core.config import ConfigError
+    from workbench.core.data import CorpusError
+    from workbench.core.models import ModelNotFoundError
 
     try:
         return int(args.func(args) or 0)

@@ -1,0 +1,74 @@
+"""What did the published studies claim, and where does the workbench's measurement differ?
+
+The claims live in one data file, `data/published_claims.json`, with their sources named
+(copied from the seed documents of the studies). Nothing here hard-codes a published figure.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+from workbench.core.common import PROJECT_ROOT
+
+CLAIMS_FILE = PROJECT_ROOT / "data" / "published_claims.json"
+
+# Why each published row of study 1 cannot be compared as-is (DESIGN.md section 2). The general
+# problems apply to every row; these say what they did to each strategy.
+_STUDY1_WHY = {
+    "freeze_lower": "Published '3/291' is a tensor count, and the layers were picked by substring: "
+    "'layers.1' also matches layers 10-19, so 'freeze lower' trained only 3 non-layer tensors. "
+    "Here the decoder stack is found structurally and its upper half trains, with the final norm and head.",
+    "adapter": "Published '26/291' counts tensors (2 layers x 12 tensors + norm + head); in elements the "
+    "share is very different, and with tied embeddings the head is the embedding, so it trains too.",
+    "freeze_embeddings": "Published '290/291' counts tensors; one tensor (the embedding) is 27% of "
+    "Qwen2-0.5B's elements. With tied embeddings the head is frozen with the embedding.",
+    "full": "All parameters train in both; the published gain is small because training started from "
+    "random weights, not because full fine-tuning is weak.",
+}
+
+
+@lru_cache(maxsize=1)
+def published() -> dict:
+    try:
+        return json.loads(CLAIMS_FILE.read_text())
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"the published claims file is missing: {CLAIMS_FILE}") from e
+
+
+def study1_general_problems() -> list[str]:
+    s1 = published()["study1_strategies"]
+    setup = s1["setup"]
+    problems = list(s1["known_problems"])
+    problems.insert(0, f"baseline perplexity {setup['baseline_perplexity']:,} is above {setup['model']}'s "
+                       "vocabulary size (151,936): a model predicting uniformly would score better, so the "
+                       "weights were random")
+    return problems
+
+
+def study1_comparison(summary: pd.DataFrame) -> pd.DataFrame:
+    """Published rows of study 1 beside the measured summary (from `transfer.summarize`)."""
+    s1 = published()["study1_strategies"]
+    measured = summary.set_index("strategy") if len(summary) else pd.DataFrame()
+    rows = []
+    for claim in s1["rows"]:
+        name = claim["strategy"]
+        m = measured.loc[name] if name in measured.index else None
+        rows.append({
+            "strategy": name,
+            "published_trainable": claim["claimed_trainable"],
+            "published_final_ppl": claim["final_perplexity"],
+            "published_improvement_pct": claim["improvement_pct"],
+            "published_device": claim["device"],
+            "published_baseline_ppl": s1["setup"]["baseline_perplexity"],
+            "measured_trainable_params": None if m is None else m.get("trainable_params"),
+            "measured_trainable_share": None if m is None else m.get("trainable_share"),
+            "measured_ppl_before": None if m is None else m.get("ppl_before"),
+            "measured_ppl_after": None if m is None else m.get("ppl_after_mean"),
+            "measured_improvement_pct": None if m is None else m.get("improvement_pct_mean"),
+            "measured_device": None if m is None else m.get("devices"),
+            "why_they_differ": _STUDY1_WHY.get(name, ""),
+        })
+    return pd.DataFrame(rows)

@@ -1,0 +1,161 @@
+"""What happens when a strategy does not fit on the device it was meant for?
+
+Each strategy gets an ordered list of attempts, each a device with an optional memory budget:
+
+    Attempt.parse("cuda"), Attempt.parse("cpu@48")   # 48 MiB budget: the CPU playing a small GPU
+    Attempt.parse("cpu@48:cuda")                      # ... with the card's caching allocator modelled
+    default_attempts(budget_mib=48)                   # GPU then CPU on a GPU machine; else cpu@48 then cpu
+
+`run_with_fallback(attempts, job)` runs `job(attempt, budget)` on each attempt in turn. On
+`torch.OutOfMemoryError` at any point of the job (load, forward, backward, optimizer step,
+evaluation) it drops everything the attempt held, records the device, the phase and the error,
+and goes on to the next attempt with a fresh start. Any other error propagates. A pre-flight
+check may skip an attempt whose predicted peak exceeds its budget, and that is recorded too.
+When nothing fits, the outcome has status "oom" instead of raising.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from workbench.core.config import ConfigError
+from workbench.core.memory.budget import DeviceBudget, device_budget
+
+
+@dataclass(frozen=True)
+class Attempt:
+    device: str
+    budget_mib: float | None = None
+    allocator: str = "live"  # CPU budgets: "live" caps live tensor bytes, "cuda" the modelled reserved bytes
+
+    @classmethod
+    def parse(cls, text: str) -> "Attempt":
+        """'cuda', 'cuda:1', 'cpu', or any of them with '@MiB' for a memory budget; a CPU budget
+        may end in ':cuda' ('cpu@48:cuda') to cap the modelled CUDA caching allocator's reserved
+        bytes (rounding, segments, fragmentation) instead of live bytes, as a card's budget does."""
+        dev, _, budget = text.partition("@")
+        allocator = "live"
+        if budget.endswith(":cuda"):
+            budget, allocator = budget[: -len(":cuda")], "cuda"
+            if not dev.startswith("cpu"):
+                raise ConfigError(f"attempt {text!r}: ':cuda' models a card's allocator on the CPU; "
+                                  f"a real GPU uses its own (drop ':cuda')")
+        try:
+            torch.device(dev)
+        except RuntimeError as e:
+            raise ConfigError(f"attempt {text!r}: {dev!r} is not a device") from e
+        if budget:
+            try:
+                mib = float(budget)
+            except ValueError:
+                raise ConfigError(f"attempt {text!r}: budget {budget!r} is not a number of MiB") from None
+            if mib <= 0:
+                raise ConfigError(f"attempt {text!r}: the budget must be positive")
+            return cls(dev, mib, allocator)
+        return cls(dev)
+
+    def __str__(self) -> str:
+        if self.budget_mib is None:
+            return self.device
+        return f"{self.device}@{self.budget_mib:g}" + (":cuda" if self.allocator == "cuda" else "")
+
+
+def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
+    """GPU (under the budget, if any) then CPU on a GPU machine; else the CPU playing a GPU, then the CPU."""
+    if torch.cuda.is_available():
+        return (Attempt("cuda", budget_mib), Attempt("cpu"))
+    if budget_mib is None:
+        return (Attempt("cpu"),)
+    return (Attempt("cpu", budget_mib), Attempt("cpu"))
+
+
+@dataclass
+class Outcome:
+    status: str  # ok (first attempt), fallback (a later one), oom (none fitted)
+    attempt: Attempt | None
+    value: Any
+    history: list[dict] = field(default_factory=list)
+    peak_mib: float | None = None
+
+    def history_text(self) -> str:
+        """One line: 'cpu@48: oom in backward -> cpu: ok'."""
+        return " -> ".join(
+            f"{h['attempt']}: {h['result']}" + (f" in {h['phase']}" if h.get("phase") else "")
+            for h in self.history
+        )
+
+
+class Phase:
+    """Where in the job we are, so an OOM can say where it happened."""
+
+    def __init__(self):
+        self.name = "start"
+
+    def __call__(self, name: str) -> None:
+        self.name = name
+
+
+Job = Callable[[Attempt, DeviceBudget, Phase], Any]
+Preflight = Callable[[Attempt], "tuple[float, str] | None"]
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_with_fallback(
+    attempts: tuple[Attempt, ...],
+    job: Job,
+    *,
+    preflight: Preflight | None = None,
+    on_event: Callable[[dict], None] | None = None,
+) -> Outcome:
+    """Run `job` on each attempt until one completes without running out of memory."""
+    if not attempts:
+        raise ConfigError("at least one attempt (device) is needed")
+    history: list[dict] = []
+
+    def record(event: dict) -> None:
+        history.append(event)
+        if on_event:
+            on_event(dict(event))
+
+    for i, attempt in enumerate(attempts):
+        if preflight is not None and attempt.budget_mib is not None:
+            predicted = preflight(attempt)
+            if predicted is not None and predicted[0] > attempt.budget_mib:
+                mib, how = predicted
+                record({"attempt": str(attempt), "result": "skipped", "phase": "preflight",
+                        "reason": f"predicted peak {mib:.1f} MiB ({how}) > budget {attempt.budget_mib:g} MiB"})
+                continue
+        phase = Phase()
+        oom = None
+        try:
+            value, peak = _run_one(attempt, job, phase)
+        except torch.OutOfMemoryError as e:
+            oom = str(e).splitlines()[0][:300]
+        if oom is not None:
+            # Freed here, after the handler: inside it the exception (and through its traceback
+            # the failed attempt's frames, model and activations) is still alive.
+            _free(attempt.device)
+            record({"attempt": str(attempt), "result": "oom", "phase": phase.name, "reason": oom})
+            continue
+        record({"attempt": str(attempt), "result": "ok", "phase": None, "peak_mib": peak})
+        status = "ok" if i == 0 and len(history) == 1 else "fallback"
+        return Outcome(status, attempt, value, history, peak)
+    return Outcome("oom", None, None, history)
+
+
+def _run_one(attempt: Attempt, job: Job, phase: Phase):
+    # A function of its own, so that when an OOM unwinds, the attempt's frames (and the model,
+    # optimizer and activations they hold) die with the traceback.
+    with device_budget(attempt.device, attempt.budget_mib, allocator=attempt.allocator) as budget:
+        value = job(attempt, budget, phase)
+        peak = budget.peak_mib
+    return value, peak

@@ -1,0 +1,156 @@
+"""How is "a GPU of N MiB" enforced, on a GPU and on a machine without one?
+
+    with device_budget("cpu", budget_mib=48) as budget:
+        ...                                  # raises torch.OutOfMemoryError past 48 MiB live
+        budget.peak_mib
+
+On CUDA the allocator enforces it (`torch.cuda.set_per_process_memory_fraction`, as torchtune
+does to emulate smaller cards) and the peak is `torch.cuda.max_memory_allocated`. On the CPU the
+workbench counts live tensor bytes (LiveBytes) and raises the same `torch.OutOfMemoryError`, so
+the fallback logic cannot tell the two apart (DESIGN.md section 3). Without a budget the context
+still measures the peak.
+
+The two budgets do not cap the same thing. CUDA's caps the caching allocator's *reserved* memory
+(sizes rounded to 512 B, 2 MiB segments for small tensors, 20 MiB ones for 1-10 MiB, free blocks
+cached, fragmentation): a card OOMs with fewer live bytes than its size. The default CPU budget
+caps *live* tensor bytes, so a played 8 GB card fits more than a real one. With
+`allocator="cuda"` the CPU budget plays the card's allocator too: every storage LiveBytes sees
+is malloc'd from (and freed to) the modelled allocator (cuda_model.CachingAllocator, modelled,
+one stream), the budget caps its reserved bytes, and the budget reports `peak_mib` (allocated,
+rounded, as max_memory_allocated) and `peak_reserved_mib` (as max_memory_reserved).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from workbench.core.memory.cuda_model import CachingAllocator
+from workbench.core.memory.live_bytes import MiB, LiveBytes
+
+ALLOCATORS = ("live", "cuda")
+
+
+class PlayedCudaAllocator(LiveBytes):
+    """LiveBytes that feeds each storage to the caching-allocator model; the budget caps the
+    model's reserved bytes (OutOfMemoryError from the model), not the live bytes.
+    `events`: set to a list to record (serial, nbytes) mallocs and (serial, -1) frees, the
+    timeline `cuda_model.replay` takes."""
+
+    def __init__(self, device: str | torch.device = "cpu", budget_bytes: int | None = None):
+        super().__init__(device)
+        self.model = CachingAllocator(limit=budget_bytes)
+        self.events: list | None = None
+        self._blocks: dict[int, tuple] = {}
+        self._serial = 0
+
+    def _add(self, st) -> bool:
+        if id(st) in self._live:
+            return False
+        with self._lock:
+            block = self.model.malloc(st.nbytes())  # raises past the budget: st is never counted
+            self._serial += 1
+            self._blocks[id(st)] = (self._serial, block)
+            if self.events is not None:
+                self.events.append((self._serial, st.nbytes()))
+        return super()._add(st)
+
+    def _forgotten(self, key: int, nbytes: int) -> None:
+        serial, block = self._blocks.pop(key)
+        self.model.free(block)
+        if self.events is not None:
+            self.events.append((serial, -1))
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.model.peak_allocated, self.model.peak_reserved = self.model.allocated, self.model.reserved
+
+    # The figures a budget reports are the modelled allocator's (as torch.cuda's are a card's).
+    @property
+    def current_mib(self) -> float:
+        return self.model.allocated / MiB
+
+    @property
+    def peak_mib(self) -> float:
+        return self.model.peak_allocated / MiB
+
+    @property
+    def peak_reserved_mib(self) -> float:
+        return self.model.peak_reserved / MiB
+
+
+@dataclass
+class DeviceBudget:
+    device: torch.device
+    budget_mib: float | None
+    live: LiveBytes | None = None
+
+    @property
+    def current_mib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device) / MiB
+        return self.live.current_mib if self.live else float("nan")
+
+    @property
+    def peak_mib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / MiB
+        return self.live.peak_mib if self.live else float("nan")
+
+    @property
+    def peak_reserved_mib(self) -> float:
+        """The allocator's reserved peak: real on CUDA, modelled with allocator="cuda", else NaN."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_reserved(self.device) / MiB
+        return getattr(self.live, "peak_reserved_mib", float("nan"))  # live bytes have no allocator
+
+    def track_module(self, module: torch.nn.Module) -> None:
+        """Count tensors made outside the budget's view (weights loaded by C++ code)."""
+        if self.live is not None:
+            self.live.track_module(module)
+
+
+class device_budget:
+    """Context manager enforcing an optional memory budget on `device` and measuring its peak.
+    `allocator`: on the CPU, "live" (default) caps live bytes, "cuda" the modelled CUDA caching
+    allocator's reserved bytes; a real CUDA device always uses its own allocator."""
+
+    def __init__(self, device: str | torch.device, budget_mib: float | None = None, allocator: str = "live"):
+        if budget_mib is not None and budget_mib <= 0:
+            raise ValueError(f"budget_mib must be positive, got {budget_mib}")
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+        self.allocator = allocator
+        self.device = torch.device(device)
+        self.budget_mib = budget_mib
+        self._state: DeviceBudget | None = None
+
+    def __enter__(self) -> DeviceBudget:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            if self.budget_mib is not None:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_mib * MiB / total), self.device)
+            self._state = DeviceBudget(self.device, self.budget_mib)
+        else:
+            budget = int(self.budget_mib * MiB) if self.budget_mib is not None else None
+            if self.allocator == "cuda":
+                live = PlayedCudaAllocator(self.device, budget_bytes=budget)
+            else:
+                live = LiveBytes(self.device, budget_bytes=budget)
+            live.__enter__()
+            self._state = DeviceBudget(self.device, self.budget_mib, live)
+        return self._state
+
+    def __exit__(self, *exc) -> None:
+        state = self._state
+        if state.live is not None:
+            state.live.__exit__(*exc)
+        gc.collect()
+        if self.device.type == "cuda":
+            if self.budget_mib is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            torch.cuda.empty_cache()

@@ -1,0 +1,417 @@
+"""What does a CUDA card do differently from the CPU, and what will nvidia-smi show? The CUDA model.
+
+    from workbench.core.memory.predict import predict
+    p = predict("data/configs/qwen2-0.5b.json", "bf16", batch=1, seq=512, device="cuda", card="RTX 4060 Ti 8GB")
+    p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes, p.fits
+
+A prediction for a CUDA card runs the same training step over fake *CPU* tensors (a CPU-only torch
+cannot run CUDA kernels, not even fake ones: autograd cannot make a CUDA leaf's accumulator), with
+`cuda_step()` active, which makes the choices CUDA would make (simulated):
+
+- attention: `scaled_dot_product_attention` goes to the kernel torch's sdp_utils.cpp picks on the
+  card (flash, then memory-efficient, then math; cuDNN attention is not modelled), called through
+  its aten op so autograd saves what that kernel saves (output + logsumexp, no S x S matrix);
+- dropout: `native_dropout`, as `at::dropout` picks for CUDA tensors (a 1-byte bool mask; the CPU
+  keeps an fp32/bf16 noise tensor);
+- autocast: the CPU's autocast runs (it casts matmuls and linears as CUDA's does and keeps the
+  cast-weight cache); on top, the ops that only CUDA's lists name are corrected: CUDA runs
+  `softmax`, `log_softmax`, `sum`, `cumsum`, `prod` with dtype=float32, casts 16-bit inputs of
+  `exp`, `log`, `pow`, `rsqrt`, `layer_norm`, ... to fp32 and `einsum`, `addmv`, `mv`, ... to 16 bits.
+  Ops only the CPU's fp32 list names (fft, linalg, quantile, ...) are not reverted;
+- optimizer: `adamw_torch` is built with foreach=True (torch's default for CUDA tensors).
+
+Then the allocator (modelled): `CachingAllocator` replays the step's allocation timeline through
+the rules of c10/cuda/CUDACachingAllocator.cpp (constants in c10/core/AllocatorConfig.h) and gives
+the allocated peak (rounded block sizes, what `max_memory_allocated` reports) and the reserved
+peak (segments, `max_memory_reserved`). nvidia-smi adds the CUDA context (a per-card constant,
+modelled) to the reserved figure; the cuBLAS workspaces are allocations inside it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MiB = 2**20
+GiB = 2**30
+
+# ------------------------------------------------------------------------------------------------
+# cards: memory, compute capability, and the CUDA context (modelled)
+
+# CUDA context + kernel images: memory a process holds on the card outside torch's allocator.
+# Not measured here; discuss.pytorch.org reports 700-800 MiB before lazy module loading
+# ("High gpu memory overhead", "What is the reason for pytorch's GPU memory floor?": 723 MiB);
+# with CUDA_MODULE_LOADING=LAZY (torch's default since CUDA 11.7) it is smaller. Modelled at
+# 500 MiB on every card, +-250 MiB; `workbench gpu-check` measures it (NVML used - reserved).
+CONTEXT_BYTES = 500 * MiB
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    total_bytes: int  # what the card reports as total (nvidia-smi)
+    sm: int  # compute capability x 10 (86: sm_86)
+    context_bytes: int = CONTEXT_BYTES
+
+    @property
+    def cublas_workspace_bytes(self) -> int:
+        """torch's default cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp,
+        parseChosenWorkspaceSize): 32 MiB on sm_90/10x/12x, else 4096 KiB x 2 + 16 KiB x 8."""
+        return 4096 * 8 * 1024 if self.sm // 10 in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+CARDS = {c.name: c for c in (
+    Card("RTX 3060 12GB", 12 * GiB, 86),
+    Card("RTX 3090 24GB", 24 * GiB, 86),
+    Card("RTX 4060 8GB", 8 * GiB, 89),
+    Card("RTX 4060 Ti 8GB", 8 * GiB, 89),
+    Card("RTX 4060 Ti 16GB", 16 * GiB, 89),
+    Card("RTX 4090 24GB", 24 * GiB, 89),
+    Card("T4 16GB", 15 * GiB, 75),
+    Card("L4 24GB", 23 * GiB, 89),
+    Card("A10G 24GB", 23 * GiB, 86),
+    Card("A100 40GB", 40 * GiB, 80),
+    Card("A100 80GB", 80 * GiB, 80),
+    Card("H100 80GB", 80 * GiB, 90),
+)}
+DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre card
+
+
+def card(spec: str | float | Card | None) -> Card | None:
+    """A card preset by name (case and spaces ignored) or a size in GiB (sm_80 assumed)."""
+    from workbench.core.config import ConfigError
+
+    if spec is None or isinstance(spec, Card):
+        return spec
+    try:
+        gib = float(spec)
+    except (TypeError, ValueError):
+        key = str(spec).lower().replace(" ", "").replace("gb", "")
+        for c in CARDS.values():
+            if c.name.lower().replace(" ", "").replace("gb", "") == key:
+                return c
+        raise ConfigError(f"unknown card {spec!r}; use a size in GiB or one of: {', '.join(CARDS)}") from None
+    if not gib > 0:
+        raise ConfigError(f"--card must be a positive size in GiB or a card name, got {spec!r}")
+    return Card(f"{gib:g} GiB card", int(gib * GiB), DEFAULT_SM)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention: the kernel sdp_utils.cpp picks (torch 2.13 rules, default priority flash > efficient > math)
+
+def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, sm: int = DEFAULT_SM) -> str:
+    """'flash', 'efficient' or 'math' for these inputs on a card of compute capability `sm`."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    grad = q.requires_grad or k.requires_grad or v.requires_grad
+    half = (torch.float16, torch.bfloat16) if sm >= 80 else (torch.float16,)
+    flash = (attn_mask is None and d_qk == k.shape[-1] == d_v and d_qk <= 256 and 80 <= sm <= 121
+             and q.dtype in half and not (is_causal and q.shape[-2] != k.shape[-2]))
+    if flash and grad and sm in (86, 87, 88, 89, 120, 121):
+        # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
+        flash = d_qk <= 192 or (dropout_p == 0 and d_qk > 224)
+    if flash:
+        return "flash"
+    eff_dtypes = (torch.float16, torch.float32, torch.bfloat16) if sm >= 80 else (torch.float16, torch.float32)
+    if (sm >= 50 and d_qk == k.shape[-1] and d_qk % 8 == 0 and d_v % 8 == 0 and q.dtype in eff_dtypes):
+        return "efficient"
+    return "math"
+
+
+def _repeat_kv(t, heads):
+    return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], dim=-3)
+
+
+def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+              sm: int = DEFAULT_SM, original=None, chosen: dict | None = None):
+    """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors)."""
+    if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list
+        dt = torch.get_autocast_dtype("cpu")
+        q, k, v = (t.to(dt) if t.dtype == torch.float32 else t for t in (q, k, v))
+    backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, sm=sm)
+    if chosen is not None:
+        chosen[backend] = chosen.get(backend, 0) + 1
+    with torch.autocast("cpu", enabled=False):
+        if backend == "flash":  # flash takes grouped K/V as they are
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                        scale=scale)[0]
+        if backend == "efficient":
+            heads = q.shape[-3]
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, _repeat_kv(k, heads), _repeat_kv(v, heads), attn_mask, q.requires_grad or k.requires_grad,
+                dropout_p, is_causal, scale=scale)[0]
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+
+
+# ------------------------------------------------------------------------------------------------
+# autocast: where CUDA's op lists differ from the CPU's (aten/src/ATen/autocast_mode.cpp)
+
+CUDA_FP32 = frozenset("acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow "
+                      "__pow__ __rpow__ softplus layer_norm group_norm cosine_similarity logsumexp renorm dist "
+                      "norm".split())
+CUDA_FP32_OPT_DTYPE = frozenset("softmax log_softmax sum prod cumsum cumprod".split())
+CUDA_LOWER = frozenset("addmv addr einsum mv chain_matmul multi_dot".split())
+
+
+def _cast(obj, to, src):
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.dtype in src:
+        return obj.to(to)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(o, to, src) for o in obj)
+    return obj
+
+
+class CudaChoices(TorchFunctionMode):
+    """Reroutes SDPA, dropout and the CUDA-only autocast list entries; everything else runs as is."""
+
+    def __init__(self, sm: int = DEFAULT_SM):
+        super().__init__()
+        self.sm = sm
+        self.kernels: dict[str, int] = {}  # attention kernels chosen, for the report
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name == "scaled_dot_product_attention":
+            return cuda_sdpa(*args, **kwargs, sm=self.sm, original=func, chosen=self.kernels)
+        if func is torch.nn.functional.dropout:
+            x = args[0]
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+            if training and 0 < p < 1 and not inplace and x.numel() > 0:
+                return torch.native_dropout(x, p, True)[0]  # 1-byte mask, as at::dropout on CUDA
+        if torch.is_autocast_enabled("cpu"):
+            half = (torch.float16, torch.bfloat16)
+            if name in CUDA_FP32_OPT_DTYPE and kwargs.get("dtype") is None and args \
+                    and isinstance(args[0], torch.Tensor) and args[0].dtype in half:
+                kwargs["dtype"] = torch.float32
+            elif name in CUDA_FP32:
+                args, kwargs = _cast(args, torch.float32, half), {k: _cast(v, torch.float32, half) for k, v in kwargs.items()}
+            elif name in CUDA_LOWER:
+                dt = torch.get_autocast_dtype("cpu")
+                args = _cast(args, dt, (torch.float32,))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_step(sm: int = DEFAULT_SM):
+    """The simulated step makes CUDA's choices; fp16 autocast and the GradScaler run on fake CPU tensors."""
+    import warnings
+
+    from workbench.core import training
+
+    original = training.autocast
+
+    def autocast(device, precision):
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+    # Checkpointed layers recompute in backward, where this mode is not on the stack: give the
+    # recomputation the same choices, or it saves different tensors than the forward did.
+    from transformers import modeling_utils
+
+    checkpoint = modeling_utils.checkpoint
+
+    def checkpoint_with_choices(function, *args, **kwargs):
+        if not kwargs.get("use_reentrant", True) and "context_fn" not in kwargs:
+            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), CudaChoices(sm))
+        return checkpoint(function, *args, **kwargs)
+
+    training.autocast = autocast
+    modeling_utils.checkpoint = checkpoint_with_choices
+    mode = CudaChoices(sm)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")
+            with mode:
+                yield mode
+    finally:
+        training.autocast = original
+        modeling_utils.checkpoint = checkpoint
+
+
+# ------------------------------------------------------------------------------------------------
+# the caching allocator (modelled): c10/cuda/CUDACachingAllocator.cpp, default configuration
+
+MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple of 512 bytes
+SMALL_SIZE = 1 * MiB  # kSmallSize: requests up to 1 MiB come from the small pool
+SMALL_BUFFER = 2 * MiB  # kSmallBuffer: small-pool segments
+LARGE_BUFFER = 20 * MiB  # kLargeBuffer: segments for 1-10 MiB requests
+MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
+ROUND_LARGE = 2 * MiB  # kRoundLarge: larger requests get their own segment rounded to 2 MiB
+
+
+def round_size(n: int) -> int:
+    return MIN_BLOCK if n < MIN_BLOCK else MIN_BLOCK * ((n + MIN_BLOCK - 1) // MIN_BLOCK)
+
+
+def segment_size(n: int) -> int:
+    """cudaMalloc size for a rounded request that no cached block can serve (get_allocation_size)."""
+    if n <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if n < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * ((n + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+class _Block:
+    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "id")
+
+    def __init__(self, seg, offset, size, bid):
+        self.seg, self.offset, self.size, self.free, self.prev, self.next, self.id = seg, offset, size, True, None, None, bid
+
+
+class CachingAllocator:
+    """One stream, no empty_cache: best-fit among cached blocks (smallest size, then lowest
+    address), split when the rest is >= 512 B (small pool) or > 1 MiB (large pool), freed blocks
+    merge with free neighbours; without a limit, reserved memory only grows.
+
+    Used online too (malloc(n) -> block, free(block), .allocated, .reserved): with `limit` (bytes,
+    what set_per_process_memory_fraction allows) a malloc that needs a new segment past the limit
+    first releases the wholly free cached segments (release_cached_blocks; with the default
+    max_split_size, release_available_cached_blocks does nothing), then raises OutOfMemoryError."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self._pools = {True: [], False: []}  # small?: sorted (size, seg, offset, id, block) of free blocks
+        self._ids = itertools.count()
+        self._segs = itertools.count()
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.segments = 0
+        self.bases: dict[tuple, int] = {}  # segment -> its (modelled) device address
+        self.heads: dict[tuple, _Block] = {}  # segment -> its first block
+        self.new_segment = 0  # bytes of the segment the last malloc had to cudaMalloc (0: none)
+        self._next_addr = 0x7F0000000000
+
+    def _insert(self, b, small):
+        bisect.insort(self._pools[small], (b.size, b.seg, b.offset, b.id, b))
+
+    def _remove(self, b, small):
+        pool = self._pools[small]
+        i = bisect.bisect_left(pool, (b.size, b.seg, b.offset, b.id))
+        assert pool[i][4] is b
+        pool.pop(i)
+
+    def malloc(self, nbytes: int) -> _Block:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool = self._pools[small]
+        i = bisect.bisect_left(pool, (size,))
+        self.new_segment = 0
+        if i < len(pool):
+            b = pool.pop(i)[4]
+        else:
+            seg = segment_size(size)
+            if self.limit is not None and self.reserved + seg > self.limit:
+                self.release_cached()
+            if self.limit is not None and self.reserved + seg > self.limit:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (modelled caching allocator): tried to allocate {size / MiB:.2f} MiB "
+                    f"(a new {seg / MiB:.0f} MiB segment); {self.reserved / MiB:.1f} MiB reserved, "
+                    f"{self.allocated / MiB:.1f} MiB allocated, limit {self.limit / MiB:.1f} MiB")
+            b = _Block((small, next(self._segs)), 0, seg, next(self._ids))
+            self.bases[b.seg], self.heads[b.seg] = self._next_addr, b
+            self._next_addr += seg
+            self.new_segment = seg
+            self.reserved += seg
+            self.segments += 1
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        rest = b.size - size
+        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):
+            r = _Block(b.seg, b.offset + size, rest, next(self._ids))
+            r.prev, r.next = b, b.next
+            if b.next is not None:
+                b.next.prev = r
+            b.next, b.size = r, size
+            self._insert(r, small)
+        b.free = False
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return b
+
+    def free(self, b: _Block) -> None:
+        small = b.seg[0]
+        self.allocated -= b.size
+        b.free = True
+        for nb in (b.prev, b.next):
+            if nb is not None and nb.free:
+                self._remove(nb, small)
+                if nb is b.prev:
+                    b.offset, b.prev = nb.offset, nb.prev
+                    if nb.prev is not None:
+                        nb.prev.next = b
+                    else:
+                        self.heads[b.seg] = b
+                else:
+                    b.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+                b.size += nb.size
+        self._insert(b, small)
+
+    def release_cached(self) -> None:
+        """Give back every segment that is one free block (release_cached_blocks, empty_cache)."""
+        for seg, head in list(self.heads.items()):
+            if head.free and head.next is None:
+                self._remove(head, seg[0])
+                del self.heads[seg], self.bases[seg]
+                self.reserved -= head.size
+
+    def address(self, b: _Block) -> int:
+        return self.bases[b.seg] + b.offset
+
+    def segment_blocks(self):
+        """(segment key, base address, size, [blocks in address order]) for every segment."""
+        for seg, head in self.heads.items():
+            blocks, b = [], head
+            while b is not None:
+                blocks.append(b)
+                b = b.next
+            yield seg, self.bases[seg], sum(x.size for x in blocks), blocks
+
+
+@dataclass
+class AllocatorReport:
+    allocated_peak_bytes: int  # max of the allocator's allocated bytes (rounded blocks)
+    reserved_peak_bytes: int  # max of its segments' bytes
+    segments: int
+    by_category_at_peak: dict[str, int]  # rounded allocated bytes per category at the allocated peak
+    steady_allocated_peak_bytes: int  # the same peaks over the last simulated step only
+    steady_reserved_peak_bytes: int
+
+
+def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0) -> AllocatorReport:
+    """Replay a timeline of (serial, nbytes) allocations and (serial, -1) frees through the allocator.
+
+    `extra_allocs`: (name, nbytes) made before the step (cuBLAS workspaces) and never freed.
+    `steady_from`: the event index the last step starts at (its peaks are reported separately).
+    """
+    a = CachingAllocator()
+    live: dict[int, _Block] = {}
+    cat = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "temporaries", "workspace"), 0)
+    best, steady_alloc, steady_res = dict(cat), 0, 0
+    for name, n in extra_allocs:
+        b = a.malloc(n)
+        cat["workspace"] += b.size
+    for i, (serial, n) in enumerate(events):
+        if n >= 0:
+            b = live[serial] = a.malloc(n)
+            cat[roles.get(serial, "temporaries")] += b.size
+            if a.allocated >= a.peak_allocated:
+                best = dict(cat)
+        else:
+            b = live.pop(serial, None)
+            if b is None:
+                continue
+            cat[roles.get(serial, "temporaries")] -= b.size
+            a.free(b)
+        if i >= steady_from:
+            steady_alloc, steady_res = max(steady_alloc, a.allocated), max(steady_res, a.reserved)
+    return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, best, steady_alloc, steady_res)

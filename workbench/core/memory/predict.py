@@ -1,0 +1,363 @@
+"""Will this fine-tune fit, without a GPU and without the weights? Predicting the peak of a step.
+
+    from workbench.core.memory.predict import predict
+    p = predict("data/configs/qwen2-0.5b.json", "bf16_ckpt", batch=1, seq=512)
+    p.peak_bytes, p.breakdown, p.where, p.method        # method: predicted | estimated
+
+The prediction runs the real training loop (`workbench.core.training.train`, the same code a measured
+run uses) over FakeTensorMode tensors: every op computes its output's shape, dtype and storage
+but no values, and `MemoryAccounting` counts the live bytes per category and phase exactly as it
+does for real tensors. Two optimizer steps are simulated (by default) and the figure reported is
+the peak of the last one, when the optimizer state already exists (the steady state).
+
+Workarounds, all measured (FIELD_NOTES.md):
+- Under fake tensors transformers thinks it is being traced and builds an explicit seq x seq
+  attention mask that a real run skips; `find_packed_sequence_indices` answers "not packed"
+  (None) for fake inputs, as it does for real unpacked ones.
+- `Module.to()` and peft's `get_peft_model` fail on fake parameters: the model is built on the
+  meta device, peft is applied there, then each parameter becomes a fake CPU tensor.
+- bitsandbytes' Linear4bit cannot be built under fake mode: QLoRA layers are quantized for real
+  (from zeros; the bytes are what matter) and fake activations run through them. 8-bit
+  optimizers read values in their constructor: they are built outside fake mode, stepped inside.
+- `.item()` / `float(loss)` have no value to return: the accounting answers 1.0 (an optimizer step
+  count, so single-tensor AdamW's bias correction is defined).
+
+Rungs whose mechanism moves tensors between a GPU and the host (accelerate's device_map,
+DeepSpeed ZeRO-Offload) cannot be simulated on a CPU-only torch; nor can fp16 autocast for the
+CPU. Their figures are *estimated* from a simulated rung plus the library's own numbers, and the
+result says so (`method="estimated"` and a `note` with the formula).
+
+`device="cpu"` (the default) predicts a CPU step, exactly. `device="cuda"` makes the simulated step
+take CUDA's choices (attention kernel, dropout masks, autocast lists, optimizer; simulated) and
+replays its allocations through the caching allocator (modelled): see workbench/core/memory/cuda_model.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport, model_tensors
+from workbench.studies.ladder.rungs import Plan, apply_trainable, make_plan_optimizer, rung
+from workbench.core.models import check_seq_len
+from workbench.core.training import train
+
+MiB = 2**20
+
+
+@dataclass
+class Prediction:
+    """The predicted device peak of a steady-state training step for one rung."""
+
+    rung: str
+    model: str
+    batch: int
+    seq: int
+    peak_bytes: int  # steady-state peak on the device
+    breakdown: dict[str, int]  # bytes per category at that peak
+    where: str  # "step 2, backward (op)"
+    method: str  # "predicted" (simulated over fake tensors) or "estimated" (see note)
+    note: str = ""
+    seconds: float = 0.0
+    first_step_peak_bytes: int = 0
+    host_bytes: int = 0  # bytes the rung keeps in host memory instead (offload, CPU only)
+    pageable_bytes: int = 0  # device bytes that can page out to the host under pressure
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    device: str = "cpu"
+    # CUDA only (device="cuda"): the allocator model's figures (modelled) and the card
+    allocated_peak_bytes: int = 0  # max_memory_allocated: rounded blocks + cuBLAS workspaces
+    reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments
+    context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
+    allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
+    card: str = ""
+    card_bytes: int = 0
+    kernels: dict[str, int] = field(default_factory=dict)  # attention kernels the step used
+
+    @property
+    def nvidia_smi_bytes(self) -> int:
+        """What nvidia-smi would show in use for the process: reserved + the CUDA context."""
+        return self.reserved_peak_bytes + self.context_bytes if self.device == "cuda" else 0
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the
+        allocator's reserved peak, which a budget caps (set_per_process_memory_fraction); on the CPU
+        the live bytes, which the CPU budget counts."""
+        if self.device == "cuda" and self.reserved_peak_bytes:
+            return self.reserved_peak_bytes - self.pageable_bytes
+        return self.peak_bytes - self.pageable_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the card holds it: reserved + the CUDA context within the card's memory."""
+        return None if not self.card_bytes else self.headroom_bytes >= 0
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if not self.card_bytes else self.card_bytes - self.fit_bytes - self.context_bytes
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / MiB
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "rung": self.rung, "model": self.model, "batch": self.batch, "seq": self.seq,
+            "method": self.method, "predicted_peak_bytes": self.peak_bytes,
+            "predicted_peak_mib": self.peak_mib, "fit_bytes": self.fit_bytes,
+            "first_step_peak_bytes": self.first_step_peak_bytes, "host_bytes": self.host_bytes,
+            "where": self.where, "predict_seconds": self.seconds, "note": self.note,
+            **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
+            "device": self.device, "allocated_peak_bytes": self.allocated_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes, "context_bytes": self.context_bytes,
+            "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
+            "fits": self.fits, "headroom_bytes": self.headroom_bytes,
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# the model, from whatever names it
+
+def model_config(model: Any, spec=None):
+    """A PretrainedConfig from a name / model dir / config.json path, a config, or a model."""
+    from transformers import PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return model.config
+    from workbench.core.models import load_config
+
+    return load_config(model, spec=spec) if spec is not None else load_config(model)
+
+
+def model_label(config) -> str:
+    return getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
+
+
+def build_meta_model(config) -> torch.nn.Module:
+    """The model's modules on the meta device, fp32 (as `load_model` loads it), no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def fakeify(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str = "cpu") -> torch.nn.Module:
+    """Turn every meta parameter and buffer into a fake tensor on `device`; tied stay tied."""
+    memo: dict[int, torch.Tensor] = {}
+    dev = torch.device(device)
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(FakeTensor(fake_mode, p.data, dev), requires_grad=p.requires_grad)
+            module._parameters[name] = memo[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is None or b.device.type != "meta":
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = FakeTensor(fake_mode, b, dev)
+            module._buffers[name] = memo[id(b)]
+    return model
+
+
+@contextlib.contextmanager
+def _unpacked_for_fake_inputs():
+    """transformers builds an explicit mask for fake inputs; answer 'not packed' as for real ones."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def find(position_ids):
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return original(position_ids)
+
+    masking_utils.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+# ------------------------------------------------------------------------------------------------
+# simulation
+
+def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
+             target: str = "cpu", sm: int | None = None, timeline: bool = False) -> MemoryReport:
+    """Run `steps` real training steps of `plan` over fake tensors and account their bytes.
+
+    `n_blocks`: how many blocks the training set holds (the loop keeps a shuffled index of them,
+    8 bytes each); default: just enough for the simulated steps. `target`: the device the step is
+    for: "cpu" (exact), or "cuda" (CUDA's kernel, dropout, autocast and optimizer choices on a card
+    of compute capability `sm`, and the allocation timeline for the allocator model). `timeline`:
+    record the allocation timeline for a CPU target too (for a memory snapshot).
+    """
+    if steps < 2:
+        raise ValueError("simulate at least two steps: the steady state starts at the second")
+    check_seq_len(config, seq, model_label(config))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device("cpu")
+    model = apply_trainable(build_meta_model(config), plan)
+    fakeify(model, fake_mode)
+    settings = plan.settings(batch, steps)
+    optimizer = make_plan_optimizer(model, plan, settings, device, target=target)  # outside fake mode (bnb reads values)
+    with fake_mode:
+        blocks = torch.zeros((n_blocks or batch * steps, seq), dtype=torch.long)
+    # Real tensors in the model (bitsandbytes' quantized weights and their quantization state)
+    # meet fake activations; fake mode converts them to fake twins, memoized while the real one
+    # lives. Their bytes are counted once, under the real tensor: the twins are aliases.
+    real = [t for t in model_tensors(model) if not isinstance(t, FakeTensor)]
+    twins = [fake_mode.from_tensor(t) for t in real]
+    cuda = torch.device(target).type == "cuda"
+    from workbench.core.memory import cuda_model
+
+    choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
+    with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda or timeline) as acc:
+        acc.watch(model)
+        acc.alias(twins)
+        with choices as mode:
+            train(model, blocks, settings, device=device, optimizer=optimizer)
+    report = acc.report()
+    report.kernels = dict(mode.kernels) if cuda else {}
+    return report
+
+
+def _act_temp_peak(report: MemoryReport) -> int:
+    """The most bytes activations + temporaries held together in forward or backward."""
+    return max((p.by_category["activations"] + p.by_category["temporaries"]
+                for (s, ph), p in report.phase_peaks.items() if ph in ("forward", "backward")), default=0)
+
+
+def _weights_bytes(config) -> tuple[int, int, int]:
+    """(parameters, fp32 bytes, largest decoder layer's parameters) from a meta model."""
+    model = build_meta_model(config)
+    params = {id(p): p for p in model.parameters()}
+    n = sum(p.numel() for p in params.values())
+    from workbench.core.trainable import model_parts
+
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model_parts(model).layers)
+    return n, 4 * n, largest
+
+
+def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: str = "cpu",
+              sm: int | None = None) -> tuple[MemoryReport, dict[str, Any]]:
+    """Figures for rungs that cannot be simulated here, from a simulated rung + library numbers."""
+    if plan.precision == "fp16" and plan.placement == "device":
+        base = simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps)
+        return base, {"note": "estimated: the bf16 simulation (same 2-byte activations); fp16 autocast needs "
+                              "CUDA, which a CPU-only torch cannot simulate; the GradScaler adds a few bytes"}
+    base = simulate(config, plan.compose(plan.name, plan.help, placement="device"), batch=batch, seq=seq, steps=steps,
+                    target=target, sm=sm)
+    act = _act_temp_peak(base)
+    n, fp32_bytes, largest = _weights_bytes(config)
+    from workbench.studies.ladder.baselines import deepspeed_estimates
+
+    ds = deepspeed_estimates(n, largest)
+    if plan.placement == "zero_offload":
+        gpu = ds["zero2_offload_gpu_bytes"]
+        return base, {"peak": gpu + act, "host": ds["zero2_offload_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
+                      "note": "estimated: DeepSpeed's ZeRO-2 offload model-state estimate (16-bit params on the GPU) "
+                              "+ the simulated activations and temporaries of bf16_ckpt"}
+    if plan.placement == "zero_offload_params":
+        gpu = ds["zero3_offload_params_gpu_bytes"]
+        return base, {"peak": gpu + act, "host": ds["zero3_offload_params_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
+                      "note": "estimated: DeepSpeed's ZeRO-3 param+optimizer offload estimate (the largest layer "
+                              "gathered on the GPU) + the simulated activations and temporaries of bf16_ckpt"}
+    # device_map: accelerate places whole decoder layers so that half the weights stay on the GPU;
+    # those train (weights + grads + 2 AdamW moments, fp32); offloaded layers stream in one at a time.
+    from workbench.studies.ladder.baselines import accelerate_device_map
+
+    placed = accelerate_device_map(config, device_bytes=fp32_bytes // 2)
+    on_dev = placed["device_bytes"]
+    peak = 4 * on_dev + placed["largest_offloaded_bytes"] + act
+    return base, {"peak": peak, "host": placed["host_bytes"],
+                  "parts": {"weights": on_dev + placed["largest_offloaded_bytes"], "gradients": on_dev,
+                            "optimizer_state": 2 * on_dev, "activations": act},
+                  "note": "estimated: accelerate's infer_auto_device_map with max_memory = half the fp32 weights; "
+                          "device = its layers x (weights + grads + 2 AdamW moments) + the largest offloaded layer "
+                          "streamed in + the simulated activations and temporaries of bf16_ckpt"}
+
+
+def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int = 2,
+            n_blocks: int | None = None, spec=None, device: str = "cpu", card=None) -> Prediction:
+    """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
+
+    `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
+    (its config; the weights are never read). `device`: "cpu" (the default: a CPU step, exact) or
+    "cuda" (CUDA's choices simulated, its allocator and context modelled). `card`: a preset name or
+    GiB (workbench.core.memory.cuda_model.CARDS) to say whether it fits. Raises ConfigError for an
+    unknown rung, a non-positive shape or a card smaller than the weights alone,
+    ModelNotFoundError for a config that is not a model's.
+    """
+    from workbench.core.config import ConfigError
+    from workbench.core.memory import cuda_model
+
+    plan = rung(rung_name)
+    for name, v in (("batch", batch), ("seq", seq)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; choose cpu or cuda")
+    the_card = cuda_model.card(card)
+    if the_card is not None and device != "cuda":
+        raise ConfigError("--card describes a CUDA card; use it with --device cuda")
+    sm = the_card.sm if the_card else cuda_model.DEFAULT_SM
+    config = model_config(model, spec)
+    check_seq_len(config, seq, model_label(config))
+    t0 = time.perf_counter()
+    host = 0
+    pageable = 0
+    simulated_fp16 = plan.precision == "fp16" and device == "cuda"
+    if (plan.precision == "fp16" and not simulated_fp16) or plan.placement in ("device_map", "zero_offload", "zero_offload_params"):
+        report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps, target=device, sm=sm)
+        method, note = "estimated", est["note"]
+        peak = est.get("peak", report.steady_peak_bytes)
+        breakdown = {c: est["parts"].get(c, 0) for c in CATEGORIES} if "parts" in est else report.breakdown()
+        host = est.get("host", 0)
+        where = "not simulated" if "parts" in est else report.where()
+    else:
+        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm)
+        method, note = "predicted", ""
+        peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
+        if plan.placement == "cpu":
+            # Everything lives in host memory: the simulated peak is the host's; the device holds nothing.
+            host, peak, breakdown = peak, 0, dict.fromkeys(CATEGORIES, 0)
+            note = "CPU only: the simulated peak is host memory; nothing is on the device"
+        if plan.optimizer == "paged_adamw8bit":
+            pageable = report.breakdown()["optimizer_state"]
+            note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; it is counted "
+                    "here but can page to the host under pressure (fit_bytes leaves it out)")
+    if plan.accum > 1 and batch < plan.accum:
+        note = (note + "; " if note else "") + f"batch {batch} cannot be split into {plan.accum} micro-batches"
+    if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
+        raise ConfigError(f"card {the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the weights "
+                          f"alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, --precision bf16-true, "
+                          f"--trainable qlora, or an offload rung")
+    cuda: dict[str, Any] = {}
+    if device == "cuda" and report.timeline is not None and plan.placement == "device":
+        ws = (the_card or cuda_model.Card("", 0, sm)).cublas_workspace_bytes
+        last = report.steps - 1
+        steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
+        # two cuBLAS handles: the forward's thread and autograd's device thread for backward
+        alloc = cuda_model.replay(report.timeline, report.timeline_roles, [("cublas", ws), ("cublas", ws)],
+                                  steady_from=steady_from)
+        cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
+                    reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
+                    allocated_breakdown=alloc.by_category_at_peak,
+                    context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES))
+    return Prediction(
+        rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),
+        breakdown=breakdown, where=where, method=method, note=note, seconds=time.perf_counter() - t0,
+        first_step_peak_bytes=max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0), default=0),
+        host_bytes=int(host), pageable_bytes=int(pageable), phases=report.rows(), device=device,
+        card=the_card.name if the_card else "", card_bytes=the_card.total_bytes if the_card else 0,
+        kernels=dict(report.kernels or {}), **cuda,
+    )

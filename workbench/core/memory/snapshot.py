@@ -1,0 +1,94 @@
+"""A memory snapshot without a GPU: a step's allocation timeline in the format pytorch.org/memory_viz reads.
+
+    from workbench.core.memory.snapshot import predicted_snapshot, dump
+    dump(predicted_snapshot("data/configs/qwen2-0.5b.json", "bf16", batch=1, seq=512), "step.pickle")
+    # or: workbench estimate --model ... --snapshot step.pickle
+
+The file is what `torch.cuda.memory._dump_snapshot` writes (a pickled dict with `segments` and
+`device_traces`; torch/cuda/_memory_viz.py reads it, and so does the web viewer). Every allocation
+and free of the accounted step is replayed through the caching-allocator model
+(workbench.core.memory.cuda_model.CachingAllocator), which gives each block its segment and address;
+each event's frame names the phase, the aten op and the category (weights, gradients, ...).
+The addresses are the model's, not a card's. A measured CPU step exports the same
+(`snapshot_from_report` of a `MemoryAccounting(..., timeline=True)` report): its tensors were real,
+the addresses still come from the allocator model.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+from workbench.core.memory.accounting import MemoryReport
+from workbench.core.memory.cuda_model import CachingAllocator
+
+
+def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any]:
+    """The `_dump_snapshot` dict of an accounted run's timeline (device 0, one stream)."""
+    if report.timeline is None:
+        raise ValueError("this report has no timeline: account the step with MemoryAccounting(timeline=True)")
+    a = CachingAllocator()
+    trace: list[dict[str, Any]] = []
+    live: dict[Any, tuple] = {}
+    frames_of: dict[Any, list] = {}
+
+    def alloc(key, nbytes, frames):
+        b = a.malloc(nbytes)
+        if a.new_segment:
+            trace.append({"action": "segment_alloc", "addr": a.bases[b.seg], "size": a.new_segment, "stream": 0,
+                          "frames": frames})
+        live[key] = b
+        frames_of[key] = frames
+        trace.append({"action": "alloc", "addr": a.address(b), "size": b.size, "stream": 0, "frames": frames})
+
+    for i, (name, nbytes) in enumerate(extra_allocs):
+        alloc(("extra", i), nbytes, [{"filename": "workspace", "line": 0, "name": name}])
+    roles, ops = report.timeline_roles or {}, report.timeline_ops or [""] * len(report.timeline)
+    for (serial, nbytes), op, step in zip(report.timeline, ops, report.timeline_steps):
+        if nbytes >= 0:
+            frames = [{"filename": roles.get(serial, "temporaries"), "line": step + 1, "name": op or "setup"}]
+            alloc(serial, nbytes, frames)
+        elif serial in live:
+            b = live.pop(serial)
+            for action in ("free_requested", "free_completed"):
+                trace.append({"action": action, "addr": a.address(b), "size": b.size, "stream": 0,
+                              "frames": frames_of[serial]})
+            a.free(b)
+    frames_by_block = {id(b): frames_of[k] for k, b in live.items()}
+    segments = []
+    for seg, base, total, blocks in a.segment_blocks():
+        out_blocks = []
+        for b in blocks:
+            active = not b.free
+            out_blocks.append({"address": base + b.offset, "size": b.size, "requested_size": b.size if active else 0,
+                               "state": "active_allocated" if active else "inactive",
+                               "frames": frames_by_block.get(id(b), [])})
+        segments.append({"device": 0, "address": base, "total_size": total, "stream": 0,
+                         "segment_type": "small" if seg[0] else "large",
+                         "allocated_size": sum(x["size"] for x in out_blocks if x["state"] == "active_allocated"),
+                         "active_size": sum(x["size"] for x in out_blocks if x["state"] == "active_allocated"),
+                         "requested_size": sum(x["requested_size"] for x in out_blocks), "blocks": out_blocks})
+    return {"segments": segments, "device_traces": [trace],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "note": "modelled by workbench.core.memory.cuda_model"}}
+
+
+def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, card=None) -> dict[str, Any]:
+    """Simulate `plan` for a CUDA card and return its snapshot (cuBLAS workspaces included)."""
+    from workbench.core.memory import cuda_model
+    from workbench.studies.ladder.rungs import rung
+    from workbench.core.memory.predict import model_config, simulate
+
+    c = cuda_model.card(card) or cuda_model.Card("", 0, cuda_model.DEFAULT_SM)
+    report = simulate(model_config(model), rung(plan), batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)
+    ws = c.cublas_workspace_bytes
+    return snapshot_from_report(report, [("cuBLAS workspace (forward)", ws), ("cuBLAS workspace (backward)", ws)])
+
+
+def dump(snapshot: dict[str, Any], path: str | Path) -> Path:
+    """Write it as `torch.cuda.memory._dump_snapshot` does (a pickle)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+    return path

@@ -1,0 +1,341 @@
+"""Which model does a study start from, and where do its weights come from?
+
+    model, tokenizer = load_model("embedded")            # the built-in base (built once, cached)
+    model, tokenizer = load_model("Qwen/Qwen2-0.5B")      # any hub id (needs network or a local HF cache)
+    model, tokenizer = load_model("/path/to/model_dir")   # a local directory with config.json + safetensors
+
+Real models load through transformers' Auto classes from safetensors only, without remote code
+unless asked. The embedded base is a small Qwen2-architecture model (tied embeddings, like
+Qwen2-0.5B) with a byte-level BPE tokenizer, both trained here on the standard library's source
+(see workbench.core.data). It is pretrained once, with a progress bar, and cached in
+`$WORKBENCH_CACHE` (default: `.cache/` in the project). The cache holds a manifest with the
+SHA-256 of every file; a cache that is partial or corrupt is rebuilt, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from workbench.core.common import PROJECT_ROOT
+
+EMBEDDED = "embedded"
+MANIFEST = "manifest.json"
+EOS = "<|endoftext|>"
+
+
+class ModelNotFoundError(ValueError):
+    """A model id or path that cannot be loaded here."""
+
+
+class NotACausalLMError(ModelNotFoundError):
+    """A model whose config transformers cannot build as a causal language model."""
+
+
+def check_causal_lm(config, name: str) -> None:
+    """Refuse, in one line, a config that is not a causal LM (a ViT, BERT, Whisper, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+        raise NotACausalLMError(
+            f"model {name!r} is a {kind!r} model ({arch}), not a causal language model: the workbench "
+            f"trains causal LMs (e.g. Qwen2, Llama, GPT-2, OPT, GPT-NeoX); pass one of those")
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings allow, if the config states one."""
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
+    """Refuse a sequence longer than the model's positions (GPT-2: 1024), naming the limit."""
+    from workbench.core.config import ConfigError
+
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"sequence length {seq_len} is longer than {name} allows ({limit} positions); "
+                          f"use a sequence length of at most {limit}")
+
+
+@dataclass(frozen=True)
+class EmbeddedSpec:
+    """How the embedded base is built. Changing any field makes a new cache entry."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 192
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    seq_len: int = 128
+    batch: int = 16
+    steps: int = 400
+    lr: float = 2e-3
+    source_mib: float = 6.0
+    seed: int = 0
+
+    def key(self) -> str:
+        from workbench.core.data import SPLIT_VERSION
+
+        # v3: corpora split content-disjoint (the tokenizer and the pretraining text changed),
+        # and the pretraining report holds the source corpus's held-out overlap
+        blob = json.dumps({**asdict(self), "python": sys.version.split()[0], "v": 3, "split": SPLIT_VERSION},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# A spec small enough for tests: it builds in seconds.
+TINY_SPEC = EmbeddedSpec(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                         intermediate_size=128, seq_len=64, batch=8, steps=150, lr=3e-3, source_mib=0.5)
+
+
+def cache_root() -> Path:
+    env = os.environ.get("WORKBENCH_CACHE")
+    return Path(env) if env else PROJECT_ROOT / ".cache"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_is_valid(path: Path) -> bool:
+    """True when every file the manifest lists exists with its recorded hash."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        return bool(files) and all(_sha256(path / name) == digest for name, digest in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def embedded_path(spec: EmbeddedSpec = EmbeddedSpec()) -> Path:
+    return cache_root() / f"embedded-{spec.key()}"
+
+
+def ensure_embedded_base(spec: EmbeddedSpec = EmbeddedSpec(), *, progress: bool = True) -> Path:
+    """Return the cached embedded base, building it first if the cache is missing or invalid."""
+    path = embedded_path(spec)
+    if cache_is_valid(path):
+        return path
+    if path.exists():
+        print(f"workbench: cached base at {path} is partial or corrupt; rebuilding it", file=sys.stderr)
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        _build_embedded(spec, tmp, progress=progress)
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != MANIFEST}
+        metrics = json.loads((tmp / "pretrain.json").read_text())
+        (tmp / MANIFEST).write_text(json.dumps({"spec": asdict(spec), "files": files, **metrics}, indent=2))
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process built it first
+            if not cache_is_valid(path):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def model_fingerprint(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
+    """A key of the weights a run starts from: the embedded base's manifest (every file's SHA-256),
+    a local directory's files (names, sizes, modification times), or a hub id as given."""
+    h = hashlib.sha256()
+    if name == EMBEDDED:
+        manifest = json.loads((ensure_embedded_base(spec, progress=False) / MANIFEST).read_text())
+        h.update(json.dumps(manifest["files"], sort_keys=True).encode())
+    elif Path(name).expanduser().is_dir():
+        for p in sorted(Path(name).expanduser().rglob("*")):
+            if p.is_file():
+                st = p.stat()
+                h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    else:
+        h.update(name.encode())
+    return h.hexdigest()[:16]
+
+
+def embedded_metrics(spec: EmbeddedSpec = EmbeddedSpec()) -> dict:
+    """The pretraining report of the embedded base (held-out and unigram perplexity, time)."""
+    return json.loads((ensure_embedded_base(spec) / "pretrain.json").read_text())
+
+
+def train_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE tokenizer trained with `tokenizers`, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+
+
+def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
+    from tqdm.auto import tqdm
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from workbench.core.data import corpus_blocks, source_corpus, target_corpus, unigram_perplexity
+    from workbench.core.training import TrainSettings, evaluate_perplexity, train
+
+    t0 = time.perf_counter()
+    source = source_corpus(spec.source_mib)
+    target = target_corpus()
+    # The tokenizer sees both domains' training text (never held-out text).
+    tokenizer = train_tokenizer(list(source.train) + list(target.train), spec.vocab_size)
+    train_blocks, held_blocks = corpus_blocks(tokenizer, source, spec.seq_len)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=max(2048, spec.seq_len),
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config)
+    settings = TrainSettings(steps=spec.steps, micro_batch=spec.batch, lr=spec.lr,
+                             warmup_steps=max(1, spec.steps // 20), seed=spec.seed)
+    bar = tqdm(total=spec.steps, desc="pretraining the embedded base", unit="step", disable=not progress)
+
+    def show(row):
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+
+    result = train(model, train_blocks, settings, device="cpu", sinks=[show])
+    bar.close()
+    held_ppl = evaluate_perplexity(model, held_blocks, max_blocks=256)
+    unigram = unigram_perplexity(train_blocks, held_blocks[:256], len(tokenizer))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    metrics = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "source_train_tokens": int(train_blocks.numel()),
+        "pretrain_tokens": result.tokens,
+        "pretrain_seconds": round(result.seconds, 1),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+        "final_train_loss": result.final_loss,
+        "heldout_perplexity": held_ppl,
+        "unigram_perplexity": unigram,
+        # held-out source text seen in training (50-character windows): see workbench.core.data
+        "source_corpus": source.name,
+        "source_train_chars": sum(map(len, source.train)),
+        "source_heldout_chars": sum(map(len, source.heldout)),
+        "source_overlap_share": source.overlap.share,
+        "source_overlap_share_by_name": source.overlap.share_by_name,
+        "source_heldout_paragraphs_left_out": source.overlap.dropped_paragraphs,
+    }
+    (out / "pretrain.json").write_text(json.dumps(metrics, indent=2))
+    if progress:
+        print(f"workbench: embedded base ready: held-out perplexity {held_ppl:.1f} "
+              f"(unigram {unigram:.1f}), {metrics['build_seconds']} s", file=sys.stderr)
+
+
+def resolve_model_path(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
+    """The id or folder that transformers should load for `name`."""
+    if not isinstance(name, str) or not name.strip():
+        raise ModelNotFoundError("model must be 'embedded', a Hugging Face model id or a local directory")
+    if name == EMBEDDED:
+        return str(ensure_embedded_base(spec))
+    return name
+
+
+def load_model(
+    name: str = EMBEDDED,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+    spec: EmbeddedSpec = EmbeddedSpec(),
+):
+    """(model, tokenizer) for the embedded base, a hub id or a local directory; safetensors only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per load is noise in a study of many loads
+    path = resolve_model_path(name, spec)
+    local = Path(path).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise ModelNotFoundError(_not_found_message(name, FileNotFoundError(f"no config.json in {local}")))
+    check_causal_lm(load_config(name, trust_remote_code=trust_remote_code, spec=spec), name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype or torch.float32,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(_not_found_message(name, e)) from e
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device), tokenizer
+
+
+def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpec = EmbeddedSpec()):
+    """A model's config without its weights: an id, a model directory, or a config.json file."""
+    from transformers import AutoConfig
+
+    if name.endswith(".json") and Path(name).is_file():
+        try:
+            data = json.loads(Path(name).read_text())
+        except ValueError as e:
+            raise ModelNotFoundError(f"{name} is not valid JSON: {e}") from e
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise ModelNotFoundError(f"{name} is not a model config (it has no 'model_type')")
+        from transformers import CONFIG_MAPPING
+
+        if data["model_type"] not in CONFIG_MAPPING:
+            raise ModelNotFoundError(f"{name}: unknown model_type {data['model_type']!r}")
+        config = CONFIG_MAPPING[data["model_type"]].from_dict(data)
+    else:
+        path = resolve_model_path(name, spec)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ModelNotFoundError(_not_found_message(name, e)) from e
+    check_causal_lm(config, name)
+    return config
+
+
+def _not_found_message(name: str, err: Exception) -> str:
+    if Path(name).expanduser().exists():
+        return (f"model {name!r}: the folder exists but holds no loadable model "
+                f"(needs config.json, tokenizer files and *.safetensors weights): {err}")
+    return (
+        f"model {name!r} is not a local directory and could not be loaded from the Hugging Face hub "
+        f"(this machine may be offline). Fix: pass a local directory that holds the model "
+        f"(config.json, tokenizer, *.safetensors), run where the hub is reachable once so it is "
+        f"cached (HF_HOME), or use model='embedded'."
+    )

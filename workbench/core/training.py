@@ -1,0 +1,245 @@
+"""One training loop for every study: how does a model train, step by step, and what does each step cost?
+
+    from workbench.core.training import TrainSettings, train, evaluate_perplexity
+    result = train(model, train_blocks, TrainSettings(steps=100, micro_batch=8), sinks=[print])
+
+The loop knows nothing about widgets, plots or files: it calls each sink with one plain dict
+per optimizer step (step, loss, lr, tokens, step_ms, tokens_per_s, mem_mib; on CUDA also the
+peak allocated / reserved MiB and NVML's used MiB, see memory.monitor.step_memory). Live charts and the
+results writer are sinks. It supports autocast (bf16 or fp16 on CUDA with a grad scaler; bf16 on
+CPU), gradient checkpointing, micro-batches with gradient accumulation, a warm-up + cosine or
+linear schedule, and gradient clipping; it is seeded and deterministic on the CPU.
+
+Labels: Hugging Face causal LMs shift labels inside the loss, so the loop passes
+`labels=input_ids` unshifted (the published PyTorch twin shifted them twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+
+from workbench.core.config import Config, ConfigError, param
+
+Sink = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class TrainSettings(Config):
+    steps: int = param(100, "optimizer steps to take")
+    micro_batch: int = param(8, "sequences per forward/backward pass")
+    grad_accum: int = param(1, "micro-batches accumulated per optimizer step")
+    lr: float = param(1e-3, "peak learning rate")
+    warmup_steps: int = param(0, "linear warm-up steps")
+    schedule: Literal["cosine", "linear", "constant"] = param("cosine", "decay after warm-up")
+    min_lr_ratio: float = param(0.1, "final learning rate as a share of the peak")
+    weight_decay: float = param(0.0, "AdamW weight decay")
+    max_grad_norm: float = param(1.0, "gradient clipping norm (0 = off)")
+    precision: Literal["fp32", "bf16", "fp16"] = param("fp32", "autocast dtype (fp16 needs CUDA)")
+    grad_checkpointing: bool = param(False, "recompute activations in backward (saves memory)")
+    seed: int = param(0, "seed for data order and dropout")
+
+    def __post_init__(self):
+        for name in ("steps", "micro_batch", "grad_accum"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        if self.schedule == "linear":
+            return floor + (self.lr - floor) * (1 - progress)
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def tokens_per_step(self, seq_len: int) -> int:
+        return self.micro_batch * self.grad_accum * seq_len
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    final_loss: float
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def autocast(device: torch.device, precision: str):
+    """The autocast context for a precision on a device (fp32: no autocast)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("fp16 autocast needs a CUDA device; use bf16 or fp32 on the CPU")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], settings: TrainSettings, device: torch.device):
+    """AdamW, fused where torch has a fused kernel (CPU and CUDA): the fastest choice on both."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ConfigError("nothing to train: no parameter requires a gradient")
+    fused = device.type in ("cpu", "cuda") and all(p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, fused=fused or None)
+
+
+class BlockSampler:
+    """Seeded epoch-wise shuffling of token blocks: the same seed gives the same batches."""
+
+    def __init__(self, n_blocks: int, seed: int):
+        self.n = n_blocks
+        self.gen = torch.Generator().manual_seed(seed)
+        self._order = torch.empty(0, dtype=torch.long)
+        self._pos = 0
+
+    def take(self, k: int) -> torch.Tensor:
+        out = []
+        while k > 0:
+            if self._pos >= len(self._order):
+                self._order = torch.randperm(self.n, generator=self.gen)
+                self._pos = 0
+            chunk = self._order[self._pos : self._pos + k]
+            self._pos += len(chunk)
+            k -= len(chunk)
+            out.append(chunk)
+        return torch.cat(out)
+
+
+def train(
+    model: torch.nn.Module,
+    blocks: torch.Tensor,
+    settings: TrainSettings,
+    *,
+    device: torch.device | str | None = None,
+    sinks: Iterable[Sink] = (),
+    optimizer: torch.optim.Optimizer | None = None,
+    memory_probe: Callable[[], float | None] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> TrainResult:
+    """Train `model` on `blocks` (LongTensor n_blocks x seq_len) for `settings.steps` steps.
+
+    `memory_probe` returns the device memory in MiB to put in each row (None: the CUDA
+    allocator's figure on CUDA, nothing on the CPU). `extra` is copied into every row.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if blocks.dim() != 2 or len(blocks) == 0:
+        raise ConfigError("blocks must be a non-empty (n_blocks, seq_len) tensor")
+    sinks = list(sinks)
+    extra = dict(extra or {})
+    torch.manual_seed(settings.seed)
+    autocast(device, settings.precision)  # rejects fp16 without CUDA before anything runs
+    if settings.grad_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    if optimizer is None:
+        optimizer = make_optimizer(model.parameters(), settings, device)
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    scaler = torch.amp.GradScaler("cuda") if settings.precision == "fp16" else None
+    if memory_probe is None and device.type == "cuda":
+        memory_probe = lambda: torch.cuda.memory_allocated(device) / 2**20  # noqa: E731
+    from workbench.core.memory import monitor
+
+    gpu_columns = monitor.step_memory(device) if sinks else None  # CUDA peaks and NVML; None on the CPU
+    sampler = BlockSampler(len(blocks), settings.seed)
+    seq_len = blocks.shape[1]
+    tokens_per_step = settings.tokens_per_step(seq_len)
+    losses: list[float] = []
+    tokens = 0
+    t_start = time.perf_counter()
+    for step in range(settings.steps):
+        t0 = time.perf_counter()
+        lr = settings.lr_at(step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        idx = sampler.take(settings.micro_batch * settings.grad_accum)
+        loss_sum = torch.zeros((), device=device)
+        for micro in idx.split(settings.micro_batch):
+            batch = blocks[micro].to(device, non_blocking=True)
+            with autocast(device, settings.precision):
+                out = model(input_ids=batch, labels=batch)
+            loss = out.loss / settings.grad_accum
+            del out  # the output holds the logits: free them before backward (one logits tensor less at the peak)
+            (scaler.scale(loss) if scaler else loss).backward()
+            loss_sum += loss.detach()
+        if scaler:
+            scaler.unscale_(optimizer)
+        if settings.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_sum)  # a device sync point: the step's time includes its work
+        dt = time.perf_counter() - t0
+        tokens += tokens_per_step
+        losses.append(loss_value)
+        if sinks:
+            row = {
+                **extra,
+                "step": step + 1,
+                "loss": loss_value,
+                "lr": lr,
+                "tokens": tokens,
+                "step_ms": dt * 1e3,
+                "tokens_per_s": tokens_per_step / dt if dt > 0 else float("nan"),
+                "mem_mib": memory_probe() if memory_probe else None,
+                **(gpu_columns() if gpu_columns else {}),
+            }
+            for sink in sinks:
+                sink(row)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss became {loss_value} at step {step + 1}; lower the learning rate")
+    seconds = time.perf_counter() - t_start
+    if settings.grad_checkpointing:
+        model.activation_checkpointing_disable()
+    return TrainResult(settings.steps, tokens, seconds, losses[-1], losses)
+
+
+@torch.no_grad()
+def evaluate_perplexity(
+    model: torch.nn.Module,
+    blocks: torch.Tensor,
+    *,
+    batch_size: int = 16,
+    device: torch.device | str | None = None,
+    precision: str = "fp32",
+    max_blocks: int | None = None,
+) -> float:
+    """Token-weighted held-out perplexity: exp(total NLL / predicted tokens)."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    if max_blocks is not None:
+        blocks = blocks[:max_blocks]
+    total, count = 0.0, 0
+    for batch in blocks.split(batch_size):
+        batch = batch.to(device)
+        with autocast(device, precision):
+            out = model(input_ids=batch, labels=batch)
+        n = batch.shape[0] * (batch.shape[1] - 1)  # the model predicts every token but the first
+        total += float(out.loss) * n
+        count += n
+        del out
+    model.train(was_training)
+    return math.exp(total / count)

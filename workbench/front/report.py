@@ -1,0 +1,95 @@
+"""results/index.html: every study's tables and charts in one page that opens offline.
+
+Each study contributes a section built from its results files (never from notebook outputs or
+logs). plotly.js is inlined once at the top of the page, so the charts work without a network.
+Every section says where its figures come from: measured on this machine's CPU or GPU, or modelled.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from workbench.core.results import atomic_write_text, environment, now, results_root
+
+# Study modules that provide `report_section() -> list[tuple[str, str, object]]`, each part
+# ("table", title, DataFrame) | ("figure", title, plotly Figure) | ("text", title, str).
+SECTION_PROVIDERS = (
+    ("Study 1: transfer strategies with device fallback", "workbench.studies.strategies.runner", "strategies"),
+    ("Study 2: the memory ladder", "workbench.studies.ladder.runner", "ladder"),
+    ("Study 3: the adaptive GPU/CPU update split", "workbench.studies.split", "split"),
+)
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:12px;margin:0.5em 0 1.5em}
+td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
+th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
+.tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;color:white}
+.measured{background:#2ca02c}.modelled{background:#ff7f0e}.missing{background:#999}
+pre{background:#f7f7f7;padding:0.5em;overflow-x:auto}
+"""
+
+
+def _table_html(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, float_format=lambda x: f"{x:,.3g}" if abs(x) < 1e4 else f"{x:,.0f}",
+                      na_rep="", border=0, escape=True)
+
+
+def _generic_section(study: str) -> list[tuple[str, str, Any]]:
+    """Fallback: every CSV table a study wrote, as tables."""
+    parts = []
+    for p in sorted((results_root() / study).glob("*.csv")):
+        df = pd.read_csv(p)
+        parts.append(("table", p.name, df.head(200)))
+    return parts
+
+
+def write_report(path: str | Path | None = None) -> Path:
+    path = Path(path or results_root() / "index.html")
+    env = environment()
+    body: list[str] = []
+    first_fig = True
+    for title, module, study in SECTION_PROVIDERS:
+        try:
+            provider = getattr(importlib.import_module(module), "report_section", None)
+        except ImportError:
+            provider = None
+        try:
+            parts = provider() if provider else _generic_section(study)
+        except FileNotFoundError:
+            parts = []
+        body.append(f"<h2>{html.escape(title)}</h2>")
+        if not parts:
+            body.append('<p><span class="tag missing">not run</span> no results yet: run its notebook.</p>')
+            continue
+        for kind, sub, obj in parts:
+            if sub:
+                body.append(f"<h3>{html.escape(sub)}</h3>")
+            if kind == "table":
+                body.append(_table_html(obj))
+            elif kind == "figure":
+                body.append(obj.to_html(full_html=False, include_plotlyjs=first_fig, default_width="100%"))
+                first_fig = False
+            else:
+                body.append(f"<div>{obj}</div>")
+    reproduce = results_root() / "reproduce.json"
+    runs = json.loads(reproduce.read_text()).get("notebooks", []) if reproduce.exists() else []
+    runs_html = _table_html(pd.DataFrame(runs)[["name", "status", "seconds", "output"]]) if runs else ""
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Workbench report</title>
+<style>{_CSS}</style></head><body>
+<h1>Memory-constrained training workbench: report</h1>
+<p>Written {now()}. Figures tagged <span class="tag measured">measured</span> were measured on this
+machine ({html.escape(str(env.get('gpu')))} GPU; CPU {html.escape(str(env.get('cpu')))} with
+{env.get('cpu_count')} cores); <span class="tag modelled">modelled</span> figures come from a
+performance model and were not measured on the hardware they describe.</p>
+<h3>Environment</h3><pre>{html.escape(json.dumps(env, indent=1))}</pre>
+{('<h3>Notebooks executed</h3>' + runs_html) if runs_html else ''}
+{''.join(body)}
+</body></html>"""
+    return atomic_write_text(path, page)

@@ -1,0 +1,119 @@
+"""What do the estimators people use today say, and why do they differ from the simulated step?
+
+    from workbench.studies.ladder.baselines import baseline_table
+    baseline_table(config)            # accelerate's estimate-memory and DeepSpeed's model-state figures
+
+Both are called from the libraries themselves:
+- accelerate's `estimate-memory` (accelerate/commands/estimate.py): `calculate_maximum_sizes` on
+  an empty model, then `estimate_training_usage`, which reports the *largest single component*
+  (for fp32: the optimizer step, 4x the model's bytes; for mixed precision: 2x) as "Training
+  using Adam" - not a sum, and with no activations, no logits and no temporaries.
+- DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
+  (model states only: weights, gradients, optimizer; activations are left to the user).
+
+The simulated step differs because it counts what they leave out: activations saved for backward,
+the vocabulary-sized logits and their loss gradient, the tied embedding's gradient existing
+several times at the end of backward, and optimizer temporaries (FIELD_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+
+def accelerate_estimate(config) -> dict[str, Any]:
+    """accelerate's estimate-memory figures for an empty model of `config` (bytes)."""
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes
+
+    from workbench.core.memory.predict import build_meta_model
+
+    total, largest = calculate_maximum_sizes(build_meta_model(config))  # fp32 bytes
+    out = {"total_bytes": int(total), "largest_layer_bytes": int(largest[0])}
+    for dtype in ("float32", "float16"):
+        usage = estimate_training_usage(total, dtype)
+        # estimate-memory prints max(usage.values()) as "Training using Adam"
+        out[f"training_{dtype}_bytes"] = int(max(usage.values()))
+        out[f"components_{dtype}"] = {k: int(v) for k, v in usage.items()}
+    return out
+
+
+def deepspeed_estimates(total_params: int, largest_layer_params: int) -> dict[str, int]:
+    """DeepSpeed's model-state estimates for one GPU (bytes): ZeRO-2 and ZeRO-3, with and without offload."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    out = {}
+    for offload in (False, True):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(total_params, 1, 1, cpu_offload=offload)
+        key = "zero2_offload" if offload else "zero2"
+        out[f"{key}_gpu_bytes"], out[f"{key}_cpu_bytes"] = int(gpu), int(cpu)
+    cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total_params, largest_layer_params, 1, 1,
+                                                       cpu_offload=True, cpu_offload_params=True)
+    out["zero3_offload_params_gpu_bytes"], out["zero3_offload_params_cpu_bytes"] = int(gpu), int(cpu)
+    return out
+
+
+def accelerate_device_map(config, *, device_bytes: int) -> dict[str, int]:
+    """Where accelerate's `infer_auto_device_map` puts the model given `device_bytes` on GPU 0.
+
+    Returns fp32 bytes on the device, on the host, and the largest block offloaded (streamed to
+    the device one at a time in forward).
+    """
+    from accelerate import infer_auto_device_map
+
+    from workbench.core.memory.predict import build_meta_model
+
+    model = build_meta_model(config)
+    no_split = getattr(model, "_no_split_modules", None) or []
+    # GPU 0 may not exist here: accelerate warns about it but places the layers all the same.
+    log = logging.getLogger("accelerate.utils.modeling")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        dmap = infer_auto_device_map(model, max_memory={0: int(device_bytes), "cpu": 2**50},
+                                     no_split_module_classes=no_split, dtype=torch.float32)
+    finally:
+        log.setLevel(level)
+    sizes: dict[str, int] = {}
+    for name, p in model.named_parameters():  # tied weights once (named_parameters dedups)
+        owner = max((k for k in dmap if name == k or name.startswith(k + ".") or k == ""), key=len)
+        sizes.setdefault(owner, 0)
+        sizes[owner] += p.numel() * 4
+    on_dev = sum(b for k, b in sizes.items() if dmap[k] == 0)
+    off = {k: b for k, b in sizes.items() if dmap[k] != 0}
+    return {"device_bytes": on_dev, "host_bytes": sum(off.values()),
+            "largest_offloaded_bytes": max(off.values(), default=0), "modules_on_host": len(off)}
+
+
+def simple_estimate(total_params: int, trainable_params: int) -> int:
+    """weights + grads + 2 AdamW moments, fp32: the rule of thumb (16 bytes per trained parameter)."""
+    return 4 * total_params + 12 * trainable_params
+
+
+def baseline_table(config) -> list[dict[str, Any]]:
+    """The library estimators' figures as rows (bytes), with why each differs from the simulation."""
+    from workbench.core.memory.predict import _weights_bytes
+
+    n, fp32_bytes, largest = _weights_bytes(config)
+    acc = accelerate_estimate(config)
+    ds = deepspeed_estimates(n, largest)
+    why_acc = ("largest single component (not a sum); no activations, logits or temporaries")
+    why_ds = "model states only (weights, gradients, optimizer); activations left out"
+    return [
+        {"estimator": "rule of thumb (16 B/param)", "compares_to": "fp32", "estimated_bytes": simple_estimate(n, n),
+         "why_it_differs": "weights + grads + 2 moments only; no activations, logits, temporaries"},
+        {"estimator": "accelerate estimate-memory float32", "compares_to": "fp32",
+         "estimated_bytes": acc["training_float32_bytes"], "why_it_differs": why_acc},
+        {"estimator": "accelerate estimate-memory float16", "compares_to": "bf16",
+         "estimated_bytes": acc["training_float16_bytes"], "why_it_differs": why_acc},
+        {"estimator": "DeepSpeed ZeRO-2 (no offload)", "compares_to": "fp32",
+         "estimated_bytes": ds["zero2_gpu_bytes"], "why_it_differs": why_ds + "; assumes 16-bit weights + fp32 master"},
+        {"estimator": "DeepSpeed ZeRO-2 offload", "compares_to": "zero_offload",
+         "estimated_bytes": ds["zero2_offload_gpu_bytes"], "why_it_differs": why_ds},
+        {"estimator": "DeepSpeed ZeRO-3 offload params", "compares_to": "zero_offload_params",
+         "estimated_bytes": ds["zero3_offload_params_gpu_bytes"], "why_it_differs": why_ds},
+    ]

@@ -1,0 +1,224 @@
+"""`workbench estimate`: will this fine-tune fit? Memory prediction from a config, no GPU needed.
+
+    workbench estimate --model data/configs/qwen2-0.5b.json --batch 1 --seq 512 --rung bf16_ckpt
+    workbench estimate --model data/configs/qwen2-0.5b.json --rung all --json
+    workbench estimate --model data/configs/qwen2-0.5b.json --auto-fit --budget-mib 6144
+    workbench estimate --model data/configs/qwen2-0.5b.json --batch 4 --seq 1024 --precision bf16-true \
+        --trainable lora --lora-targets q_proj,v_proj --checkpointing --card "RTX 4060 Ti 8GB"
+
+MODEL is a hub id, a local model directory or a config.json file (the hub may be unreachable:
+a config file always works). The breakdown is printed as a table, or as JSON with bytes.
+A setup is a named rung (--rung) or composed from flags (--precision, --optimizer, --trainable, ...).
+With --device cuda (the default) the step makes CUDA's choices (simulated) and the caching
+allocator and CUDA context are modelled (workbench/core/memory/cuda_model.py); --device cpu predicts
+a CPU step, exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from workbench.core.config import ConfigError
+from workbench.studies.ladder.rungs import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES
+
+MiB = 2**20
+
+
+def register(sub) -> None:
+    rung_lines = "\n".join(f"  {n:<20} tier {p.tier}: {p.help}" for n, p in RUNGS.items())
+    p = sub.add_parser(
+        "estimate",
+        help="predict the peak device memory of a training step (no GPU, no weights needed)",
+        description="Predict the steady-state peak device memory of a fine-tuning step by running the "
+        "real training step on fake tensors, per category (weights, gradients, optimizer state, "
+        "activations, temporaries).",
+        epilog=f"rungs (--rung):\n{rung_lines}\n  {'all':<20} every rung",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="hub id, model directory or config.json file")
+    p.add_argument("--batch", type=int, default=1, help="sequences per optimizer step (default 1)")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--rung", default=None, metavar="RUNG", help="a rung name (listed below) or 'all' (default fp32)")
+    p.add_argument("--device", default="cuda", help="cuda (default: CUDA's choices simulated, allocator "
+                   "modelled) or cpu (a CPU step, exact)")
+    p.add_argument("--precision", default=None, help=f"{' | '.join(CLI_PRECISIONS)} (-true: pure 16-bit weights, "
+                   "grads and optimizer state)")
+    p.add_argument("--optimizer", default=None, help=f"{' | '.join(CLI_OPTIMIZERS)} (adamw_torch: what "
+                   "torch.optim.AdamW() picks on the device; default)")
+    p.add_argument("--trainable", default=None, help=f"{' | '.join(TRAINABLES)} (default full)")
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default 8)")
+    p.add_argument("--lora-targets", default=None, help="comma-separated module names LoRA wraps "
+                   "(default: every decoder linear)")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="gradient checkpointing (default off)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch; --batch / M "
+                   "accumulation steps (default: the whole batch)")
+    p.add_argument("--card", default=None, help="a card (e.g. 'RTX 4060 Ti 8GB', 'A100 80GB') or its GiB: "
+                   "fits or not, with the headroom (with --device cuda)")
+    p.add_argument("--steps", type=int, default=2, help="steps to simulate; the last is reported (>= 2)")
+    p.add_argument("--budget-mib", type=float, default=None, help="device budget in MiB: say whether it fits")
+    p.add_argument("--auto-fit", action="store_true", help="pick the fastest rung predicted to fit --budget-mib")
+    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    p.add_argument("--snapshot", default=None, metavar="PATH", help="also write the predicted step's allocation "
+                   "timeline as a memory snapshot pickle (open it at pytorch.org/memory_viz); one setup only")
+    p.set_defaults(func=_estimate)
+
+
+_FLAGS = ("precision", "optimizer", "trainable", "lora_rank", "lora_targets", "checkpointing", "micro_batch")
+
+
+def _plan(args):
+    """The composed plan when any setup flag is given (None: use --rung)."""
+    from workbench.studies.ladder.rungs import plan_from_flags
+
+    given = [f for f in _FLAGS if getattr(args, f) is not None]
+    if not given:
+        return None
+    if args.rung is not None:
+        raise ConfigError(f"--rung and --{given[0].replace('_', '-')} both describe the setup; use one")
+    precision = args.precision or "fp32"
+    if precision == "fp16-mixed" and args.device == "cpu":
+        raise ConfigError("fp16-mixed needs --device cuda (fp16 autocast with a GradScaler is CUDA-only); "
+                          "use --precision bf16-mixed on the CPU")
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
+    trainable = args.trainable or ("lora" if targets else "full")
+    return plan_from_flags(precision=precision, optimizer=args.optimizer or "adamw_torch", trainable=trainable,
+                           lora_rank=8 if args.lora_rank is None else args.lora_rank, lora_targets=targets,
+                           checkpointing=bool(args.checkpointing), batch=args.batch, micro_batch=args.micro_batch)
+
+
+def _check(args) -> list[str]:
+    if args.device not in ("cuda", "cpu"):
+        raise ConfigError(f"--device must be cuda or cpu, got {args.device!r}")
+    if args.card is not None and args.device != "cuda":
+        raise ConfigError("--card describes a CUDA card; drop it or use --device cuda")
+    if args.rung is None:
+        args.rung = "fp32" if args.precision is None and all(getattr(args, f) is None for f in _FLAGS) else None
+    if args.rung is not None and args.rung != "all" and args.rung not in RUNGS:
+        raise ConfigError(f"unknown rung {args.rung!r}; known rungs: {', '.join(RUNGS)}, all")
+    for name in ("batch", "seq"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.steps < 2:
+        raise ConfigError(f"--steps must be at least 2 (the steady state starts at step 2), got {args.steps}")
+    if args.budget_mib is not None and not args.budget_mib > 0:
+        raise ConfigError(f"--budget-mib must be a positive number of MiB, got {args.budget_mib}")
+    if args.auto_fit and args.budget_mib is None:
+        raise ConfigError("--auto-fit needs --budget-mib")
+    return list(RUNGS) if (args.rung == "all" or args.auto_fit) else [args.rung] if args.rung else []
+
+
+def _estimate(args) -> int:
+    from workbench.core.memory.predict import model_config, predict
+    from workbench.core.models import ModelNotFoundError
+
+    rung_given = args.rung is not None
+    names = _check(args)
+    plan = _plan(args) if not rung_given or args.rung is None else None
+    if rung_given and any(getattr(args, f) is not None for f in _FLAGS):
+        _plan(args)  # names the clash
+    try:
+        config = model_config(args.model)
+    except ModelNotFoundError as e:
+        print(f"workbench estimate: {e}", file=sys.stderr)
+        return 2
+    kw = dict(batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, card=args.card)
+    if args.snapshot:
+        if plan is None and len(names) != 1:
+            raise ConfigError("--snapshot writes one setup's timeline: give one --rung or a setup from flags")
+        from workbench.core.memory.snapshot import dump, predicted_snapshot
+
+        if args.device != "cuda":
+            raise ConfigError("--snapshot models the CUDA allocator: use it with --device cuda")
+        path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq, steps=args.steps,
+                                       card=args.card), args.snapshot)
+        print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
+    if plan is not None:
+        preds = {plan.name: predict(config, plan, **kw)}
+    else:
+        preds = {n: predict(config, n, **kw) for n in names}
+    budget = int(args.budget_mib * MiB) if args.budget_mib else None
+    choice = None
+    if args.auto_fit:
+        from workbench.studies.ladder.rungs import auto_fit
+
+        choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
+                          device=args.device)
+    if args.json:
+        out = {
+            "model": args.model, "batch": args.batch, "seq": args.seq, "budget_bytes": budget, "device": args.device,
+            "labels": {"peak_bytes": "simulated (live tensor bytes)", "allocated_peak_bytes": "modelled (allocator)",
+                       "reserved_peak_bytes": "modelled (allocator)", "nvidia_smi_bytes": "modelled (reserved + context)"},
+            "predictions": [
+                {**{k: v for k, v in p.row().items() if k != "model"},
+                 "breakdown_bytes": p.breakdown, "peak_bytes": p.peak_bytes,
+                 "allocated_breakdown_bytes": p.allocated_breakdown, "kernels": p.kernels,
+                 "fits_card": p.fits,
+                 "fits": None if budget is None else p.fit_bytes <= budget}
+                for p in preds.values()
+            ],
+        }
+        if choice is not None:
+            out["auto_fit"] = choice.rung
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"model {args.model}  batch {args.batch} x seq {args.seq}"
+          + (f"  budget {args.budget_mib:.0f} MiB" if budget else ""))
+    if len(preds) == 1:
+        p = next(iter(preds.values()))
+        setup = p.rung if plan is None else f"{p.rung} ({plan.help})"
+        print(f"{setup} on {args.device}: {p.method} peak {p.peak_mib:,.1f} MiB ({p.peak_bytes:,} bytes) at {p.where}"
+              f"  [{p.seconds:.1f} s]")
+        if p.device == "cuda" and p.reserved_peak_bytes:
+            print(f"  {'':<16} {'live (simulated)':>18} {'allocated (modelled)':>22}")
+            for c, b in p.breakdown.items():
+                print(f"  {c:<16} {b / MiB:>14,.1f} MiB {p.allocated_breakdown.get(c, 0) / MiB:>18,.1f} MiB")
+            print(f"  {'cuBLAS workspace':<16} {'':>18} {p.allocated_breakdown.get('workspace', 0) / MiB:>18,.1f} MiB")
+            print(f"  allocated peak   {p.allocated_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_allocated)")
+            print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved)")
+            print(f"  CUDA context     {p.context_bytes / MiB:>12,.1f} MiB  modelled (per-card constant)")
+            print(f"  nvidia-smi       {p.nvidia_smi_bytes / MiB:>12,.1f} MiB  modelled (reserved + context)")
+            print(f"  attention kernel {', '.join(f'{k} x{n}' for k, n in p.kernels.items()) or 'none'}  simulated")
+            if p.card:
+                print(f"  card {p.card} ({p.card_bytes / MiB:,.0f} MiB): "
+                      + ("fits" if p.fits else "does not fit") + f", headroom {p.headroom_bytes / MiB:,.1f} MiB")
+        else:
+            for c, b in p.breakdown.items():
+                print(f"  {c:<16} {b / MiB:>12,.1f} MiB")
+        if p.note:
+            print(f"  note: {p.note}")
+        if budget:
+            print(f"  fits {args.budget_mib:.0f} MiB: {'yes' if p.fit_bytes <= budget else 'no'}")
+        return 0
+    cuda = args.device == "cuda"
+    head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{c[:10]:>10}" for c in p_cats())
+    if cuda:
+        head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
+    print(head + ("   fits" if budget else ""))
+    for p in preds.values():
+        line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
+            f"{p.breakdown.get(c, 0) / MiB:>10,.1f}" for c in p_cats())
+        if cuda:
+            line += "".join(f" {v / MiB:>10,.1f}" for v in (p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes))
+        if budget:
+            line += f"   {'yes' if p.fit_bytes <= budget else 'no'}"
+        print(line)
+    if cuda:
+        print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
+              "smi: reserved + the CUDA context (modelled); offload rungs: no allocator figures (estimated)")
+    notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note]
+    if notes:
+        print("notes:\n" + "\n".join(notes))
+    if choice is not None:
+        print(f"auto-fit: {choice.rung or 'nothing fits'}"
+              + (" (the fastest rung predicted to fit; on a real OOM, step down in this order: "
+                 + " -> ".join(choice.order()) + ")" if choice.rung else ""))
+    return 0
+
+
+def p_cats():
+    from workbench.core.memory.accounting import CATEGORIES
+
+    return CATEGORIES

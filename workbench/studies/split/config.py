@@ -1,0 +1,129 @@
+"""Which settings does the split study run with, and which are refused?
+
+    cfg = SplitConfig.from_dict({"iterations": 6, "k_sweep": [0.0, 0.5, 1.0]})
+
+One frozen config drives both halves of study 3: the engine runs measured on this machine
+(the embedded base on the target corpus; on a CPU-only machine the "accelerator" is the CPU too) and the performance model
+answers the throughput question for a named GPU (labelled modelled). Field names map 1:1 onto
+the parameters cell of notebooks/03_adaptive_split.ipynb and onto `workbench split --set`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from workbench.core.config import Config, ConfigError, param
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+BACKENDS = ("torch_fused", "deepspeed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig(Config):
+    """Settings of study 3 (the adaptive accelerator/host update split)."""
+
+    # ---- the measured runs (the engine on this machine)
+    model: str = param("embedded", "model to train: 'embedded' (the built-in base), a Hugging Face id or a local directory")
+    base_size: Literal["default", "tiny"] = param("default", "embedded base: 'default' or 'tiny' (tests)")
+    corpus: str = param("embedded", "text to train on: 'embedded' (Python's language reference) or a text file/folder")
+    eval_blocks: int = param(32, "held-out blocks scored for perplexity before and after each run")
+    batch_size: int = param(4, "sequences per iteration")
+    seq_len: int = param(64, "tokens per sequence")
+    iterations: int = param(12, "training iterations per measured run (warm-up included)")
+    warmup: int = param(2, "first iterations left out of the throughput means")
+    lr: float = param(3e-4, "AdamW learning rate (1e-3 raised the held-out perplexity of the default base in 12 iterations)")
+    weight_decay: float = param(0.01, "AdamW decoupled weight decay")
+    precision: Literal["fp32", "bf16", "fp16"] = param(
+        "fp32", "training copy dtype on the accelerator (fp32 gives bit-exact parity with AdamW)"
+    )
+    backend: Literal["torch_fused", "deepspeed"] = param(
+        "torch_fused", "host Adam: torch fused AdamW, or DeepSpeedCPUAdam (needs its op to build)"
+    )
+    host_workers: int = param(1, "host threads running Adam updates while backward goes on")
+    max_grad_norm: float = param(
+        0.0, "global-norm gradient clipping (0 = off). Exact (= clip_grad_norm_ + AdamW): host updates "
+        "speculate an unclipped step during backward and are redone after it when the norm is over (a "
+        "clipped step loses the overlap)")
+    k_sweep: tuple[float, ...] = param(
+        (0.0, 0.25, 0.5, 0.75, 1.0), "static k values (share of parameters updated on the accelerator)"
+    )
+    adaptive: bool = param(True, "also run with k recomputed from measured times")
+    k_every: int = param(1, "adaptive runs recompute k every this many iterations")
+    k_start: float = param(0.0, "k of an adaptive run's first iteration")
+    include_transfer: bool = param(True, "balance transfer time too (the seed's formula leaves it out)")
+    reference: bool = param(True, "also run plain torch AdamW (no engine) on the same data")
+    zero_offload: bool = param(False, "also run DeepSpeed ZeRO-Offload (ZeRO-2, optimizer on CPU) as a baseline")
+    device: str = param("auto", "accelerator: auto (cuda if present, else cpu), cpu or cuda")
+    threads: int = param(1, "torch threads for the measured runs (the CPU is shared)")
+    seed: int = param(0, "seed of the order of the training blocks")
+
+    # ---- the modelled runs (performance model: a named GPU + host rates)
+    profiles: tuple[str, ...] = param(
+        ("A100-80GB-PCIe", "H100-PCIe"), "GPU profiles from workbench/studies/split/profiles.json"
+    )
+    host: str = param(
+        "AMD-EPYC-7763", "host profile, or this-machine for the CPU Adam rate measured here"
+    )
+    modelled_model: Literal["llama2-10b", "llama2-7b", "qwen2-0.5b"] = param(
+        "llama2-10b", "model shape the performance model is run for"
+    )
+    modelled_batch: int = param(8, "batch of the modelled runs")
+    modelled_seq: int = param(128, "sequence length of the modelled runs")
+    modelled_k_points: int = param(11, "points of the modelled static k sweep (0..1)")
+    host_share: float | None = param(
+        None, "host Adam's share of the Adam-pattern bandwidth (None: measured here, now, clipped to 1)"
+    )
+    alpha: float | None = param(
+        None, "what-if: fix alpha = t_update_accelerator / t_update_host (None: modelled from the profiles)"
+    )
+
+    write_results: bool = param(True, "write results/split/ (runs.csv, steps.csv, timeline.csv)")
+
+    def __post_init__(self) -> None:
+        positive = ("eval_blocks", "batch_size", "seq_len", "iterations",
+                    "host_workers", "k_every", "threads", "modelled_batch", "modelled_seq")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup < self.iterations:
+            raise ConfigError(f"warmup must be in [0, iterations), got {self.warmup}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"max_grad_norm must be >= 0 (0 = off), got {self.max_grad_norm}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for k in (*self.k_sweep, self.k_start):
+            if not 0.0 <= k <= 1.0:
+                raise ConfigError(f"k values must lie in [0, 1], got {k}")
+        if self.modelled_k_points < 2:
+            raise ConfigError("modelled_k_points must be at least 2")
+        if self.host_share is not None and not 0 < self.host_share <= 1:
+            raise ConfigError(f"host_share must be in (0, 1], got {self.host_share}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise ConfigError(f"alpha must be positive, got {self.alpha}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.backend == "deepspeed" and self.host_workers != 1:
+            raise ConfigError("the deepspeed backend shares one C++ optimizer: use host_workers=1")
+        from workbench.studies.split.perf_model import load_profiles
+
+        gpus, hosts = load_profiles()
+        for name in self.profiles:
+            if name not in gpus:
+                raise ConfigError(f"unknown GPU profile {name!r}; known: {', '.join(gpus)}")
+        if self.host != "this-machine" and self.host not in hosts:
+            raise ConfigError(f"unknown host profile {self.host!r}; known: this-machine, {', '.join(hosts)}")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def spec(self):
+        from workbench.core.models import TINY_SPEC, EmbeddedSpec
+
+        return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()

@@ -1,0 +1,295 @@
+"""Study 3 on a real card: does the split engine train like AdamW, overlap backward, and how fast is it against k?
+
+    make gpu-check                          # runs this as the `split` check (workbench/front/gpu_check.py)
+    workbench gpu-check --only split        # this check alone; --quick: a smaller model
+
+On the CUDA card, on one small randomly initialised Qwen2-style model and random tokens:
+- parity: the engine (fp32, k=0.5; and with max_grad_norm clipping every step) against
+  torch.optim.AdamW (+ clip_grad_norm_) on the card: the largest weight difference, within 1% of
+  one step (lr) as the CUDA and CPU fused AdamW kernels round differently;
+- overlap: in how many measured iterations a host update started before backward ended, and
+  the share of host parameters already updated when it ended;
+- rates: alpha (accelerator / host update time per parameter) and the transfer rates through the
+  pinned staging rings (GB/s), as the engine measured them;
+- tokens/s against k (static sweep and adaptive) beside DeepSpeed ZeRO-Offload and torchao's
+  CPUOffloadOptimizer on the same model and data (a row saying why, where one cannot run);
+- the pinned bytes (the staging rings only; bounded whatever the model).
+
+The rows, the comparisons and the verdict are pure functions tested on the CPU with fabricated
+numbers (tests/test_offload_gpu_check.py); `check_split` is the thin CUDA layer that measures.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+ITERATIONS, WARMUP = 6, 2  # per run; the first WARMUP iterations are left out of every mean
+K_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
+LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 0.05  # CLIP: small enough that every step is clipped
+PARITY_ATOL_LR = 1e-2  # tolerance in units of lr: two AdamW kernels (CUDA fused, CPU fused)
+# a small model that still gives the card and the host measurable work (~30M parameters)
+SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=8192, batch=8, seq=256)
+QUICK = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=2048, batch=4, seq=64)
+NOT_INSTALLED = "not installed"
+
+
+# ------------------------------------------------------------------------------------------------
+# pure logic (tested on the CPU)
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and x == x]
+    return sum(xs) / len(xs) if xs else None
+
+
+def overlapped_iterations(events: list[dict]) -> list[int]:
+    """Iterations in which some host update started before that iteration's backward ended."""
+    bwd_end = {e["iteration"]: e["end_ms"] for e in events if e["activity"] == "backward"}
+    return sorted({e["iteration"] for e in events if e["activity"] == "host update"
+                   and e["iteration"] in bwd_end and e["start_ms"] < bwd_end[e["iteration"]]})
+
+
+def timeline_problems(events: list[dict], tol_ms: float = 0.05) -> list[str]:
+    """Spans that end before they start: the sign of two clocks mixed (there must be one)."""
+    return [f"iteration {e['iteration']} {e['activity']} {e.get('what', '')}: ends {e['start_ms'] - e['end_ms']:.3f} ms "
+            f"before it starts" for e in events if e["end_ms"] < e["start_ms"] - tol_ms]
+
+
+def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMUP, **extra) -> dict[str, Any]:
+    """One engine run: means over the measured iterations (after warm-up), rates, overlap, pinned bytes."""
+    keep = [r for r in rows if r["iteration"] >= warmup] or rows
+    ev = [e for e in events if e["iteration"] >= warmup] if any(e["iteration"] >= warmup for e in events) else events
+    ms = sum(r["iteration_ms"] for r in keep)
+    to_h_ms, to_a_ms = sum(r["to_host_ms"] for r in keep), sum(r["to_accel_ms"] for r in keep)
+    last = keep[-1] if keep else {}
+    return {
+        "run": name, "status": "ok", "iterations": len(rows), "warmup": warmup,
+        "k_actual": _mean([r["k_actual"] for r in keep]),
+        "tokens_per_s": sum(r["tokens"] for r in keep) / (ms / 1e3) if ms > 0 else None,
+        "iteration_ms": _mean([r["iteration_ms"] for r in keep]),
+        "backward_ms": _mean([r["backward_ms"] for r in keep]),
+        "accel_idle_share": _mean([r["accel_idle_share"] for r in keep]),
+        "host_done_before_bwd_end_share": _mean([r["host_done_before_bwd_end_share"] for r in keep]),
+        "overlapped_iterations": len(overlapped_iterations(ev)),
+        "measured_iterations": len(keep),
+        "alpha": last.get("alpha"),
+        "k_next": last.get("k_next"),
+        "d2h_gb_per_s": sum(r["to_host_bytes"] for r in keep) / (to_h_ms * 1e6) if to_h_ms > 0 else None,
+        "h2d_gb_per_s": sum(r["to_accel_bytes"] for r in keep) / (to_a_ms * 1e6) if to_a_ms > 0 else None,
+        "pinned_bytes": last.get("pinned_bytes"),
+        "staging_bytes": last.get("staging_bytes"),
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "timeline_problems": timeline_problems(ev),
+        **extra,
+    }
+
+
+def baseline_row(name: str, rows: list[dict] | None, reason: str | None, warmup: int = WARMUP) -> dict[str, Any]:
+    """A library baseline: its tokens/s over the measured iterations, or why it did not run."""
+    if reason or not rows:
+        status = NOT_INSTALLED if reason == NOT_INSTALLED else "unavailable"
+        return {"run": name, "status": status, "reason": reason or "no rows", "tokens_per_s": None}
+    keep = [r for r in rows if r["iteration"] >= warmup] or rows
+    ms = sum(r["iteration_ms"] for r in keep)
+    return {"run": name, "status": "ok", "reason": "", "iterations": len(rows),
+            "tokens_per_s": sum(r["tokens"] for r in keep) / (ms / 1e3) if ms > 0 else None,
+            "iteration_ms": ms / len(keep), "final_loss": rows[-1]["loss"], "k_actual": 0.0}
+
+
+def parity_row(name: str, reference: dict, masters: dict, lr: float, atol_lr: float = PARITY_ATOL_LR) -> dict[str, Any]:
+    """Largest |engine - AdamW| over all weights (tensors on the CPU), against atol_lr * lr."""
+    diffs = {n: float((masters[n].float() - w.float()).abs().max()) for n, w in reference.items()}
+    worst = max(diffs, key=diffs.get)
+    return {"run": name, "max_abs_diff": diffs[worst], "worst_param": worst, "atol": atol_lr * lr,
+            "passed": diffs[worst] <= atol_lr * lr and all(d == d for d in diffs.values())}
+
+
+def split_verdict(parity: list[dict], runs: list[dict], baselines: list[dict],
+                  pinned_limit_bytes: int) -> dict[str, Any]:
+    """pass when the engine matches AdamW, every engine run ran, host updates overlapped backward
+    in the host-only run, the timeline is on one clock, and the pinned bytes are the bounded
+    rings. A baseline that cannot run here is recorded, not failed. Comparisons: the best engine
+    run's tokens/s against each baseline's."""
+    failures = [f"parity {p['run']}: max |diff| {p['max_abs_diff']:.3g} > {p['atol']:.3g} ({p['worst_param']})"
+                for p in parity if not p["passed"]]
+    for r in runs:
+        if r["status"] != "ok":
+            failures.append(f"{r['run']}: {r['status']}: {r.get('reason', '')}")
+            continue
+        failures += [f"{r['run']}: {p}" for p in r["timeline_problems"][:3]]
+        if r.get("pinned_bytes") is not None and r["pinned_bytes"] > pinned_limit_bytes:
+            failures.append(f"{r['run']}: {r['pinned_bytes']} bytes pinned (limit {pinned_limit_bytes})")
+        share = r.get("accel_idle_share")
+        if share is not None and not 0.0 <= share <= 1.0:
+            failures.append(f"{r['run']}: accelerator idle share {share:.3f} outside [0, 1]")
+    host_only = [r for r in runs if r["status"] == "ok" and r.get("k_target") == 0.0]
+    for r in host_only:
+        if r["overlapped_iterations"] == 0:
+            failures.append(f"{r['run']}: no host update started before backward ended in "
+                            f"{r['measured_iterations']} measured iterations")
+    ok = [r for r in runs if r["status"] == "ok" and r.get("tokens_per_s")]
+    best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+    comparisons = []
+    for b in baselines:
+        c = {"baseline": b["run"], "status": b["status"], "baseline_tokens_per_s": b.get("tokens_per_s"),
+             "best_engine_run": best["run"] if best else None,
+             "best_engine_tokens_per_s": best["tokens_per_s"] if best else None, "speedup": None}
+        if best and b["status"] == "ok" and b.get("tokens_per_s"):
+            c["speedup"] = best["tokens_per_s"] / b["tokens_per_s"]
+        comparisons.append(c)
+    return {"status": "fail" if failures else "pass", "failures": failures, "parity": parity, "runs": runs,
+            "baselines": baselines, "comparisons": comparisons}
+
+
+def _f(v, spec=".1f") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def split_markdown(result: dict[str, Any]) -> str:
+    """The report section of the split check (tokens/s against k beside the baselines)."""
+    lines = [f"### Study 3 split engine on the card: {result['status']}", ""]
+    if result.get("model"):
+        lines += [f"Model: {result['model']}; pinned bytes: {result.get('pinned_bytes')}.", ""]
+    lines += [f"- parity {p['run']}: max |engine - AdamW| = {p['max_abs_diff']:.3g} (limit {p['atol']:.3g})"
+              for p in result.get("parity", [])]
+    cols = ["run", "status", "k_actual", "tokens_per_s", "accel_idle_share", "host_done_before_bwd_end_share",
+            "overlapped_iterations", "alpha", "d2h_gb_per_s", "h2d_gb_per_s", "pinned_bytes"]
+    rows = result.get("runs", []) + result.get("baselines", [])
+    if rows:
+        lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in rows:
+            lines.append("| " + " | ".join(_f(r.get(c), ".3g" if c in ("alpha", "accel_idle_share",
+                                                                     "host_done_before_bwd_end_share", "k_actual")
+                                              else ".1f") for c in cols) + " |")
+    for c in result.get("comparisons", []):
+        if c["speedup"] is not None:
+            lines.append(f"- {c['best_engine_run']} vs {c['baseline']}: {c['speedup']:.2f}x tokens/s")
+        else:
+            lines.append(f"- {c['baseline']}: {c['status']}")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the thin layer that measures
+
+def _model(shape: dict):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**{k: v for k, v in shape.items() if k not in ("batch", "seq")})
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _reference(base, batches, clip: float = 0.0) -> dict:
+    import torch
+
+    model = copy.deepcopy(base).to(batches[0].device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    for b in batches:
+        model(input_ids=b, labels=b).loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+
+
+def _engine(base, batches, **kw):
+    from workbench.studies.split.adam import AdamHP
+    from workbench.studies.split.engine import SplitEngine
+
+    eng = SplitEngine(copy.deepcopy(base).to(batches[0].device), hp=AdamHP(lr=LR, weight_decay=WEIGHT_DECAY), **kw)
+    try:
+        for b in batches:
+            eng.step(b)
+        eng.finish()
+        return eng.rows, eng.events, eng.master_weights(), eng.pinned_bytes
+    finally:
+        eng.close()
+
+
+def _torchao_rows(base, batches) -> tuple[list[dict], str | None]:
+    """torchao's CPUOffloadOptimizer (overlaps only the gradient copies; Adam runs in step())."""
+    import torch
+
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        try:
+            from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
+        except ImportError:
+            return [], NOT_INSTALLED
+    model = copy.deepcopy(base).to(batches[0].device)
+    sync = torch.cuda.synchronize if batches[0].is_cuda else (lambda: None)
+    try:
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=LR, weight_decay=WEIGHT_DECAY)
+        rows = []
+        for i, b in enumerate(batches):
+            sync()
+            t0 = time.perf_counter()
+            loss = model(input_ids=b, labels=b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sync()
+            dt = time.perf_counter() - t0
+            rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3, "tokens": b.numel()})
+        return rows, None
+    except Exception as e:  # an API change in torchao is a finding, not a crash
+        return [], f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def check_split(opts) -> dict[str, Any]:
+    """CUDA: parity, overlap, rates, tokens/s against k, the baselines, pinned bytes. (With
+    opts.device "cpu" the same code runs on the CPU: the tests' dry run of this layer.)"""
+    import torch
+
+    from workbench.studies.split import _cuda
+    from workbench.studies.split.zero_baseline import run_zero_offload
+
+    shape = QUICK if getattr(opts, "tiny", False) else SMALL
+    base = _model(shape)
+    g = torch.Generator().manual_seed(1)
+    device = torch.device(getattr(opts, "device", "cuda"))
+    batches = [torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g).to(device)
+               for _ in range(ITERATIONS)]
+    n_params = sum(p.numel() for p in base.parameters())
+
+    parity = []
+    for name, kw, clip in (("fp32 k=0.5", {}, 0.0), (f"fp32 k=0.5 max_grad_norm={CLIP}", {"max_grad_norm": CLIP}, CLIP)):
+        _, _, masters, _ = _engine(base, batches[:3], k=0.5, **kw)
+        parity.append(parity_row(name, _reference(base, batches[:3], clip), masters, LR))
+
+    runs = []
+    specs = [(f"k={k:g}", dict(k=k), k) for k in K_SWEEP] + [("adaptive", dict(k=0.0, adaptive=True), None)]
+    specs.append(("bf16 k=0", dict(k=0.0, precision="bf16"), 0.0))
+    specs.append(("fp16 k=0", dict(k=0.0, precision="fp16"), 0.0))
+    for name, kw, k in specs:
+        try:
+            rows, events, _, _ = _engine(base, batches, **kw)
+            runs.append(run_row(name, rows, events, warmup=WARMUP, k_target=k, precision=kw.get("precision", "fp32")))
+        except Exception as e:
+            runs.append({"run": name, "status": "error", "reason": f"{type(e).__name__}: {e}"[:300], "k_target": k})
+
+    zrows, zreason = run_zero_offload(copy.deepcopy(base).to(device), batches, LR, WEIGHT_DECAY, "fp32")
+    trows, treason = _torchao_rows(base, batches)
+    baselines = [baseline_row("DeepSpeed ZeRO-Offload", zrows, zreason, warmup=WARMUP),
+                 baseline_row("torchao CPUOffloadOptimizer", trows, treason, warmup=WARMUP)]
+    limit = _cuda.staging_bytes(4, 8 * 2**20, torch.float32)  # the engine's default rings, fp32
+    result = split_verdict(parity, runs, baselines, limit)
+    result.update(model=f"Qwen2-style, {n_params / 1e6:.1f}M parameters, batch {shape['batch']} x {shape['seq']}",
+                  n_params=n_params, pinned_bytes=max((r.get("pinned_bytes") or 0) for r in runs),
+                  pinned_limit_bytes=limit, iterations=ITERATIONS, warmup=WARMUP)
+    result["report"] = split_markdown(result)
+    return result
+
+
+def gpu_checks():
+    """The checks this package adds to `workbench gpu-check` (see workbench/front/gpu_check.py EXTENSIONS)."""
+    return {"split": check_split}
