@@ -33,8 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from workbench.studies.ladder.rungs import RUNGS  # noqa: E402
-from workbench.core.memory.predict import model_config, predict  # noqa: E402
+from workbench.core.memory.plan import RUNGS
+from workbench.core.memory.meta import model_config
+from workbench.core.memory.predict import predict  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 
 NAME = "predict_ladder"

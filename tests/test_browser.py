@@ -69,6 +69,19 @@ def start(cmd, env, log: Path):
     return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def token_on_a_command_line(token: str) -> list[str]:
+    """Every process whose command line shows `token` (what `ps` shows every user of the machine)."""
+    hits = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if token in text:
+            hits.append(text)
+    return hits
+
+
 def stop(proc):
     proc.terminate()
     try:
@@ -89,12 +102,12 @@ def test_jupyterlab_runs_study_1_with_knobs_and_a_chart(tmp_path, server_env):
                         prepare_only=True, kernel_name="python3", progress_bar=False)
     port, token = free_port(), "test-token-0123"
     lab = start([sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-                 f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
-                 f"--ServerApp.root_dir={work}", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                 f"--ServerApp.port={port}", f"--ServerApp.root_dir={work}", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
                  *(["--allow-root"] if os.geteuid() == 0 else [])],
-                server_env, tmp_path / "lab.log")
+                {**server_env, "JUPYTER_TOKEN": token}, tmp_path / "lab.log")  # the token: not on a command line
     try:
         assert wait_http(f"http://127.0.0.1:{port}/api/status?token={token}", lab) == 200
+        assert token_on_a_command_line(token) == []
         assert status_of(f"http://127.0.0.1:{port}/api/contents") == 403  # no token, no access
         SHOTS.mkdir(parents=True, exist_ok=True)
         with pw.sync_playwright() as p:
@@ -171,17 +184,20 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
     pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
     import papermill as pm
 
-    from workbench.front.dashboard import voila_command
+    from workbench.front.dashboard import start_voila
 
     folder = tmp_path / "apps"
     folder.mkdir()
     pm.execute_notebook(str(ROOT / "notebooks" / "01_strategies.ipynb"), str(folder / "study1.ipynb"),
                         parameters=TINY, prepare_only=True, kernel_name="python3", progress_bar=False)
     port, token = free_port(), "dash-token-0123"
-    voila = start(voila_command(folder, port, token), server_env, tmp_path / "voila.log")
+    log = open(tmp_path / "voila.log", "w")
+    voila = start_voila(folder, port, token, env=server_env, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True)
     try:
         assert wait_http(f"http://127.0.0.1:{port}/?token={token}", voila) == 200
         assert status_of(f"http://127.0.0.1:{port}/voila/render/study1.ipynb") in (302, 403)  # no token
+        assert token_on_a_command_line(token) == []  # it reached Voila through a private voila.json
         SHOTS.mkdir(parents=True, exist_ok=True)
         with pw.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
@@ -198,3 +214,40 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
     finally:
         stop(voila)
     assert "0.0.0.0" not in (tmp_path / "voila.log").read_text()
+
+
+def test_the_dashboard_command_line_carries_no_token(tmp_path):
+    from workbench.front.dashboard import private_config, voila_command
+
+    cmd = voila_command(tmp_path, 8866)
+    assert not [a for a in cmd if "token" in a.lower()]
+    folder = private_config("secret-0123")
+    assert (folder.stat().st_mode & 0o777) == 0o700 and ((folder / "voila.json").stat().st_mode & 0o777) == 0o600
+    assert "secret-0123" in (folder / "voila.json").read_text()
+
+
+@pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed (make test installs it as root)")
+def test_the_report_opens_in_a_browser_with_what_we_found_first(results_dir, tiny_base):
+    pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
+    from workbench.front.report import write_report
+    from workbench.studies.ladder.config import LadderConfig
+    from workbench.studies.ladder.runner import run_ladder
+
+    run_ladder(LadderConfig(base_size="tiny", rungs=("fp32", "bf16_ckpt"), breakdown_rung="fp32", micro_batch=2,
+                            seq_len=32, steps=2, autofit=False, reference_model=""))
+    page_path = write_report()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with pw.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(page_path.resolve().as_uri())
+            headings = page.locator("h2").all_inner_texts()
+            assert headings[0] == "What we found" and "Study 2: the memory ladder" in headings
+            assert page.get_by_text("Predicted peaks of 2 rung(s) measured here").count() == 1
+            page.locator(".js-plotly-plot .trace").first.wait_for(timeout=30_000)  # plotly.js inlined: offline
+            page.screenshot(path=str(SHOTS / "report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (SHOTS / "report.png").stat().st_size > 10_000
+

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model as cm
-from workbench.studies.ladder.rungs import RUNGS, make_plan_optimizer, plan_from_flags
+from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags
 from workbench.core.memory.predict import predict
 
 MiB = 2**20
@@ -255,7 +255,7 @@ def test_a_measured_cpu_step_exports_the_same_snapshot(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from workbench.core.memory.accounting import MemoryAccounting
-    from workbench.studies.ladder.rungs import rung
+    from workbench.core.memory.plan import rung
     from workbench.core.memory.predict import simulate
     from workbench.core.memory.snapshot import snapshot_from_report
     from workbench.core.training import train

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from workbench.cli import main
-from workbench.studies.ladder.rungs import RUNGS
+from workbench.core.memory.plan import RUNGS
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,

@@ -7,7 +7,8 @@ import torch
 
 from workbench.core.config import ConfigError
 from workbench.core.fallback import Attempt, default_attempts, run_with_fallback
-from workbench.core.memory import LiveBytes, device_budget
+from workbench.core.memory.budget import device_budget
+from workbench.core.memory.live_bytes import LiveBytes
 
 
 def test_budget_raises_the_same_error_as_cuda_and_releases_memory():

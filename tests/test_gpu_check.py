@@ -6,15 +6,13 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from workbench.front import gpu_check as gc
-from workbench.studies.ladder.rungs import RUNGS
+from workbench.core.memory.plan import RUNGS
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,19 +146,12 @@ def test_only_runs_the_named_checks(tmp_path):
     assert ran == ["environment", "trace"]
 
 
-def test_study3_adds_its_split_check_through_the_extension_slot(monkeypatch, tmp_path):
-    # Not there yet: a visible "not provided" slot, not a silent gap (and not a failure).
-    monkeypatch.setattr(gc, "EXTENSIONS", ("workbench.studies.split.no_such_gpu_check",))
+def test_study3_adds_its_split_check_after_the_workbench_checks():
+    from workbench.studies.split import gpu_check as split_check
+
     found = gc.checks()
-    assert list(found)[:4] == ["environment", "ladder", "strategies", "trace"]
-    assert found["split"](None)["status"] == "not provided"
-    # There: its checks join the list, after the workbench's own.
-    mod = types.ModuleType("fake_split_check")
-    mod.gpu_checks = lambda: {"split": lambda o: {"status": "pass", "alpha": 0.3}}
-    monkeypatch.setitem(sys.modules, "fake_split_check", mod)
-    monkeypatch.setattr(gc, "EXTENSIONS", ("fake_split_check",))
-    found = gc.checks()
-    assert list(found)[-1] == "split" and found["split"](None)["alpha"] == 0.3
+    assert list(found) == ["environment", "ladder", "strategies", "trace", "split"]
+    assert found["split"] is split_check.check_split
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the real check (make gpu-check)")

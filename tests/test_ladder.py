@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.studies.ladder.rungs import RUNGS, FitChoice, auto_fit, measure, run_with_fallback
+from workbench.core.memory.plan import RUNGS
+from workbench.studies.ladder.rungs import FitChoice, auto_fit, measure, run_with_fallback
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.studies.ladder.runner import LadderConfig, run_ladder
 from workbench.core.models import TINY_SPEC, load_model
@@ -47,8 +48,9 @@ def test_rungs_are_composed_plans():
 
 def test_run_ladder_predicts_measures_and_explains(env):
     rungs = ("fp32", "fp16", "bf16_ckpt", "lora", "device_map", "cpu")
-    cfg = LadderConfig(tiny=True, rungs=rungs, batch=4, seq_len=64, steps=2, budget_mib=3.0, reference_model="")
-    df = run_ladder(cfg)
+    cfg = LadderConfig(base_size="tiny", rungs=rungs, micro_batch=4, seq_len=64, steps=2, budget_mib=3.0, reference_model="")
+    result = run_ladder(cfg)
+    df = result.runs
     at_hand = df[df["role"] == "at hand"].set_index("rung")
     assert list(at_hand.index) == list(rungs)
     ok = at_hand[at_hand["status"] == "ok"]
@@ -66,11 +68,11 @@ def test_run_ladder_predicts_measures_and_explains(env):
     # The ladder saves memory as it goes down.
     assert at_hand.loc["lora", "predicted_peak_bytes"] < at_hand.loc["bf16_ckpt", "predicted_peak_bytes"] \
         < at_hand.loc["fp32", "predicted_peak_bytes"]
-    run_dir = Path(df.attrs["run_dir"])
+    run_dir = Path(result.paths["run_dir"])
     for f in ("config.json", "summary.json", "ladder.csv", "steps.jsonl", "autofit.csv"):
         assert (run_dir / f).exists(), f
     assert (env / "ladder" / "runs.csv").exists()
-    fit = df.attrs["autofit"]
+    fit = result.tables["autofit"]
     assert fit.iloc[-1]["status"] == "ok" and fit.iloc[-1]["ran"] in rungs
 
 
@@ -151,7 +153,7 @@ def _tiny_linear_model(device):
 def test_quantize_4bit_leaves_the_weights_on_the_models_device(device):
     import bitsandbytes as bnb
 
-    from workbench.studies.ladder.rungs import quantize_4bit
+    from workbench.core.memory.plan import quantize_4bit
 
     model = _tiny_linear_model(device)
     x = torch.randn(3, 64, device=device)
@@ -169,7 +171,7 @@ def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch)
     """On a GPU the layer's weight says cuda: quantization must be asked for there, not on the CPU."""
     import bitsandbytes as bnb
 
-    from workbench.studies.ladder.rungs import quantize_4bit
+    from workbench.core.memory.plan import quantize_4bit
 
     asked = []
     real = bnb.nn.Params4bit._quantize
@@ -300,11 +302,12 @@ def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypat
 
 
 def test_the_report_says_what_a_budget_caps_on_each_device(env):
-    from workbench.studies.ladder.runner import BUDGET_NOTE, report_section
+    from workbench.studies.ladder.figures import BUDGET_NOTE, report_section
+    from workbench.studies.ladder.runner import load_result
 
-    run_ladder(LadderConfig(tiny=True, rungs=("fp32",), breakdown_rung="fp32", batch=2, seq_len=32, steps=2,
-                            measure=False, autofit=False, reference_model=""))
-    parts = report_section()
+    run_ladder(LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32,
+                            steps=2, measure=False, autofit=False, reference_model=""))
+    parts = report_section(load_result())
     assert "reserved memory" in BUDGET_NOTE and "live tensor bytes" in BUDGET_NOTE
     assert BUDGET_NOTE in parts[0][2]
     assert "reserved memory on a GPU, live tensor bytes on the CPU" in parts[1][1]

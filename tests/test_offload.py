@@ -352,15 +352,15 @@ def test_simulated_schedule_accounts_for_all_work():
 
 
 # ---------------------------------------------------------------- config, study runner, CLI
-TINY = {"base_size": "tiny", "batch_size": 2, "seq_len": 16, "iterations": 4, "warmup": 1,
+TINY = {"base_size": "tiny", "micro_batch": 2, "seq_len": 16, "steps": 4, "untimed_steps": 1,
         "k_sweep": [0.0, 0.5, 1.0], "modelled_k_points": 3, "eval_blocks": 4}
 
 
 @pytest.mark.parametrize("bad", [
     {"k_sweep": [0.0, 1.5]},  # k outside [0, 1]
     {"k_start": -0.1},
-    {"warmup": 12, "iterations": 12},  # nothing left to measure
-    {"iterations": 0},
+    {"untimed_steps": 12, "steps": 12},  # nothing left to measure
+    {"steps": 0},
     {"lr": 0.0},
     {"profiles": ["A100-40GB-made-up"]},  # not in profiles.json
     {"host": "a-laptop"},
@@ -370,7 +370,7 @@ TINY = {"base_size": "tiny", "batch_size": 2, "seq_len": 16, "iterations": 4, "w
     {"precision": "fp8"},  # not a choice
     {"base_size": "huge"},
     {"eval_blocks": 0},
-    {"iterations": "12"},  # wrong type
+    {"steps": "12"},  # wrong type
     {"k_sweep": 0.5},  # not a list
     {"learning_rate": 1e-3},  # unknown name
 ])
@@ -382,11 +382,13 @@ def test_bad_config_values_are_refused(bad):
 
 
 def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
-    from workbench.studies.split import SplitConfig, run_split_study
+    from workbench.studies.split.config import SplitConfig
+    from workbench.studies.split.runner import run_split_study
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     seen = []
-    df = run_split_study(SplitConfig.from_dict({**TINY, "host_share": 0.8}), sinks=[seen.append])
+    result = run_split_study(SplitConfig.from_dict({**TINY, "host_share": 0.8}), sinks=[seen.append])
+    df = result.runs
     measured = df[df["source"] == "measured"]
     assert set(measured["run"]) == {"plain AdamW", "k=0", "k=0.5", "k=1", "adaptive"}
     assert (measured["status"] == "ok").all()
@@ -405,14 +407,14 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     plain = measured[measured["run"] == "plain AdamW"].iloc[0]
     assert plain["k_actual"] == 1.0 and 0 < plain["accel_idle_share"] < 1
     # the host-only run overlaps its updates with backward (the last iteration's timeline)
-    tl = df.attrs["timeline"]
+    tl = result.tables["timeline"]
     k0 = tl[(tl["run"] == "k=0") & (tl["source"] == "measured")]
     bwd_end = k0.loc[k0["activity"] == "backward", "end_ms"].iloc[0]
     assert (k0.loc[k0["activity"] == "host update", "start_ms"] < bwd_end).any()
-    assert len(df.attrs["validation"]) >= 3 and df.attrs["validation"]["error_pct"].notna().all()
-    assert len(df.attrs["verdict"]) == 6 and len(df.attrs["inputs"]) > 10
-    assert len(seen) == 4 * TINY["iterations"] and all("run" in r for r in seen)  # sinks: engine rows
-    lanes = set(df.attrs["timeline"]["lane"])
+    assert len(result.tables["validation"]) >= 3 and result.tables["validation"]["error_pct"].notna().all()
+    assert len(result.tables["verdict"]) == 6 and len(result.tables["model_inputs"]) > 10
+    assert len(seen) == 4 * TINY["steps"] and all("run" in r for r in seen)  # sinks: engine rows
+    lanes = set(result.tables["timeline"]["lane"])
     assert {"accelerator", "host", "transfer to host", "transfer to accelerator"} <= lanes
     out = tmp_path / "split"
     assert (out / "runs.csv").exists() and (out / "steps.csv").exists() and (out / "timeline.csv").exists()
@@ -423,8 +425,9 @@ def test_cli_published_and_bad_set():
     from workbench.cli import main
 
     assert main(["split", "--published"]) == 0
-    assert main(["split", "--set", "nosuch=1"]) == 2
-    assert main(["split", "--set", "k_sweep=[2]"]) == 2
+    assert main(["split", "nosuch=1"]) == 2
+    assert main(["split", "k_sweep=[2]"]) == 2
+    assert main(["split", "not-an-assignment"]) == 2
 
 
 # ---------------------------------------------------------------- issue 11: pinned budget (item 3)
@@ -712,11 +715,11 @@ def test_low_precision_clipping_same_update_whatever_k(precision):
 def test_study_runner_clips_like_its_reference(tmp_path, monkeypatch, tiny_base):
     """max_grad_norm reaches both the engine runs and the plain-AdamW reference (clip_grad_norm_):
     the fp32 weights still agree to the bit."""
-    from workbench.studies.split import SplitConfig
+    from workbench.studies.split.config import SplitConfig
     from workbench.studies.split.runner import measured_runs
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
-    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 0.5], "adaptive": False, "max_grad_norm": 0.05, "iterations": 2,
+    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 0.5], "adaptive": False, "max_grad_norm": 0.05, "steps": 2,
                                  "write_results": False})
     runs, steps, _ = measured_runs(cfg)
     engine = [r for r in runs if r["run"] != "plain AdamW"]

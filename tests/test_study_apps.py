@@ -11,16 +11,20 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from workbench.core.results import StudyResult
+from workbench.front import apps
 from workbench.front.live import LiveChart
+from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder import runner as ladder_study
-from workbench.studies.ladder.runner import LadderConfig
+from workbench.studies.ladder.config import LadderConfig
+from workbench.studies.split import figures as split_figures
 from workbench.studies.split import runner as split_study
 from workbench.studies.split.config import SplitConfig
 
-LADDER_TINY = {"tiny": True, "rungs": ["fp32", "bf16_ckpt", "zero_offload"], "batch": 2, "seq_len": 32,
+LADDER_TINY = {"base_size": "tiny", "rungs": ["fp32", "bf16_ckpt", "zero_offload"], "micro_batch": 2, "seq_len": 32,
                "steps": 2, "budget_mib": 3.0, "reference_model": "", "breakdown_rung": "fp32", "threads": 1}
-SPLIT_TINY = {"base_size": "tiny", "eval_blocks": 4, "batch_size": 2, "seq_len": 16,
-              "iterations": 3, "warmup": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
+SPLIT_TINY = {"base_size": "tiny", "eval_blocks": 4, "micro_batch": 2, "seq_len": 16,
+              "steps": 3, "untimed_steps": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
 
 
 def _loss_traces(fig) -> dict[str, tuple]:
@@ -32,11 +36,11 @@ def _loss_traces(fig) -> dict[str, tuple]:
 
 
 def test_ladder_run_feeds_a_live_chart_and_the_report(tiny_base, results_dir):
-    assert ladder_study.report_section() == []  # nothing run yet
+    assert ladder_study.load_result() is None and ladder_figures.report_section(None) == []  # nothing run yet
     cfg = LadderConfig.from_dict(LADDER_TINY)
     rows: list[dict] = []
     live = LiveChart(display=False, min_interval_s=0, run_keys=("rung", "stage"))
-    df = ladder_study.run_ladder(cfg, sinks=[live, rows.append])
+    df = ladder_study.run_ladder(cfg, sinks=[live, rows.append]).runs
 
     steps = [r for r in rows if "loss" in r]
     ladder = [r for r in steps if r["stage"] == "ladder"]
@@ -47,13 +51,17 @@ def test_ladder_run_feeds_a_live_chart_and_the_report(tiny_base, results_dir):
     # the same losses the runner wrote in its results
     hand = df[df["role"] == "at hand"].set_index("rung")
     assert ladder[1]["loss"] == pytest.approx(hand.loc["fp32", "loss_after"])
+    # each row's memory is its step's peak, so the live trace reaches the measured peak (not the
+    # bytes left alive after the step, which sit far below it)
+    for rung in ("fp32", "bf16_ckpt"):
+        assert max(r["mem_mib"] for r in ladder if r["rung"] == rung) == pytest.approx(hand.loc[rung, "measured_peak_mib"])
 
     fig = live.close()
     assert live.rows == len(steps)
     assert _loss_traces(fig)["fp32 ladder"] == tuple(r["loss"] for r in ladder[:2])
     assert any(s.y0 == 3.0 for s in fig.layout.shapes)  # the budget line
 
-    parts = ladder_study.report_section()
+    parts = ladder_figures.report_section(ladder_study.load_result())
     kinds = [k for k, _, _ in parts]
     assert kinds[0] == "text" and 1 <= kinds.count("figure") <= 3 and kinds.count("table") >= 2
     text = parts[0][2]
@@ -63,9 +71,10 @@ def test_ladder_run_feeds_a_live_chart_and_the_report(tiny_base, results_dir):
     assert table.set_index("rung").loc["zero_offload", "status"] == "skipped"
     # no figure calls a number measured unless it was: the measured bars are the rungs that ran here
     bars = parts[2][2]
-    measured = [t for t in bars.data if "measured on" in t.name]
+    memory = [t for t in bars.data if t.xaxis in (None, "x")]  # the peak-memory panel (the other: step time)
+    measured = [t for t in memory if "measured on" in t.name]
     assert len(measured) == 1 and list(measured[0].x) == ["fp32", "bf16_ckpt"]
-    assert all("not measured" in t.name for t in bars.data if t is not measured[0])
+    assert all("not measured" in t.name for t in memory if t is not measured[0])
     loss = next(p for k, _, p in parts if k == "figure" and "loss" in p.layout.title.text.lower())
     assert "measured" in loss.layout.title.text and {t.name for t in loss.data} == {"fp32", "bf16_ckpt"}
 
@@ -77,17 +86,17 @@ def _fake_ladder(calls):
             sink({"rung": "fp32", "stage": "ladder", "step": 1, "loss": 3.0, "tokens": 64,
                   "budget_mib": cfg.budget_mib})
         df = pd.DataFrame([{"rung": "fp32", "role": "at hand", "method": "predicted", "predicted_peak_mib": 5.0,
-                            "measured_peak_mib": 5.1, "status": "ok", "reason": "", "note": ""}])
-        df.attrs["autofit"] = pd.DataFrame()
-        return df
+                            "measured_peak_mib": 5.1, "status": "ok", "reason": "", "note": "",
+                            "budget_mib": cfg.budget_mib}])
+        return StudyResult("ladder", runs=df, tables={"autofit": pd.DataFrame()})
 
     return run_ladder
 
 
 def test_ladder_app_validates_like_the_parameters_cell_and_runs(monkeypatch, results_dir):
     calls: list[LadderConfig] = []
-    monkeypatch.setattr(ladder_study, "run_ladder", _fake_ladder(calls))
-    panel = ladder_study.app(LadderConfig.from_dict(LADDER_TINY))
+    monkeypatch.setattr(apps, "run_ladder", _fake_ladder(calls))
+    panel = apps.app(LadderConfig.from_dict(LADDER_TINY))
     assert tuple(panel.controls["rungs"].value) == tuple(LADDER_TINY["rungs"])  # a multi-select of the ladder
 
     panel.controls["steps"].value = 1
@@ -104,7 +113,7 @@ def test_ladder_app_validates_like_the_parameters_cell_and_runs(monkeypatch, res
     panel.button.click()
     assert "done" in panel.message.value, panel.message.value
     (cfg,) = calls
-    assert cfg.steps == 3 and cfg.rungs == ("fp32", "cpu") and cfg.budget_mib == 7.5 and cfg.tiny
+    assert cfg.steps == 3 and cfg.rungs == ("fp32", "cpu") and cfg.budget_mib == 7.5 and cfg.base_size == "tiny"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,15 +121,15 @@ def test_ladder_app_validates_like_the_parameters_cell_and_runs(monkeypatch, res
 
 
 def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
-    assert split_study.report_section() == []
+    assert split_study.load_result() is None and split_figures.report_section(None) == []
     cfg = SplitConfig.from_dict(SPLIT_TINY)
     rows: list[dict] = []
     live = LiveChart(display=False, min_interval_s=0, run_keys=("run",))
-    df = split_study.run_split_study(cfg, sinks=[live, rows.append])
+    df = split_study.run_split_study(cfg, sinks=[live, rows.append]).runs
 
     runs = ["k=0", "k=1", "adaptive"]  # the engine's runs (plain AdamW, the reference, sends none)
-    assert [r["run"] for r in rows] == [run for run in runs for _ in range(cfg.iterations)]
-    per_it = cfg.batch_size * cfg.seq_len
+    assert [r["run"] for r in rows] == [run for run in runs for _ in range(cfg.steps)]
+    per_it = cfg.micro_batch * cfg.seq_len
     for run in runs:
         mine = [r for r in rows if r["run"] == run]
         assert [r["step"] for r in mine] == [1, 2, 3]
@@ -133,7 +142,7 @@ def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
     fig = live.close()
     assert live.rows == len(rows) and set(_loss_traces(fig)) == set(runs)
 
-    parts = split_study.report_section()
+    parts = split_figures.report_section(split_study.load_result())
     kinds = [k for k, _, _ in parts]
     assert kinds[0] == "text" and 1 <= kinds.count("figure") <= 3
     assert 'class="tag measured"' in parts[0][2] and 'class="tag modelled"' in parts[0][2]
@@ -156,30 +165,31 @@ def _fake_split(calls):
         calls.append(cfg)
         for sink in sinks:
             sink({"run": "k=0", "step": 1, "loss": 4.0, "tokens": 32, "tokens_per_s": 100.0})
-        return pd.DataFrame([{"source": "measured", "panel": "measured: this machine (cpu)", "run": "k=0",
-                              "mode": "host only (k=0)", "k_actual": 0.0, "tokens_per_s": 100.0, "status": "ok"}])
+        return StudyResult("split", runs=pd.DataFrame([{"source": "measured", "panel": "measured: this machine (cpu)",
+                                                        "run": "k=0", "mode": "host only (k=0)", "k_actual": 0.0,
+                                                        "tokens_per_s": 100.0, "status": "ok"}]))
 
     return run_split_study
 
 
 def test_split_app_validates_like_the_parameters_cell_and_runs(monkeypatch, results_dir):
     calls: list[SplitConfig] = []
-    monkeypatch.setattr(split_study, "run_split_study", _fake_split(calls))
-    panel = split_study.app(SplitConfig.from_dict(SPLIT_TINY))
+    monkeypatch.setattr(apps, "run_split_study", _fake_split(calls))
+    panel = apps.app(SplitConfig.from_dict(SPLIT_TINY))
     assert "host_share" not in panel.controls and panel.fixed["host_share"] == 0.8
 
     panel.controls["k_sweep"].value = "[0.0, 2.0]"
     panel.button.click()
     assert calls == [] and "k values must lie in [0, 1], got 2.0" in panel.message.value
     panel.controls["k_sweep"].value = "[0.0, 0.5]"
-    panel.controls["warmup"].value = 9
+    panel.controls["untimed_steps"].value = 9
     panel.button.click()
-    assert calls == [] and "warmup must be in [0, iterations)" in panel.message.value
+    assert calls == [] and "untimed_steps must be in [0, steps)" in panel.message.value
 
-    panel.controls["warmup"].value = 1
-    panel.controls["iterations"].value = 5
+    panel.controls["untimed_steps"].value = 1
+    panel.controls["steps"].value = 5
     panel.controls["model"].value = "tiny-gpt2"
     panel.button.click()
     assert "done" in panel.message.value, panel.message.value
     (cfg,) = calls
-    assert cfg.iterations == 5 and cfg.k_sweep == (0.0, 0.5) and cfg.model == "tiny-gpt2" and cfg.host_share == 0.8
+    assert cfg.steps == 5 and cfg.k_sweep == (0.0, 0.5) and cfg.model == "tiny-gpt2" and cfg.host_share == 0.8

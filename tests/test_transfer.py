@@ -8,7 +8,8 @@ import pytest
 from workbench.core.config import ConfigError
 from workbench.core.data import CorpusError
 from workbench.core.models import ModelNotFoundError
-from workbench.studies.strategies.runner import StrategiesConfig, claims_table, rebuild_runs_table, run_strategies, summarize
+from workbench.studies.strategies.config import StrategiesConfig
+from workbench.studies.strategies.runner import claims_table, rebuild_runs_table, run_strategies, summarize
 
 TINY = dict(base_size="tiny", seq_len=64, token_budget=4096, eval_blocks=8)
 
@@ -17,7 +18,7 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
     # A budget between what the small strategies need and what full fine-tuning needs.
     cfg = StrategiesConfig(strategies=("adapter", "freeze_lower", "freeze_embeddings", "full"), seeds=(0,),
                            budget_mib=11.0, preflight=False, **TINY)
-    df = run_strategies(cfg, progress=False)
+    df = run_strategies(cfg, progress=False).runs
     assert list(df["strategy"]) == ["adapter", "freeze_lower", "freeze_embeddings", "full"]
     assert set(df["status"]) <= {"ok", "fallback"} and "fallback" in set(df["status"])
     full = df.set_index("strategy").loc["full"]
@@ -51,17 +52,17 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
 def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(tiny_base, results_dir, tmp_path,
                                                                              monkeypatch):
     cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)
-    first = run_strategies(cfg, progress=False)
+    first = run_strategies(cfg, progress=False).runs
     run = results_dir / "strategies" / first["run_id"][0]
     summary = run / "summary.json"
     stamp = summary.stat().st_mtime_ns
-    again = run_strategies(cfg, progress=False)
+    again = run_strategies(cfg, progress=False).runs
     assert summary.stat().st_mtime_ns == stamp  # not retrained
     assert again["ppl_after"][0] == first["ppl_after"][0]
     steps = len((run / "steps.jsonl").read_text().splitlines())
     # --rerun (the sweep sets WORKBENCH_RERUN for its notebooks) retrains, and replaces the steps
     monkeypatch.setenv("WORKBENCH_RERUN", "1")
-    rerun = run_strategies(cfg, progress=False)
+    rerun = run_strategies(cfg, progress=False).runs
     assert summary.stat().st_mtime_ns != stamp and rerun["run_id"][0] == first["run_id"][0]
     assert len((run / "steps.jsonl").read_text().splitlines()) == steps  # replaced, not appended to
     monkeypatch.delenv("WORKBENCH_RERUN")
@@ -72,13 +73,13 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     corpus.mkdir()
     for i in range(12):
         (corpus / f"doc{i}.txt").write_text(" ".join(f"word{i}-{j} is here." for j in range(400)))
-    other = run_strategies(cfg.replace(corpus=str(corpus)), progress=False)
+    other = run_strategies(cfg.replace(corpus=str(corpus)), progress=False).runs
     assert other["run_id"][0] != first["run_id"][0]
     monkeypatch.setattr(transfer, "model_fingerprint", lambda *a: "other-weights")
-    assert run_strategies(cfg, progress=False)["run_id"][0] != first["run_id"][0]
+    assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
     monkeypatch.undo()
     monkeypatch.setattr(transfer, "__version__", "9.9.9")
-    assert run_strategies(cfg, progress=False)["run_id"][0] != first["run_id"][0]
+    assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -108,7 +109,7 @@ def test_missing_model_and_empty_corpus_fail_before_training(tmp_path, results_d
 
 def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
     cfg = StrategiesConfig(strategies=("bitfit", "full"), seeds=(0,), budget_mib=11.0, **TINY)
-    df = run_strategies(cfg, progress=False).set_index("strategy")
+    df = run_strategies(cfg, progress=False).runs.set_index("strategy")
     assert df.loc["bitfit", "status"] == "ok" and df.loc["bitfit", "device"] == "cpu@11"
     assert df.loc["full", "device_history"] == "cpu@11: skipped in preflight -> cpu: ok"
     assert df.loc["full", "status"] == "fallback"
@@ -120,13 +121,13 @@ def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
 
 
 def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(tiny_base, results_dir):
-    from workbench.core.memory import LiveBytes
+    from workbench.core.memory.live_bytes import LiveBytes
 
     cfg = StrategiesConfig(strategies=("bitfit", "full", "lora"), seeds=(0,), devices=("cpu@2", "cpu@3"),
                            preflight=False, **TINY)
     with LiveBytes() as outer:
         start = outer.current_bytes
-        df = run_strategies(cfg, progress=False)
+        df = run_strategies(cfg, progress=False).runs
         # No gc.collect() here: the fallback itself must have freed each attempt once its OOM was handled.
         assert outer.current_bytes == start  # nothing the attempts allocated is still alive
     assert list(df["status"]) == ["oom", "oom", "oom"]

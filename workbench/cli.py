@@ -1,29 +1,29 @@
-"""The `workbench` command line.
+"""The `workbench` command line (also `python -m workbench`).
 
-    workbench reproduce            # every study notebook headless on the embedded default, then the report
-    workbench reproduce --quick    # the same on tiny parameters (a minute or two)
-    workbench estimate --help      # memory prediction for any model config, no GPU needed
-    workbench sweep --help         # papermill sweeps over a grid
+    workbench reproduce                  # every study notebook headless on the embedded default, then the report
+    workbench reproduce --quick          # the same on tiny parameters (a few minutes)
+    workbench strategies NAME=VALUE ...  # one study from the shell (also: ladder, split)
+    workbench estimate --help            # memory prediction for any model config, no GPU needed
+    workbench sweep --help               # papermill sweeps over a grid, on Dask
+    workbench dashboard                  # the study notebooks as Voila apps
+    workbench gpu-check                  # every GPU path on this card (one line without CUDA)
 
-Each subcommand lives beside the code it drives; a module adds itself with `register(sub)`.
+Each subcommand lives beside the code it drives and adds itself with `register(sub)`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-# Modules that add subcommands, in the order `--help` lists them. A module that is missing
-# (a study not built yet) is left out of the menu rather than breaking the others.
-_COMMAND_MODULES = (
-    "workbench.front.reproduce",
-    "workbench.studies.ladder.cli",
-    "workbench.studies.split.cli",
-    "workbench.front.sweep",
-    "workbench.front.dashboard",
-    "workbench.front.gpu_check",
-)
+from workbench.core.config import ConfigError
+from workbench.core.data import CorpusError
+from workbench.core.models import ModelNotFoundError
+from workbench.front import commands, dashboard, gpu_check, reproduce, sweep
+from workbench.studies.ladder import cli as estimate
+
+# in the order `--help` lists them
+COMMAND_MODULES = (reproduce, commands, estimate, sweep, dashboard, gpu_check)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,13 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "transfer strategies with device fallback, the memory ladder, the adaptive GPU/CPU split.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
+    for module in COMMAND_MODULES:
         module.register(sub)
     return parser
 
@@ -50,10 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from workbench.core.config import ConfigError
-    from workbench.core.data import CorpusError
-    from workbench.core.models import ModelNotFoundError
-
     try:
         return int(args.func(args) or 0)
     except (ConfigError, ModelNotFoundError, CorpusError) as e:

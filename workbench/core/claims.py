@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from pathlib import Path
 
 import pandas as pd
 from workbench.core.common import PROJECT_ROOT

@@ -18,7 +18,7 @@ import json
 import math
 import types
 import typing
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 
 class ConfigError(ValueError):
@@ -30,6 +30,36 @@ def param(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple default for sequences; configs are frozen")
     return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+# The shared vocabulary: a setting that means the same thing has one name, one type and one help
+# text in every study's config (and so in every notebook, knob and command line). A study declares
+# one with `setting(name, default, note)`; tests/test_config.py holds that each study's field of a
+# vocabulary name has the vocabulary's type.
+VOCABULARY: dict[str, tuple[Any, str]] = {
+    "model": (str, "model: 'embedded' (the built-in base), a Hugging Face id or a local model directory"),
+    "base_size": (Literal["default", "tiny"], "embedded base: 'default' or 'tiny' (tests; builds in about 10 s)"),
+    "corpus": (str, "target text: 'embedded' (Python's language reference) or a text file or folder"),
+    "seq_len": (int, "tokens per sequence"),
+    "micro_batch": (int, "sequences per forward/backward pass"),
+    "grad_accum": (int, "micro-batches per optimizer step"),
+    "steps": (int, "optimizer steps per run"),
+    "lr": (float, "peak learning rate"),
+    "seed": (int, "random seed"),
+    "precision": (Literal["fp32", "bf16", "fp16"], "compute precision: fp32, bf16 or fp16"),
+    "threads": (int, "torch threads (0: leave as set)"),
+    "device": (Literal["auto", "cpu", "cuda"], "device: auto (cuda if present, else cpu), cpu or cuda"),
+    "eval_blocks": (int, "held-out blocks scored for perplexity"),
+    "lora_rank": (int, "rank of the LoRA adapters"),
+    "trust_remote_code": (bool, "let transformers run model code from the hub (off: safer)"),
+}
+
+
+def setting(name: str, default: Any, note: str = "") -> Any:
+    """A field of the shared vocabulary: its help text, plus what it means in this study (`note`)."""
+    if name not in VOCABULARY:
+        raise KeyError(f"{name!r} is not in the shared vocabulary: {', '.join(VOCABULARY)}")
+    return param(default, VOCABULARY[name][1] + (f"; {note}" if note else ""), setting=name)
 
 
 # Names a notebook namespace holds that are not parameters.

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 from workbench.core.common import PROJECT_ROOT
+from workbench.core.config import ConfigError
+from workbench.core.data import corpus_blocks, source_corpus, target_corpus, unigram_perplexity, SPLIT_VERSION
+from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
 EMBEDDED = "embedded"
 MANIFEST = "manifest.json"
@@ -63,7 +66,6 @@ def max_positions(config) -> int | None:
 
 def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
     """Refuse a sequence longer than the model's positions (GPT-2: 1024), naming the limit."""
-    from workbench.core.config import ConfigError
 
     limit = max_positions(config)
     if limit is not None and seq_len > limit:
@@ -89,7 +91,6 @@ class EmbeddedSpec:
     seed: int = 0
 
     def key(self) -> str:
-        from workbench.core.data import SPLIT_VERSION
 
         # v3: corpora split content-disjoint (the tokenizer and the pretraining text changed),
         # and the pretraining report holds the source corpus's held-out overlap
@@ -200,8 +201,6 @@ def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
     from tqdm.auto import tqdm
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workbench.core.data import corpus_blocks, source_corpus, target_corpus, unigram_perplexity
-    from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
     t0 = time.perf_counter()
     source = source_corpus(spec.source_mib)

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import fcntl
 import json
 import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
+import peft
+import torch
+import transformers
 from workbench.core.common import PROJECT_ROOT
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")
@@ -83,9 +88,6 @@ def environment() -> dict[str, Any]:
     """Versions and hardware every result row carries."""
     global _ENV_CACHE
     if _ENV_CACHE is None:
-        import torch
-        import transformers
-
         env = {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -96,12 +98,7 @@ def environment() -> dict[str, Any]:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
             "git_commit": git_commit(),
         }
-        try:
-            import peft
-
-            env["peft"] = peft.__version__
-        except ImportError:
-            pass
+        env["peft"] = peft.__version__
         _ENV_CACHE = env
     return dict(_ENV_CACHE)
 
@@ -167,8 +164,6 @@ def locked(path: str | Path):
     """An exclusive lock (fcntl, a `.lock` file beside `path`) for read-modify-write of a shared table.
 
     The OS releases it when the holder dies, so a crash never leaves the table locked."""
-    import fcntl
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
@@ -179,12 +174,99 @@ def locked(path: str | Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def write_runs_table(study_dir: str | Path, rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    """Write `runs.csv` (one row per run, environment columns added) atomically."""
-    env = environment()
-    df = pd.DataFrame([{**row, **{f"env_{k}": v for k, v in env.items()}} for row in rows])
-    atomic_write_csv(Path(study_dir) / "runs.csv", df)
-    return df
+@dataclass
+class StudyResult:
+    """What a study's runner returns: its runs table, its step rows and its named side tables.
+
+        result = run_ladder(cfg)
+        result.runs                      # one row per run (rung, strategy, k, ...)
+        result.steps                     # one row per training step of every run
+        result.tables["autofit"]         # side tables, by name (`result.table(name)` says which exist)
+        result.facts["host"]             # scalar facts (the host's measured rates, ...)
+        result.paths                     # where each of them was written
+    """
+
+    study: str
+    runs: pd.DataFrame
+    steps: pd.DataFrame = field(default_factory=pd.DataFrame)
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
+
+    def table(self, name: str) -> pd.DataFrame:
+        if name not in self.tables:
+            raise KeyError(f"{self.study} has no table {name!r}; it has: {', '.join(self.tables) or 'none'}")
+        return self.tables[name]
+
+
+class ResultsWriter:
+    """The one way a study's results reach disk: results/<study>/[<run>/]<name>.{csv,json}.
+
+    Every file is written atomically (a temporary file renamed into place), and `runs.csv` is
+    only ever updated by `update_runs`: under the study's lock, rows whose key matches a new row
+    are replaced and every other row is kept, so runs of other settings (or of another process
+    finishing at the same time) are never lost.
+    """
+
+    def __init__(self, study: str, root: str | Path | None = None):
+        self.study = study
+        self.dir = Path(root or results_root()) / study
+
+    def _path(self, name: str, suffix: str, run: str | None) -> Path:
+        return (self.dir / run if run else self.dir) / f"{name}{suffix}"
+
+    def table(self, name: str, df: pd.DataFrame, *, run: str | None = None) -> Path:
+        return atomic_write_csv(self._path(name, ".csv", run), df)
+
+    def json(self, name: str, obj: Any, *, run: str | None = None) -> Path:
+        return atomic_write_json(self._path(name, ".json", run), obj)
+
+    def update_runs(self, rows: Iterable[dict[str, Any]], *, key: str | tuple[str, ...] = "run_id") -> pd.DataFrame:
+        """Put `rows` into runs.csv (environment columns and `recorded` added), replacing rows with
+        the same `key`; returns the whole table."""
+        keys = (key,) if isinstance(key, str) else tuple(key)
+        env = {f"env_{k}": v for k, v in environment().items()}
+        stamp = now()
+        new = [{**row, "recorded": stamp, **env} for row in rows]
+        path = self.dir / "runs.csv"
+        with locked(path):
+            old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
+            if len(old) and new and all(k in old for k in keys):
+                taken = {tuple(str(r.get(k)) for k in keys) for r in new}
+                old = old[[tuple(str(v) for v in vals) not in taken
+                           for vals in old[list(keys)].itertuples(index=False, name=None)]]
+            df = pd.concat([old, pd.DataFrame(new)], ignore_index=True) if len(old) else pd.DataFrame(new)
+            atomic_write_csv(path, df)
+        return df
+
+    def write(self, result: StudyResult, *, run: str | None = None, runs_key: str | tuple[str, ...] = "run_id") -> StudyResult:
+        """Write a result: its runs into runs.csv (`update_runs`), its steps and every side table
+        and fact beside them (in the run's folder when `run` is given). Records the paths."""
+        result.paths["runs"] = str(self.dir / "runs.csv")
+        self.update_runs(result.runs.to_dict("records"), key=runs_key)
+        if len(result.steps):
+            result.paths["steps"] = str(self.table("steps", result.steps, run=run))
+        for name, df in result.tables.items():
+            result.paths[name] = str(self.table(name, df, run=run))
+        for name, obj in result.facts.items():
+            result.paths[name] = str(self.json(name, obj, run=run))
+        return result
+
+
+def latest(runs: pd.DataFrame, key: str) -> pd.DataFrame:
+    """The rows of runs.csv written by the most recent call (the latest `recorded` value of `key`)."""
+    if runs.empty or key not in runs or "recorded" not in runs:
+        return runs
+    last = runs.sort_values("recorded")[key].dropna()
+    return runs[runs[key] == last.iloc[-1]] if len(last) else runs
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    """A results CSV; a missing or empty file (a table with no rows) is an empty DataFrame."""
+    try:
+        return pd.read_csv(path)
+    except (FileNotFoundError, pd.errors.EmptyDataError):
+        return pd.DataFrame()
 
 
 def read_steps(path: str | Path) -> pd.DataFrame:

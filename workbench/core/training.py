@@ -24,9 +24,10 @@ from typing import Any, Callable, Iterable, Literal
 
 import torch
 
+from workbench.core.common import Sink
 from workbench.core.config import Config, ConfigError, param
+from workbench.core.memory import monitor
 
-Sink = Callable[[dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,9 @@ def train(
 ) -> TrainResult:
     """Train `model` on `blocks` (LongTensor n_blocks x seq_len) for `settings.steps` steps.
 
-    `memory_probe` returns the device memory in MiB to put in each row (None: the CUDA
-    allocator's figure on CUDA, nothing on the CPU). `extra` is copied into every row.
+    `memory_probe` is called once per step and returns the step's peak device memory in MiB for its
+    row (`mem_mib`; e.g. `LiveBytes.take_window_peak_mib`, `DeviceBudget.step_peak_mib`); None: on
+    CUDA the allocator's peak so far, on the CPU nothing. `extra` is copied into every row.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if blocks.dim() != 2 or len(blocks) == 0:
@@ -155,8 +157,7 @@ def train(
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     scaler = torch.amp.GradScaler("cuda") if settings.precision == "fp16" else None
     if memory_probe is None and device.type == "cuda":
-        memory_probe = lambda: torch.cuda.memory_allocated(device) / 2**20  # noqa: E731
-    from workbench.core.memory import monitor
+        memory_probe = lambda: torch.cuda.max_memory_allocated(device) / 2**20  # noqa: E731  (the run's peak so far)
 
     gpu_columns = monitor.step_memory(device) if sinks else None  # CUDA peaks and NVML; None on the CPU
     sampler = BlockSampler(len(blocks), settings.seed)

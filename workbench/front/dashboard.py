@@ -7,35 +7,40 @@ Each study notebook is copied with its parameters injected (papermill's prepare-
 code runs) into results/dashboard/, and Voila serves that folder. Voila runs a notebook when its
 page is opened and shows only the outputs: the live charts update as the study runs, and the
 knobs panel at the end re-runs it with other settings. The server binds to 127.0.0.1 and asks
-for a token (printed with the URL); nothing else on the network can reach it.
+for a token (printed with the URL); nothing else on the network can reach it. The token never
+appears on a command line (where `ps` shows it to every user of the machine): it is $WORKBENCH_TOKEN
+or a random one, and reaches Voila through a voila.json readable only by you, in a private folder
+that is Voila's working directory.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import secrets
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import papermill as pm
+
 from workbench.core.results import results_root
+from workbench.front.notebooks import available
 
 
 def register(sub) -> None:
     p = sub.add_parser("dashboard", help="serve the study notebooks as Voila apps on 127.0.0.1 (token required)",
-                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny parameters, so each app opens in about a minute")
     p.add_argument("--port", type=int, default=8866)
-    p.add_argument("--token", default=None, help="access token (default: a random one, printed)")
     p.add_argument("--prepare-only", action="store_true", help="write the app notebooks and exit")
     p.set_defaults(func=main)
 
 
 def prepare(quick: bool, out: Path | None = None) -> Path:
     """Write each available study notebook, parameters injected, into the dashboard folder."""
-    import papermill as pm
-
-    from workbench.front.notebooks import available
-
     out = Path(out or results_root() / "dashboard")
     out.mkdir(parents=True, exist_ok=True)
     for nb in available():
@@ -46,9 +51,26 @@ def prepare(quick: bool, out: Path | None = None) -> Path:
     return out
 
 
-def voila_command(folder: Path, port: int, token: str) -> list[str]:
-    return [sys.executable, "-m", "voila", str(folder), "--no-browser", "--Voila.ip=127.0.0.1",
-            f"--port={port}", f"--token={token}", "--theme=light"]
+def voila_command(folder: Path, port: int) -> list[str]:
+    """The Voila server's command line: no token on it (see `private_config`)."""
+    return [sys.executable, "-m", "voila", str(Path(folder).resolve()), "--no-browser", "--Voila.ip=127.0.0.1",
+            f"--port={port}", "--theme=light"]
+
+
+def private_config(token: str) -> Path:
+    """A folder only this user can read, holding voila.json with the token; Voila reads its config
+    from its working directory, so start it there."""
+    folder = Path(tempfile.mkdtemp(prefix="workbench-voila-"))  # mode 0700
+    path = folder / "voila.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"Voila": {"token": token}}, f)
+    return folder
+
+
+def start_voila(folder: Path, port: int, token: str, **popen_kw) -> subprocess.Popen:
+    """Voila on 127.0.0.1:`port` serving `folder`, asking for `token` (never on a command line)."""
+    return subprocess.Popen(voila_command(folder, port), cwd=private_config(token), **popen_kw)
 
 
 def main(args) -> int:
@@ -56,9 +78,9 @@ def main(args) -> int:
     print(f"workbench dashboard: apps written to {folder}", flush=True)
     if args.prepare_only:
         return 0
-    token = args.token or secrets.token_urlsafe(16)
+    token = os.environ.get("WORKBENCH_TOKEN") or secrets.token_urlsafe(16)
     print(f"open http://127.0.0.1:{args.port}/?token={token}  (Ctrl-C stops the server)", flush=True)
-    proc = subprocess.Popen(voila_command(folder, args.port, token))
+    proc = start_voila(folder, args.port, token)
     try:
         return proc.wait()
     except KeyboardInterrupt:

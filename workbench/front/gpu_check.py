@@ -12,7 +12,7 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   `torch.cuda.memory_allocated()` must be back where it started;
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
 - any check another part adds (study 3's engine: `workbench/studies/split/gpu_check.py` defining
-  `gpu_checks() -> {"split": fn}`; see EXTENSIONS), and versions with the card's name.
+  `gpu_checks() -> {"split": fn}`), and versions with the card's name.
 Results: results/gpu_check/{summary.json, report.md, trace.json, memory_snapshot.pickle, runs/}.
 
 The logic (rows, errors, thresholds, verdicts, the summary and the report) is pure functions
@@ -29,8 +29,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+from workbench.core.common import MiB
+from workbench.core.config import ConfigError
+from workbench.core.memory.monitor import MemoryMonitor
+from workbench.core.memory.plan import RUNGS
+from workbench.core.memory.predict import predict
+from workbench.core.results import atomic_write_json, atomic_write_text, environment, RERUN_ENV, results_root
+from workbench.core.training import TrainSettings, train
+from workbench.studies.ladder.rungs import measure
+from workbench.studies.ladder.config import LadderConfig
+from workbench.studies.split import gpu_check as split_gpu_check
+from workbench.studies.ladder.runner import model_at_hand
+from workbench.studies.strategies.config import StrategiesConfig
+from workbench.studies.strategies.runner import run_strategies
 
-MiB = 2**20
 # A prediction passes when it is within this share of the allocator's peak (allocated); reserved
 # is shown beside it (the allocator rounds and caches, so reserved >= allocated) and checked
 # loosely. Memory predicted for CUDA models CUDA's kernels and allocator (DESIGN.md section 3).
@@ -38,7 +50,6 @@ THRESHOLDS = {"allocated_pct": 15.0, "reserved_pct": 35.0}
 TIME_LIMIT_S = 600  # the whole check should fit in ten minutes
 NO_GPU_LINE = "workbench gpu-check: needs a CUDA GPU (torch.cuda.is_available() is False here); nothing to check"
 # Modules that add checks (each defines gpu_checks() -> {name: fn(options) -> result dict}).
-EXTENSIONS = ("workbench.studies.split.gpu_check",)
 
 
 @dataclass(frozen=True)
@@ -191,32 +202,16 @@ def report_markdown(summary: dict[str, Any]) -> str:
 
 
 def write_results(out: Path, summary: dict[str, Any]) -> None:
-    from workbench.core.results import atomic_write_json, atomic_write_text
 
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "report.md", report_markdown(summary))
 
 
 def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
-    """The checks in order: the workbench's own, then any an extension module adds (study 3's
-    `split` check lives in workbench/studies/split/gpu_check.py, owned by that package)."""
-    found: dict[str, Callable[[Options], dict[str, Any]]] = {
-        "environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
-        "trace": check_trace}
-    for name in EXTENSIONS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            found.setdefault("split", _not_provided(name))
-            continue
-        found.update(module.gpu_checks())
-    return found
-
-
-def _not_provided(module: str) -> Callable[[Options], dict[str, Any]]:
-    return lambda opts: {"status": "not provided", "note": f"{module} does not exist yet (define gpu_checks() there)"}
+    """The checks in order: the workbench's own, then study 3's (it lives in
+    workbench/studies/split/gpu_check.py, owned by that package)."""
+    return {"environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
+            "trace": check_trace, **split_gpu_check.gpu_checks()}
 
 
 def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any]]] | None = None,
@@ -247,7 +242,6 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
 def check_environment(opts: Options) -> dict[str, Any]:
     import torch
 
-    from workbench.core.results import environment
 
     env = environment()
     props = torch.cuda.get_device_properties(0)
@@ -265,7 +259,6 @@ def check_environment(opts: Options) -> dict[str, Any]:
 def _results_under(path: Path):
     """Study runs of the check write under out/runs, not into the user's results/, and are always
     run again (a finished run read back would not run out of memory on this card)."""
-    from workbench.core.results import RERUN_ENV
 
     saved = {k: os.environ.get(k) for k in ("WORKBENCH_RESULTS", RERUN_ENV)}
     os.environ.update({"WORKBENCH_RESULTS": str(path), RERUN_ENV: "1"})
@@ -283,14 +276,10 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     """CUDA: every GPU rung measured on the card beside its prediction."""
     import torch
 
-    from workbench.studies.ladder.rungs import RUNGS, measure
-    from workbench.core.memory.monitor import MemoryMonitor
-    from workbench.core.memory.predict import predict
-    from workbench.studies.ladder.runner import LadderConfig, _model_at_hand
 
-    cfg = LadderConfig(model=opts.model, tiny=opts.tiny, batch=opts.batch, seq_len=opts.seq, steps=opts.steps,
-                       reference_model="")
-    config, load, blocks, _ = _model_at_hand(cfg)
+    cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
+                       seq_len=opts.seq, steps=opts.steps, reference_model="")
+    config, load, blocks, _ = model_at_hand(cfg)
     rows = []
     for name in opts.rungs or gpu_rungs(RUNGS):
         p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks)).row()
@@ -308,7 +297,6 @@ def check_strategies(opts: Options) -> dict[str, Any]:
     """CUDA: study 1 with a real CUDA budget that the strategies outgrow, then the CPU."""
     import torch
 
-    from workbench.studies.strategies.runner import StrategiesConfig, run_strategies
 
     cfg = StrategiesConfig(base_size="tiny", strategies=("full", "adapter"), seeds=(0,), token_budget=4096,
                            seq_len=64, micro_batch=4, eval_blocks=4, preflight=False,
@@ -316,7 +304,7 @@ def check_strategies(opts: Options) -> dict[str, Any]:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with _results_under(opts.out / "runs"):
-        df = run_strategies(cfg, progress=False)
+        df = run_strategies(cfg, progress=False).runs
     after = torch.cuda.memory_allocated()  # no gc.collect first: the fallback itself must free
     return {**study1_verdict(df.to_dict("records"), before, after), "budget_mib": opts.study1_budget_mib}
 
@@ -326,11 +314,10 @@ def check_trace(opts: Options) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from workbench.studies.ladder.runner import LadderConfig, _model_at_hand
-    from workbench.core.training import TrainSettings, train
 
-    cfg = LadderConfig(model=opts.model, tiny=opts.tiny, batch=opts.batch, seq_len=opts.seq, reference_model="")
-    _, load, blocks, _ = _model_at_hand(cfg)
+    cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
+                       seq_len=opts.seq, reference_model="")
+    _, load, blocks, _ = model_at_hand(cfg)
     model = load().to(opts.device)
     settings = TrainSettings(steps=1, micro_batch=opts.batch, precision="bf16", lr=1e-4)
     train(model, blocks, settings, device=opts.device)  # warm-up, outside the recordings
@@ -370,7 +357,6 @@ def _main(args) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU_LINE)
         return 0
-    from workbench.core.results import results_root
 
     out = Path(args.out) if args.out else results_root() / "gpu_check"
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
@@ -379,7 +365,6 @@ def _main(args) -> int:
     found = checks()
     unknown = [n for n in opts.extra["only"] if n not in found]
     if unknown:
-        from workbench.core.config import ConfigError
 
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
     summary = run_checks(opts, found)

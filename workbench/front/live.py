@@ -28,7 +28,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from workbench.studies.strategies import figures as plots  # noqa: F401  (sets the plotly_mimetype renderer)
+from workbench.core import charts  # noqa: F401  (sets the plotly_mimetype renderer)
 
 
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
@@ -49,7 +49,7 @@ class LiveChart:
         self.title = title
         self.run_keys = tuple(run_keys)
         self.min_interval_s = min_interval_s
-        self.fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "device memory (MiB)", "tokens/s"),
+        self.fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "peak device memory per step (MiB)", "tokens/s"),
                                  horizontal_spacing=0.07)
         self.fig.update_layout(title=title, height=360, margin=dict(t=70, b=40, l=50, r=20),
                                legend=dict(orientation="h", y=-0.2))

@@ -1,92 +1,212 @@
-"""Which study notebooks exist, and how is one executed headless?
+"""The studies as notebooks: which exist, how each is generated from its config, and how one runs headless.
 
-    run_notebook("01_strategies", {"token_budget": 20000}, out_dir)
+    STUDIES["02_ladder"].config              # LadderConfig
+    write_notebooks()                        # notebooks/0N_<study>.ipynb from the studies' configs
+    run_notebook("01_strategies", {"token_budget": 20000}, out_path)
+
+One name per study everywhere: the package (workbench/studies/<name>), the notebook
+(notebooks/0N_<name>.ipynb), the command (`workbench <name> NAME=VALUE ...`) and the results folder
+(results/<name>/). Notebooks are generated, never edited by hand: markdown, a `parameters` cell
+written from the config's fields, defaults and help (so the cell cannot drift from the config), one
+call to the study's runner, and one call per chart or table of the study's figures module. They
+are committed without outputs; `tests/test_notebooks.py` holds that the committed notebooks are
+what this module generates.
 
 Notebooks are executed with papermill in a fresh kernel; parameters are checked against the
-notebook's config class *before* the kernel starts (papermill itself only warns about unknown
-names), and the notebook checks them again when it builds its config.
+study's config *before* the kernel starts (papermill itself only warns about unknown names), and
+the notebook checks them again when it builds its config.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Callable
+
+import nbformat
+import papermill as pm
+
 from workbench.core.common import PROJECT_ROOT
+from workbench.core.config import Config
+from workbench.studies.ladder import figures as ladder_figures
+from workbench.studies.ladder.config import LadderConfig
+from workbench.studies.ladder.runner import load_result as load_ladder
+from workbench.studies.ladder.runner import run_ladder
+from workbench.studies.split import figures as split_figures
+from workbench.studies.split.config import SplitConfig
+from workbench.studies.split.runner import load_result as load_split
+from workbench.studies.split.runner import run_split_study
+from workbench.studies.strategies import figures as strategies_figures
+from workbench.studies.strategies.config import StrategiesConfig
+from workbench.studies.strategies.runner import load_result as load_strategies
+from workbench.studies.strategies.runner import run_strategies
 
 NOTEBOOK_DIR = PROJECT_ROOT / "notebooks"
 
 
 @dataclass(frozen=True)
 class StudyNotebook:
-    name: str
-    config: str  # "module:Class" of the config its parameters map onto
+    """One study: its name, config, runner, figures module and notebook."""
+
+    study: str                 # strategies | ladder | split
+    number: int
+    title: str
+    config: type[Config]
+    run: Callable              # run(cfg, sinks=[...]) -> StudyResult
+    load: Callable             # load() -> the latest StudyResult in results/<study>/, or None
+    figures: ModuleType        # NOTEBOOK_INTRO, NOTEBOOK, findings(result), report_section(result)
     quick: dict[str, Any] = field(default_factory=dict)  # tiny parameters: a fast, complete run
-    title: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.number:02d}_{self.study}"
 
     @property
     def path(self) -> Path:
         return NOTEBOOK_DIR / f"{self.name}.ipynb"
 
-    def config_class(self):
-        module, _, cls = self.config.partition(":")
-        return getattr(importlib.import_module(module), cls)
+    def config_class(self) -> type[Config]:
+        return self.config
 
-    def check(self, parameters: dict[str, Any]):
+    def check(self, parameters: dict[str, Any]) -> Config:
         """Raise ConfigError for parameters the notebook would reject; return the config."""
-        return self.config_class().from_dict(parameters)
+        return self.config.from_dict(parameters)
 
 
 STUDIES: dict[str, StudyNotebook] = {
     nb.name: nb
     for nb in (
         StudyNotebook(
-            "01_strategies",
-            "workbench.studies.strategies.runner:StrategiesConfig",
+            "strategies", 1, "Study 1: transfer strategies with device fallback",
+            StrategiesConfig, run_strategies, load_strategies, strategies_figures,
             quick={"base_size": "tiny", "seq_len": 64, "token_budget": 6000, "seeds": [0, 1],
                    "strategies": ["adapter", "freeze_lower", "freeze_embeddings", "full", "lora"],
                    "budget_mib": 13.0, "eval_blocks": 16},
-            title="Study 1: transfer strategies with device fallback",
         ),
         StudyNotebook(
-            "02_memory_ladder",
-            "workbench.studies.ladder.runner:LadderConfig",
-            quick={"tiny": True, "rungs": ["fp32", "bf16", "bf16_ckpt", "lora", "zero_offload", "cpu"],
-                   "batch": 4, "seq_len": 64, "steps": 2, "budget_mib": 3.0, "reference_seq": 32,
+            "ladder", 2, "Study 2: the memory ladder",
+            LadderConfig, run_ladder, load_ladder, ladder_figures,
+            quick={"base_size": "tiny", "rungs": ["fp32", "bf16", "bf16_ckpt", "lora", "zero_offload", "cpu"],
+                   "micro_batch": 4, "seq_len": 64, "steps": 2, "budget_mib": 3.0, "reference_seq_len": 32,
                    "breakdown_rung": "bf16_ckpt"},
-            title="Study 2: the memory ladder",
         ),
         StudyNotebook(
-            "03_adaptive_split",
-            "workbench.studies.split:SplitConfig",
-            quick={"base_size": "tiny", "iterations": 6, "warmup": 1, "k_sweep": [0.0, 0.5, 1.0], "modelled_k_points": 6},
-            title="Study 3: the adaptive GPU/CPU update split",
+            "split", 3, "Study 3: the adaptive GPU/CPU update split",
+            SplitConfig, run_split_study, load_split, split_figures,
+            quick={"base_size": "tiny", "steps": 6, "untimed_steps": 1, "k_sweep": [0.0, 0.5, 1.0],
+                   "modelled_k_points": 6},
         ),
     )
 }
+BY_STUDY: dict[str, StudyNotebook] = {nb.study: nb for nb in STUDIES.values()}
 
 
 def available() -> list[StudyNotebook]:
-    """The study notebooks present in notebooks/ whose package code is importable."""
-    out = []
-    for nb in STUDIES.values():
-        if not nb.path.exists():
-            continue
-        try:
-            nb.config_class()
-        except (ImportError, AttributeError):
-            continue
-        out.append(nb)
-    return out
+    """The study notebooks present in notebooks/."""
+    return [nb for nb in STUDIES.values() if nb.path.exists()]
 
 
 def find(name: str) -> StudyNotebook:
-    """A study notebook by name ('01_strategies') or path."""
+    """A study by notebook name ('01_strategies'), study name ('strategies') or notebook path."""
     stem = Path(name).stem
     if stem in STUDIES:
         return STUDIES[stem]
+    if stem in BY_STUDY:
+        return BY_STUDY[stem]
     raise KeyError(f"no study notebook {name!r}; known: {', '.join(STUDIES)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# generating the notebooks
+
+
+def _literal(value: Any) -> str:
+    """A value as the flat Python literal a parameters cell holds (tuples become lists)."""
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, float):
+        return repr(value)
+    return repr(value)
+
+
+def parameters_cell(config: type[Config]) -> str:
+    """The `parameters` cell: one line per field, its default and its help.
+
+    papermill parses this cell to check the names it is given; a line with a second `=` (in a help
+    text) is one it cannot parse and warns about, so help texts say "is" instead."""
+    lines = [f"# Parameters: each name is a field of {config.__module__}.{config.__name__} "
+             "(unknown names and wrong types are refused)."]
+    for f in dataclasses.fields(config):
+        help_ = re.sub(r"\s*=\s*", " is ", f.metadata.get("help", "")).replace("\n", " ")
+        lines.append(f"{f.name} = {_literal(f.default)}  # {help_}")
+    return "\n".join(lines)
+
+
+def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
+    """The generated notebook of one study."""
+    fig = nb.figures
+    run_keys = getattr(fig, "NOTEBOOK_RUN_KEYS", None)
+    live = f"LiveChart(title={fig.NOTEBOOK_RUN_TITLE!r}" + (f", run_keys={run_keys!r})" if run_keys else ")")
+    cells = [
+        nbformat.v4.new_markdown_cell(
+            fig.NOTEBOOK_INTRO + f"\n\nRun headless: `workbench {nb.study} NAME=VALUE ...`, or "
+            f"`papermill notebooks/{nb.name}.ipynb out.ipynb -p NAME VALUE`; every parameter below is a field "
+            f"of `{nb.config.__name__}`."),
+        nbformat.v4.new_code_cell(parameters_cell(nb.config), metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(
+            "import pandas as pd\n\n"
+            "from workbench.front.apps import app\n"
+            "from workbench.front.live import LiveChart\n"
+            f"from workbench.studies.{nb.study} import figures\n"
+            f"from workbench.studies.{nb.study}.config import {nb.config.__name__}\n"
+            f"from workbench.studies.{nb.study}.runner import {nb.run.__name__}\n\n"
+            f"cfg = {nb.config.__name__}.from_namespace(globals())\n"
+            f"live = {live}\n"
+            f"result = {nb.run.__name__}(cfg, sinks=[live])\n"
+            "live.close()"),
+        nbformat.v4.new_markdown_cell("## What we found\n\nEach finding beside the published claim it answers."),
+        nbformat.v4.new_code_cell('pd.DataFrame(figures.findings(result), columns=["what we found", "published"])'),
+    ]
+    for markdown, code in fig.NOTEBOOK:
+        if markdown:
+            cells.append(nbformat.v4.new_markdown_cell(markdown))
+        cells.append(nbformat.v4.new_code_cell(code))
+    cells += [
+        nbformat.v4.new_markdown_cell(
+            "## Try other settings\n\nThe knobs map onto the same config as the `parameters` cell and are "
+            "validated the same way. Press **Run** to run the study again with live charts."),
+        nbformat.v4.new_code_cell("app(cfg)"),
+    ]
+    out = nbformat.v4.new_notebook(cells=cells)
+    out.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    out.metadata["language_info"] = {"name": "python"}
+    for i, cell in enumerate(out.cells):  # stable ids: regenerating an unchanged notebook changes nothing
+        cell["id"] = f"{nb.study}-{i:02d}"
+    return out
+
+
+def notebook_text(nb: StudyNotebook) -> str:
+    return nbformat.writes(notebook(nb)) + "\n"
+
+
+def write_notebooks(folder: str | Path | None = None) -> list[Path]:
+    """Write every study's notebook (notebooks/ by default); returns the paths."""
+    folder = Path(folder or NOTEBOOK_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for nb in STUDIES.values():
+        path = folder / f"{nb.name}.ipynb"
+        path.write_text(notebook_text(nb))
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------
+# running one headless
 
 
 def run_notebook(
@@ -99,8 +219,6 @@ def run_notebook(
     timeout_s: int | None = None,
 ) -> Path:
     """Execute a notebook with papermill; raises papermill's PapermillExecutionError on failure."""
-    import papermill as pm
-
     path = Path(notebook)
     if not path.exists():
         path = find(str(notebook)).path
@@ -113,7 +231,7 @@ def run_notebook(
     pm.execute_notebook(
         str(path),
         str(output),
-        parameters=parameters,
+        parameters=json.loads(json.dumps(parameters)),
         kernel_name="python3",
         cwd=str(cwd or NOTEBOOK_DIR),
         progress_bar=False,
@@ -123,3 +241,7 @@ def run_notebook(
     )
     return output
 
+
+if __name__ == "__main__":  # python -m workbench.front.notebooks: regenerate notebooks/
+    for written in write_notebooks():
+        print("wrote", written)

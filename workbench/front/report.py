@@ -8,22 +8,15 @@ Every section says where its figures come from: measured on this machine's CPU o
 from __future__ import annotations
 
 import html
-import importlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from workbench.core.charts import rounded
 from workbench.core.results import atomic_write_text, environment, now, results_root
-
-# Study modules that provide `report_section() -> list[tuple[str, str, object]]`, each part
-# ("table", title, DataFrame) | ("figure", title, plotly Figure) | ("text", title, str).
-SECTION_PROVIDERS = (
-    ("Study 1: transfer strategies with device fallback", "workbench.studies.strategies.runner", "strategies"),
-    ("Study 2: the memory ladder", "workbench.studies.ladder.runner", "ladder"),
-    ("Study 3: the adaptive GPU/CPU update split", "workbench.studies.split", "split"),
-)
+from workbench.front.notebooks import STUDIES
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -37,17 +30,23 @@ pre{background:#f7f7f7;padding:0.5em;overflow-x:auto}
 
 
 def _table_html(df: pd.DataFrame) -> str:
-    return df.to_html(index=False, float_format=lambda x: f"{x:,.3g}" if abs(x) < 1e4 else f"{x:,.0f}",
-                      na_rep="", border=0, escape=True)
+    return rounded(df).to_html(index=False, na_rep="", border=0, escape=True)
 
 
-def _generic_section(study: str) -> list[tuple[str, str, Any]]:
-    """Fallback: every CSV table a study wrote, as tables."""
-    parts = []
-    for p in sorted((results_root() / study).glob("*.csv")):
-        df = pd.read_csv(p)
-        parts.append(("table", p.name, df.head(200)))
-    return parts
+def findings_html() -> tuple[str, dict[str, Any]]:
+    """The report's opening: what we found per study, each beside the published claim; and the
+    results each study's section is built from (loaded once)."""
+    results = {nb.study: nb.load() for nb in STUDIES.values()}
+    rows = []
+    for nb in STUDIES.values():
+        result = results[nb.study]
+        found = nb.figures.findings(result) if result is not None else [("not run yet: run its notebook", "")]
+        for i, (what, claim) in enumerate(found):
+            study = html.escape(nb.title) if i == 0 else ""
+            rows.append(f"<tr><td>{study}</td><td>{html.escape(what)}</td><td>{html.escape(claim)}</td></tr>")
+    table = ("<table><tr><th>study</th><th>what we found</th><th>the published claim</th></tr>"
+             + "".join(rows) + "</table>")
+    return table, results
 
 
 def write_report(path: str | Path | None = None) -> Path:
@@ -55,16 +54,10 @@ def write_report(path: str | Path | None = None) -> Path:
     env = environment()
     body: list[str] = []
     first_fig = True
-    for title, module, study in SECTION_PROVIDERS:
-        try:
-            provider = getattr(importlib.import_module(module), "report_section", None)
-        except ImportError:
-            provider = None
-        try:
-            parts = provider() if provider else _generic_section(study)
-        except FileNotFoundError:
-            parts = []
-        body.append(f"<h2>{html.escape(title)}</h2>")
+    found, results = findings_html()
+    for nb in STUDIES.values():
+        parts = nb.figures.report_section(results[nb.study])
+        body.append(f"<h2>{html.escape(nb.title)}</h2>")
         if not parts:
             body.append('<p><span class="tag missing">not run</span> no results yet: run its notebook.</p>')
             continue
@@ -84,6 +77,7 @@ def write_report(path: str | Path | None = None) -> Path:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Workbench report</title>
 <style>{_CSS}</style></head><body>
 <h1>Memory-constrained training workbench: report</h1>
+<h2>What we found</h2>{found}
 <p>Written {now()}. Figures tagged <span class="tag measured">measured</span> were measured on this
 machine ({html.escape(str(env.get('gpu')))} GPU; CPU {html.escape(str(env.get('cpu')))} with
 {env.get('cpu_count')} cores); <span class="tag modelled">modelled</span> figures come from a

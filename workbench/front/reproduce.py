@@ -16,6 +16,9 @@ import time
 import traceback
 
 from workbench.core.results import atomic_write_json, environment, now, results_root
+from workbench.core.models import EmbeddedSpec, TINY_SPEC, embedded_metrics, ensure_embedded_base
+from workbench.front.notebooks import available, find, run_notebook
+from workbench.front.report import write_report
 
 
 def register(sub) -> None:
@@ -28,8 +31,6 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    from workbench.core.models import EmbeddedSpec, TINY_SPEC, embedded_metrics, ensure_embedded_base
-    from workbench.front.notebooks import available, find, run_notebook
 
     notebooks = [find(n) for n in args.only] if args.only else available()
     root = results_root()
@@ -60,7 +61,6 @@ def main(args) -> int:
                                  "output": str(out), "parameters": params, "error": error})
         atomic_write_json(root / "reproduce.json", log)
     if not args.no_report:
-        from workbench.front.report import write_report
 
         path = write_report()
         print(f"report: {path}", flush=True)

@@ -1,16 +1,15 @@
 """Memory: counting live tensor bytes, enforcing a device budget, predicting and monitoring peaks.
 
+    live_bytes  every live tensor's bytes per device, and the peak (a torch dispatch mode)
     accounting  bytes per category and phase of a training step, and where the peak is
-    predict     the same accounting over fake tensors: any config, any rung, no GPU
-    ladder      the rungs (composed plans), measuring one, auto-fit with OOM step-down
-    baselines   accelerate's and DeepSpeed's estimators, called from the libraries
+    budget      a device budget: CUDA's memory fraction, or the CPU playing a card of N MiB
     monitor     a background sampler (NVML, torch.cuda, psutil, live bytes) feeding sinks
-    study       LadderConfig and run_ladder (study 2); cli: `workbench estimate`
+    plan        what changes about a step: the Plan, the named rungs, building a plan
+    meta        a model without its weights: config, meta-device modules, parameter counts
+    predict     the accounting over fake tensors: any config, any plan, no GPU
+    cuda_model  what CUDA does differently (kernels, dropout masks, autocast, caching allocator)
+    snapshot    the predicted or measured step as a PyTorch memory-visualizer snapshot
+    baselines   accelerate's and DeepSpeed's estimators, called from the libraries
+
+The package imports nothing itself: import the module you need.
 """
-
-from workbench.core.memory.accounting import MemoryAccounting
-from workbench.core.memory.budget import DeviceBudget, device_budget
-from workbench.core.memory.live_bytes import LiveBytes
-from workbench.core.memory.monitor import MemoryMonitor
-
-__all__ = ["DeviceBudget", "LiveBytes", "MemoryAccounting", "MemoryMonitor", "device_budget"]

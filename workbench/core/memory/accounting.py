@@ -220,6 +220,7 @@ class MemoryAccounting(LiveBytes):
 
     def _snapshot(self) -> None:
         cur = self.current_bytes
+        self.window_peak_bytes = max(self.window_peak_bytes, cur)
         if cur > self.peak_bytes:
             self.peak_bytes = cur
             self.peak = PeakSnapshot(cur, dict(self.by_category), self.step, self.phase, self._op)

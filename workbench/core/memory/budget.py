@@ -99,6 +99,14 @@ class DeviceBudget:
             return torch.cuda.max_memory_allocated(self.device) / MiB
         return self.live.peak_mib if self.live else float("nan")
 
+    def step_peak_mib(self) -> float:
+        """The peak of the step that just ended (the training loop calls this once per step): live
+        tensor bytes since the previous call on the CPU; on CUDA torch's peak counter, the running
+        peak of the run so far (torch has one counter, and the budget reads it when the run ends)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / MiB
+        return self.live.take_window_peak_mib() if self.live else float("nan")
+
     @property
     def peak_reserved_mib(self) -> float:
         """The allocator's reserved peak: real on CUDA, modelled with allocator="cuda", else NaN."""

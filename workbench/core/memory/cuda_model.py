@@ -25,6 +25,9 @@ the rules of c10/cuda/CUDACachingAllocator.cpp (constants in c10/core/AllocatorC
 the allocated peak (rounded block sizes, what `max_memory_allocated` reports) and the reserved
 peak (segments, `max_memory_reserved`). nvidia-smi adds the CUDA context (a per-card constant,
 modelled) to the reserved figure; the cuBLAS workspaces are allocations inside it.
+
+Why one module over 400 lines: the kernel choices, autocast lists and the caching allocator are
+the CUDA side of one simulated step, applied together by `cuda_step()`.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+from workbench.core.common import MiB
+from workbench.core import training
+from workbench.core.config import ConfigError
 
-MiB = 2**20
 GiB = 2**30
 
 # ------------------------------------------------------------------------------------------------
@@ -84,7 +89,6 @@ DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre car
 
 def card(spec: str | float | Card | None) -> Card | None:
     """A card preset by name (case and spaces ignored) or a size in GiB (sm_80 assumed)."""
-    from workbench.core.config import ConfigError
 
     if spec is None or isinstance(spec, Card):
         return spec
@@ -204,7 +208,6 @@ def cuda_step(sm: int = DEFAULT_SM):
     """The simulated step makes CUDA's choices; fp16 autocast and the GradScaler run on fake CPU tensors."""
     import warnings
 
-    from workbench.core import training
 
     original = training.autocast
 

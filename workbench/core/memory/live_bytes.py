@@ -25,8 +25,8 @@ from typing import Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from workbench.core.common import MiB
 
-MiB = 2**20
 
 
 def _storages(t: torch.Tensor, device_type: str | None = None):
@@ -57,6 +57,7 @@ class LiveBytes(TorchDispatchMode):
         self.on_change = on_change
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.window_peak_bytes = 0  # the peak since the last take_window_peak_mib() (a training step)
         self._live: dict[int, tuple[int, weakref.ref]] = {}
         self._lock = threading.Lock()
 
@@ -82,6 +83,7 @@ class LiveBytes(TorchDispatchMode):
             self._live[key] = (nbytes, ref)
             self.current_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            self.window_peak_bytes = max(self.window_peak_bytes, self.current_bytes)
         return True
 
     def track(self, tensors: Iterable) -> None:
@@ -102,6 +104,14 @@ class LiveBytes(TorchDispatchMode):
     def track_module(self, module: torch.nn.Module) -> None:
         """Count a module's parameters, gradients and buffers made before the mode was entered."""
         self.track([*module.parameters(), *module.buffers(), *(p.grad for p in module.parameters() if p.grad is not None)])
+
+    def take_window_peak_mib(self) -> float:
+        """The most bytes alive since the previous call (the training loop calls it once per step, so
+        each step's row carries that step's peak); the next window starts from the bytes alive now."""
+        with self._lock:
+            peak = max(self.window_peak_bytes, self.current_bytes)
+            self.window_peak_bytes = self.current_bytes
+        return peak / MiB
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes

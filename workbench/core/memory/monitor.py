@@ -26,9 +26,8 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
+from workbench.core.common import MiB, Sink
 
-MiB = 2**20
-Sink = Callable[[dict[str, Any]], None]
 
 
 def open_nvml(index: int = 0, *, say: Callable[[str], None] | None = None):

@@ -42,12 +42,16 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from workbench.core.common import MiB
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport, model_tensors
-from workbench.studies.ladder.rungs import Plan, apply_trainable, make_plan_optimizer, rung
+from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.models import check_seq_len
 from workbench.core.training import train
+from workbench.core.config import ConfigError
+from workbench.core.memory import cuda_model
+from workbench.core.memory.baselines import accelerate_device_map, deepspeed_estimates
+from workbench.core.memory.meta import build_meta_model, model_config, model_label, weights_bytes
 
-MiB = 2**20
 
 
 @dataclass
@@ -123,31 +127,6 @@ class Prediction:
 # ------------------------------------------------------------------------------------------------
 # the model, from whatever names it
 
-def model_config(model: Any, spec=None):
-    """A PretrainedConfig from a name / model dir / config.json path, a config, or a model."""
-    from transformers import PretrainedConfig
-
-    if isinstance(model, PretrainedConfig):
-        return model
-    if isinstance(model, torch.nn.Module):
-        return model.config
-    from workbench.core.models import load_config
-
-    return load_config(model, spec=spec) if spec is not None else load_config(model)
-
-
-def model_label(config) -> str:
-    return getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
-
-
-def build_meta_model(config) -> torch.nn.Module:
-    """The model's modules on the meta device, fp32 (as `load_model` loads it), no weights."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
 def fakeify(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str = "cpu") -> torch.nn.Module:
     """Turn every meta parameter and buffer into a fake tensor on `device`; tied stay tied."""
     memo: dict[int, torch.Tensor] = {}
@@ -217,7 +196,6 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     real = [t for t in model_tensors(model) if not isinstance(t, FakeTensor)]
     twins = [fake_mode.from_tensor(t) for t in real]
     cuda = torch.device(target).type == "cuda"
-    from workbench.core.memory import cuda_model
 
     choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
     with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda or timeline) as acc:
@@ -236,17 +214,6 @@ def _act_temp_peak(report: MemoryReport) -> int:
                 for (s, ph), p in report.phase_peaks.items() if ph in ("forward", "backward")), default=0)
 
 
-def _weights_bytes(config) -> tuple[int, int, int]:
-    """(parameters, fp32 bytes, largest decoder layer's parameters) from a meta model."""
-    model = build_meta_model(config)
-    params = {id(p): p for p in model.parameters()}
-    n = sum(p.numel() for p in params.values())
-    from workbench.core.trainable import model_parts
-
-    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model_parts(model).layers)
-    return n, 4 * n, largest
-
-
 def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: str = "cpu",
               sm: int | None = None) -> tuple[MemoryReport, dict[str, Any]]:
     """Figures for rungs that cannot be simulated here, from a simulated rung + library numbers."""
@@ -257,8 +224,7 @@ def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: s
     base = simulate(config, plan.compose(plan.name, plan.help, placement="device"), batch=batch, seq=seq, steps=steps,
                     target=target, sm=sm)
     act = _act_temp_peak(base)
-    n, fp32_bytes, largest = _weights_bytes(config)
-    from workbench.studies.ladder.baselines import deepspeed_estimates
+    n, fp32_bytes, largest = weights_bytes(config)
 
     ds = deepspeed_estimates(n, largest)
     if plan.placement == "zero_offload":
@@ -273,7 +239,6 @@ def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: s
                               "gathered on the GPU) + the simulated activations and temporaries of bf16_ckpt"}
     # device_map: accelerate places whole decoder layers so that half the weights stay on the GPU;
     # those train (weights + grads + 2 AdamW moments, fp32); offloaded layers stream in one at a time.
-    from workbench.studies.ladder.baselines import accelerate_device_map
 
     placed = accelerate_device_map(config, device_bytes=fp32_bytes // 2)
     on_dev = placed["device_bytes"]
@@ -297,8 +262,6 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
-    from workbench.core.config import ConfigError
-    from workbench.core.memory import cuda_model
 
     plan = rung(rung_name)
     for name, v in (("batch", batch), ("seq", seq)):

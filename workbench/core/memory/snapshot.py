@@ -22,6 +22,10 @@ from typing import Any
 
 from workbench.core.memory.accounting import MemoryReport
 from workbench.core.memory.cuda_model import CachingAllocator
+from workbench.core.memory import cuda_model
+from workbench.core.memory.plan import rung
+from workbench.core.memory.meta import model_config
+from workbench.core.memory.predict import simulate
 
 
 def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any]:
@@ -75,9 +79,6 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
 
 def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, card=None) -> dict[str, Any]:
     """Simulate `plan` for a CUDA card and return its snapshot (cuBLAS workspaces included)."""
-    from workbench.core.memory import cuda_model
-    from workbench.studies.ladder.rungs import rung
-    from workbench.core.memory.predict import model_config, simulate
 
     c = cuda_model.card(card) or cuda_model.Card("", 0, cuda_model.DEFAULT_SM)
     report = simulate(model_config(model), rung(plan), batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)

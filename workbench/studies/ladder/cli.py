@@ -20,10 +20,17 @@ import argparse
 import json
 import sys
 
+from workbench.core.common import MiB
 from workbench.core.config import ConfigError
-from workbench.studies.ladder.rungs import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES
+from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES
+from workbench.core.memory.accounting import CATEGORIES
+from workbench.core.memory.plan import plan_from_flags
+from workbench.core.memory.meta import model_config
+from workbench.core.memory.predict import predict
+from workbench.core.memory.snapshot import dump, predicted_snapshot
+from workbench.core.models import ModelNotFoundError
+from workbench.studies.ladder.rungs import auto_fit
 
-MiB = 2**20
 
 
 def register(sub) -> None:
@@ -71,7 +78,6 @@ _FLAGS = ("precision", "optimizer", "trainable", "lora_rank", "lora_targets", "c
 
 def _plan(args):
     """The composed plan when any setup flag is given (None: use --rung)."""
-    from workbench.studies.ladder.rungs import plan_from_flags
 
     given = [f for f in _FLAGS if getattr(args, f) is not None]
     if not given:
@@ -111,8 +117,6 @@ def _check(args) -> list[str]:
 
 
 def _estimate(args) -> int:
-    from workbench.core.memory.predict import model_config, predict
-    from workbench.core.models import ModelNotFoundError
 
     rung_given = args.rung is not None
     names = _check(args)
@@ -128,7 +132,6 @@ def _estimate(args) -> int:
     if args.snapshot:
         if plan is None and len(names) != 1:
             raise ConfigError("--snapshot writes one setup's timeline: give one --rung or a setup from flags")
-        from workbench.core.memory.snapshot import dump, predicted_snapshot
 
         if args.device != "cuda":
             raise ConfigError("--snapshot models the CUDA allocator: use it with --device cuda")
@@ -142,7 +145,6 @@ def _estimate(args) -> int:
     budget = int(args.budget_mib * MiB) if args.budget_mib else None
     choice = None
     if args.auto_fit:
-        from workbench.studies.ladder.rungs import auto_fit
 
         choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
                           device=args.device)
@@ -219,6 +221,5 @@ def _estimate(args) -> int:
 
 
 def p_cats():
-    from workbench.core.memory.accounting import CATEGORIES
 
     return CATEGORIES

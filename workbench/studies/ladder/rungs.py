@@ -1,296 +1,29 @@
-"""Which change makes a fine-tune fit, and what does each change cost? The memory ladder.
+"""Measuring a rung on the machine at hand, and auto-fit with out-of-memory step-down (study 2).
 
-    from workbench.studies.ladder.rungs import RUNGS, rung, auto_fit
-    RUNGS["bf16_ckpt"]                         # a Plan: precision, checkpointing, optimizer, ...
+    from workbench.studies.ladder.rungs import measure, auto_fit
     choice = auto_fit("data/configs/qwen2-0.5b.json", batch=1, seq=512, budget_mib=6144)
     choice.rung, choice.table                  # the fastest rung predicted to fit; every rung's figure
 
-Each rung is a small frozen `Plan` (DESIGN.md section 2, "Study 2"), built from the one above it
-with `compose`, so a rung says only what it changes:
-
-    Tier 1  fp32 -> fp16 / bf16 autocast (fp32 weights) -> pure bf16 weights, grads and AdamW
-            state (bf16_true) -> + gradient checkpointing -> + smaller micro-batch with
-            gradient accumulation
-    Tier 2  8-bit AdamW, paged 8-bit AdamW (bitsandbytes); LoRA (also over pure bf16); QLoRA (4-bit NF4 base);
-            accelerate device_map with max_memory (layers on the CPU); DeepSpeed ZeRO-Offload
-            (optimizer on the CPU; optimizer and parameters on the CPU)
-    Tier 3  CPU only
-
-A setup that is not a rung composes from the command line's names with `plan_from_flags`
-(`workbench estimate --precision bf16-true --trainable lora --lora-targets q_proj,v_proj ...`).
-
-`build(plan, model_or_config, ...)` turns a plan into (model, optimizer, settings) the same way
-for a real run and for a prediction over fake tensors, so the two run the same step.
-Auto-fit ranks rungs by `speed_rank`: the expected cost of the rung's mechanism on a GPU (lower
-is faster), overridden by measured step times when the caller has them. On a real
-out-of-memory error `run_with_fallback` steps down to the next rung that is predicted to fit.
+The rungs themselves (the Plan registry) live in workbench.core.memory.plan. Auto-fit ranks rungs
+by `speed_rank`: the expected cost of the rung's mechanism on a GPU (lower is faster), overridden
+by measured step times when the caller has them. On a real out-of-memory error
+`run_with_fallback` steps down to the next rung that is predicted to fit.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.core.training import TrainSettings, make_optimizer
-
-# "bf16"/"fp16": autocast over fp32 weights (bf16-mixed / fp16-mixed); "bf16_true"/"fp16_true": pure
-# half-precision weights, gradients and optimizer state (torchtune's and LitGPT's bf16-true).
-Precision = Literal["fp32", "bf16", "fp16", "bf16_true", "fp16_true"]
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16_true", "fp16_true")
-# "adamw": fused AdamW (what the workbench trains with); "adamw_torch": what torch.optim.AdamW()
-# picks on the target device (foreach on CUDA, single-tensor on the CPU).
-Optimizer = Literal["adamw", "adamw_torch", "adamw8bit", "paged_adamw8bit"]
-OPTIMIZERS = ("adamw", "adamw_torch", "adamw8bit", "paged_adamw8bit")
-TRAINABLES = ("full", "lora", "qlora", "adapter", "freeze_lower", "freeze_embeddings", "bitfit")
-PLACEMENTS = ("device", "device_map", "zero_offload", "zero_offload_params", "cpu")
-# the command line's names (issue 10) -> the plan's
-CLI_PRECISIONS = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16_true",
-                  "fp16-true": "fp16_true"}
-CLI_OPTIMIZERS = {"adamw_torch": "adamw_torch", "adamw_fused": "adamw", "adamw_8bit": "adamw8bit",
-                  "paged_adamw_8bit": "paged_adamw8bit"}
-# "full", LoRA/QLoRA, or any of study 1's structural strategies (workbench.core.trainable).
-Trainable = Literal["full", "lora", "qlora", "adapter", "freeze_lower", "freeze_embeddings", "bitfit"]
-Placement = Literal["device", "device_map", "zero_offload", "zero_offload_params", "cpu"]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One rung: what changes about the training step, and how it is expected to rank for speed."""
-
-    name: str
-    tier: int
-    help: str
-    precision: Precision = "fp32"
-    grad_checkpointing: bool = False
-    accum: int = 1  # the batch is split into `accum` micro-batches (gradient accumulation)
-    optimizer: Optimizer = "adamw"
-    trainable: Trainable = "full"
-    placement: Placement = "device"
-    lora_rank: int = 8
-    speed_rank: float = 0.0  # expected relative cost on a GPU; lower is faster
-    lora_targets: tuple[str, ...] | None = None  # module names LoRA wraps (None: every decoder linear)
-
-    def __post_init__(self):
-        for field_, value, known in (("precision", self.precision, PRECISIONS), ("optimizer", self.optimizer, OPTIMIZERS),
-                                     ("trainable", self.trainable, TRAINABLES), ("placement", self.placement, PLACEMENTS)):
-            if value not in known:
-                raise ConfigError(f"unknown {field_} {value!r}; choose one of: {', '.join(known)}")
-        if self.lora_targets is not None and self.trainable not in ("lora", "qlora"):
-            raise ConfigError(f"lora_targets needs trainable lora or qlora, not {self.trainable!r}")
-
-    @property
-    def half_dtype(self) -> torch.dtype | None:
-        """The 16-bit dtype this plan computes in (None: fp32)."""
-        return {"bf16": torch.bfloat16, "bf16_true": torch.bfloat16, "fp16": torch.float16,
-                "fp16_true": torch.float16}.get(self.precision)
-
-    @property
-    def pure_half(self) -> bool:
-        """Weights, gradients and optimizer state in 16 bits (no autocast, no fp32 master copy)."""
-        return self.precision.endswith("_true")
-
-    @property
-    def autocast_precision(self) -> str:
-        """The training loop's autocast setting: pure half-precision runs without autocast."""
-        return "fp32" if self.pure_half else self.precision
-
-    def compose(self, name: str, help: str, **changes: Any) -> "Plan":
-        """A new rung: this one plus `changes`."""
-        return dataclasses.replace(self, name=name, help=help, **changes)
-
-    def settings(self, batch: int, steps: int, **overrides: Any) -> TrainSettings:
-        """The TrainSettings this plan runs with for `batch` sequences per optimizer step."""
-        micro = max(1, batch // self.accum)
-        return TrainSettings.from_dict(
-            dict(steps=steps, micro_batch=micro, grad_accum=max(1, batch // micro),
-                 precision=self.autocast_precision, grad_checkpointing=self.grad_checkpointing, **overrides)
-        )
-
-    def cannot_run_here(self, device: torch.device) -> str | None:
-        """Why this plan cannot be measured on `device` (None: it can)."""
-        if self.placement in ("device_map", "zero_offload", "zero_offload_params"):
-            if device.type != "cuda":
-                return (f"{self.placement} moves tensors between a GPU and the host; on a machine "
-                        f"without a GPU both are the same memory, so there is no device peak to measure")
-        if self.precision == "fp16" and device.type != "cuda":  # fp16_true runs anywhere: no GradScaler
-            return "fp16 autocast with a GradScaler needs CUDA (the CPU runs bf16 autocast instead)"
-        return None
-
-    def row(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items()}
-
-
-# ------------------------------------------------------------------------------------------------
-# the registry: each rung is the one above it plus one change
-
-def _ladder() -> dict[str, Plan]:
-    fp32 = Plan("fp32", 1, "fp32 weights, grads and AdamW state (the baseline)", speed_rank=3)
-    bf16 = fp32.compose("bf16", "bf16 autocast (weights and optimizer state stay fp32)",
-                        precision="bf16", speed_rank=1)
-    fp16 = fp32.compose("fp16", "fp16 autocast + GradScaler (CUDA only)", precision="fp16", speed_rank=1.1)
-    ckpt = bf16.compose("bf16_ckpt", "bf16 + gradient checkpointing (recompute activations in backward)",
-                        grad_checkpointing=True, speed_rank=4)
-    accum = ckpt.compose("bf16_ckpt_accum", "bf16 + checkpointing + micro-batch / 4 with 4x accumulation",
-                         accum=4, speed_rank=5)
-    adam8 = ckpt.compose("adamw8bit", "bf16 + checkpointing + bitsandbytes 8-bit AdamW",
-                         optimizer="adamw8bit", tier=2, speed_rank=6)
-    paged = ckpt.compose("paged_adamw8bit", "bf16 + checkpointing + paged 8-bit AdamW (state in CUDA unified memory)",
-                         optimizer="paged_adamw8bit", tier=2, speed_rank=6.5)
-    lora = ckpt.compose("lora", "bf16 + checkpointing + LoRA r=8 on every decoder linear (peft)",
-                        trainable="lora", tier=2, speed_rank=7)
-    qlora = lora.compose("qlora", "bf16 + checkpointing + 4-bit NF4 base (bitsandbytes) + LoRA r=8",
-                         trainable="qlora", speed_rank=8)
-    dmap = ckpt.compose("device_map", "bf16 + checkpointing + accelerate device_map/max_memory (layers on the CPU)",
-                        placement="device_map", tier=2, speed_rank=9)
-    zero = ckpt.compose("zero_offload", "bf16 + checkpointing + DeepSpeed ZeRO-2, optimizer on the CPU",
-                        placement="zero_offload", tier=2, speed_rank=10)
-    zero_p = ckpt.compose("zero_offload_params", "bf16 + checkpointing + DeepSpeed ZeRO-3, optimizer and parameters on the CPU",
-                          placement="zero_offload_params", tier=2, speed_rank=11)
-    pure = fp32.compose("bf16_true", "pure bf16 weights, grads and AdamW state (torchtune / LitGPT bf16-true)",
-                        precision="bf16_true", speed_rank=0.9)
-    pure_lora = pure.compose("bf16_true_lora", "pure bf16 + LoRA r=8 on every decoder linear (peft)",
-                             trainable="lora", tier=2, speed_rank=6.8)
-    cpu = fp32.compose("cpu", "CPU only: everything in host memory, nothing on the device",
-                       placement="cpu", tier=3, speed_rank=20)
-    rungs = (fp32, fp16, bf16, pure, ckpt, accum, adam8, paged, lora, pure_lora, qlora, dmap, zero, zero_p, cpu)
-    return {r.name: r for r in rungs}
-
-
-RUNGS: dict[str, Plan] = _ladder()
-
-
-def rung(name: str | Plan) -> Plan:
-    """The plan called `name`; a clear error naming the known rungs otherwise."""
-    if isinstance(name, Plan):
-        return name
-    if name not in RUNGS:
-        raise ConfigError(f"unknown rung {name!r}; known rungs: {', '.join(RUNGS)}")
-    return RUNGS[name]
-
-
-# ------------------------------------------------------------------------------------------------
-# building a plan: the same code for real weights and for fake tensors
-
-def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every nn.Linear outside `skip` by a bitsandbytes NF4 Linear4bit, in place.
-
-    The weights are quantized for real (bitsandbytes cannot run under fake tensors) on the
-    device the layer is on: on CUDA by bitsandbytes' CUDA kernels, so a QLoRA model on a GPU
-    keeps its 4-bit weights and quantization state there; on the CPU on the CPU; on the meta
-    device (a prediction needs the bytes, not the values) from zeros on the CPU.
-    Returns the number of layers replaced.
-    """
-    import bitsandbytes as bnb
-
-    n = 0
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if type(child) is not torch.nn.Linear or any(full.endswith(s) for s in skip):
-                continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-                                  device="meta")
-            w = child.weight.data
-            on = torch.device("cpu") if w.device.type == "meta" else w.device
-            w = torch.zeros(w.shape, dtype=torch.float32) if w.device.type == "meta" else w.float()
-            q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4",
-                                         module=q)._quantize(on)
-            if child.bias is not None:
-                q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(module, child_name, q)
-            n += 1
-    return n
-
-
-def check_lora_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> None:
-    """Each target must name a linear module of `model` (peft matches a name's last parts)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-        raise ConfigError(f"--lora-targets {','.join(missing)} names no linear module of this model; "
-                          f"use some of: {','.join(leaves)}")
-
-
-def apply_trainable(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
-    """What trains under the plan, on `model` (real or on the meta device): the same selection
-    code as study 1 (workbench.core.trainable), after 4-bit quantization for QLoRA. A pure-half plan
-    casts the weights to 16 bits first (peft then keeps LoRA adapters in fp32, its default)."""
-    from workbench.core.trainable import apply_strategy
-
-    if plan.pure_half:
-        model = model.to(plan.half_dtype)
-    if plan.trainable == "full":
-        return model
-    if plan.lora_targets is not None:
-        check_lora_targets(model, plan.lora_targets)
-    if plan.trainable == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        quantize_4bit(model, plan.half_dtype or torch.float32)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.grad_checkpointing)
-    if plan.lora_targets is not None:
-        from peft import LoraConfig, get_peft_model
-
-        if plan.trainable == "lora":
-            for p in model.parameters():
-                p.requires_grad_(False)
-        cfg = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
-                         target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
-        return get_peft_model(model, cfg)
-    return apply_strategy(model, plan.trainable, lora_rank=plan.lora_rank)[0]
-
-
-def make_plan_optimizer(model: torch.nn.Module, plan: Plan, settings: TrainSettings, device: torch.device,
-                        target: str | torch.device | None = None):
-    """The plan's optimizer over the model's trainable parameters (built outside fake mode:
-    bitsandbytes' constructors read tensor values). `target`: the device the step is for, when
-    it is simulated elsewhere (adamw_torch resolves to foreach on CUDA, single-tensor on the CPU)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if plan.optimizer == "adamw":
-        return make_optimizer(params, settings, device)
-    if plan.optimizer == "adamw_torch":
-        on = torch.device(target or device)
-        if not params:
-            raise ConfigError("nothing to train: no parameter requires a gradient")
-        # torch's default (foreach=None) picks foreach for CUDA tensors, the single-tensor loop elsewhere.
-        foreach = on.type == "cuda" if on.type != device.type else None
-        return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, foreach=foreach)
-    import bitsandbytes as bnb
-
-    cls = bnb.optim.AdamW8bit if plan.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
-    return cls(params, lr=settings.lr, weight_decay=settings.weight_decay)
-
-
-def plan_from_flags(*, precision: str = "fp32", optimizer: str = "adamw_torch", trainable: str = "full",
-                    lora_rank: int = 8, lora_targets: tuple[str, ...] | None = None, checkpointing: bool = False,
-                    batch: int = 1, micro_batch: int | None = None, name: str = "custom") -> Plan:
-    """A plan composed from the command line's names (issue 10): `--precision bf16-mixed` etc."""
-    if precision not in CLI_PRECISIONS:
-        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(CLI_PRECISIONS)}")
-    if optimizer not in CLI_OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {optimizer!r}; choose one of: {', '.join(CLI_OPTIMIZERS)}")
-    if trainable not in TRAINABLES:
-        raise ConfigError(f"unknown trainable set {trainable!r}; choose one of: {', '.join(TRAINABLES)}")
-    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0:
-        raise ConfigError(f"--lora-rank must be a positive integer, got {lora_rank!r}")
-    micro = batch if micro_batch is None else micro_batch
-    if micro <= 0 or batch % micro:
-        raise ConfigError(f"--micro-batch {micro} must divide --batch {batch} (the effective batch stays the same)")
-    if lora_targets is not None and trainable not in ("lora", "qlora"):
-        raise ConfigError("--lora-targets needs --trainable lora or qlora")
-    help_ = (f"{precision}, {optimizer}, {trainable}" + (f" r={lora_rank}" if trainable in ("lora", "qlora") else "")
-             + (", checkpointing" if checkpointing else "") + (f", micro-batch {micro}" if micro != batch else ""))
-    return Plan(name, 0, help_, precision=CLI_PRECISIONS[precision], grad_checkpointing=checkpointing,
-                accum=batch // micro, optimizer=CLI_OPTIMIZERS[optimizer], trainable=trainable,
-                lora_rank=lora_rank, lora_targets=tuple(lora_targets) if lora_targets else None)
-
+from workbench.core.memory.accounting import MemoryAccounting
+from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung, RUNGS
+from workbench.core.memory.predict import predict
+from workbench.core.training import BlockSampler, TrainSettings, train
 
 # ------------------------------------------------------------------------------------------------
 # measuring a rung on the machine at hand
@@ -314,8 +47,6 @@ def measure(
     A budget turns a too-large peak into torch.OutOfMemoryError (status "oom", a row, not a gap).
     Step time and tokens/s leave out the first step (warm-up: allocation, kernel selection).
     """
-    from workbench.core.memory.accounting import MemoryAccounting
-    from workbench.core.training import train
 
     plan = rung(plan)
     device = torch.device(device)
@@ -350,7 +81,7 @@ def measure(
             torch.cuda.reset_peak_memory_stats(run_on)
         with MemoryAccounting(run_on, budget_bytes=budget) as acc:
             acc.watch(model)
-            probe = None if run_on.type == "cuda" else (lambda: acc.current_bytes / 2**20)  # CUDA: the allocator's figure
+            probe = None if run_on.type == "cuda" else acc.take_window_peak_mib  # each step's peak; CUDA: the allocator's
             result = train(model, blocks, settings, device=run_on, optimizer=optimizer,
                            sinks=[rows.append, *sinks], extra={"rung": plan.name}, memory_probe=probe)
     except torch.OutOfMemoryError as e:
@@ -420,8 +151,6 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
     """
     if device.type != "cuda":
         raise RuntimeError(f"{plan.placement} is measured on a CUDA device only, not {device}")
-    import os
-
     settings = plan.settings(batch, steps, lr=lr)
     model = load()
     torch.cuda.empty_cache()
@@ -435,7 +164,6 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
         dmap = infer_auto_device_map(model, max_memory=memory,
                                      no_split_module_classes=list(getattr(model, "_no_split_modules", None) or []))
         model = dispatch_model(model, device_map=dmap, main_device="cpu")
-        from workbench.core.training import train
 
         result = train(model, blocks, settings, device=device, sinks=[rows.append, *sinks], extra=extra)
         loss, placed = result.final_loss, f"{sum(d != 'cpu' for d in dmap.values())}/{len(dmap)} modules on the GPU"
@@ -448,7 +176,6 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                           config=zero_config(plan, settings))
-        from workbench.core.training import BlockSampler
 
         sampler = BlockSampler(len(blocks), settings.seed)  # the same batches as the training loop
         for step in range(steps):
@@ -522,7 +249,6 @@ def auto_fit(
     nothing on the device (cpu) always fit and come last. `device`: the target; paged
     optimizer state can page out only on CUDA, so elsewhere it counts in full.
     """
-    from workbench.core.memory.predict import predict
 
     budget = _check_budget(budget_mib)
     names = list(rungs or RUNGS)

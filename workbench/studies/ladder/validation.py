@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from workbench.core.common import PROJECT_ROOT
+from workbench.core.memory.plan import plan_from_flags
+from workbench.core.memory.predict import predict
 
 ROOT = PROJECT_ROOT
 CONFIGS = ROOT / "data" / "configs"
@@ -77,8 +79,6 @@ PUBLISHED = (
 
 def validate_row(row: Published) -> dict:
     """Predict one published setup on its card and compare."""
-    from workbench.studies.ladder.rungs import plan_from_flags
-    from workbench.core.memory.predict import predict
 
     plan = plan_from_flags(precision=row.precision, optimizer=row.optimizer, trainable=row.trainable,
                            lora_targets=tuple(row.lora_targets.split(",")), checkpointing=row.checkpointing,

@@ -1,11 +1,11 @@
 """Which settings does the split study run with, and which are refused?
 
-    cfg = SplitConfig.from_dict({"iterations": 6, "k_sweep": [0.0, 0.5, 1.0]})
+    cfg = SplitConfig.from_dict({"steps": 6, "k_sweep": [0.0, 0.5, 1.0]})
 
 One frozen config drives both halves of study 3: the engine runs measured on this machine
 (the embedded base on the target corpus; on a CPU-only machine the "accelerator" is the CPU too) and the performance model
 answers the throughput question for a named GPU (labelled modelled). Field names map 1:1 onto
-the parameters cell of notebooks/03_adaptive_split.ipynb and onto `workbench split --set`.
+the parameters cell of notebooks/03_split.ipynb (generated from this class) and onto `workbench split NAME=VALUE ...`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from workbench.core.config import Config, ConfigError, param
+import torch
 
+from workbench.core.config import Config, ConfigError, param, setting
+from workbench.core.models import TINY_SPEC, EmbeddedSpec
+from workbench.studies.split.perf_model import load_profiles
+
+STUDY = "split"
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("torch_fused", "deepspeed")
 
@@ -24,25 +29,24 @@ class SplitConfig(Config):
     """Settings of study 3 (the adaptive accelerator/host update split)."""
 
     # ---- the measured runs (the engine on this machine)
-    model: str = param("embedded", "model to train: 'embedded' (the built-in base), a Hugging Face id or a local directory")
-    base_size: Literal["default", "tiny"] = param("default", "embedded base: 'default' or 'tiny' (tests)")
-    corpus: str = param("embedded", "text to train on: 'embedded' (Python's language reference) or a text file/folder")
-    eval_blocks: int = param(32, "held-out blocks scored for perplexity before and after each run")
-    batch_size: int = param(4, "sequences per iteration")
-    seq_len: int = param(64, "tokens per sequence")
-    iterations: int = param(12, "training iterations per measured run (warm-up included)")
-    warmup: int = param(2, "first iterations left out of the throughput means")
-    lr: float = param(3e-4, "AdamW learning rate (1e-3 raised the held-out perplexity of the default base in 12 iterations)")
+    model: str = setting("model", "embedded", "the model the engine trains")
+    base_size: Literal["default", "tiny"] = setting("base_size", "default")
+    corpus: str = setting("corpus", "embedded", "the text the engine trains on")
+    eval_blocks: int = setting("eval_blocks", 32, "before and after each run")
+    micro_batch: int = setting("micro_batch", 4, "one per optimizer step")
+    seq_len: int = setting("seq_len", 64)
+    steps: int = setting("steps", 12, "per measured run, untimed steps included")
+    untimed_steps: int = param(2, "first steps of a run left out of the throughput means (warm-up)")
+    lr: float = setting("lr", 3e-4, "constant; 1e-3 raised the held-out perplexity of the default base in 12 steps")
     weight_decay: float = param(0.01, "AdamW decoupled weight decay")
-    precision: Literal["fp32", "bf16", "fp16"] = param(
-        "fp32", "training copy dtype on the accelerator (fp32 gives bit-exact parity with AdamW)"
-    )
+    precision: Literal["fp32", "bf16", "fp16"] = setting(
+        "precision", "fp32", "of the training copy on the accelerator; fp32 gives bit-exact parity with AdamW")
     backend: Literal["torch_fused", "deepspeed"] = param(
         "torch_fused", "host Adam: torch fused AdamW, or DeepSpeedCPUAdam (needs its op to build)"
     )
     host_workers: int = param(1, "host threads running Adam updates while backward goes on")
     max_grad_norm: float = param(
-        0.0, "global-norm gradient clipping (0 = off). Exact (= clip_grad_norm_ + AdamW): host updates "
+        0.0, "global-norm gradient clipping (0: off). Exact (the same as clip_grad_norm_ + AdamW): host updates "
         "speculate an unclipped step during backward and are redone after it when the norm is over (a "
         "clipped step loses the overlap)")
     k_sweep: tuple[float, ...] = param(
@@ -54,9 +58,9 @@ class SplitConfig(Config):
     include_transfer: bool = param(True, "balance transfer time too (the seed's formula leaves it out)")
     reference: bool = param(True, "also run plain torch AdamW (no engine) on the same data")
     zero_offload: bool = param(False, "also run DeepSpeed ZeRO-Offload (ZeRO-2, optimizer on CPU) as a baseline")
-    device: str = param("auto", "accelerator: auto (cuda if present, else cpu), cpu or cuda")
-    threads: int = param(1, "torch threads for the measured runs (the CPU is shared)")
-    seed: int = param(0, "seed of the order of the training blocks")
+    device: Literal["auto", "cpu", "cuda"] = setting("device", "auto", "the accelerator")
+    threads: int = setting("threads", 1, "of the measured runs (the CPU is shared)")
+    seed: int = setting("seed", 0, "of the order of the training blocks")
 
     # ---- the modelled runs (performance model: a named GPU + host rates)
     profiles: tuple[str, ...] = param(
@@ -68,26 +72,26 @@ class SplitConfig(Config):
     modelled_model: Literal["llama2-10b", "llama2-7b", "qwen2-0.5b"] = param(
         "llama2-10b", "model shape the performance model is run for"
     )
-    modelled_batch: int = param(8, "batch of the modelled runs")
-    modelled_seq: int = param(128, "sequence length of the modelled runs")
+    modelled_micro_batch: int = param(8, "micro-batch of the modelled runs")
+    modelled_seq_len: int = param(128, "sequence length of the modelled runs")
     modelled_k_points: int = param(11, "points of the modelled static k sweep (0..1)")
     host_share: float | None = param(
         None, "host Adam's share of the Adam-pattern bandwidth (None: measured here, now, clipped to 1)"
     )
     alpha: float | None = param(
-        None, "what-if: fix alpha = t_update_accelerator / t_update_host (None: modelled from the profiles)"
+        None, "what-if: fix alpha, the ratio t_update_accelerator / t_update_host (None: modelled from the profiles)"
     )
 
     write_results: bool = param(True, "write results/split/ (runs.csv, steps.csv, timeline.csv)")
 
     def __post_init__(self) -> None:
-        positive = ("eval_blocks", "batch_size", "seq_len", "iterations",
-                    "host_workers", "k_every", "threads", "modelled_batch", "modelled_seq")
+        positive = ("eval_blocks", "micro_batch", "seq_len", "steps",
+                    "host_workers", "k_every", "threads", "modelled_micro_batch", "modelled_seq_len")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.warmup < self.iterations:
-            raise ConfigError(f"warmup must be in [0, iterations), got {self.warmup}")
+        if not 0 <= self.untimed_steps < self.steps:
+            raise ConfigError(f"untimed_steps must be in [0, steps), got {self.untimed_steps}")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if self.max_grad_norm < 0:
@@ -103,11 +107,8 @@ class SplitConfig(Config):
             raise ConfigError(f"host_share must be in (0, 1], got {self.host_share}")
         if self.alpha is not None and not self.alpha > 0:
             raise ConfigError(f"alpha must be positive, got {self.alpha}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.backend == "deepspeed" and self.host_workers != 1:
             raise ConfigError("the deepspeed backend shares one C++ optimizer: use host_workers=1")
-        from workbench.studies.split.perf_model import load_profiles
 
         gpus, hosts = load_profiles()
         for name in self.profiles:
@@ -117,13 +118,9 @@ class SplitConfig(Config):
             raise ConfigError(f"unknown host profile {self.host!r}; known: this-machine, {', '.join(hosts)}")
 
     def resolved_device(self) -> str:
-        import torch
-
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
     def spec(self):
-        from workbench.core.models import TINY_SPEC, EmbeddedSpec
-
         return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()

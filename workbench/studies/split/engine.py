@@ -52,6 +52,10 @@ On a CPU-only machine the "accelerator" is the CPU as well: the engine then show
 (parity with torch.optim.AdamW), scheduling and overlap, not GPU speed. Every row of an
 iteration is emitted once that iteration's host work has finished (during the next forward, or
 in `finish()`), so rows lag `step()` by one call.
+
+Why one module over 400 lines: the gradient hook, the host workers, the staging rings and the
+fp16/clipping speculation share one step's state and one lock discipline; split apart, each piece
+would need the others' internals.
 """
 
 from __future__ import annotations

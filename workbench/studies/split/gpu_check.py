@@ -24,6 +24,10 @@ from __future__ import annotations
 import copy
 import time
 from typing import Any
+from workbench.studies.split import _cuda
+from workbench.studies.split.adam import AdamHP
+from workbench.studies.split.engine import SplitEngine
+from workbench.studies.split.zero_baseline import run_zero_offload
 
 ITERATIONS, WARMUP = 6, 2  # per run; the first WARMUP iterations are left out of every mean
 K_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -201,8 +205,6 @@ def _reference(base, batches, clip: float = 0.0) -> dict:
 
 
 def _engine(base, batches, **kw):
-    from workbench.studies.split.adam import AdamHP
-    from workbench.studies.split.engine import SplitEngine
 
     eng = SplitEngine(copy.deepcopy(base).to(batches[0].device), hp=AdamHP(lr=LR, weight_decay=WEIGHT_DECAY), **kw)
     try:
@@ -250,8 +252,6 @@ def check_split(opts) -> dict[str, Any]:
     opts.device "cpu" the same code runs on the CPU: the tests' dry run of this layer.)"""
     import torch
 
-    from workbench.studies.split import _cuda
-    from workbench.studies.split.zero_baseline import run_zero_offload
 
     shape = QUICK if getattr(opts, "tiny", False) else SMALL
     base = _model(shape)
@@ -291,5 +291,5 @@ def check_split(opts) -> dict[str, Any]:
 
 
 def gpu_checks():
-    """The checks this package adds to `workbench gpu-check` (see workbench/front/gpu_check.py EXTENSIONS)."""
+    """The checks this package adds to `workbench gpu-check` (workbench/front/gpu_check.py runs them after its own)."""
     return {"split": check_split}

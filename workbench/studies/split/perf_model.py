@@ -31,6 +31,10 @@ engine), each resource taking layers first come first served. The accelerator up
 layers (the last to arrive) after backward. The next forward runs layer by layer, each layer
 starting once its weights are back. The period is the time from one backward's start to the
 next's, so throughput = tokens / period.
+
+Why one module over 400 lines: the profiles, the per-layer schedule simulation, the verdict and
+the validation are one model with one set of inputs; the validation must run exactly the code the
+study's modelled rows run.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from workbench.studies.split.balance import Rates, balance_k
 from workbench.studies.split.hostbench import ADAM_BYTES
 from workbench.studies.split.layers import find_block_list, guessed_arrival_order, last_arriving, split_layers
 from workbench.core.common import PROJECT_ROOT
+from workbench.studies.split.hostbench import measure_host
 
 PROFILES = Path(__file__).with_name("profiles.json")
 CLAIMS = PROJECT_ROOT / "data" / "published_claims.json"
@@ -406,7 +411,6 @@ def published_operating_point(seq_len: int | None = None, host: str | None = Non
 
 
 def _measure_here() -> dict:
-    from workbench.studies.split.hostbench import measure_host
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # a per-core figure (see the module docstring)

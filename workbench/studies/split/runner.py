@@ -1,15 +1,18 @@
 """Study 3: when the optimizer must live on the host, how much speed does an adaptive
 accelerator/host split of the Adam update win back?
 
-    df = run_split_study(SplitConfig())            # one row per run, measured and modelled
-    df.attrs["steps"]       # one row per iteration of every measured run (loss, k, overlap)
-    df.attrs["timeline"]    # backward, transfers and updates of one iteration, per side
-    df.attrs["host"]        # this machine's host Adam rate and memory bandwidth
-    df.attrs["published"]   # the seed's operating point, computed from the model's own inputs
-    df.attrs["sensitivity"] # k of the seed's setting against sequence length, host and MFU
-    df.attrs["verdict"]     # for which settings the seed's k band holds (one row per host, MFU)
-    df.attrs["validation"]  # the model against published offload measurements, error per point
-    df.attrs["inputs"]      # every input of the performance model with its source
+    result = run_split_study(SplitConfig())     # a StudyResult (workbench.core.results)
+    result.runs                          # one row per run, measured, modelled and published
+    result.steps                         # one row per iteration of every measured run (loss, k, overlap)
+    result.tables["timeline"]            # backward, transfers and updates of one iteration, per side
+    result.tables["sensitivity"]         # k of the seed's setting against sequence length, host and MFU
+    result.tables["verdict"]             # for which settings the seed's k band holds (one row per host, MFU)
+    result.tables["validation"]          # the model against published offload measurements, error per point
+    result.tables["model_inputs"]        # every input of the performance model with its source
+    result.facts["host_and_published"]   # this machine's host rates; the seed's operating point
+
+Written to results/split/: runs.csv (rows of earlier settings kept; the report shows the latest),
+steps.csv and one CSV per side table, host_and_published.json.
 
 Two halves. Measured: the engine fine-tunes the embedded base (the tiny one in tests) on the
 real target corpus here for k = 0 (host-only update), a static sweep of k, adaptive k and plain
@@ -20,15 +23,14 @@ Modelled: the performance model runs the same sweep for a real model on named GP
 host's rate from a bandwidth model of the named host (see perf_model). Every row says which it
 is in `source` (measured / modelled / published).
 
-`app(cfg)` is the notebook's control panel (knobs + live chart); `report_section()` is study
-3's part of results/index.html, read from results/split/.
+Charts and the report section: workbench.studies.split.figures; the widget app: workbench.front.apps.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
-import time
 from typing import Callable, Iterable
 
 import pandas as pd
@@ -37,12 +39,16 @@ import torch
 from workbench.studies.split import perf_model as pm
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import balance_k
-from workbench.studies.split.config import SplitConfig
+from workbench.studies.split.config import STUDY, SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.hostbench import measure_host
-
-STUDY = "split"
-Sink = Callable[[dict], None]
+from workbench.core.common import Sink
+from workbench.core.data import corpus_blocks, target_corpus
+from workbench.core.models import load_model
+from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
+from workbench.core.training import evaluate_perplexity
+from workbench.studies.split._cuda import Clock
+from workbench.studies.split.zero_baseline import run_zero_offload
 
 
 class _RunSink:
@@ -78,7 +84,6 @@ class _RunSink:
 # ---------------------------------------------------------------- model and data
 def load_base(cfg: SplitConfig):
     """(model, tokenizer) of the run's base: the embedded base (built once, cached) or a real one."""
-    from workbench.core.models import load_model
 
     return load_model(cfg.model, spec=cfg.spec())
 
@@ -87,19 +92,17 @@ def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch
     """(training batches, held-out blocks) from the target corpus: `iterations` batches of
     `batch_size` consecutive training blocks (from a seeded starting block, wrapping around), the
     same for every run; the first `eval_blocks` held-out blocks for perplexity."""
-    from workbench.core.data import corpus_blocks, target_corpus
 
     train, held = corpus_blocks(tokenizer, target_corpus(cfg.corpus), cfg.seq_len)
     start = int(torch.randint(0, len(train), (1,), generator=torch.Generator().manual_seed(cfg.seed)))
     batches = []
-    for i in range(cfg.iterations):
-        idx = (start + i * cfg.batch_size + torch.arange(cfg.batch_size)) % len(train)
+    for i in range(cfg.steps):
+        idx = (start + i * cfg.micro_batch + torch.arange(cfg.micro_batch)) % len(train)
         batches.append(train[idx])
     return batches, held[: cfg.eval_blocks]
 
 
 def heldout_ppl(model, held: torch.Tensor) -> float:
-    from workbench.core.training import evaluate_perplexity
 
     return evaluate_perplexity(model, held, batch_size=8)
 
@@ -110,7 +113,6 @@ def _plain_adamw(model, batches, hp: AdamHP, max_grad_norm: float = 0.0) -> list
     share are measured as for the engine: k from where the optimizer state lives after each step,
     idle from the accelerator's busy spans (forward, backward, step) within the iteration's period
     (from its start to the next one's)."""
-    from workbench.studies.split._cuda import Clock
 
     device = next(model.parameters()).device
     clock = Clock(device)
@@ -202,7 +204,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         for r in rows:
             steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
         runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "ok",
-                     **_summary(rows, cfg.warmup), "ppl_after": heldout_ppl(model, held)})
+                     **_summary(rows, cfg.untimed_steps), "ppl_after": heldout_ppl(model, held)})
 
     status = backend_status(cfg.backend)
     for spec in _runs(cfg):
@@ -233,7 +235,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
             if jsonl:
                 jsonl.close()
             live.flush()  # the rows it made, also those of a run that failed
-        summary = {**head, "status": "ok", **_summary(eng.rows, cfg.warmup), "ppl_after": heldout_ppl(model, held),
+        summary = {**head, "status": "ok", **_summary(eng.rows, cfg.untimed_steps), "ppl_after": heldout_ppl(model, held),
                    "pinned_bytes": eng.pinned_bytes, "staging_bytes": eng.staging_bytes}
         if ref_w is not None:
             masters = eng.master_weights()
@@ -241,12 +243,11 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         runs.append(summary)
         if rd:
             rd.write_summary(summary)
-        steps += [{**r, **tag, "warmup": r["iteration"] < cfg.warmup} for r in eng.rows]
+        steps += [{**r, **tag, "warmup": r["iteration"] < cfg.untimed_steps} for r in eng.rows]
         last = max(e["iteration"] for e in eng.events)
         events += [{**e, **tag} for e in eng.events if e["iteration"] == last]
 
     if cfg.zero_offload:
-        from workbench.studies.split.zero_baseline import run_zero_offload
 
         rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
                                         cfg.precision)
@@ -255,7 +256,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         if reason:
             runs.append({**head, "status": "skipped", "reason": reason})
         else:
-            runs.append({**head, "status": "ok", **_summary(rows, cfg.warmup)})  # its weights stay in DeepSpeed
+            runs.append({**head, "status": "ok", **_summary(rows, cfg.untimed_steps)})  # its weights stay in DeepSpeed
             steps += [{**r, "run": head["run"], "mode": "ZeRO-Offload", "source": "measured"} for r in rows]
 
     for r in runs:
@@ -267,13 +268,13 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
 # ---------------------------------------------------------------- modelled runs
 def modelled_runs(cfg: SplitConfig, host: dict):
     """The performance model's sweep on each GPU profile; (run rows, timeline rows)."""
-    shape = pm.model_shape(cfg.modelled_model, cfg.modelled_seq)
+    shape = pm.model_shape(cfg.modelled_model, cfg.modelled_seq_len)
     rows, events = [], []
     for gpu in cfg.profiles:
         m = pm.machine(gpu, cfg.host, host_meas=host, host_share=cfg.host_share, alpha=cfg.alpha)
-        r = pm.rates(shape, m, cfg.modelled_batch)
+        r = pm.rates(shape, m, cfg.modelled_micro_batch)
         # the balance asks for k; the card's memory caps it (master + Adam state of k live there)
-        k_mem = pm.k_max_for_memory(shape, cfg.modelled_batch, m.memory_bytes)
+        k_mem = pm.k_max_for_memory(shape, cfg.modelled_micro_batch, m.memory_bytes)
         k_adapt = min(balance_k(r, cfg.include_transfer), k_mem)
         hw = f"{gpu} + {cfg.host}"
         specs = [(f"k={k:.2f}", "static" if k else "host only (k=0)", k, "split")
@@ -283,7 +284,7 @@ def modelled_runs(cfg: SplitConfig, host: dict):
                   ("ZeRO-Offload", "ZeRO-Offload", 0.0, "zero-offload"),
                   ("all on accelerator", "all on accelerator", 1.0, "all-accelerator")]
         for name, mode, k, sim_mode in specs:
-            sim = pm.simulate(shape, m, k, cfg.modelled_batch, sim_mode)
+            sim = pm.simulate(shape, m, k, cfg.modelled_micro_batch, sim_mode)
             ev = sim.pop("events")
             row = {**sim, "source": "modelled", "hardware": hw, "run": f"{gpu}: {name}", "mode": mode,
                    "model": shape.name, "n_params": shape.n_params, "precision": "bf16",
@@ -326,13 +327,12 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
 
 
 # ---------------------------------------------------------------- the entry point
-def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> pd.DataFrame:
-    """Run study 3 (measured + modelled); one row per run, step/timeline tables in attrs.
+def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
+    """Run study 3 (measured + modelled): one row per run, the iterations, and the side tables.
 
     `sinks` get every iteration of the engine's runs as a plain row (loss, cumulative tokens,
     tokens_per_s, k, labelled with `run` and `mode`; `mem_mib` on CUDA), run by run as each run
     ends (see _RunSink). The modelled half sends nothing: it is not a run."""
-    from workbench.core.results import RunDir, atomic_write_csv, atomic_write_json, results_root, write_runs_table
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -373,150 +373,24 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> pd.DataFram
     sensitivity["source"] = "modelled"
     verdicts = pd.DataFrame(verdict["verdicts"])
     op = {**op, "verdict": verdict["text"]}
-    df.attrs.update(steps=steps_df, timeline=timeline, host=host, published=op, sensitivity=sensitivity,
-                    verdict=verdicts, validation=validation, inputs=inputs)
+    result = StudyResult(STUDY, runs=df, steps=steps_df,
+                         tables={"timeline": timeline, "sensitivity": sensitivity, "verdict": verdicts,
+                                 "validation": validation, "model_inputs": inputs},
+                         facts={"host_and_published": {"host": host, "published": op}})
     if cfg.write_results:
-        study_dir = results_root() / STUDY
-        write_runs_table(study_dir, df.to_dict("records"))
-        atomic_write_csv(study_dir / "steps.csv", steps_df)
-        atomic_write_csv(study_dir / "timeline.csv", timeline)
-        atomic_write_json(study_dir / "host_and_published.json", {"host": host, "published": op})
-        atomic_write_csv(study_dir / "sensitivity.csv", sensitivity)
-        atomic_write_csv(study_dir / "verdict.csv", verdicts)
-        atomic_write_csv(study_dir / "validation.csv", validation)
-        atomic_write_csv(study_dir / "model_inputs.csv", inputs)
-    return df
+        ResultsWriter(STUDY).write(result, runs_key="study_key")
+    return result
 
 
-# ---------------------------------------------------------------- the panel and the report
-RUN_COLUMNS = ["hardware", "run", "mode", "k_actual", "tokens_per_s", "tflops", "accel_idle_share",
-               "host_done_before_bwd_end_share", "first_loss", "final_loss", "ppl_before", "ppl_after",
-               "max_abs_diff_vs_adamw", "accel_memory_gib", "status", "reason"]
-# SplitConfig fields without a knob: optional floats (None = measured here / from the profiles)
-# have no widget that can say None; the panel keeps the value it was given.
-_NO_KNOB = ("host_share", "alpha")
-
-
-def throughput_figure(df: pd.DataFrame):
-    """Tokens/s against k, one panel per machine; each panel's title says measured or modelled."""
-    import plotly.express as px
-
-    speed = df[df["source"] != "published"].dropna(subset=["tokens_per_s"])
-    fig = px.scatter(speed, x="k_actual", y="tokens_per_s", color="mode", symbol="mode", facet_col="panel",
-                     facet_col_wrap=2, hover_data=["run", "status"],
-                     labels={"k_actual": "k (share of parameters updated on the accelerator)",
-                             "tokens_per_s": "tokens/s"},
-                     title="Tokens/s against k (panels: measured on this machine, or modelled for a GPU profile)")
-    fig.update_traces(marker_size=10)
-    fig.update_yaxes(matches=None, showticklabels=True)
-    return fig
-
-
-def loss_figure(steps: pd.DataFrame):
-    """The measured runs' loss per iteration (the same text blocks from the same weights)."""
-    import plotly.express as px
-
-    return px.line(steps, x="iteration", y="loss", color="run", markers=True,
-                   title="Training loss per iteration on the target corpus (measured on this machine)")
-
-
-def app(cfg: SplitConfig):
-    """Study 3's control panel: a knob per parameter; Run shows live training charts, then the runs."""
-    from IPython.display import display
-
-    from workbench.front.live import LiveChart
-    from workbench.front.panel import knobs
-
-    def run(c: SplitConfig) -> pd.DataFrame:
-        live = LiveChart(title="Study 3: the engine's measured runs (loss, speed; device memory on CUDA)",
-                         run_keys=("run",))
-        df = run_split_study(c, sinks=[live])
-        live.close()
-        display(df[[col for col in ["source", *RUN_COLUMNS] if col in df]].round(4))
-        throughput_figure(df).show()
-        return df
-
-    fields = [n for n in SplitConfig.fields() if n not in _NO_KNOB]
-    return knobs(SplitConfig, cfg, run, fields=fields, title="Study 3: change the settings and press Run")
-
-
-def report_section() -> list[tuple[str, str, object]]:
-    """The report's parts for study 3, from results/split/ ([] when it has not run)."""
-    import json
-
-    import plotly.express as px
-
-    from workbench.core.results import results_root
-
+def load_result() -> StudyResult | None:
+    """The latest settings' result, read back from results/split/ (None if it never ran)."""
     root = results_root() / STUDY
-    if not (root / "runs.csv").exists():
-        return []
-    df = pd.read_csv(root / "runs.csv")
-    if df.empty or "source" not in df:
-        return []
-    measured = df[df["source"] == "measured"]
-    modelled = df[df["source"] == "modelled"]
-    published = df[df["source"] == "published"]
-    host = {}
-    if (root / "host_and_published.json").exists():
-        host = json.loads((root / "host_and_published.json").read_text()).get("host", {})
-    where = ", ".join(sorted(set(measured["hardware"].astype(str)))) or "nothing measured"
-    cpu_note = (" On a machine without a GPU the accelerator is the CPU too: these runs show that training"
-                " is unchanged and how the work overlaps, not GPU speed." if "(cpu)" in where else "")
-    gpus = ", ".join(sorted(set(modelled["hardware"].astype(str))))
-    tags = (
-        f'<span class="tag measured">measured</span> {len(measured)} run(s) of the split engine on {where}: '
-        f"the embedded base fine-tuned on the target corpus: tokens/s, idle share, loss, held-out perplexity "
-        f"before and after, parity with AdamW; and the host Adam rate.{cpu_note}<br>"
-        f'<span class="tag modelled">modelled</span> {len(modelled)} run(s) of the performance model for '
-        f"{gpus or 'no GPU profile'} (data-sheet peaks x a published MFU; the host from a bandwidth model of the "
-        "named CPU, scaled per core from one core measured here): no figure in these rows was measured on that "
-        "hardware. Every input and its source is listed below; none of them is a figure the model is compared "
-        "with.<br>Published: the seed's own claims (data/published_claims.json), shown as published, and the "
-        "published offload measurements the model is validated against."
-    )
-    def cols(d: pd.DataFrame) -> pd.DataFrame:
-        return d[[c for c in RUN_COLUMNS if c in d]]
-
-    parts: list[tuple[str, str, object]] = [
-        ("text", "", tags),
-        ("table", "Measured runs (this machine)", cols(measured)),
-        ("figure", "", throughput_figure(df)),
-        ("table", "Modelled runs (performance model; oom: the modelled card's memory does not fit)", cols(modelled)),
-    ]
-    key = df[df["mode"].isin(["host only (k=0)", "adaptive", "ZeRO-Offload", "all on accelerator", "plain AdamW"])
-             | (df["source"] == "published")].dropna(subset=["tflops"])
-    if len(key):
-        fig = px.bar(key, x="run", y="tflops", color="source", facet_col="source", hover_data=["status", "k_actual"],
-                     title="Achieved TFLOP/s of the key runs, by source (measured / modelled / published)",
-                     labels={"tflops": "TFLOP/s", "run": ""})
-        fig.update_xaxes(matches=None)
-        fig.update_yaxes(matches=None, showticklabels=True)
-        parts.append(("figure", "", fig))
-    if (root / "steps.csv").exists():
-        try:
-            steps = pd.read_csv(root / "steps.csv")
-        except pd.errors.EmptyDataError:
-            steps = pd.DataFrame()
-        if {"iteration", "loss", "run"} <= set(steps.columns):
-            parts.append(("figure", "", loss_figure(steps)))
-    if len(published):
-        parts.append(("table", "Published claims (the seed's own figures, not measured here)",
-                      published.dropna(axis=1, how="all")))
-    extra = [("verdict.csv", "Verdict on the seed's k band 0.1-0.2 (modelled): for which sequence lengths it holds, "
-                              "per host and MFU"),
-             ("validation.csv", "The performance model against published offload measurements (modelled vs "
-                                "published, error per point)"),
-             ("model_inputs.csv", "Every input of the performance model, with its source")]
-    for name, title in extra:
-        if (root / name).exists():
-            parts.append(("table", title, pd.read_csv(root / name)))
-    pub = {}
-    if (root / "host_and_published.json").exists():
-        pub = json.loads((root / "host_and_published.json").read_text()).get("published", {})
-    if pub.get("verdict"):
-        parts.append(("text", "", pub["verdict"]))
-    if host:
-        parts.append(("table", "Host Adam rate and Adam-pattern bandwidth (measured on this machine, one thread)",
-                      pd.DataFrame([host])))
-    return parts
+    runs = latest(read_table(root / "runs.csv"), "study_key")
+    if runs.empty:
+        return None
+    tables = {name: read_table(root / f"{name}.csv")
+              for name in ("timeline", "sensitivity", "verdict", "validation", "model_inputs")}
+    facts_path = root / "host_and_published.json"
+    facts = {"host_and_published": json.loads(facts_path.read_text())} if facts_path.exists() else {}
+    return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=read_table(root / "steps.csv"),
+                       tables=tables, facts=facts)

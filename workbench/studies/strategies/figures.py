@@ -1,33 +1,18 @@
-"""Plotly figures of the studies' DataFrames: the notebooks and the report call these.
+"""Study 1's charts and its report section: used alike by notebook 01, the widget app and the report.
 
-Figures are built from results tables only (nothing is scraped from logs). The default
-renderer is set to `plotly_mimetype`, so an executed notebook stores each chart as JSON data
-(rendered by JupyterLab and Voila) instead of embedding the 5 MB plotly.js bundle per chart;
-the HTML report includes plotly.js once.
+Figures are built from results tables only (nothing is scraped from logs).
 """
 
 from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
-import plotly.io as pio
 
-pio.renderers.default = "plotly_mimetype"
-pio.templates.default = "plotly_white"
+from typing import Any
 
-
-def loss_curves(steps: pd.DataFrame, *, color: str = "strategy", title: str = "Training loss") -> go.Figure:
-    """Loss against tokens seen, one line per (color, seed) run."""
-    fig = go.Figure()
-    if steps.empty:
-        return fig.update_layout(title=f"{title} (no steps recorded)")
-    group_cols = [c for c in (color, "seed", "device") if c in steps]
-    for key, g in steps.groupby(group_cols, sort=False):
-        key = key if isinstance(key, tuple) else (key,)
-        label = " ".join(f"{v}" if c == color else f"{c}={v}" for c, v in zip(group_cols, key))
-        fig.add_trace(go.Scatter(x=g["tokens"], y=g["loss"], mode="lines", name=label,
-                                 legendgroup=str(key[0])))
-    return fig.update_layout(title=title, xaxis_title="tokens seen", yaxis_title="loss (nats/token)")
+from workbench.core.charts import loss_curves, rounded
+from workbench.core.claims import study1_general_problems
+from workbench.core.results import StudyResult
 
 
 def perplexity_spread(df: pd.DataFrame, *, title: str = "Held-out perplexity after fine-tuning") -> go.Figure:
@@ -58,3 +43,114 @@ def device_timeline(df: pd.DataFrame, *, title: str = "Where each run ended up")
             marker_color=colors.get(status, "blue"), hovertext=g["device_history"], hoverinfo="text+name",
         ))
     return fig.update_layout(title=title, barmode="stack", yaxis=dict(visible=False), height=300)
+
+
+def overlap_table(result: StudyResult) -> pd.DataFrame:
+    """Is the held-out text unseen? Each corpus's overlap split by name and as the workbench splits."""
+    ov = result.tables.get("corpus_overlap", pd.DataFrame())
+    cols = ["corpus", "role", "train_chars", "heldout_chars", "overlap_split_by_name_pct", "overlap_pct",
+            "limit_pct", "heldout_paragraphs_left_out", "docs_that_lost_text"]
+    return rounded(ov[[c for c in cols if c in ov]])
+
+
+SUMMARY_COLUMNS = ["strategy", "statuses", "device_history", "trainable_params", "trainable_share", "ppl_before",
+                   "ppl_after_mean", "ppl_after_std", "improvement_pct_mean", "improvement_pct_std",
+                   "train_seconds", "tokens_per_s", "peak_mem_mib", "seeds"]
+
+
+def summary_table(result: StudyResult) -> pd.DataFrame:
+    """What each strategy achieved: mean and spread over seeds."""
+    s = result.tables.get("summary", pd.DataFrame())
+    return rounded(s[[c for c in SUMMARY_COLUMNS if c in s]])
+
+
+def runs_table(result: StudyResult) -> pd.DataFrame:
+    """Where each run went: every attempt in `device_history`, the measured and the predicted peak."""
+    cols = ["strategy", "seed", "status", "device", "device_history", "peak_mem_mib", "predicted_peak_mib",
+            "ppl_before", "ppl_after", "notes"]
+    return rounded(result.runs[[c for c in cols if c in result.runs]])
+
+
+def claims_table(result: StudyResult) -> pd.DataFrame:
+    """The published study's rows beside what this run measured, with why they differ."""
+    return rounded(result.tables.get("claims", pd.DataFrame()))
+
+
+def findings(result: StudyResult) -> list[tuple[str, str]]:
+    """What we found, each beside the published claim it answers."""
+    summary = result.tables.get("summary", pd.DataFrame())
+    claims = result.tables.get("claims", pd.DataFrame())
+    if summary.empty or summary["ppl_after_mean"].isna().all():
+        return [("No strategy finished a run.", "")]
+    done = summary.dropna(subset=["ppl_after_mean"]).sort_values("ppl_after_mean")
+    best = done.iloc[0]
+    order = " < ".join(f"{r.strategy} {r.ppl_after_mean:.1f}" for r in done.itertuples())
+    out = [(f"Best held-out perplexity: {best['strategy']}, {best['ppl_before']:.1f} -> {best['ppl_after_mean']:.1f} "
+            f"({best['improvement_pct_mean']:.1f}% better; mean of {int(best['seeds'])} seeds). Order: {order}.",
+            "; ".join(f"{r.strategy} {r.published_improvement_pct:.1f}%" for r in claims.itertuples()
+                      if pd.notna(r.published_improvement_pct)) + " better (published, on random weights)")]
+    fell = result.runs[result.runs["status"] == "fallback"] if "status" in result.runs else pd.DataFrame()
+    if len(fell):
+        out.append((f"{len(fell)} run(s) ran out of the device budget and finished on the next device: "
+                    f"{', '.join(sorted(set(fell['strategy'])))}.",
+                    "the published adapter run fell back from GPU to CPU"))
+    return out
+
+
+def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
+    """Study 1's part of the report: the same tables and charts as notebook 01."""
+    if result is None or result.runs.empty:
+        return []
+    df = result.runs
+    where = "GPU" if df["device"].astype(str).str.startswith("cuda").any() else "CPU"
+    tag = (f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, '
+           "not a real GPU. A CUDA budget caps the allocator's reserved memory (fragmentation included); the CPU "
+           "budget counts live tensor bytes")
+    problems = "".join(f"<li>{p}</li>" for p in study1_general_problems())
+    return [
+        ("text", "", tag),
+        ("text", "Held-out text is unseen in content",
+         "Share of each corpus's held-out 50-character windows that occur verbatim in its training text: split by "
+         "document name alone, and as the workbench splits it (repeated paragraphs kept once, held-out paragraphs "
+         "that share a window with training text left out)."),
+        ("table", "", overlap_table(result)),
+        ("table", "Summary over seeds", summary_table(result)),
+        ("figure", "", perplexity_spread(df)),
+        ("figure", "", loss_curves(result.steps)),
+        ("table", "Every run and its device history", runs_table(result)),
+        ("text", "Why the published figures differ", f"<ul>{problems}</ul>"),
+        ("table", "Published claims beside this measurement", claims_table(result)),
+    ]
+
+
+# Notebook 01 after its parameters cell: (markdown, code) pairs; `result`, `cfg` and this module
+# (`figures`) are in scope. Generated into notebooks/01_strategies.ipynb by workbench.front.notebooks.
+NOTEBOOK_INTRO = """# Study 1: which transfer strategy gives the best model for a small target domain on my card?
+
+Seven ways to fine-tune the same base on the same target text for the same token budget: four
+from the published comparison (adapter layers, freeze lower layers, freeze embeddings, full
+fine-tuning) and three it left out (LoRA, BitFit, QLoRA). Each (strategy, seed) run starts from a
+fresh copy of the base and is scored by **held-out** perplexity before and after.
+
+Every run goes through the device-fallback ladder: on a machine without a GPU, first the CPU
+*playing* a GPU of `budget_mib` (allocations are counted, and an out-of-memory error is raised
+past the budget, exactly as CUDA would), then the CPU without a budget. A strategy that runs out
+of memory is freed and restarted from scratch on the next device; `device_history` says what happened."""
+
+NOTEBOOK_RUN_TITLE = "Study 1: loss, device memory against the budget, speed (live)"
+
+NOTEBOOK = [
+    ("## Is the held-out text really unseen?\n\nShare of held-out 50-character windows that occur verbatim in "
+     "the training text: split by document name alone, and as the workbench splits. The limit is 0.5%.",
+     "figures.overlap_table(result)"),
+    ("## What each strategy achieved (mean and spread over seeds)", "figures.summary_table(result)"),
+    ("", "figures.perplexity_spread(result.runs).show()"),
+    ("", "figures.loss_curves(result.steps).show()"),
+    ("## Where each run went\n\n`device_history` lists every attempt: `skipped` (the pre-flight estimate said it "
+     "would not fit), `oom` with the phase it ran out in, then `ok` on the device that finished it.",
+     "figures.runs_table(result)"),
+    ("", "figures.device_timeline(result.runs).show()"),
+    ("## The published claims beside this measurement\n\nThe published comparison (Qwen2-0.5B, Rust/Candle) "
+     "reported trainable *tensor* counts, selected layers by substring, started from random weights, and scored "
+     "perplexity on training text.", "figures.claims_table(result)"),
+]

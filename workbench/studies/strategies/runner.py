@@ -13,108 +13,35 @@ results/strategies/runs.csv (every run ever made here); a finished run is not tr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Iterable
 
 import pandas as pd
 import torch
 
+from workbench.core.common import Sink
 from workbench import __version__
-from workbench.core.config import Config, ConfigError, param
 from workbench.core.data import corpus_blocks, target_corpus
-from workbench.core.fallback import Attempt, Outcome, default_attempts, run_with_fallback
-from workbench.core.models import (EMBEDDED, TINY_SPEC, EmbeddedSpec, check_seq_len, embedded_metrics, load_config,
-                              load_model, model_fingerprint, resolve_model_path)
-from workbench.core.results import (RunDir, atomic_write_csv, locked, results_root, reuse_finished_runs,
-                               write_runs_table)
-from workbench.core.trainable import PAPER_STRATEGIES, STRATEGIES, StrategyNotApplicable, apply_strategy
-from workbench.core.training import TrainSettings, evaluate_perplexity, train
-
-STUDY = "strategies"
-Sink = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class StrategiesConfig(Config):
-    model: str = param(EMBEDDED, "'embedded', a Hugging Face model id, or a local model directory")
-    base_size: Literal["default", "tiny"] = param("default", "embedded base: 'default' or 'tiny' (tests)")
-    corpus: str = param("embedded", "target domain: 'embedded' (Python's language reference) or a text file/folder")
-    strategies: tuple[str, ...] = param(PAPER_STRATEGIES + ("lora", "bitfit", "qlora"), "strategies to compare",
-                                        choices=tuple(STRATEGIES))
-    seeds: tuple[int, ...] = param((0, 1, 2), "one run per seed and strategy")
-    token_budget: int = param(150_000, "training tokens per run (equal for every strategy)")
-    seq_len: int = param(128, "tokens per sequence")
-    micro_batch: int = param(8, "sequences per forward/backward pass")
-    grad_accum: int = param(1, "micro-batches per optimizer step")
-    lr: float = param(1e-3, "peak learning rate (warm-up then cosine decay)")
-    qlora_lr: float = param(3e-4, "peak learning rate of the QLoRA row (on a 4-bit base the shared rate diverged)")
-    lora_rank: int = param(8, "rank of the LoRA and QLoRA adapters")
-    precision: Literal["fp32", "bf16", "fp16"] = param("fp32", "autocast precision (fp16 needs CUDA)")
-    budget_mib: float = param(160.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0 = none")
-    devices: tuple[str, ...] = param((), "attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu'] ('cpu@64:cuda' also models a card's caching allocator); empty = default")
-    preflight: bool = param(True, "skip an attempt whose predicted peak exceeds its budget")
-    eval_blocks: int = param(64, "held-out blocks used for perplexity")
-    trust_remote_code: bool = param(False, "let transformers run model code from the hub (off: safer)")
-
-    def __post_init__(self):
-        for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0 or self.qlora_lr <= 0:
-            raise ConfigError(f"lr and qlora_lr must be positive, got {self.lr} and {self.qlora_lr}")
-        if self.budget_mib < 0:
-            raise ConfigError(f"budget_mib must be >= 0 (0 = no budget), got {self.budget_mib}")
-        if not self.strategies:
-            raise ConfigError("strategies is empty")
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
-        if unknown:
-            raise ConfigError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
-        if len(set(self.strategies)) != len(self.strategies) or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError("strategies and seeds must not repeat")
-        if not self.seeds:
-            raise ConfigError("seeds is empty")
-        for d in self.devices:
-            Attempt.parse(d)
-        if self.precision == "fp16" and not any(d.startswith("cuda") for d in self.attempts_as_text()):
-            raise ConfigError("fp16 needs a CUDA device; use bf16 or fp32")
-
-    # derived values are methods, not stored fields
-    def spec(self) -> EmbeddedSpec:
-        return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()
-
-    def attempts(self) -> tuple[Attempt, ...]:
-        if self.devices:
-            return tuple(Attempt.parse(d) for d in self.devices)
-        return default_attempts(self.budget_mib or None)
-
-    def attempts_as_text(self) -> list[str]:
-        return [str(a) for a in self.attempts()]
-
-    def steps(self) -> int:
-        return max(1, self.token_budget // (self.micro_batch * self.grad_accum * self.seq_len))
-
-    def train_settings(self, seed: int, strategy: str = "") -> TrainSettings:
-        steps = self.steps()
-        lr = self.qlora_lr if strategy == "qlora" else self.lr
-        return TrainSettings(steps=steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
-                             lr=lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
-
-    def run_id(self, strategy: str, seed: int, inputs: str = "") -> str:
-        """The run's folder name: strategy, seed and a key of everything that changes its result:
-        the settings, and `inputs` (see `run_inputs`: corpus content, base weights, version)."""
-        run_fields = {k: v for k, v in self.to_dict().items() if k not in ("strategies", "seeds")}
-        blob = json.dumps({"settings": type(self).from_dict(run_fields).hash(), "inputs": inputs}, sort_keys=True)
-        return f"{strategy}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+from workbench.core.fallback import Attempt, Outcome, run_with_fallback
+from workbench.core.models import (EMBEDDED, check_seq_len, embedded_metrics, load_config, load_model, model_fingerprint,
+                              resolve_model_path)
+from workbench.core.results import (ResultsWriter, RunDir, StudyResult, read_steps, read_table, results_root,
+                                    reuse_finished_runs)
+from workbench.studies.strategies.config import STUDY, StrategiesConfig
+from workbench.core.trainable import StrategyNotApplicable, apply_strategy
+from workbench.core.training import evaluate_perplexity, train
+from workbench.core.claims import study1_comparison
+from workbench.core.data import MAX_OVERLAP, WINDOW
+from workbench.core.memory.plan import Plan
+from workbench.core.memory.predict import simulate
+from workbench.core.models import ModelNotFoundError, _not_found_message
 
 
 def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
     """How much held-out text occurs verbatim in training text, for every corpus a study 1 run
     uses: the target domain it fine-tunes and evaluates on, and (for the embedded base) the source
     domain the base was pretrained and scored on. Measured on 50-character windows."""
-    from workbench.core.data import MAX_OVERLAP, WINDOW
 
     corpus = corpus or target_corpus(cfg.corpus)
     rows = []
@@ -159,8 +86,6 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> t
     It runs the real training loop on fake tensors (workbench.core.memory.predict), so it counts
     activations and temporaries too, not just weights + gradients + Adam state. Cached per setting.
     """
-    from workbench.studies.ladder.rungs import Plan
-    from workbench.core.memory.predict import simulate
 
     key = (cfg.model, cfg.base_size, strategy, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.seq_len,
            cfg.lora_rank, n_blocks)
@@ -220,7 +145,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         extra = {"strategy": strategy, "seed": seed, "device": str(attempt), "budget_mib": attempt.budget_mib}
         t0 = time.perf_counter()
         result = train(model, train_blocks, settings, device=attempt.device, sinks=[steps_sink, *sinks],
-                       memory_probe=lambda: budget.current_mib, extra=extra)
+                       memory_probe=budget.step_peak_mib, extra=extra)
         wall = time.perf_counter() - t0
         phase("eval_after")
         ppl_after = evaluate_perplexity(model, held_blocks, device=attempt.device, precision=cfg.precision,
@@ -258,8 +183,9 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
 # the study
 
 
-def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progress: bool = True) -> pd.DataFrame:
-    """Run every (strategy, seed) of `cfg`; one row per run. Finished runs are read back, not redone."""
+def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progress: bool = True) -> StudyResult:
+    """Run every (strategy, seed) of `cfg`: one row per run, their steps, the summary, claims and
+    overlap tables (all written to results/strategies/). Finished runs are read back, not redone."""
     from tqdm.auto import tqdm
 
     sinks = list(sinks)
@@ -296,16 +222,20 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
         run.write_summary({"status": row["status"], "row": row})
         rows.append(row)
     bar.close()
-    rebuild_runs_table()
-    atomic_write_csv(results_root() / STUDY / "corpus_overlap.csv", corpus_overlap(cfg, corpus))
     df = pd.DataFrame(rows)
-    return df
+    result = StudyResult(STUDY, runs=df, steps=steps_frame(df),
+                         tables={"summary": summarize(df), "claims": claims_table(df),
+                                 "corpus_overlap": corpus_overlap(cfg, corpus)})
+    rebuild_runs_table()
+    writer = ResultsWriter(STUDY)
+    result.paths = {name: str(writer.table(name, table)) for name, table in result.tables.items()}
+    result.paths["runs"] = str(writer.dir / "runs.csv")
+    return result
 
 
 def _tokenizer(cfg: StrategiesConfig):
     from transformers import AutoTokenizer
 
-    from workbench.core.models import ModelNotFoundError, _not_found_message
 
     try:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model, cfg.spec()),
@@ -318,16 +248,13 @@ def _tokenizer(cfg: StrategiesConfig):
 
 
 def rebuild_runs_table() -> pd.DataFrame:
-    """results/strategies/runs.csv from every run's summary.json (so it never disagrees with them).
-
-    Under the study's lock: two processes finishing runs at once each write a complete table."""
-    root = results_root() / STUDY
-    with locked(root / "runs.csv"):
-        rows = []
-        for p in sorted(root.glob("*/summary.json")):
-            s = json.loads(p.read_text())
-            rows.append({**s.get("row", {}), "status": s["status"], "finished": s.get("finished")})
-        return write_runs_table(root, rows)
+    """Put every run's summary.json into results/strategies/runs.csv (so it never disagrees with them,
+    even after a run finished by a process that was killed before it wrote the table)."""
+    rows = []
+    for p in sorted((results_root() / STUDY).glob("*/summary.json")):
+        s = json.loads(p.read_text())
+        rows.append({"run_id": p.parent.name, **s.get("row", {}), "status": s["status"], "finished": s.get("finished")})
+    return ResultsWriter(STUDY).update_runs(rows, key="run_id")
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
@@ -358,23 +285,12 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 def claims_table(df: pd.DataFrame) -> pd.DataFrame:
     """The published study's four rows beside what the workbench measured, with the reasons they differ."""
-    from workbench.core.claims import study1_comparison
 
     return study1_comparison(summarize(df))
 
 
-def write_tables(df: pd.DataFrame) -> dict[str, str]:
-    """Write the summary and claims tables beside runs.csv; returns their paths."""
-    root = results_root() / STUDY
-    paths = {"summary": root / "summary.csv", "claims": root / "claims.csv"}
-    atomic_write_csv(paths["summary"], summarize(df))
-    atomic_write_csv(paths["claims"], claims_table(df))
-    return {k: str(v) for k, v in paths.items()}
-
-
 def steps_frame(df: pd.DataFrame) -> pd.DataFrame:
     """Every run's per-step rows (loss curves), read from steps.jsonl."""
-    from workbench.core.results import read_steps
 
     frames = []
     for run_id, device in zip(df["run_id"], df["device"]):
@@ -387,66 +303,17 @@ def steps_frame(df: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def app(cfg: StrategiesConfig):
-    """The study's control panel: a knob per parameter; Run shows live charts, then the summary."""
-    from IPython.display import display
-
-    from workbench.studies.strategies import figures as plots
-    from workbench.front.live import LiveChart
-    from workbench.front.panel import knobs
-
-    def run(c: StrategiesConfig) -> pd.DataFrame:
-        import ipywidgets
-
-        chart = ipywidgets.Output()
-        display(chart)
-        live = LiveChart(title="Study 1: transfer strategies", output=chart)
-        df = run_strategies(c, sinks=[live], progress=False)
-        live.close()
-        display(summarize(df))
-        plots.perplexity_spread(df).show()
-        return df
-
-    return knobs(StrategiesConfig, cfg, run, title="Study 1: change the settings and press Run")
-
-
-def report_section() -> list[tuple[str, str, Any]]:
-    """The report's parts for study 1, from results/strategies/ (the latest configuration run)."""
-    from workbench.studies.strategies import figures as plots
-    from workbench.core.claims import study1_general_problems
-
-    root_dir = results_root() / STUDY
-    runs = root_dir / "runs.csv"
-    if not runs.exists():
-        return []
-    df = pd.read_csv(runs)
-    if "config_hash" in df and df["config_hash"].notna().any():
-        latest = df.sort_values("finished")["config_hash"].dropna().iloc[-1]
-        df = df[df["config_hash"] == latest]
-    where = "GPU" if df["device"].astype(str).str.startswith("cuda").any() else "CPU"
-    tag = (f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, not a real GPU. '
-           "A CUDA budget caps the allocator's reserved memory (fragmentation included); the CPU budget counts live tensor bytes")
-    problems = "".join(f"<li>{p}</li>" for p in study1_general_problems())
-    overlap = root_dir / "corpus_overlap.csv"
-    overlap_parts = []
-    if overlap.exists():
-        ov = pd.read_csv(overlap)
-        overlap_parts = [
-            ("text", "Held-out text is unseen in content",
-             "Share of each corpus's held-out 50-character windows that occur verbatim in its training "
-             "text: split by document name alone, and as the workbench splits it (repeated paragraphs "
-             "kept once, held-out paragraphs that share a window with training text left out)."),
-            ("table", "", ov[["corpus", "role", "train_chars", "heldout_chars", "overlap_split_by_name_pct",
-                              "overlap_pct", "limit_pct", "heldout_paragraphs_left_out", "docs_that_lost_text"]]),
-        ]
-    return [
-        ("text", "", tag),
-        *overlap_parts,
-        ("table", "Summary over seeds", summarize(df)),
-        ("figure", "", plots.perplexity_spread(df)),
-        ("figure", "", plots.loss_curves(steps_frame(df))),
-        ("table", "Every run and its device history",
-         df[["strategy", "seed", "status", "device_history", "peak_mem_mib", "ppl_before", "ppl_after"]]),
-        ("text", "Why the published figures differ", f"<ul>{problems}</ul>"),
-        ("table", "Published claims beside this measurement", claims_table(df)),
-    ]
+def load_result() -> StudyResult | None:
+    """The latest settings' result, read back from results/strategies/ (None if it never ran)."""
+    root = results_root() / STUDY
+    runs = read_table(root / "runs.csv")
+    if runs.empty:
+        return None
+    if "config_hash" in runs and runs["config_hash"].notna().any():
+        last = runs.sort_values("finished")["config_hash"].dropna().iloc[-1]
+        runs = runs[runs["config_hash"] == last]
+    tables = {name: read_table(root / f"{name}.csv") for name in ("summary", "claims", "corpus_overlap")}
+    if tables["summary"].empty:
+        tables["summary"] = summarize(runs)
+        tables["claims"] = claims_table(runs)
+    return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=steps_frame(runs), tables=tables)

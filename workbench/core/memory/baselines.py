@@ -1,6 +1,6 @@
 """What do the estimators people use today say, and why do they differ from the simulated step?
 
-    from workbench.studies.ladder.baselines import baseline_table
+    from workbench.core.memory.baselines import baseline_table
     baseline_table(config)            # accelerate's estimate-memory and DeepSpeed's model-state figures
 
 Both are called from the libraries themselves:
@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import torch
+from workbench.core.memory.meta import build_meta_model, weights_bytes
 
 
 def accelerate_estimate(config) -> dict[str, Any]:
@@ -29,7 +30,6 @@ def accelerate_estimate(config) -> dict[str, Any]:
     from accelerate.commands.estimate import estimate_training_usage
     from accelerate.utils import calculate_maximum_sizes
 
-    from workbench.core.memory.predict import build_meta_model
 
     total, largest = calculate_maximum_sizes(build_meta_model(config))  # fp32 bytes
     out = {"total_bytes": int(total), "largest_layer_bytes": int(largest[0])}
@@ -65,7 +65,6 @@ def accelerate_device_map(config, *, device_bytes: int) -> dict[str, int]:
     """
     from accelerate import infer_auto_device_map
 
-    from workbench.core.memory.predict import build_meta_model
 
     model = build_meta_model(config)
     no_split = getattr(model, "_no_split_modules", None) or []
@@ -96,9 +95,8 @@ def simple_estimate(total_params: int, trainable_params: int) -> int:
 
 def baseline_table(config) -> list[dict[str, Any]]:
     """The library estimators' figures as rows (bytes), with why each differs from the simulation."""
-    from workbench.core.memory.predict import _weights_bytes
 
-    n, fp32_bytes, largest = _weights_bytes(config)
+    n, fp32_bytes, largest = weights_bytes(config)
     acc = accelerate_estimate(config)
     ds = deepspeed_estimates(n, largest)
     why_acc = ("largest single component (not a sum); no activations, logits or temporaries")

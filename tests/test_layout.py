@@ -1,0 +1,149 @@
+"""The layout is the architecture: core <- studies <- front <- cli, no cycles, no hidden imports.
+
+    .venv/bin/python -m pytest tests/test_layout.py -q        # a second
+
+Read from the source (ast), not from what happens to be imported: every `import workbench...`
+at a module's top level is an edge of the graph. The graph must be acyclic; a lower layer never
+imports a higher one (core knows no study; a study knows no other study and nothing of front);
+and no function imports a workbench module (an import inside a function is how a cycle hides).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "workbench"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The module a dotted import name refers to (a name imported from a package is its module)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path) -> tuple[set[str], list[str]]:
+    """(workbench modules imported at top level, workbench imports inside functions)."""
+    tree = ast.parse(path.read_text())
+    top, nested = set(), []
+
+    def names(node) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            return [f"{node.module}.{a.name}" for a in node.names]
+        return []
+
+    for node in tree.body:
+        for n in names(node):
+            if n.startswith("workbench") and _resolve(n):
+                top.add(_resolve(n))
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                nested += [f"{path.name}:{node.lineno} {n}" for n in names(node) if n.startswith("workbench")]
+    return top, nested
+
+
+GRAPH = {m: _imports(p)[0] - {m} for m, p in MODULES.items()}
+
+
+def _layer(module: str) -> tuple[int, str]:
+    if module == "workbench":  # the root package: only __version__
+        return 0, "core"
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] == "core":
+        return 0, "core"
+    if len(parts) > 2 and parts[1] == "studies":
+        return 1, parts[2]
+    if len(parts) > 1 and parts[1] == "front":
+        return 2, "front"
+    return 3, module  # workbench, workbench.cli, workbench.__main__, workbench.studies
+
+
+def test_the_layout_has_the_three_layers_and_each_study_the_same_shape():
+    assert {"workbench.core.config", "workbench.core.results", "workbench.core.memory.predict",
+            "workbench.front.notebooks", "workbench.front.report", "workbench.front.sweep"} <= set(MODULES)
+    for study in ("strategies", "ladder", "split"):
+        for part in ("config", "runner", "figures"):
+            assert f"workbench.studies.{study}.{part}" in MODULES, (study, part)
+
+
+def test_no_module_imports_a_workbench_module_inside_a_function():
+    nested = [hit for p in MODULES.values() for hit in _imports(p)[1]]
+    assert nested == []
+
+
+def test_imports_go_down_the_layers_only():
+    wrong = []
+    for module, deps in GRAPH.items():
+        level, group = _layer(module)
+        for dep in deps:
+            dlevel, dgroup = _layer(dep)
+            if dlevel > level or (level == dlevel == 1 and dgroup != group):
+                wrong.append(f"{module} -> {dep}")
+    assert wrong == []
+
+
+def test_the_import_graph_has_no_cycle():
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(GRAPH.get(m, ())):
+            if state.get(d) == 1:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+
+
+def test_the_checker_finds_a_cycle_and_a_nested_import(tmp_path):
+    """The checks above can fail: a module that imports inside a function is found, and so is a cycle."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from workbench.core import config\n")
+    assert _imports(bad)[1] and "workbench.core.config" not in _imports(bad)[0]
+    GRAPH["workbench.core.config"].add("workbench.core.results")
+    GRAPH["workbench.core.results"].add("workbench.core.config")
+    try:
+        with pytest.raises(pytest.fail.Exception, match="import cycle"):
+            test_the_import_graph_has_no_cycle()
+    finally:
+        GRAPH["workbench.core.config"].discard("workbench.core.results")
+        GRAPH["workbench.core.results"].discard("workbench.core.config")
+
+
+def test_python_m_workbench_works_like_the_command():
+    out = subprocess.run([sys.executable, "-m", "workbench", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "reproduce" in out.stdout and "strategies" in out.stdout
+
+
+def test_no_module_is_over_400_lines_without_a_reason_in_its_docstring():
+    long = []
+    for module, path in MODULES.items():
+        n = len(path.read_text().splitlines())
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if n > 400 and "over 400 lines" not in doc:
+            long.append(f"{module}: {n} lines")
+    assert long == []

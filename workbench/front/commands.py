@@ -1,0 +1,77 @@
+"""`workbench strategies|ladder|split NAME=VALUE ...`: run one study from the shell.
+
+    workbench strategies base_size=tiny token_budget=6000 'seeds=[0]'
+    workbench ladder --quick micro_batch=2
+    workbench split steps=20 'k_sweep=[0, 0.5, 1]' 'profiles=["H100-SXM"]'
+    workbench split --published        # only the seed's operating point and the verdict on its k band
+
+Every study takes the same syntax: NAME=VALUE for any field of its config (the same names as its
+notebook's parameters cell and its knobs; `workbench STUDY --help` lists them). VALUE is read as
+YAML (`1e-3`, `true`, `[0, 1]`), else kept as a string; unknown names, wrong types and bad values
+are one-line errors. `--quick` starts from the tiny settings `workbench reproduce --quick` uses.
+Results go to results/<study>/ (or $WORKBENCH_RESULTS/<study>/); the runs table is printed rounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pandas as pd
+import yaml
+
+from workbench.core.config import ConfigError
+from workbench.front.notebooks import STUDIES, StudyNotebook
+from workbench.studies.split.perf_model import published_operating_point, seed_verdict
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def parse_assignments(items: list[str]) -> dict:
+    """NAME=VALUE strings as a dict; VALUE parsed as YAML (a string if it is not valid YAML)."""
+    out = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ConfigError(f"expected NAME=VALUE, got {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and _FLOAT.fullmatch(value):  # YAML 1.1 reads 1e-3 as a string
+            value = float(value)
+        out[name] = value
+    return out
+
+
+def register(sub) -> None:
+    for nb in STUDIES.values():
+        fields = "\n".join(f"  {n:<22} {h}" for n, h in nb.config.help().items())
+        p = sub.add_parser(nb.study, help=nb.title, description=__doc__, epilog=f"fields (NAME=VALUE):\n{fields}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("assignments", nargs="*", metavar="NAME=VALUE", help=f"a field of {nb.config.__name__}")
+        p.add_argument("--quick", action="store_true", help="start from the tiny settings (a minute or less)")
+        p.add_argument("--json", action="store_true", help="print the runs table as JSON records")
+        if nb.study == "split":
+            p.add_argument("--published", action="store_true",
+                           help="print the seed's operating point as modelled and the verdict on its k band, then stop")
+        p.set_defaults(func=main, study=nb)
+
+
+def main(args) -> int:
+    nb: StudyNotebook = args.study
+    if getattr(args, "published", False):
+        print(json.dumps(published_operating_point(), indent=2, default=str))
+        print(seed_verdict()["text"])
+        return 0
+    cfg = nb.config.from_dict({**(nb.quick if args.quick else {}), **parse_assignments(args.assignments)})
+    result = nb.run(cfg)
+    if args.json:
+        print(result.runs.to_json(orient="records", indent=1))
+    else:
+        with pd.option_context("display.width", 200, "display.max_rows", 200, "display.max_columns", 30):
+            print(nb.figures.runs_table(result).to_string(index=False))
+        for finding, claim in nb.figures.findings(result):
+            print(f"- {finding}" + (f"  [published: {claim}]" if claim else ""))
+    return 1 if "status" in result.runs and (result.runs["status"] == "error").all() else 0

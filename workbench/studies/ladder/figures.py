@@ -1,0 +1,249 @@
+"""Study 2's charts, tables and report section: used alike by notebook 02, the widget app and the report.
+
+Every function takes the study's result (`run_ladder(cfg)`, or `load_result()` for the report).
+Each figure says where its numbers come from: `predicted` (the training step over fake tensors),
+`estimated` (a formula, for rungs the simulation cannot run) or `measured` here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from workbench.core.charts import loss_curves, rounded
+from workbench.core.common import MiB
+from workbench.core.results import StudyResult
+
+BUDGET_NOTE = ("On a GPU the budget caps the CUDA caching allocator's reserved memory "
+               "(set_per_process_memory_fraction: fragmentation and cached blocks count); on the CPU the "
+               "played budget counts live tensor bytes, so a played budget is a little more generous than "
+               "a card of the same size.")
+
+LADDER_COLUMNS = ["rung", "method", "predicted_peak_mib", "measured_peak_mib", "status", "reason", "step_ms",
+                  "tokens_per_s", "loss_after", "fits_predicted", "fits_measured"]
+CATEGORIES = ["weights", "gradients", "optimizer_state", "activations", "temporaries"]
+
+
+def _hand(result: StudyResult) -> pd.DataFrame:
+    return result.runs[result.runs["role"] == "at hand"]
+
+
+def _reference(result: StudyResult) -> pd.DataFrame:
+    return result.runs[result.runs["role"] == "reference"]
+
+
+def budget_mib(result: StudyResult) -> float:
+    hand = _hand(result)
+    return float(hand["budget_mib"].iloc[0]) if len(hand) else float("nan")
+
+
+def ladder_table(result: StudyResult) -> pd.DataFrame:
+    """The ladder for the model at hand: predicted and measured peak, speed, loss, fit, per rung."""
+    hand = _hand(result)
+    return rounded(hand[[c for c in LADDER_COLUMNS if c in hand]])
+
+
+def ladder_figure(result: StudyResult, title: str = "") -> go.Figure:
+    """Peak device memory per rung (predicted, hatched where estimated, and measured) against the
+    budget, beside the measured step time (rungs that cannot run here have none: their row says why)."""
+    hand = _hand(result)
+    budget = budget_mib(result)
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
+                        subplot_titles=("peak device memory (MiB)", "measured step time (ms)"))
+    for method in ("predicted", "estimated"):
+        part = hand[hand["method"] == method]
+        if len(part):
+            fig.add_trace(go.Bar(x=part["rung"], y=part["predicted_peak_mib"], name=f"{method} (not measured)",
+                                 marker_pattern_shape="/" if method == "estimated" else "",
+                                 hovertext=part["note"].fillna("") if "note" in part else None), row=1, col=1)
+    if "measured_peak_mib" in hand:
+        ok = hand[hand["status"] == "ok"]
+        fig.add_trace(go.Bar(x=ok["rung"], y=ok["measured_peak_mib"], name="measured on this machine"), row=1, col=1)
+        if "step_ms" in ok:
+            fig.add_trace(go.Bar(x=ok["rung"], y=ok["step_ms"], name="step time (measured on this machine)"),
+                          row=1, col=2)
+    fig.add_hline(y=budget, line_dash="dash", line_color="red", annotation_text=f"budget {budget:g} MiB", row=1, col=1)
+    order = dict(categoryorder="array", categoryarray=list(hand["rung"]))
+    fig.update_xaxes(**order)
+    return fig.update_layout(barmode="group", height=450, title=title or "Memory ladder: peak device memory per rung")
+
+
+# the table `workbench ladder` prints
+runs_table = ladder_table
+
+
+def autofit_table(result: StudyResult) -> pd.DataFrame:
+    """Auto-fit's attempts: the rung predicted fastest to fit, run with the budget enforced."""
+    return rounded(result.tables.get("autofit", pd.DataFrame()))
+
+
+def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
+    """Bytes per category at the steady-state peak of one rung: predicted (and measured) for the
+    model at hand, predicted for the reference model."""
+    sel = result.runs[result.runs["rung"] == rung]
+    bars = []
+    for _, r in sel.iterrows():
+        bars.append((f"{r['role']}: predicted", [r.get(f"{c}_bytes", 0) / MiB for c in CATEGORIES]))
+        if r["role"] == "at hand" and r.get("status") == "ok" and f"measured_{CATEGORIES[0]}_bytes" in r:
+            bars.append(("at hand: measured", [r[f"measured_{c}_bytes"] / MiB for c in CATEGORIES]))
+    fig = go.Figure([go.Bar(name=c, x=[b[0] for b in bars], y=[b[1][i] for b in bars])
+                     for i, c in enumerate(CATEGORIES)])
+    where = sel["where"].iloc[0] if len(sel) and "where" in sel else ""
+    return fig.update_layout(barmode="stack", yaxis_title="MiB at the peak", height=420,
+                             title=f"{rung}: bytes per category at the steady-state peak ({where})")
+
+
+def reference_table(result: StudyResult) -> pd.DataFrame:
+    """The reference model's predicted peak per rung (no weights here: predicted only)."""
+    ref = _reference(result)
+    return rounded(ref[[c for c in ("rung", "method", "predicted_peak_mib", "budget_mib", "fits_predicted", "note")
+                        if c in ref]])
+
+
+def published_figure(result: StudyResult) -> go.Figure:
+    """The published memory table (never measured) beside the prediction for the reference model."""
+    pub = result.tables.get("published", pd.DataFrame())
+    ref = _reference(result)
+    model = ref["model"].iloc[0] if len(ref) else "no reference model"
+    fig = go.Figure()
+    if len(pub):
+        fig.add_trace(go.Bar(name="published (not measured)", x=pub["strategy"], y=pub["published_mib"]))
+        if "workbench_predicted_mib" in pub:
+            fig.add_trace(go.Bar(name="workbench prediction (not measured)", x=pub["strategy"],
+                                 y=pub["workbench_predicted_mib"]))
+    return fig.update_layout(barmode="group", yaxis_title="MiB", height=420,
+                             title=f"Published memory table beside the prediction for {model}")
+
+
+def published_table(result: StudyResult) -> pd.DataFrame:
+    pub = result.tables.get("published", pd.DataFrame())
+    return rounded(pub[[c for c in ("strategy", "rung", "published_mib", "workbench_predicted_mib", "note", "source")
+                        if c in pub]])
+
+
+def baselines_figure(result: StudyResult) -> go.Figure:
+    """accelerate's and DeepSpeed's estimators beside the workbench prediction of the same rung."""
+    base = result.tables.get("baselines", pd.DataFrame())
+    fig = go.Figure()
+    if len(base):
+        fig.add_trace(go.Bar(name="library estimate", x=base["estimator"], y=base["estimated_bytes"] / MiB,
+                             hovertext=base.get("why_it_differs")))
+        fig.add_trace(go.Bar(name="workbench (same rung)", x=base["estimator"],
+                             y=base["workbench_predicted_bytes"] / MiB))
+    return fig.update_layout(barmode="group", yaxis_title="MiB", height=450,
+                             title="Library estimators beside the workbench prediction (none measured)")
+
+
+def baselines_table(result: StudyResult) -> pd.DataFrame:
+    return rounded(result.tables.get("baselines", pd.DataFrame()))
+
+
+def loss_figure(result: StudyResult) -> go.Figure:
+    """Training loss per measured rung."""
+    steps = result.steps
+    if len(steps) and "event" in steps:
+        steps = steps[steps["event"].isna()]
+    if not {"rung", "step", "loss"} <= set(steps.columns):
+        return go.Figure().update_layout(title="Training loss per rung (no rung measured)")
+    steps = steps.drop_duplicates(["rung", "step"], keep="last")
+    return loss_curves(steps, color="rung", title="Training loss per rung (measured on this machine)")
+
+
+def findings(result: StudyResult) -> list[tuple[str, str]]:
+    """What we found, each beside the published claim it answers."""
+    hand = _hand(result)
+    out = []
+    measured = hand[hand["status"] == "ok"]
+    if len(measured) and "predicted_vs_measured" in measured:
+        err = (measured["predicted_vs_measured"] - 1).abs().max() * 100
+        out.append((f"Predicted peaks of {len(measured)} rung(s) measured here are within {err:.1f}% of the "
+                    "measured live bytes (the prediction runs the same training step over fake tensors).",
+                    "the published memory table was estimated, never measured"))
+    fit = result.tables.get("autofit", pd.DataFrame())
+    if len(fit):
+        last = fit.iloc[-1]
+        out.append((f"Auto-fit chose {last.get('predicted_choice')} for a {budget_mib(result):g} MiB budget and ran "
+                    f"{last.get('ran') or 'nothing'} with the budget enforced.", ""))
+    pub = result.tables.get("published", pd.DataFrame())
+    if len(pub) and "workbench_predicted_mib" in pub:
+        for r in pub.dropna(subset=["workbench_predicted_mib"]).itertuples():
+            out.append((f"{r.strategy}: predicted {r.workbench_predicted_mib:,.0f} MiB for the reference model.",
+                        f"published {r.published_mib:,.0f} MiB"))
+    return out or [("Nothing was predicted or measured.", "")]
+
+
+def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
+    """Study 2's part of the report: the same tables and charts as notebook 02."""
+    if result is None or result.runs.empty:
+        return []
+    hand, ref = _hand(result), _reference(result)
+    measured = hand[hand["status"] == "ok"]
+    where = ", ".join(sorted(set(measured["device"].astype(str)))) if "device" in measured else ""
+    cpu_note = " (the CPU plays the device: live tensor bytes are counted, as a GPU's allocator would)" \
+        if where == "cpu" else ""
+    model = hand["model"].iloc[0] if len(hand) else ""
+    tags = (
+        f'<span class="tag measured">measured</span> on this machine ({where or "nothing measured"}){cpu_note}: '
+        f"peak, step time, tokens/s and loss of {len(measured)} rung(s) of {model}, and the auto-fit attempts.<br>"
+        '<span class="tag modelled">predicted</span> every peak in the "predicted" columns: the real training '
+        "step run over fake tensors (no weights, no GPU)"
+        + (f"; the reference model ({ref['model'].iloc[0]}) is predicted only" if len(ref) else "") + ".<br>"
+        '<span class="tag modelled">estimated</span> rungs whose method is "estimated" (a formula, see note).<br>'
+        "The published memory table was not measured by its authors either; it is shown as published.<br>"
+        f"{BUDGET_NOTE}"
+    )
+    parts: list[tuple[str, str, Any]] = [
+        ("text", "", tags),
+        ("table", f"The ladder for the model at hand (budget {budget_mib(result):g} MiB: reserved memory on a GPU, "
+                  "live tensor bytes on the CPU)", ladder_table(result)),
+        ("figure", "", ladder_figure(result)),
+        ("figure", "", loss_figure(result)),
+        ("table", "Auto-fit: the rung predicted fastest to fit, run here with the budget enforced "
+                  "(measured where its status is ok or oom)", autofit_table(result)),
+    ]
+    if len(ref):
+        parts += [("table", f"Reference model {ref['model'].iloc[0]}: predicted peaks (not measured)",
+                   reference_table(result)),
+                  ("figure", "", published_figure(result)),
+                  ("table", "Library estimators beside the workbench prediction (none measured)",
+                   baselines_table(result))]
+    return parts
+
+
+NOTEBOOK_INTRO = """# Study 2: will my fine-tune fit on my card, and what is the cheapest change that makes it fit?
+
+The memory ladder: each rung changes one thing about the training step (precision, activation
+checkpointing, micro-batch, optimizer, what trains, where tensors live). For every rung the
+workbench **predicts** the steady-state peak device memory by running the real training step on
+fake tensors (no GPU, no weights), **measures** the rungs that can run on this machine (peak
+live bytes, step time, tokens/s, loss after a fixed number of steps), and marks figures it had to
+**estimate** another way. Auto-fit then picks the fastest rung predicted to fit the budget and
+steps down the ladder on a real out-of-memory error."""
+
+NOTEBOOK_RUN_TITLE = "Study 2: each measured rung (loss, memory against the budget, speed)"
+NOTEBOOK_RUN_KEYS = ("rung", "stage")
+
+NOTEBOOK = [
+    ("## The ladder for the model at hand", "figures.ladder_table(result)"),
+    ("Bars: the predicted peak (hatched where the figure is *estimated*, not simulated) and the measured peak; "
+     "the dashed line is the budget. Right: the measured step time.", "figures.ladder_figure(result).show()"),
+    ("", "figures.loss_figure(result).show()"),
+    ("## Auto-fit\\n\\nThe fastest rung predicted to fit the budget, run with the budget enforced; on a real "
+     "out-of-memory error it steps down the ladder.", "figures.autofit_table(result)"),
+    ("## Where the bytes go at the peak (one rung)\\n\\nWeights, gradients, optimizer state, activations (saved "
+     "for backward) and temporaries at the steady-state peak.",
+     "figures.breakdown_figure(result, cfg.breakdown_rung).show()"),
+    ("## The reference model, predicted", "figures.reference_table(result)"),
+    ("## The published memory table beside the prediction\\n\\nThe published figures "
+     "(`data/published_claims.json`, study2_memory_table) were never measured.",
+     "figures.published_figure(result).show()"),
+    ("", "figures.published_table(result)"),
+    ("## What the usual estimators say, and why they differ\\n\\naccelerate's `estimate-memory` reports the largest "
+     "single component, not a sum; DeepSpeed's estimators count model states only. Neither counts activations, "
+     "the vocabulary-sized logits and their gradient, or optimizer temporaries.",
+     "figures.baselines_figure(result).show()"),
+    ("", "figures.baselines_table(result)"),
+]

@@ -1,0 +1,253 @@
+"""Study 3's charts, tables and report section: used alike by notebook 03, the widget app and the report.
+
+Every function takes the study's result (`run_split_study(cfg)`, or `load_result()` for the report).
+Rows and panels say whether their figures were measured on this machine, modelled for a named GPU
+or published.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from workbench.core.charts import rounded
+from workbench.core.results import StudyResult
+
+RUN_COLUMNS = ["hardware", "run", "mode", "k_actual", "tokens_per_s", "tflops", "accel_idle_share",
+               "host_done_before_bwd_end_share", "first_loss", "final_loss", "ppl_before", "ppl_after",
+               "max_abs_diff_vs_adamw", "accel_memory_gib", "status", "reason"]
+KEY_MODES = ["host only (k=0)", "adaptive", "ZeRO-Offload", "all on accelerator", "plain AdamW"]
+
+
+def _facts(result: StudyResult) -> dict[str, Any]:
+    return result.facts.get("host_and_published", {})
+
+
+def runs_table(result: StudyResult, source: str | None = None) -> pd.DataFrame:
+    """One row per run (`source`: measured, modelled or published; None: all)."""
+    df = result.runs if source is None else result.runs[result.runs["source"] == source]
+    return rounded(df[[c for c in ["source", *RUN_COLUMNS] if c in df]].dropna(axis=1, how="all"))
+
+
+def throughput_figure(result: StudyResult) -> go.Figure:
+    """Tokens/s against k, one panel per machine; each panel's title says measured or modelled."""
+    df = result.runs
+    speed = df[df["source"] != "published"].dropna(subset=["tokens_per_s"])
+    fig = px.scatter(speed, x="k_actual", y="tokens_per_s", color="mode", symbol="mode", facet_col="panel",
+                     facet_col_wrap=2, hover_data=["run", "status"],
+                     labels={"k_actual": "k (share of parameters updated on the accelerator)",
+                             "tokens_per_s": "tokens/s"},
+                     title="Tokens/s against k (panels: measured on this machine, or modelled for a GPU profile)")
+    fig.update_traces(marker_size=10)
+    fig.update_yaxes(matches=None, showticklabels=True)
+    return fig
+
+
+def tflops_figure(result: StudyResult) -> go.Figure:
+    """Achieved TFLOP/s of the key runs beside the seed's published figure (oom rows have none)."""
+    df = result.runs
+    key = df[df["mode"].isin(KEY_MODES) | (df["source"] == "published")].dropna(subset=["tflops"])
+    fig = px.bar(key, x="run", y="tflops", color="source", facet_col="source", hover_data=["status", "k_actual"],
+                 title="Achieved TFLOP/s of the key runs, by source (measured / modelled / published)",
+                 labels={"tflops": "TFLOP/s", "run": ""})
+    fig.update_xaxes(matches=None)
+    fig.update_yaxes(matches=None, showticklabels=True)
+    return fig
+
+
+def idle_figure(result: StudyResult) -> go.Figure:
+    """The share of an iteration the accelerator waits for the host, against k."""
+    df = result.runs
+    idle = df[df["source"] != "published"].dropna(subset=["accel_idle_share"])
+    fig = px.scatter(idle, x="k_actual", y="accel_idle_share", color="mode", symbol="status", facet_col="panel",
+                     facet_col_wrap=2, labels={"k_actual": "k", "accel_idle_share": "accelerator idle share"},
+                     title="Accelerator idle share against k (oom rows: modelled memory does not fit)")
+    return fig.update_traces(marker_size=10)
+
+
+def timeline_figure(result: StudyResult) -> go.Figure:
+    """Backward, transfers and updates of one iteration on each side (measured and modelled)."""
+    timeline = result.tables.get("timeline", pd.DataFrame())
+    if timeline.empty:
+        return go.Figure().update_layout(title="Timeline of one iteration (nothing recorded)")
+    tl = timeline[timeline["run"].isin(["k=0", "adaptive"]) | (timeline["source"] == "modelled")]
+    fig = px.bar(tl, x="duration_ms", y="lane", base="start_ms", color="activity", orientation="h",
+                 facet_row="run", hover_data=["what", "source"], height=260 * max(1, tl["run"].nunique()),
+                 labels={"duration_ms": "ms", "lane": ""}, title="Timeline of one iteration (source in each row's hover)")
+    fig.update_xaxes(matches=None, showticklabels=True)
+    return fig.update_yaxes(matches=None)
+
+
+def loss_figure(result: StudyResult) -> go.Figure:
+    """The measured runs' loss per iteration (the same text blocks from the same weights)."""
+    steps = result.steps
+    if not {"iteration", "loss", "run"} <= set(steps.columns):
+        return go.Figure().update_layout(title="Training loss (no measured run)")
+    return px.line(steps, x="iteration", y="loss", color="run", markers=True,
+                   title="Training loss per iteration on the target corpus (measured on this machine)")
+
+
+def host_done_figure(result: StudyResult) -> go.Figure:
+    """Per iteration, the share of the host's update finished before the accelerator's backward ended."""
+    col = "host_done_before_bwd_end_share"
+    steps = result.steps.dropna(subset=[col]) if col in result.steps else pd.DataFrame(columns=["iteration", col, "run"])
+    fig = px.line(steps, x="iteration", y=col, color="run", markers=True,
+                  labels={col: "share of host update done before backward ended"},
+                  title="Host update finished before backward ended (measured, per iteration)")
+    return fig.update_yaxes(range=[0, 1.05])
+
+
+def k_figure(result: StudyResult) -> go.Figure:
+    """The k each iteration ran with (adaptive runs recompute it from measured times)."""
+    steps = result.steps.dropna(subset=["k_actual"]) if "k_actual" in result.steps else result.steps
+    if steps.empty:
+        return go.Figure().update_layout(title="k per iteration (no measured run)")
+    return px.line(steps, x="iteration", y="k_actual", color="run", markers=True,
+                   title="k used per iteration (measured; adaptive runs recompute it from measured times)")
+
+
+def verdict_text(result: StudyResult) -> str:
+    return _facts(result).get("published", {}).get("verdict", "")
+
+
+def verdict_table(result: StudyResult) -> pd.DataFrame:
+    """For which settings the seed's k band holds (modelled), per host and MFU."""
+    return rounded(result.tables.get("verdict", pd.DataFrame()))
+
+
+def sensitivity_figure(result: StudyResult) -> go.Figure:
+    """k of the seed's setting against sequence length; shaded: the seed's band."""
+    sens = result.tables.get("sensitivity", pd.DataFrame())
+    band = _facts(result).get("published", {}).get("k_band", [0.1, 0.2])
+    if sens.empty:
+        return go.Figure().update_layout(title="k against sequence length (not modelled)")
+    sens = sens.assign(setting=sens["host"] + ", MFU " + sens["mfu"].astype(str))
+    fig = px.line(sens, x="seq_len", y="k_seed_formula", color="setting", markers=True, log_x=True,
+                  title="Published setting: k (seed's formula, modelled alpha) against sequence length; "
+                        "shaded: the seed's band")
+    return fig.add_hrect(y0=band[0], y1=band[1], opacity=0.15, line_width=0)
+
+
+def validation_table(result: StudyResult) -> pd.DataFrame:
+    """The performance model against published offload measurements: error per point."""
+    v = result.tables.get("validation", pd.DataFrame())
+    cols = ["source", "hardware", "model", "setup", "metric", "published", "modelled", "error_pct"]
+    return rounded(v[[c for c in cols if c in v]])
+
+
+def inputs_table(result: StudyResult) -> pd.DataFrame:
+    """Every input of the performance model, with its source."""
+    return result.tables.get("model_inputs", pd.DataFrame())
+
+
+def host_table(result: StudyResult) -> pd.DataFrame:
+    """The host Adam rate and Adam-pattern bandwidth measured here (one thread)."""
+    return pd.Series(_facts(result).get("host", {})).to_frame("this machine")
+
+
+def findings(result: StudyResult) -> list[tuple[str, str]]:
+    """What we found, each beside the published claim it answers."""
+    df = result.runs
+    out = []
+    measured = df[df["source"] == "measured"]
+    if "max_abs_diff_vs_adamw" in measured and measured["max_abs_diff_vs_adamw"].notna().any():
+        worst = measured["max_abs_diff_vs_adamw"].max()
+        out.append((f"The engine trains the same weights as AdamW at every k (largest difference {worst:.2g}), "
+                    f"measured on {', '.join(sorted(set(measured['hardware'].astype(str))))}.", ""))
+    verdict = verdict_text(result)
+    if verdict:
+        out.append((verdict, "k between 0.1 and 0.2 (alpha 0.083, LLaMA2-10B, A100 80 GB)"))
+    v = result.tables.get("validation", pd.DataFrame())
+    if len(v) and "error_pct" in v:
+        out.append((f"The performance model's error against {len(v)} published offload measurements: "
+                    + ", ".join(f"{e:+.0f}%" for e in v["error_pct"].dropna()) + ".", ""))
+    return out or [("Nothing was measured or modelled.", "")]
+
+
+def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
+    """Study 3's part of the report: the same tables and charts as notebook 03."""
+    if result is None or result.runs.empty or "source" not in result.runs:
+        return []
+    df = result.runs
+    measured, modelled = df[df["source"] == "measured"], df[df["source"] == "modelled"]
+    where = ", ".join(sorted(set(measured["hardware"].astype(str)))) or "nothing measured"
+    cpu_note = (" On a machine without a GPU the accelerator is the CPU too: these runs show that training"
+                " is unchanged and how the work overlaps, not GPU speed." if "(cpu)" in where else "")
+    gpus = ", ".join(sorted(set(modelled["hardware"].astype(str))))
+    tags = (
+        f'<span class="tag measured">measured</span> {len(measured)} run(s) of the split engine on {where}: '
+        f"the embedded base fine-tuned on the target corpus: tokens/s, idle share, loss, held-out perplexity "
+        f"before and after, parity with AdamW; and the host Adam rate.{cpu_note}<br>"
+        f'<span class="tag modelled">modelled</span> {len(modelled)} run(s) of the performance model for '
+        f"{gpus or 'no GPU profile'} (data-sheet peaks x a published MFU; the host from a bandwidth model of the "
+        "named CPU, scaled per core from one core measured here): no figure in these rows was measured on that "
+        "hardware. Every input and its source is listed below; none of them is a figure the model is compared "
+        "with.<br>Published: the seed's own claims (data/published_claims.json), shown as published, and the "
+        "published offload measurements the model is validated against."
+    )
+    return [
+        ("text", "", tags),
+        ("table", "Measured runs (this machine)", runs_table(result, "measured")),
+        ("figure", "", throughput_figure(result)),
+        ("table", "Modelled runs (performance model; oom: the modelled card's memory does not fit)",
+         runs_table(result, "modelled")),
+        ("figure", "", tflops_figure(result)),
+        ("figure", "", loss_figure(result)),
+        ("table", "Published claims (the seed's own figures, not measured here)", runs_table(result, "published")),
+        ("text", "", verdict_text(result)),
+        ("table", "Verdict on the seed's k band 0.1-0.2 (modelled): for which sequence lengths it holds, per host "
+                  "and MFU", verdict_table(result)),
+        ("table", "The performance model against published offload measurements (modelled vs published, error "
+                  "per point)", validation_table(result)),
+        ("table", "Every input of the performance model, with its source", inputs_table(result)),
+        ("table", "Host Adam rate and Adam-pattern bandwidth (measured on this machine, one thread)",
+         host_table(result)),
+    ]
+
+
+NOTEBOOK_INTRO = """# Study 3: the adaptive GPU/CPU update split
+
+**Question.** When the optimizer has to live on the host (fp32 master weights and Adam state in CPU
+memory), how much training speed does it win back to update a share *k* of the layers on the GPU
+instead, with *k* computed at run time so that the two sides finish together?
+
+The engine (`workbench.studies.split.engine.SplitEngine`) streams each parameter's gradient to the
+host as soon as backward finalises it and runs a CPU Adam there while backward goes on; the layers
+whose gradients arrive last (the ones the next forward needs first) are updated on the accelerator.
+
+Two kinds of figures, never mixed: **measured** rows come from the engine on this machine,
+fine-tuning the embedded base on the real target corpus with held-out perplexity before and after
+each run (on a machine without a GPU the "accelerator" is the CPU too, so they show that training
+is unchanged and how the work overlaps, not GPU speed); **modelled** rows come from the performance
+model (`workbench.studies.split.perf_model`): a named GPU's data-sheet peak times a published
+model-FLOPs utilisation, and the host from a bandwidth model of the named CPU. The seed's claims and
+published offload measurements are what the model is *compared* with, never inputs."""
+
+NOTEBOOK_RUN_TITLE = "Study 3: the engine's measured runs, each drawn when it ends (loss, speed; memory on CUDA)"
+NOTEBOOK_RUN_KEYS = ("run",)
+
+NOTEBOOK = [
+    ("## The runs\\n\\nOne row per run. `status` is `oom` where the modelled GPU memory exceeds the card. "
+     "`max_abs_diff_vs_adamw` compares each measured run's final weights with plain AdamW.",
+     "figures.runs_table(result)"),
+    ("## Throughput against k\\n\\nPanels are per machine; modelled panels say so in their title.",
+     "figures.throughput_figure(result).show()"),
+    ("", "figures.tflops_figure(result).show()"),
+    ("## Accelerator idle share\\n\\nThe share of an iteration the accelerator waits for the host's updates. "
+     "Balancing k is meant to drive it towards zero.", "figures.idle_figure(result).show()"),
+    ("## One iteration, per side", "figures.timeline_figure(result).show()"),
+    ("## Loss curves\\n\\nIn fp32 the engine's update is the same kernel as `torch.optim.AdamW(fused=True)`, so "
+     "the curves lie on top of each other whatever k is.", "figures.loss_figure(result).show()"),
+    ("## How much of the host's update is done when backward ends", "figures.host_done_figure(result).show()"),
+    ("", "figures.k_figure(result).show()"),
+    ("## The seed's k band: a verdict, not a reproduction\\n\\nThe seed reports alpha = 0.083 and k between 0.1 "
+     "and 0.2 (LLaMA2-10B, batch 8, A100 80 GB) without its sequence length or CPU. The model computes k for "
+     "that setting from its own inputs only.", "print(figures.verdict_text(result))\nfigures.verdict_table(result)"),
+    ("", "figures.sensitivity_figure(result).show()"),
+    ("## The model against published offload measurements", "figures.validation_table(result)"),
+    ("## Every input of the performance model, and the host measured here", "figures.inputs_table(result)"),
+    ("", "figures.host_table(result)"),
+]

@@ -1,0 +1,95 @@
+"""Study 1's settings: which strategies, seeds, token budget, and the device attempts.
+
+    cfg = StrategiesConfig.from_dict({"base_size": "tiny", "token_budget": 2000, "seeds": [0]})
+
+Field names map 1:1 onto notebook 01's parameters cell (generated from this class) and onto
+`workbench strategies NAME=VALUE ...`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from workbench.core.config import Config, ConfigError, param, setting
+from workbench.core.fallback import Attempt, default_attempts
+from workbench.core.models import EMBEDDED, TINY_SPEC, EmbeddedSpec
+from workbench.core.trainable import PAPER_STRATEGIES, STRATEGIES
+from workbench.core.training import TrainSettings
+
+STUDY = "strategies"
+
+
+@dataclass(frozen=True)
+class StrategiesConfig(Config):
+    model: str = setting("model", EMBEDDED)
+    base_size: Literal["default", "tiny"] = setting("base_size", "default")
+    corpus: str = setting("corpus", "embedded", "the target domain")
+    strategies: tuple[str, ...] = param(PAPER_STRATEGIES + ("lora", "bitfit", "qlora"), "strategies to compare",
+                                        choices=tuple(STRATEGIES))
+    seeds: tuple[int, ...] = param((0, 1, 2), "one run per seed and strategy")
+    token_budget: int = param(150_000, "training tokens per run (equal for every strategy)")
+    seq_len: int = setting("seq_len", 128)
+    micro_batch: int = setting("micro_batch", 8)
+    grad_accum: int = setting("grad_accum", 1)
+    lr: float = setting("lr", 1e-3, "warm-up then cosine decay")
+    qlora_lr: float = param(3e-4, "peak learning rate of the QLoRA row (on a 4-bit base the shared rate diverged)")
+    lora_rank: int = setting("lora_rank", 8, "also of QLoRA")
+    precision: Literal["fp32", "bf16", "fp16"] = setting("precision", "fp32", "autocast over fp32 weights; fp16 needs CUDA")
+    budget_mib: float = param(160.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0: none")
+    devices: tuple[str, ...] = param((), "attempts in order, e.g. ['cuda', 'cpu'] or ['cpu@64', 'cpu'] ('cpu@64:cuda' also models a card's caching allocator); empty: the default")
+    preflight: bool = param(True, "skip an attempt whose predicted peak exceeds its budget")
+    eval_blocks: int = setting("eval_blocks", 64)
+    trust_remote_code: bool = setting("trust_remote_code", False)
+
+    def __post_init__(self):
+        for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0 or self.qlora_lr <= 0:
+            raise ConfigError(f"lr and qlora_lr must be positive, got {self.lr} and {self.qlora_lr}")
+        if self.budget_mib < 0:
+            raise ConfigError(f"budget_mib must be >= 0 (0 = no budget), got {self.budget_mib}")
+        if not self.strategies:
+            raise ConfigError("strategies is empty")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ConfigError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+        if len(set(self.strategies)) != len(self.strategies) or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError("strategies and seeds must not repeat")
+        if not self.seeds:
+            raise ConfigError("seeds is empty")
+        for d in self.devices:
+            Attempt.parse(d)
+        if self.precision == "fp16" and not any(d.startswith("cuda") for d in self.attempts_as_text()):
+            raise ConfigError("fp16 needs a CUDA device; use bf16 or fp32")
+
+    # derived values are methods, not stored fields
+    def spec(self) -> EmbeddedSpec:
+        return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()
+
+    def attempts(self) -> tuple[Attempt, ...]:
+        if self.devices:
+            return tuple(Attempt.parse(d) for d in self.devices)
+        return default_attempts(self.budget_mib or None)
+
+    def attempts_as_text(self) -> list[str]:
+        return [str(a) for a in self.attempts()]
+
+    def steps(self) -> int:
+        return max(1, self.token_budget // (self.micro_batch * self.grad_accum * self.seq_len))
+
+    def train_settings(self, seed: int, strategy: str = "") -> TrainSettings:
+        steps = self.steps()
+        lr = self.qlora_lr if strategy == "qlora" else self.lr
+        return TrainSettings(steps=steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
+                             lr=lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
+
+    def run_id(self, strategy: str, seed: int, inputs: str = "") -> str:
+        """The run's folder name: strategy, seed and a key of everything that changes its result:
+        the settings, and `inputs` (see `run_inputs`: corpus content, base weights, version)."""
+        run_fields = {k: v for k, v in self.to_dict().items() if k not in ("strategies", "seeds")}
+        blob = json.dumps({"settings": type(self).from_dict(run_fields).hash(), "inputs": inputs}, sort_keys=True)
+        return f"{strategy}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
