@@ -74,3 +74,27 @@ def test_hash_is_stable_and_sensitive():
     a, b = Demo(), Demo.from_dict({"steps": 11})
     assert a.hash() == Demo().hash() and a.hash() != b.hash()
     assert a.replace(steps=11) == b
+
+
+def test_every_study_uses_the_shared_vocabulary():
+    """A setting that means the same thing has one name, one type and one help text in every study."""
+    from typing import get_type_hints
+
+    from workbench.core.config import VOCABULARY
+    from workbench.studies.ladder.config import LadderConfig
+    from workbench.studies.split.config import SplitConfig
+    from workbench.studies.strategies.config import StrategiesConfig
+
+    # names the vocabulary replaced: none of them may come back
+    retired = {"tiny", "batch", "batch_size", "iterations", "seq", "warmup", "reference_seq", "reference_batch",
+               "modelled_batch", "modelled_seq"}
+    for cls in (StrategiesConfig, LadderConfig, SplitConfig):
+        hints = get_type_hints(cls)
+        assert not retired & set(cls.fields()), cls.__name__
+        for name, f in cls.fields().items():
+            if name in VOCABULARY:
+                tp, help_ = VOCABULARY[name]
+                assert hints[name] == tp, (cls.__name__, name)
+                assert f.metadata["help"].startswith(help_) and f.metadata.get("setting") == name, (cls.__name__, name)
+    shared = set(StrategiesConfig.fields()) & set(LadderConfig.fields()) & set(SplitConfig.fields())
+    assert {"model", "base_size", "seq_len", "micro_batch", "lr"} <= shared

@@ -321,3 +321,24 @@ def test_reference_device_is_validated_and_the_pure_bf16_rungs_are_in_the_study(
         LadderConfig(reference_device="tpu")
     assert LadderConfig().reference_device == "cpu"  # study 2's default stays the exact CPU prediction
     assert {"bf16_true", "bf16_true_lora"} <= set(LadderConfig().rungs)
+
+
+def test_the_default_budget_makes_auto_fit_choose_a_middle_rung_of_the_embedded_default():
+    """The notebook's auto-fit demonstration: at the default budget the faster rungs do not fit and
+    a middle rung does (not the CPU, which always fits). The embedded default's config is built
+    from its spec (its trained tokenizer has exactly spec.vocab_size tokens), no weights needed."""
+    from transformers import Qwen2Config
+
+    from workbench.core.models import EmbeddedSpec
+
+    spec, cfg = EmbeddedSpec(), LadderConfig()
+    config = Qwen2Config(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                         max_position_embeddings=2048, tie_word_embeddings=True)
+    rungs = ("fp32", "bf16_true", "bf16_ckpt", "lora", "cpu")
+    choice = auto_fit(config, batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib, rungs=rungs,
+                      device="cpu")
+    fits = {r["rung"]: r["fits"] for r in choice.table}
+    assert choice.rung == "bf16_ckpt"
+    assert not fits["fp32"] and not fits["bf16_true"] and fits["lora"] and fits["cpu"]
