@@ -26,6 +26,7 @@ th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
 .tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;color:white}
 .measured{background:#2ca02c}.modelled{background:#ff7f0e}.missing{background:#999}
 pre{background:#f7f7f7;padding:0.5em;overflow-x:auto}
+.findings td,.findings th{text-align:left;font-size:14px;max-width:600px}
 """
 
 
@@ -44,7 +45,7 @@ def findings_html() -> tuple[str, dict[str, Any]]:
         for i, (what, claim) in enumerate(found):
             study = html.escape(nb.title) if i == 0 else ""
             rows.append(f"<tr><td>{study}</td><td>{html.escape(what)}</td><td>{html.escape(claim)}</td></tr>")
-    table = ("<table><tr><th>study</th><th>what we found</th><th>the published claim</th></tr>"
+    table = ('<table class="findings"><tr><th>study</th><th>what we found</th><th>the published claim</th></tr>'
              + "".join(rows) + "</table>")
     return table, results
 

@@ -58,7 +58,7 @@ def ladder_figure(result: StudyResult, title: str = "") -> go.Figure:
         if len(part):
             fig.add_trace(go.Bar(x=part["rung"], y=part["predicted_peak_mib"], name=f"{method} (not measured)",
                                  marker_pattern_shape="/" if method == "estimated" else "",
-                                 hovertext=part["note"].fillna("") if "note" in part else None), row=1, col=1)
+                                 hovertext=part["note"].astype("string").fillna("") if "note" in part else None), row=1, col=1)
     if "measured_peak_mib" in hand:
         ok = hand[hand["status"] == "ok"]
         fig.add_trace(go.Bar(x=ok["rung"], y=ok["measured_peak_mib"], name="measured on this machine"), row=1, col=1)
