@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from workbench.core.results import append_benchmark_row  # noqa: E402
 from workbench.studies.split.adam import backend_status  # noqa: E402
 from workbench.studies.split.hostbench import ADAM_BYTES, adam_pattern_bandwidth, adam_step_time, share_of  # noqa: E402
-from workbench.core.results import append_benchmark_row  # noqa: E402
 
 NAME = "cpu_adam"
 # bump when the method changes (2: best of three bandwidth probes; 3: one Adam-pattern probe,

@@ -51,8 +51,8 @@ import torch  # noqa: E402
 from workbench.core.memory.budget import device_budget  # noqa: E402
 from workbench.core.models import EmbeddedSpec  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
-from workbench.front.sweep import threads_per_worker  # noqa: E402
 from workbench.core.training import BlockSampler, TrainSettings, train  # noqa: E402
+from workbench.front.sweep import threads_per_worker  # noqa: E402
 
 VERSION = 3  # bump when the method changes (3: all loops timed from outside; live-bytes hook figure)
 TARGET = 1.03

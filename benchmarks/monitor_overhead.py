@@ -35,8 +35,8 @@ import torch  # noqa: E402
 
 from workbench.core.memory.monitor import MemoryMonitor  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
-from workbench.front.sweep import threads_per_worker  # noqa: E402
 from workbench.core.training import TrainSettings, train  # noqa: E402
+from workbench.front.sweep import threads_per_worker  # noqa: E402
 
 NAME = "monitor_overhead"
 VERSION = 3  # bump when the method changes (2: default interval 0.5 s; 3: ABBA order, a real run's threads)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.meta import model_config
+from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 
@@ -58,13 +58,13 @@ def main() -> int:
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     if args.validate:
-        from workbench.studies.ladder.validation import validation_table
         from workbench.core.results import results_root
+        from workbench.studies.ladder.validation import validation_table, write_margins
 
         out = Path(results_root()) / "ladder" / "validation.csv"
         rows = validation_table(out=out)
         worst = max(abs(r["error_pct"]) for r in rows)
-        print(f"  wrote {out}")
+        print(f"  wrote {out} and {write_margins(rows)}")
         print(f"{NAME}_validation: {worst:.1f}")
         return 0
     config = model_config(args.model)

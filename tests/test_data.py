@@ -1,8 +1,18 @@
 import pytest
 import torch
 
-from workbench.core.data import (MAX_OVERLAP, WINDOW, CorpusError, _paragraphs, corpus_blocks, overlap_share,
-                            target_corpus, token_blocks, unigram_perplexity, window_hashes)
+from workbench.core.data import (
+    MAX_OVERLAP,
+    WINDOW,
+    CorpusError,
+    _paragraphs,
+    corpus_blocks,
+    overlap_share,
+    target_corpus,
+    token_blocks,
+    unigram_perplexity,
+    window_hashes,
+)
 
 
 def test_window_hashes_match_the_windows_they_hash():

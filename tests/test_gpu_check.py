@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.front import gpu_check as gc
 from workbench.core.memory.plan import RUNGS
+from workbench.front import gpu_check as gc
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.core.memory.plan import RUNGS
-from workbench.studies.ladder.rungs import FitChoice, auto_fit, measure, run_with_fallback
 from workbench.core.memory.monitor import MemoryMonitor
-from workbench.studies.ladder.runner import LadderConfig, run_ladder
+from workbench.core.memory.plan import RUNGS
 from workbench.core.models import TINY_SPEC, load_model
-
+from workbench.studies.ladder.rungs import FitChoice, auto_fit, measure, run_with_fallback
+from workbench.studies.ladder.runner import LadderConfig, run_ladder
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +192,8 @@ def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch)
 def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypatch):
     """On a (pretend) CUDA device these rungs go through their own mechanism; where it cannot run
     they are `not measured` with the reason, never bf16_ckpt's figure under their name."""
-    import workbench.studies.ladder.rungs as ladder
     import workbench.core.training as training
+    import workbench.studies.ladder.rungs as ladder
 
     def plain(*a, **k):
         raise AssertionError("trained as plain bf16")

@@ -14,9 +14,9 @@ import torch
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting
 from workbench.core.memory.plan import RUNGS
-from workbench.studies.ladder.rungs import measure
 from workbench.core.memory.predict import predict
 from workbench.core.models import TINY_SPEC, ModelNotFoundError, load_model
+from workbench.studies.ladder.rungs import measure
 
 SEQ, BATCH = 64, 4
 

@@ -5,8 +5,15 @@ import pytest
 import torch
 
 from workbench.core import models
-from workbench.core.models import (TINY_SPEC, ModelNotFoundError, cache_is_valid, embedded_metrics,
-                              ensure_embedded_base, load_config, load_model)
+from workbench.core.models import (
+    TINY_SPEC,
+    ModelNotFoundError,
+    cache_is_valid,
+    embedded_metrics,
+    ensure_embedded_base,
+    load_config,
+    load_model,
+)
 
 
 def test_embedded_base_loads_through_auto_classes(tiny_base):

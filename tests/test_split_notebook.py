@@ -10,7 +10,6 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 import pytest
-
 from conftest import executed_plots
 
 ROOT = Path(__file__).resolve().parent.parent

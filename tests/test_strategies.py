@@ -1,8 +1,8 @@
 import pytest
 import torch
+from conftest import ARCHS, tiny_config
 from transformers import AutoModelForCausalLM
 
-from conftest import ARCHS, tiny_config
 from workbench.core.trainable import STRATEGIES, StrategyNotApplicable, apply_strategy, model_parts
 
 

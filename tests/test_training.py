@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_config
 from workbench.core.config import ConfigError
 from workbench.core.training import TrainSettings, evaluate_perplexity, train
 

@@ -10,6 +10,7 @@ import json
 from functools import lru_cache
 
 import pandas as pd
+
 from workbench.core.common import PROJECT_ROOT
 
 CLAIMS_FILE = PROJECT_ROOT / "data" / "published_claims.json"

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
-from workbench.core.data import corpus_blocks, source_corpus, target_corpus, unigram_perplexity, SPLIT_VERSION
+from workbench.core.data import SPLIT_VERSION, corpus_blocks, source_corpus, target_corpus, unigram_perplexity
 from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
 EMBEDDED = "embedded"

@@ -27,6 +27,7 @@ import pandas as pd
 import peft
 import torch
 import transformers
+
 from workbench.core.common import PROJECT_ROOT
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")

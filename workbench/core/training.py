@@ -29,7 +29,6 @@ from workbench.core.config import Config, ConfigError, param
 from workbench.core.memory import monitor
 
 
-
 @dataclass(frozen=True)
 class TrainSettings(Config):
     steps: int = param(100, "optimizer steps to take")

@@ -29,17 +29,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
-from workbench.core.results import atomic_write_json, atomic_write_text, environment, RERUN_ENV, results_root
+from workbench.core.results import RERUN_ENV, atomic_write_json, atomic_write_text, environment, results_root
 from workbench.core.training import TrainSettings, train
-from workbench.studies.ladder.rungs import measure
 from workbench.studies.ladder.config import LadderConfig
-from workbench.studies.split import gpu_check as split_gpu_check
+from workbench.studies.ladder.rungs import measure
 from workbench.studies.ladder.runner import model_at_hand
+from workbench.studies.split import gpu_check as split_gpu_check
 from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.runner import run_strategies
 

@@ -30,7 +30,6 @@ from plotly.subplots import make_subplots
 
 from workbench.core import charts  # noqa: F401  (sets the plotly_mimetype renderer)
 
-
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
                 ("nvml_used_mib", "NVML used", "dot"))
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from workbench.core.memory.live_bytes import MiB, LiveBytes
+from workbench.core.memory.live_bytes import LiveBytes, MiB
 
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("setup", "forward", "backward", "optimizer")

@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import torch
+
 from workbench.core.memory.meta import build_meta_model, weights_bytes
 
 

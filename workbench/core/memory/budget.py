@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.core.memory.cuda_model import CachingAllocator
-from workbench.core.memory.live_bytes import MiB, LiveBytes
+from workbench.core.memory.live_bytes import LiveBytes, MiB
 
 ALLOCATORS = ("live", "cuda")
 

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
-from workbench.core.common import MiB
+
 from workbench.core import training
+from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 
 GiB = 2**30

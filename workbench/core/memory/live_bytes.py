@@ -25,8 +25,8 @@ from typing import Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from workbench.core.common import MiB
 
+from workbench.core.common import MiB
 
 
 def _storages(t: torch.Tensor, device_type: str | None = None):

@@ -26,8 +26,8 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
-from workbench.core.common import MiB, Sink
 
+from workbench.core.common import MiB, Sink
 
 
 def open_nvml(index: int = 0, *, say: Callable[[str], None] | None = None):

@@ -32,8 +32,8 @@ from typing import Any, Literal
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.core.training import TrainSettings, make_optimizer
 from workbench.core.trainable import apply_strategy
+from workbench.core.training import TrainSettings, make_optimizer
 
 # "bf16"/"fp16": autocast over fp32 weights (bf16-mixed / fp16-mixed); "bf16_true"/"fp16_true": pure
 # half-precision weights, gradients and optimizer state (torchtune's and LitGPT's bf16-true).

@@ -43,15 +43,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from workbench.core.common import MiB
+from workbench.core.config import ConfigError
+from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport, model_tensors
+from workbench.core.memory.baselines import accelerate_device_map, deepspeed_estimates
+from workbench.core.memory.meta import build_meta_model, model_config, model_label, weights_bytes
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.models import check_seq_len
 from workbench.core.training import train
-from workbench.core.config import ConfigError
-from workbench.core.memory import cuda_model
-from workbench.core.memory.baselines import accelerate_device_map, deepspeed_estimates
-from workbench.core.memory.meta import build_meta_model, model_config, model_label, weights_bytes
-
 
 
 @dataclass

@@ -20,11 +20,11 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryReport
 from workbench.core.memory.cuda_model import CachingAllocator
-from workbench.core.memory import cuda_model
-from workbench.core.memory.plan import rung
 from workbench.core.memory.meta import model_config
+from workbench.core.memory.plan import rung
 from workbench.core.memory.predict import simulate
 
 

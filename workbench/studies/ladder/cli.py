@@ -22,15 +22,15 @@ import sys
 
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
-from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES
 from workbench.core.memory.accounting import CATEGORIES
-from workbench.core.memory.plan import plan_from_flags
+from workbench.core.memory.cuda_model import card as cuda_card
 from workbench.core.memory.meta import model_config
+from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES, plan_from_flags
 from workbench.core.memory.predict import predict
 from workbench.core.memory.snapshot import dump, predicted_snapshot
 from workbench.core.models import ModelNotFoundError
+from workbench.studies.ladder.autofit import search
 from workbench.studies.ladder.rungs import auto_fit
-
 
 
 def register(sub) -> None:
@@ -67,6 +67,11 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=2, help="steps to simulate; the last is reported (>= 2)")
     p.add_argument("--budget-mib", type=float, default=None, help="device budget in MiB: say whether it fits")
     p.add_argument("--auto-fit", action="store_true", help="pick the fastest rung predicted to fit --budget-mib")
+    p.add_argument("--search", action="store_true",
+                   help="from this setup, search micro-batch (same effective batch), checkpointing, precision, "
+                        "optimizer and offload for the fastest setup predicted to fit --budget-mib or --card, with "
+                        "a margin from the prediction's measured error")
+    p.add_argument("--allow-lora", action="store_true", help="with --search: LoRA may replace full fine-tuning")
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     p.add_argument("--snapshot", default=None, metavar="PATH", help="also write the predicted step's allocation "
                    "timeline as a memory snapshot pickle (open it at pytorch.org/memory_viz); one setup only")
@@ -113,6 +118,11 @@ def _check(args) -> list[str]:
         raise ConfigError(f"--budget-mib must be a positive number of MiB, got {args.budget_mib}")
     if args.auto_fit and args.budget_mib is None:
         raise ConfigError("--auto-fit needs --budget-mib")
+    if args.search and args.budget_mib is None and args.card is None:
+        raise ConfigError("--search needs --budget-mib or --card (the memory to fit)")
+    if args.search and args.auto_fit:
+        raise ConfigError("--search and --auto-fit are two searches: pick one (--search keeps the batch and "
+                          "searches more than the rungs)")
     return list(RUNGS) if (args.rung == "all" or args.auto_fit) else [args.rung] if args.rung else []
 
 
@@ -138,6 +148,8 @@ def _estimate(args) -> int:
         path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq, steps=args.steps,
                                        card=args.card), args.snapshot)
         print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
+    if args.search:
+        return _search(args, config, plan or RUNGS[names[0]])
     if plan is not None:
         preds = {plan.name: predict(config, plan, **kw)}
     else:
@@ -218,6 +230,33 @@ def _estimate(args) -> int:
               + (" (the fastest rung predicted to fit; on a real OOM, step down in this order: "
                  + " -> ".join(choice.order()) + ")" if choice.rung else ""))
     return 0
+
+
+def _search(args, config, setup) -> int:
+    """`--search`: the joint auto-fit (workbench.studies.ladder.autofit), printed with its reasons."""
+    budget_mib = args.budget_mib
+    if budget_mib is None:
+        c = cuda_card(args.card)
+        budget_mib = (c.total_bytes - c.context_bytes) / MiB  # what the card leaves after the CUDA context
+    choice = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
+                    allow_lora=args.allow_lora)
+    if args.json:
+        print(json.dumps({"model": args.model, "batch": args.batch, "seq": args.seq, "budget_mib": budget_mib,
+                          "chosen": choice.plan.name if choice.plan else None, "micro_batch": choice.micro_batch,
+                          "why": choice.why, "margin": choice.margin, "margin_source": choice.margin_source,
+                          "step_down": [p.name for p in choice.fitting], "tried": choice.table}, indent=2))
+        return 0 if choice.plan else 1
+    print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {budget_mib:,.0f} MiB  "
+          f"(from {setup.help})")
+    print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'+margin':>9}  fits")
+    for r in choice.table:
+        print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {r['need_mib']:>9,.1f} {r['with_margin_mib']:>9,.1f}  "
+              f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else ""))
+    print(f"auto-fit: {choice.why}")
+    if len(choice.fitting) > 1:
+        print("on a real out-of-memory error, step down (same effective batch): "
+              + " -> ".join(p.name for p in choice.fitting))
+    return 0 if choice.plan else 1
 
 
 def p_cats():

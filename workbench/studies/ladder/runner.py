@@ -32,15 +32,15 @@ from typing import Any, Iterable
 import pandas as pd
 import torch
 
-from workbench.core.config import ConfigError
-from workbench.core.memory.plan import RUNGS
 from workbench.core.common import MiB, Sink
+from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
+from workbench.core.memory.baselines import baseline_table
 from workbench.core.memory.meta import model_config
+from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
 from workbench.core.models import load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, read_steps, read_table, results_root
-from workbench.core.memory.baselines import baseline_table
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
 from workbench.studies.ladder.rungs import auto_fit, measure, run_with_fallback
 

@@ -1,6 +1,7 @@
 """How close is the CUDA-modelled prediction to published GPU measurements? The validation table.
 
     .venv/bin/python benchmarks/predict_ladder.py --validate     # writes results/ladder/validation.csv
+                                                                 # and data/prediction_error.json
 
 Each row is a published training-step peak whose settings are complete (model, precision, what
 trains, optimizer, batch x sequence, checkpointing, card, and what the figure measures), the
@@ -11,15 +12,16 @@ predicted step are listed per source (`SOURCES`), not corrected for.
 
 from __future__ import annotations
 
-import csv
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import pandas as pd
+
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.memory.plan import plan_from_flags
 from workbench.core.memory.predict import predict
+from workbench.core.results import atomic_write_csv, atomic_write_json, git_commit, now
 
 ROOT = PROJECT_ROOT
 CONFIGS = ROOT / "data" / "configs"
@@ -105,12 +107,29 @@ def validation_table(rows=PUBLISHED, out: str | Path | None = None, log=print) -
             f"predicted {res['predicted_gb']:>7.3f}  error {res['error_pct']:+5.1f}%  [{res['predict_seconds']:.0f} s]")
         results.append(res)
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-        with os.fdopen(fd, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(results[0]))
-            w.writeheader()
-            w.writerows(results)
-        os.replace(tmp, out)
+        atomic_write_csv(out, pd.DataFrame(results))
     return results
+
+
+# The margin auto-fit keeps below a card: derived from how far the prediction fell short of the
+# published peaks above (under-predictions are what make a "fits" wrong), never a fixed guess.
+MARGINS_FILE = ROOT / "data" / "prediction_error.json"
+
+
+def margins(results: list[dict]) -> dict:
+    """The worst under-prediction (in %) per precision family among `results`, and overall: the
+    margin a prediction of that kind needs to be safe on the cards it was checked against."""
+    worst: dict[str, float] = {}
+    for r in results:
+        family = r["setup"].split(",")[0].strip()  # bf16-mixed, bf16-true, ...
+        short = max(0.0, -float(r["error_pct"]))
+        worst[family] = max(worst.get(family, 0.0), short)
+    return {"by_precision_pct": worst, "overall_pct": max(worst.values(), default=0.0),
+            "rows": len(results), "measures": sorted({r["measures"] for r in results})}
+
+
+def write_margins(results: list[dict], path: str | Path = MARGINS_FILE) -> Path:
+    """data/prediction_error.json: the margins, with where they come from (committed: auto-fit reads it)."""
+    return atomic_write_json(path, {**margins(results), "source": "workbench.studies.ladder.validation against "
+                                    + "; ".join(sorted({r["source"] for r in results})),
+                                    "written": now(), "git_commit": git_commit()})

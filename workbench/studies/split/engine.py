@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from workbench.studies.split import _cuda
-from workbench.studies.split.adam import AdamHP, ParamAdam, backend_status, BackendUnavailable
+from workbench.studies.split.adam import AdamHP, BackendUnavailable, ParamAdam, backend_status
 from workbench.studies.split.balance import Rates, balance_k
 from workbench.studies.split.layers import guessed_arrival_order, last_arriving, split_layers
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import time
 from typing import Any
+
 from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP
 from workbench.studies.split.engine import SplitEngine

@@ -47,11 +47,10 @@ from pathlib import Path
 
 import torch
 
-from workbench.studies.split.balance import Rates, balance_k
-from workbench.studies.split.hostbench import ADAM_BYTES
-from workbench.studies.split.layers import find_block_list, guessed_arrival_order, last_arriving, split_layers
 from workbench.core.common import PROJECT_ROOT
-from workbench.studies.split.hostbench import measure_host
+from workbench.studies.split.balance import Rates, balance_k
+from workbench.studies.split.hostbench import ADAM_BYTES, measure_host
+from workbench.studies.split.layers import find_block_list, guessed_arrival_order, last_arriving, split_layers
 
 PROFILES = Path(__file__).with_name("profiles.json")
 CLAIMS = PROJECT_ROOT / "data" / "published_claims.json"

@@ -36,18 +36,18 @@ from typing import Callable, Iterable
 import pandas as pd
 import torch
 
-from workbench.studies.split import perf_model as pm
-from workbench.studies.split.adam import AdamHP, backend_status
-from workbench.studies.split.balance import balance_k
-from workbench.studies.split.config import STUDY, SplitConfig
-from workbench.studies.split.engine import SplitEngine
-from workbench.studies.split.hostbench import measure_host
 from workbench.core.common import Sink
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.models import load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
 from workbench.core.training import evaluate_perplexity
+from workbench.studies.split import perf_model as pm
 from workbench.studies.split._cuda import Clock
+from workbench.studies.split.adam import AdamHP, backend_status
+from workbench.studies.split.balance import balance_k
+from workbench.studies.split.config import STUDY, SplitConfig
+from workbench.studies.split.engine import SplitEngine
+from workbench.studies.split.hostbench import measure_host
 from workbench.studies.split.zero_baseline import run_zero_offload
 
 

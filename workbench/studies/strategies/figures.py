@@ -5,10 +5,10 @@ Figures are built from results tables only (nothing is scraped from logs).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import plotly.graph_objects as go
-
-from typing import Any
 
 from workbench.core.charts import loss_curves, rounded
 from workbench.core.claims import study1_general_problems

@@ -1,0 +1,109 @@
+"""Auto-fit that keeps the training the same (issue 10 item 5): the joint search on a tiny config.
+
+    .venv/bin/python -m pytest tests/test_autofit.py -q        # about a minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from workbench.core.config import ConfigError
+from workbench.core.memory.plan import plan_from_flags
+from workbench.studies.ladder import autofit
+from workbench.studies.ladder.autofit import candidates, cost, prediction_margin, run_with_step_down, search
+
+BATCH, SEQ = 8, 64
+
+
+@pytest.fixture(scope="module")
+def config():
+    return tiny_config("qwen2")
+
+
+def _setup(**kw):
+    return plan_from_flags(**{"precision": "fp32", "optimizer": "adamw_torch", "trainable": "full", "batch": BATCH,
+                              **kw})
+
+
+def test_every_candidate_keeps_the_effective_batch_and_the_setup_is_among_them():
+    setup = _setup()
+    plans = candidates(setup, BATCH)
+    assert all(BATCH % p.accum == 0 for p in plans)  # micro-batch x accumulation = the batch, always
+    assert {BATCH // p.accum for p in plans} == {1, 2, 4, 8}
+    assert any((p.precision, p.optimizer, p.grad_checkpointing, p.accum) == ("fp32", "adamw_torch", False, 1)
+               for p in plans)
+    assert all(p.trainable == "full" for p in plans)  # LoRA changes what trains: only when allowed
+    assert {p.trainable for p in candidates(setup, BATCH, allow_lora=True)} == {"full", "lora"}
+    # the prior: half precision is cheaper, checkpointing and accumulation cost
+    base = cost(setup)
+    assert cost(setup.__class__(**{**setup.__dict__, "precision": "bf16"})) < base
+    assert cost(setup.__class__(**{**setup.__dict__, "grad_checkpointing": True})) > base
+
+
+def test_the_margin_is_the_predictions_measured_error(tmp_path):
+    data = json.loads(autofit.MARGINS_FILE.read_text())
+    m, why = prediction_margin(_setup(precision="bf16-true"))
+    assert m == pytest.approx(data["by_precision_pct"]["bf16-true"] / 100) and "bf16-true" in why
+    m, why = prediction_margin(_setup())  # fp32 was not validated: the worst row overall
+    assert m == pytest.approx(data["overall_pct"] / 100) and "no fp32 row" in why
+    assert data["overall_pct"] == max(data["by_precision_pct"].values()) > 0
+    with pytest.raises(ConfigError, match="predict_ladder.py --validate"):
+        prediction_margin(_setup(), path=tmp_path / "missing.json")
+
+
+def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
+    setup = _setup()
+    roomy = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=10_000, keep=1)
+    ranked = sorted(candidates(setup, BATCH), key=cost)
+    assert roomy.plan.name == ranked[0].name and len(roomy.table) == 1  # the cheapest prior fits: one prediction
+    need = roomy.table[0]["need_mib"]
+    # a budget the cheapest setup fits only without the margin: the search moves on, to a setup that
+    # fits with it, and says why
+    tight = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=need * 1.05, keep=1)
+    assert tight.plan is not None and tight.plan.name != ranked[0].name
+    assert tight.table[0]["setup"] == ranked[0].name and not tight.table[0]["fits"]
+    chosen = tight.table[-1]
+    assert chosen["fits"] and chosen["with_margin_mib"] <= need * 1.05 < tight.table[0]["with_margin_mib"]
+    assert tight.micro_batch * tight.plan.accum == BATCH and "margin" in tight.why
+    assert search(config, setup, batch=BATCH, seq=SEQ, budget_mib=need * 1.05, keep=1, margin=0.0).plan.name \
+        == ranked[0].name  # without the margin the cheapest would have been taken
+
+
+def test_a_real_oom_steps_down_at_the_same_effective_batch(config):
+    choice = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, keep=3)
+    assert len(choice.fitting) == 3
+    ran = []
+
+    def attempt(plan):
+        ran.append(plan)
+        if len(ran) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (first setup)")
+        return "trained"
+
+    plan, result, tries = run_with_step_down(choice, attempt, log=lambda s: None)
+    assert result == "trained" and plan is choice.fitting[1] and [t["status"] for t in tries] == ["oom", "ok"]
+    assert all(BATCH % p.accum == 0 for p in ran)
+    with pytest.raises(torch.OutOfMemoryError, match="no setup fits"):
+        run_with_step_down(choice, lambda p: (_ for _ in ()).throw(torch.OutOfMemoryError("x")), log=lambda s: None)
+
+
+def test_estimate_search_from_the_command_line(config, tmp_path, capsys):
+    from workbench.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json_string())
+    assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--search"]) == 2
+    assert "--search needs --budget-mib or --card" in capsys.readouterr().err
+    assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--search", "--auto-fit",
+                 "--budget-mib", "100"]) == 2
+    capsys.readouterr()
+    assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--precision", "bf16-true",
+                 "--search", "--budget-mib", "10000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chosen"].startswith("bf16-true") and out["margin"] == pytest.approx(
+        json.loads(autofit.MARGINS_FILE.read_text())["by_precision_pct"]["bf16-true"] / 100)
+    assert 8 % out["micro_batch"] == 0 and out["step_down"][0] == out["chosen"]

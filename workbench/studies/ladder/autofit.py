@@ -1,0 +1,184 @@
+"""Auto-fit that keeps the training the same: the fastest setup predicted to fit a card, searched jointly.
+
+    from workbench.studies.ladder.autofit import search
+    choice = search("data/configs/qwen2-0.5b.json", plan, batch=8, seq=512, budget_mib=8192)
+    choice.plan, choice.micro_batch, choice.why        # what to run, and why this one
+    choice.table                                       # every setup predicted, in the order tried
+
+The space: micro-batch (each divisor of the batch, with accumulation making up the rest, so the
+effective batch never changes), activation checkpointing, precision (bf16-mixed, bf16-true),
+optimizer (8-bit and paged 8-bit AdamW) and placement (DeepSpeed ZeRO-Offload of the optimizer),
+starting from the user's own setup; LoRA only when `allow_lora` (it changes what trains, so a
+setup that keeps the trainable set always ranks before one that does not).
+
+Order: by a prior cost of each mechanism on a GPU (`COSTS`, every factor with its reason), cheapest
+first; the setups are predicted in that order (fake tensors, the CUDA model) until one fits, so the
+first that fits is the fastest by the prior and the search predicts only what it must.
+
+Margin: a setup fits when its predicted peak plus a margin is within the budget. The margin is the
+prediction's own measured error (data/prediction_error.json, written by the validation against
+published GPU peaks: the worst under-prediction for that precision, else the worst overall), not a
+fixed guess. On a real out-of-memory error `run_with_step_down` tries the next setup that fits,
+still at the same effective batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from workbench.core.common import MiB
+from workbench.core.config import ConfigError
+from workbench.core.memory.plan import Plan
+from workbench.core.memory.predict import predict
+from workbench.studies.ladder.validation import MARGINS_FILE
+
+# Prior cost of a step on a GPU relative to the user's setup (lower is faster); each factor states
+# its reason. They order setups; they are not a speed prediction.
+COSTS = {
+    "precision": {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5, "bf16_true": 0.45, "fp16_true": 0.45},
+    # data-sheet dense throughput: A100 TF32 156 vs BF16 312 TFLOP/s; pure 16-bit also halves weight traffic
+    "checkpointing": 4 / 3,  # recomputes the forward in backward: forward 2N of 6N FLOPs per token
+    "accumulation_step": 0.03,  # per extra micro-batch: launch and optimizer-free overhead (assumption)
+    "optimizer": {"adamw": 1.0, "adamw_torch": 1.0, "adamw8bit": 1.02, "paged_adamw8bit": 1.04},
+    # the update is a few % of a step; 8-bit adds (de)quantisation, paging adds host transfers (assumption)
+    "zero_offload": 1.5,  # the optimizer step on the host over PCIe (assumption; ZeRO-Offload overlaps part of it)
+    "lora": 0.7,  # no weight gradients: backward 2N instead of 4N of 6N FLOPs (ranked after same-training setups)
+}
+PRECISION_FAMILY = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16_true": "bf16-true", "fp16_true": "fp16-true",
+                    "fp32": "fp32"}
+
+
+def prediction_margin(plan: Plan, path=MARGINS_FILE) -> tuple[float, str]:
+    """(margin as a fraction, where it comes from) for a prediction of `plan`."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing: run `python benchmarks/predict_ladder.py --validate` to derive "
+                          "the prediction's margin from published GPU measurements") from None
+    family = PRECISION_FAMILY.get(plan.precision, plan.precision)
+    by = data.get("by_precision_pct", {})
+    if family in by:
+        return by[family] / 100, f"worst under-prediction of {family} rows in the validation ({by[family]:.1f}%)"
+    return data["overall_pct"] / 100, f"worst under-prediction of any validation row ({data['overall_pct']:.1f}%; " \
+                                      f"no {family} row was validated)"
+
+
+def cost(plan: Plan) -> float:
+    c = COSTS["precision"][plan.precision] * COSTS["optimizer"][plan.optimizer]
+    c *= COSTS["checkpointing"] if plan.grad_checkpointing else 1.0
+    c *= 1 + COSTS["accumulation_step"] * (plan.accum - 1)
+    c *= COSTS["zero_offload"] if plan.placement == "zero_offload" else 1.0
+    c *= COSTS["lora"] if plan.trainable in ("lora", "qlora") else 1.0
+    return c
+
+
+def candidates(setup: Plan, batch: int, *, allow_lora: bool = False) -> list[Plan]:
+    """The setups the search may choose: `setup` changed in any of the searched dimensions; every
+    one has the same effective batch (micro-batch x accumulation = `batch`)."""
+    precisions = dict.fromkeys([setup.precision, *(p for p in ("bf16", "bf16_true") if setup.precision == "fp32"),
+                                *(("bf16_true",) if setup.precision == "bf16" else ())])
+    optimizers = dict.fromkeys([setup.optimizer, "adamw8bit", "paged_adamw8bit"])
+    trainables = dict.fromkeys([setup.trainable, *(("lora",) if allow_lora and setup.trainable == "full" else ())])
+    placements = dict.fromkeys([setup.placement, "zero_offload"] if setup.placement == "device" else [setup.placement])
+    out = []
+    for micro in [m for m in range(batch, 0, -1) if batch % m == 0]:
+        for precision in precisions:
+            for ckpt in dict.fromkeys([setup.grad_checkpointing, True]):
+                for optimizer in optimizers:
+                    for trainable in trainables:
+                        for placement in placements:
+                            if placement == "zero_offload" and optimizer != setup.optimizer:
+                                continue  # the host runs DeepSpeed's own Adam: no 8-bit state to choose
+                            name = (f"{PRECISION_FAMILY[precision]}, {optimizer}, {trainable}"
+                                    + (", checkpointing" if ckpt else "") + f", micro-batch {micro}"
+                                    + (f" x {batch // micro}" if micro != batch else "")
+                                    + (", ZeRO-Offload" if placement == "zero_offload" else ""))
+                            out.append(dataclasses.replace(
+                                setup, name=name, help=name, precision=precision, grad_checkpointing=ckpt,
+                                accum=batch // micro, optimizer=optimizer, trainable=trainable, placement=placement))
+    return out
+
+
+@dataclass
+class SetupChoice:
+    plan: Plan | None  # None: nothing is predicted to fit
+    batch: int
+    budget_bytes: int
+    margin: float
+    margin_source: str
+    table: list[dict[str, Any]] = field(default_factory=list)  # every setup predicted, in the order tried
+    fitting: list[Plan] = field(default_factory=list)  # every setup predicted to fit, fastest first
+
+    @property
+    def micro_batch(self) -> int | None:
+        return self.batch // self.plan.accum if self.plan else None
+
+    @property
+    def why(self) -> str:
+        if self.plan is None:
+            return (f"nothing fits {self.budget_bytes / MiB:,.0f} MiB with a {self.margin:.1%} margin "
+                    f"({len(self.table)} setups predicted)")
+        row = next(r for r in self.table if r["setup"] == self.plan.name)
+        faster = [r["setup"] for r in self.table if not r["fits"]]
+        return (f"{self.plan.name}: predicted {row['need_mib']:,.0f} MiB + {self.margin:.1%} margin "
+                f"({self.margin_source}) = {row['with_margin_mib']:,.0f} MiB <= {self.budget_bytes / MiB:,.0f} MiB; "
+                f"{len(faster)} setup(s) expected faster did not fit" + (f" (first: {faster[0]})" if faster else ""))
+
+
+def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, device: str = "cuda",
+           card: str | float | None = None, allow_lora: bool = False, margin: float | None = None,
+           keep: int = 3) -> SetupChoice:
+    """The fastest setup (by the prior cost) predicted to fit `budget_mib` with the margin.
+
+    Predicts candidates cheapest first until one fits, then `keep` - 1 more that fit (the
+    step-down order for a real out-of-memory error)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+        raise ConfigError(f"batch must be a positive integer, got {batch!r}")
+    if not budget_mib > 0:
+        raise ConfigError(f"the budget must be a positive number of MiB, got {budget_mib!r}")
+    budget = int(budget_mib * MiB)
+    src = "given"
+    if margin is None:
+        margin, src = prediction_margin(setup)
+    ranked = sorted(candidates(setup, batch, allow_lora=allow_lora),
+                    key=lambda p: (p.trainable != setup.trainable, cost(p)))
+    choice = SetupChoice(None, batch, budget, margin, src)
+    for plan in ranked:
+        t0 = time.perf_counter()
+        p = predict(model, plan, batch=batch, seq=seq, device=device, card=card)
+        need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
+        fits = need * (1 + margin) <= budget
+        choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan), 3), "method": p.method,
+                             "need_mib": need / MiB, "with_margin_mib": need * (1 + margin) / MiB, "fits": fits,
+                             "changes_what_trains": plan.trainable != setup.trainable,
+                             "predict_seconds": round(time.perf_counter() - t0, 1)})
+        if fits:
+            choice.fitting.append(plan)
+            choice.plan = choice.plan or plan
+            if len(choice.fitting) >= keep:
+                break
+    return choice
+
+
+def run_with_step_down(choice: SetupChoice, attempt: Callable[[Plan], Any], *,
+                       log: Callable[[str], None] = print) -> tuple[Plan, Any, list[dict[str, Any]]]:
+    """Run `attempt(plan)` with the chosen setup; on a real out-of-memory error step down to the next
+    setup predicted to fit (the same effective batch). Returns (plan that ran, its result, tries)."""
+    tries = []
+    for plan in choice.fitting:
+        try:
+            result = attempt(plan)
+        except torch.OutOfMemoryError as e:
+            tries.append({"setup": plan.name, "status": "oom", "error": str(e)[:200]})
+            log(f"auto-fit: {plan.name} ran out of memory; stepping down (same effective batch {choice.batch})")
+            continue
+        tries.append({"setup": plan.name, "status": "ok", "error": ""})
+        return plan, result, tries
+    raise torch.OutOfMemoryError(f"auto-fit: no setup fits {choice.budget_bytes / MiB:,.0f} MiB "
+                                 f"(tried: {', '.join(t['setup'] for t in tries) or 'none predicted to fit'})")
