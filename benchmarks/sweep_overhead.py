@@ -4,11 +4,11 @@
     python benchmarks/sweep_overhead.py --runs 4      # quicker
 
 A trivial notebook (a parameters cell and one line of arithmetic) is swept over --runs points
-through the whole sweep machinery (workbench.front.sweep.run_sweep: validation, worker processes,
-papermill, a fresh kernel per run, status files, the runs table), into a temporary folder. What it
-counts:
-- wall: time.perf_counter around run_sweep, so it includes starting the worker processes and
-  their one-time papermill import, amortised over the runs (a sweep pays them once);
+through the whole sweep machinery (workbench.front.sweep.run_sweep: validation, a Dask LocalCluster
+of --workers processes, papermill in those workers, a fresh kernel per run, status files, the runs
+table), into a temporary folder. What it counts:
+- wall: time.perf_counter around run_sweep, so it includes starting the Dask cluster and the
+  workers' one-time papermill import, amortised over the runs (a sweep pays them once);
 - compute: the sum of the executed notebooks' cell durations as papermill recorded them;
 - per-run steady state: each run's own seconds (from its status.json) minus its compute: kernel
   start, kernel imports, papermill's execution and saving, the status write.
@@ -78,10 +78,11 @@ def main() -> int:
     print(f"{args.runs} runs, {args.workers} worker(s): wall {wall:.2f} s, notebook compute {sum(compute):.3f} s")
     print(f"per run: wall {wall / args.runs:.2f} s; steady state (kernel start + papermill) median "
           f"{statistics.median(steady):.2f} s, min {min(steady):.2f} s, max {max(steady):.2f} s")
-    print(f"one-time (worker start, papermill import, tables): {wall - sum(df.seconds):.2f} s")
+    print(f"one-time and between runs (Dask cluster start and stop, papermill import, tables): "
+          f"{wall - sum(df.seconds):.2f} s")
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": overhead, "unit": "s per run",
-                          "runs": args.runs, "workers": args.workers, "wall_s": wall,
-                          "steady_median_s": statistics.median(steady), "load_avg": load})
+                          "engine": "dask LocalCluster", "runs": args.runs, "workers": args.workers,
+                          "wall_s": wall, "steady_median_s": statistics.median(steady), "load_avg": load})
     print(f"{NAME}: {overhead:.2f}")
     return 0
 

@@ -1,9 +1,12 @@
-"""Papermill sweeps: failures isolated, finished runs skipped, a killed sweep resumed, bad grids refused.
+"""Papermill sweeps on Dask: failures isolated, finished runs skipped, a killed sweep resumed, bad
+grids refused, a run past --timeout stopped, an existing scheduler used and left clean.
 
-    python -m pytest tests/test_sweep.py -q      # about a minute on 2 busy cores
+    OMP_NUM_THREADS=1 python -m pytest tests/test_sweep.py -q -m "not slow"   # about 6 min on 2 cores
 
 The runs use tests/notebooks/sweep_point.ipynb (a kernel start and a few lines each), which writes
-one line per execution to $SWEEP_TEST_COUNTER, so a test can tell which points ran again.
+one line per execution to $SWEEP_TEST_COUNTER, so a test can tell which points ran again. Most of
+the time is imports: each point's kernel and each Dask worker imports workbench.front.sweep, and
+with it torch, transformers and peft (about 10 s each on 2 cores).
 """
 
 import json
@@ -11,15 +14,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import nbformat
 import pandas as pd
+import psutil
 import pytest
+from distributed import Client, LocalCluster
 
 from workbench.core.config import ConfigError
+from workbench.core.parallel import cores
 from workbench.front.sweep import (SWEEP_OUT_ENV, combine, load_grid, points_from_options, run_sweep,
-                             threads_per_worker)
+                                   threads_per_worker)
 
 NOTEBOOK = Path(__file__).parent / "notebooks" / "sweep_point.ipynb"
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,9 +44,10 @@ def runs_of(counter: Path) -> list[int]:
     return [int(v) for v in counter.read_text().split()] if counter.exists() else []
 
 
-def sweep_processes(out: Path) -> list[int]:
-    """Pids of live processes (workers, kernels) started for the sweep writing to `out`."""
-    mark = f"{SWEEP_OUT_ENV}={out}".encode()
+def sweep_processes(out: Path, name: str = SWEEP_OUT_ENV) -> list[int]:
+    """Pids of live processes (kernels) started for the sweep writing to `out` (or for the point
+    in folder `out`, with name=SWEEP_DIR_ENV): their environment says so."""
+    mark = f"{name}={out}".encode()
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
@@ -50,6 +59,17 @@ def sweep_processes(out: Path) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def wait_until(cond, timeout_s: float, what: str):
@@ -109,6 +129,10 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     bad.write_text("- {x: 1}\n- 2\n")
     assert main(["sweep", str(NOTEBOOK), "--grid", str(bad), "--out", str(out)]) == 2
     assert "point 2 is not a mapping" in capsys.readouterr().err
+    # --workers is for a local cluster; a scheduler brings its own workers
+    assert main(["sweep", str(NOTEBOOK), "-p", "x=1", "--workers", "2", "--scheduler", "tcp://127.0.0.1:1",
+                 "--out", str(out)]) == 2
+    assert "--workers and --scheduler" in capsys.readouterr().err
     bad.write_text("x: []\n")
     with pytest.raises(ConfigError, match="x has an empty list"):
         load_grid(bad)
@@ -126,7 +150,8 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     assert not list(out.glob("*/point.json"))
 
 
-def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter):
+def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # what the kernels would inherit without their share
     grid = tmp_path / "grid.yaml"
     grid.write_text("points:\n  - {x: 1}\n  - {x: 2}\n  - {x: 3, fail: true}\n  - {x: 4, check_threads: true}\n")
     out = tmp_path / "sweep"
@@ -140,6 +165,9 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter):
     ok = df[df.status == "ok"].set_index("x")
     assert list(ok.x_squared) == [1, 4, 16]
     assert pd.isna(df.set_index("x").loc[3, "x_squared"])  # nothing recorded for the failed run
+    # a LocalCluster of two single-thread worker processes on 127.0.0.1 ran the points
+    workers = {json.loads((out / k / "status.json").read_text())["worker"] for k in df.point}
+    assert len(workers) == 2 and all(w.startswith("tcp://127.0.0.1:") for w in workers), workers
     # two workers on these cores: each kernel got its share of threads, and torch used it
     share = threads_per_worker(2)
     assert set(ok.omp_threads.astype(int)) == {share}
@@ -170,9 +198,34 @@ def test_timeout_stops_a_run(tmp_path, counter):
     assert df.seconds[0] < 30
 
 
+def test_timeout_counts_the_whole_run(tmp_path, monkeypatch):
+    """papermill's timeout is per cell: a run of short cells that passes --timeout is stopped too
+    (its kernel killed), and is an error row."""
+    from workbench.front import sweep
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("x = 0", metadata={"tags": ["parameters"]})]
+    nb.cells += [nbformat.v4.new_code_cell("import time\ntime.sleep(1.5)") for _ in range(6)]
+    nbformat.write(nb, tmp_path / "short_cells.ipynb")
+    point = tmp_path / "point"
+    point.mkdir()
+    (point / "point.json").write_text(json.dumps({"notebook": str(tmp_path / "short_cells.ipynb"),
+                                                  "parameters": {"x": 1}, "timeout_s": 2}))
+    monkeypatch.setattr(sweep, "KILL_GRACE_S", 0.5)  # the kill comes 2.5 s in: during a 1.5 s cell
+    t0 = time.monotonic()
+    status = sweep.run_point(point)
+    assert status == {**status, "status": "error",
+                      "error": "TimeoutError: the run passed --timeout 2 s; its kernel was killed"}
+    assert time.monotonic() - t0 < 8  # not the 9 s the cells take
+    assert json.loads((point / "status.json").read_text())["error"] == status["error"]
+    wait_until(lambda: not sweep_processes(point, sweep.SWEEP_DIR_ENV), 5, "the killed kernel to go")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
-    points = [{"x": x, "sleep_s": 1.0} for x in range(1, 6)]
+    # 3 s runs: when the first two are finished, the next two have seconds left to run
+    points = [{"x": x, "sleep_s": 3.0} for x in range(1, 6)]
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps(points))
     out = tmp_path / "sweep"
@@ -185,9 +238,12 @@ def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
             return [p for p in out.glob("*/status.json")]
 
         # kill it once some points are finished and others are running
-        wait_until(lambda: len(finished()) >= 2 or proc.poll() is not None, 90, "two finished points")
+        wait_until(lambda: len(finished()) >= 2 or proc.poll() is not None, 180, "two finished points")
         assert proc.poll() is None, proc.stdout.read()
         assert len(finished()) < len(points)
+        # the scheduler's worker processes and the kernels they started
+        family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) >= 2
         proc.send_signal(sig)
         log = proc.communicate(timeout=30)[0]
     finally:
@@ -195,12 +251,13 @@ def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
             proc.kill()
     assert proc.returncode == (130 if sig == signal.SIGTERM else -9), log
     # no worker or kernel of that sweep outlives it
-    wait_until(lambda: not sweep_processes(out), 20, "the sweep's workers and kernels to exit")
+    wait_until(lambda: not sweep_processes(out) and not alive(family), 20,
+               "the sweep's workers and kernels to exit")
 
     done = {json.loads((d.parent / "point.json").read_text())["parameters"]["x"]
             for d in out.glob("*/status.json")}
     assert all(json.loads(p.read_text())["status"] == "ok" for p in out.glob("*/status.json"))
-    assert 2 <= len(done) < len(points)
+    assert len(done) == 2  # the runs going on at the signal were stopped, not left to finish
     if sig == signal.SIGTERM:  # the table written on the way out has every point, unfinished ones pending
         table = pd.read_csv(out / "runs.csv")
         assert sorted(table.x) == [1, 2, 3, 4, 5]
@@ -215,6 +272,42 @@ def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
     assert sorted(df.x) == [1, 2, 3, 4, 5] and df.point.is_unique
     assert (df.status == "ok").all() and set(df[df.reused].x) == done
     assert list(pd.read_csv(out / "runs.csv").x) == [1, 2, 3, 4, 5]
+
+
+def test_sweep_on_an_existing_scheduler(tmp_path, counter):
+    """--scheduler: its workers run the points, each with its host's share of the cores; a stopped
+    sweep stops its running point there (kernel killed, no status) and leaves the workers free."""
+    with LocalCluster(n_workers=1, processes=True, threads_per_worker=1, host="127.0.0.1",
+                      dashboard_address=None, memory_limit=0) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        address, out = cluster.scheduler_address, tmp_path / "sweep"
+        df = run_sweep(NOTEBOOK, [{"x": 1}], out=out, scheduler=address, progress=False)
+        assert list(df.status) == ["ok"]
+        assert {json.loads((out / k / "status.json").read_text())["worker"] for k in df.point} \
+            == set(client.scheduler_info()["workers"])
+        assert set(df.omp_threads.astype(int)) == {cores()}  # the only task on this host: every core
+
+        running_since = []
+
+        def stop_once_running():  # SIGTERM to this process, as `kill` would send to `workbench sweep`
+            wait_until(lambda: 3 in runs_of(counter), 90, "the long point to be running")
+            running_since.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        stopper = threading.Thread(target=stop_once_running, daemon=True)
+        stopper.start()
+        with pytest.raises(KeyboardInterrupt):
+            run_sweep(NOTEBOOK, [{"x": 1}, {"x": 3, "sleep_s": 60.0}], out=out, scheduler=address, progress=False)
+        stopper.join()
+        wait_until(lambda: not sweep_processes(out), 20, "the stopped point's kernel to exit")
+        table = pd.read_csv(out / "runs.csv")
+        assert list(table.x) == [1, 3] and list(table.status) == ["ok", "pending"]
+        assert not (out / table.point[1] / "status.json").exists()
+        # the worker is free at once: the next point is done before the stopped 60 s run would have ended
+        df = run_sweep(NOTEBOOK, [{"x": 4}], out=out, scheduler=address, progress=False)
+        assert list(df.status) == ["ok"] and time.monotonic() < running_since[0] + 55
+        assert len(client.scheduler_info()["workers"]) == 1
+    assert sorted(runs_of(counter)) == [1, 3, 4]  # x=1 was not run again
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
-"""Papermill sweeps: one headless run of a notebook per grid point, N at a time, resumable.
+"""Papermill sweeps on Dask: one headless run of a notebook per grid point, N at a time, resumable.
 
     workbench sweep 01_strategies --grid grid.yaml --workers 2
     workbench sweep 01_strategies -p base_size=tiny -p token_budget=2000 -p seeds=[0] -p seeds=[1]
     workbench sweep tests/notebooks/sweep_point.ipynb -p x=1 -p x=2 -p x=3 --out /tmp/sw   # seconds
+    workbench sweep 01_strategies --grid grid.yaml --scheduler tcp://10.0.0.5:8786     # a cluster
 
 Grid (YAML or JSON; `-p NAME=VALUE` values are parsed as YAML, `1e-3` included):
 - a mapping of parameter -> list of values is expanded as a cartesian product; a value that is not
@@ -27,6 +28,7 @@ Layout (default `<out>` = results/sweeps/<notebook stem>/):
     <out>/<key>/<stem>.ipynb       the executed notebook (also for a failed run: it shows the error)
     <out>/<key>/sweep_result.json  scalars the notebook recorded (see `record`)
     <out>/<key>/results/           $WORKBENCH_RESULTS of this run (a study's own tables)
+    <out>/<key>/stderr.log         the kernel's and papermill's own warnings
     <out>/<key>/status.json        written last, atomically: status ok or error, seconds, error
 
 `<key>` is the study config's `.hash()` for a study notebook (so points that spell the same config
@@ -36,39 +38,61 @@ Results convention: a notebook records scalar results with `workbench.front.swee
 which writes `sweep_result.json` into $WORKBENCH_SWEEP_DIR (the point's folder, also the kernel's
 working directory). They become columns of runs.csv (prefixed `result_` if a name is taken).
 
+Engine: each point is one Dask task (workbench.core.parallel) that runs papermill in a worker
+process, one run at a time per process; the notebook's kernel is a child of that worker. By default
+a LocalCluster of N single-thread worker processes, listening on 127.0.0.1 only, no dashboard;
+with `--scheduler ADDRESS` an existing scheduler's workers (e.g. dask-jobqueue's SLURMCluster or
+PBSCluster) run the points: they need this package installed and `<out>` and the notebook at the
+same paths (a shared filesystem). A failed run is a row (status error, the error's one line); so
+is a run whose worker died, or one that took longer than --timeout (its kernel is killed).
+
 Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun
 redoes every point, e.g. after the notebook changed, since the key is the parameters only). A
 point's status.json is written only after its executed notebook is complete and renamed into
-place, so a run stopped halfway (Ctrl-C, SIGTERM, SIGKILL, a crash) has none and is redone.
+place, so a run stopped halfway has none and is redone. A finished point's files are on disk the
+moment it finishes and runs.csv is rebuilt from the points' folders (after each finished point and
+by every call), so a sweep killed any way (Ctrl-C, SIGTERM, SIGKILL, a crash) loses no finished
+run. Ctrl-C and SIGTERM stop the running points (their kernels are killed, on a scheduler's
+workers too) and write runs.csv with the unfinished points `pending`; on SIGKILL a LocalCluster's
+workers exit with the sweep process, and their kernels with them.
+
+Progress: a tqdm bar over the points (finished ones count as done) with `running=R failed=F`;
+tqdm's rate gives the time left.
 
 Threads: torch processes that share cores must share threads (FIELD_NOTES: 14x slower if not), so
-each of the N workers' kernels gets OMP_NUM_THREADS = max(1, cores // N) through its environment.
+each kernel gets OMP/MKL/OPENBLAS_NUM_THREADS = max(1, cores // N) through its environment (on a
+scheduler: its host's cores // the worker processes on that host).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import itertools
+import contextlib
+import fcntl
+import functools
 import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterator
 
+from papermill.exceptions import PapermillExecutionError
+
+from workbench.core import parallel
 from workbench.core.config import ConfigError
-from workbench.core.results import RERUN_ENV
+from workbench.core.parallel import threads_per_worker
+from workbench.core.results import RERUN_ENV, atomic_write_json, now, results_root
+from workbench.front.notebooks import run_notebook
+from workbench.front.sweep_points import (combine, load_grid, plan, points_from_options, read_status,
+                                          write_tables)
 
 RESULT_FILE = "sweep_result.json"
 SWEEP_DIR_ENV = "WORKBENCH_SWEEP_DIR"   # set in each kernel: the point's folder
-SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each worker and kernel: the sweep's folder
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
 # A run is killed this long after --timeout if papermill's per-cell timeout did not stop it first.
 KILL_GRACE_S = 10.0
 
@@ -83,8 +107,6 @@ def record(**values: Any) -> Path:
     Call it from a notebook: `record(ppl_after=31.2, status_note="fit")`. Outside a sweep it
     writes sweep_result.json into the working directory. Values must be scalars.
     """
-    from workbench.core.results import atomic_write_json
-
     path = Path(os.environ.get(SWEEP_DIR_ENV, ".")) / RESULT_FILE
     clean = {}
     for name, v in values.items():
@@ -98,294 +120,96 @@ def record(**values: Any) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
-# Grids: files and -p options -> a list of points (dicts of parameters)
+# One point: the task a Dask worker runs
 
 
-def _yaml_loader():
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; people write learning rates so.
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789."),
-    )
-    return Loader
+# papermill changes the working directory and the kernel inherits os.environ: one run per process.
+_ONE_AT_A_TIME = threading.Lock()
+_ABANDONED: set[str] = set()  # point folders whose runs the sweep stopped: they write no status
 
 
-def parse_value(text: str) -> Any:
-    """A `-p` value: a YAML scalar or flow list (`2000`, `1e-3`, `tiny`, `[0, 1]`, `true`)."""
-    import yaml
-
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """This process's fd 2 -> `path` during a run: the kernel inherits it (its warnings, a crash's
+    last words, papermill's), and they do not garble the sweep's progress bar."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
     try:
-        return yaml.load(text, Loader=_yaml_loader())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"cannot parse value {text!r}: {str(e).splitlines()[0]}") from None
-
-
-def product(axes: dict[str, Any], where: str = "grid") -> list[dict[str, Any]]:
-    """The cartesian product of a mapping parameter -> list of values (non-lists are fixed)."""
-    names, choices = [], []
-    for name, values in axes.items():
-        if not isinstance(name, str):
-            raise ConfigError(f"{where}: parameter names must be strings, got {name!r}")
-        if isinstance(values, list):
-            if not values:
-                raise ConfigError(f"{where}: {name} has an empty list of values")
-            choices.append(values)
-        else:
-            choices.append([values])
-        names.append(name)
-    return [dict(zip(names, combo)) for combo in itertools.product(*choices)]
-
-
-def points_from_grid(data: Any, where: str = "grid") -> list[dict[str, Any]]:
-    """Expand a loaded grid file (see the module docstring for the three forms)."""
-    if isinstance(data, list):
-        explicit, axes, fixed = data, {}, {}
-    elif isinstance(data, dict) and data and set(data) <= {"grid", "points", "fixed"}:
-        explicit, axes, fixed = data.get("points") or [], data.get("grid") or {}, data.get("fixed") or {}
-        if not isinstance(axes, dict) or not isinstance(fixed, dict) or not isinstance(explicit, list):
-            raise ConfigError(f"{where}: `grid` and `fixed` must be mappings and `points` a list")
-    elif isinstance(data, dict):
-        explicit, axes, fixed = [], data, {}
-    else:
-        raise ConfigError(f"{where}: expected a mapping of parameter -> values or a list of points, "
-                          f"got {type(data).__name__}")
-    for i, p in enumerate(explicit):
-        if not isinstance(p, dict):
-            raise ConfigError(f"{where}: point {i + 1} is not a mapping of parameter -> value: {p!r}")
-    points = (product(axes, where) if axes else []) + [dict(p) for p in explicit]
-    return [{**fixed, **p} for p in points] or [dict(fixed)]
-
-
-def load_grid(path: str | Path) -> list[dict[str, Any]]:
-    """Read a YAML or JSON grid file into a list of points; a malformed file is a ConfigError."""
-    import yaml
-
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read grid file {path}: {e.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_yaml_loader())
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"malformed grid file {path}: {' '.join(str(e).split())}") from None
-    return points_from_grid(data, where=f"grid file {path}")
-
-
-def points_from_options(options: Iterable[str]) -> list[dict[str, Any]]:
-    """Repeated `-p NAME=VALUE` options -> points (a name given twice is an axis)."""
-    axes: dict[str, list[Any]] = {}
-    for opt in options:
-        name, eq, text = opt.partition("=")
-        if not eq or not name.strip():
-            raise ConfigError(f"-p {opt!r}: expected NAME=VALUE")
-        axes.setdefault(name.strip(), []).append(parse_value(text))
-    return product(axes, where="-p options")
-
-
-def combine(grid_points: list[dict] | None, option_points: list[dict] | None) -> list[dict]:
-    """Cross the grid file's points with the -p points (-p values win)."""
-    return [{**g, **o} for g in (grid_points or [{}]) for o in (option_points or [{}])]
-
-
-# ------------------------------------------------------------------------------------------------
-# Validation and keys
-
-
-@dataclass(frozen=True)
-class Point:
-    key: str
-    parameters: dict[str, Any]
-
-
-def resolve_notebook(notebook: str | Path) -> Path:
-    """A path to a notebook, or a study notebook's name ('01_strategies')."""
-    from workbench.front.notebooks import find
-
-    path = Path(notebook)
-    if path.is_file():
-        return path.resolve()
-    try:
-        return find(str(notebook)).path
-    except KeyError as e:
-        raise ConfigError(f"no notebook {str(notebook)!r}: not a file, and {e.args[0]}") from None
-
-
-def _study(path: Path):
-    from workbench.front.notebooks import STUDIES
-
-    return STUDIES.get(path.stem)
-
-
-def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list[Point]]:
-    """Validate every point and key it; raise one ConfigError listing all bad points."""
-    path = resolve_notebook(notebook)
-    study = _study(path)
-    known = None
-    if study is None:
-        import papermill as pm
-
-        known = set(pm.inspect_notebook(str(path)))
-    errors, planned, seen = [], [], {}
-    for i, params in enumerate(points):
-        try:
-            json.dumps(params)  # point.json and papermill need plain values
-        except TypeError as e:
-            errors.append(f"point {i + 1} {params!r}: {e}")
-            continue
-        try:
-            if study is not None:
-                key = study.check(params).hash()
-            else:
-                unknown = sorted(set(params) - known)
-                if unknown:
-                    raise ConfigError(f"unknown parameter{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
-                                      f"the notebook's parameters cell has: {', '.join(sorted(known)) or 'none'}")
-                key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
-        except ConfigError as e:
-            errors.append(f"point {i + 1} {json.dumps(params)}: {e}")
-            continue
-        if key in seen:  # the same config spelt twice: one run
-            print(f"sweep: point {i + 1} is the same run as point {seen[key] + 1}; running it once",
-                  file=sys.stderr)
-            continue
-        seen[key] = i
-        planned.append(Point(key, params))
-    if errors:
-        raise ConfigError(f"{len(errors)} of {len(points)} points are invalid; nothing was run:\n  "
-                          + "\n  ".join(errors))
-    return path, planned
-
-
-def read_status(point_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((point_dir / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def threads_per_worker(workers: int) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, workers))
-
-
-# ------------------------------------------------------------------------------------------------
-# The worker: a long-lived process that imports papermill once and runs one point per request.
-# Its protocol: the parent writes a point folder per line on stdin; the worker answers one JSON
-# line per finished point on the original stdout (papermill's own output goes to stderr).
-
-
-class _Stop(BaseException):
-    """SIGTERM in a worker: abandon the run without writing its status."""
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _strip_ansi(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
 
 
-def run_point(point_dir: Path) -> dict[str, Any]:
-    """Execute one point (its point.json) and write its status.json last."""
-    from papermill.exceptions import PapermillExecutionError
-
-    from workbench.front.notebooks import run_notebook
-    from workbench.core.results import atomic_write_json, now
-
-    spec = json.loads((point_dir / "point.json").read_text())
-    stem = Path(spec["notebook"]).stem
-    final, partial = point_dir / f"{stem}.ipynb", point_dir / f".{stem}.partial.ipynb"
-    for stale in (point_dir / "status.json", point_dir / RESULT_FILE, final, partial):
-        stale.unlink(missing_ok=True)
-    # The kernel inherits this process's environment at start: the point's folder and results root.
-    os.environ[SWEEP_DIR_ENV] = str(point_dir)
-    os.environ["WORKBENCH_RESULTS"] = str(point_dir / "results")
-    started, t0 = now(), time.perf_counter()
-    error, trace = None, None
-    try:
-        run_notebook(spec["notebook"], spec["parameters"], partial, cwd=point_dir,
-                     timeout_s=spec.get("timeout_s"))
-    except PapermillExecutionError as e:
-        error, trace = f"{e.ename}: {e.evalue}", _strip_ansi("\n".join(e.traceback))
-    except Exception as e:  # a dead kernel, a cell timeout, an unreadable notebook: this run failed
-        error = f"{type(e).__name__}: {e}"
-    seconds = time.perf_counter() - t0
-    if partial.exists():  # papermill saves as it goes; only a finished notebook gets the real name
-        os.replace(partial, final)
-    results = {}
-    if error is None and (point_dir / RESULT_FILE).exists():
-        results = json.loads((point_dir / RESULT_FILE).read_text())
-    status = {"status": "error" if error else "ok", "error": error, "seconds": round(seconds, 3),
-              "started": started, "finished": now(), "notebook": final.name if final.exists() else None,
-              "threads": os.environ.get("OMP_NUM_THREADS"), "results": results, "traceback": trace}
-    atomic_write_json(point_dir / "status.json", status)  # last: a status here means finished
-    return {"dir": str(point_dir), "status": status["status"]}
+def abandon_points(out: str) -> int:
+    """In a worker: stop the running points of the sweep writing to `out`, leaving no status."""
+    for d in Path(out).iterdir() if Path(out).is_dir() else ():
+        _ABANDONED.add(str(d))
+    return parallel.kill_children(SWEEP_OUT_ENV, out)
 
 
-def _worker_main() -> int:
-    def stop(signum, frame):
-        raise _Stop()
+def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Execute one point (its point.json) in this process and write its status.json last.
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    reply = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # stray prints (papermill, warnings) must not corrupt the protocol
-    sys.stdout = sys.stderr
-    import papermill  # noqa: F401  (imported once here, not once per run)
+    `env` is added to the kernel's environment (which also inherits this process's thread
+    variables). Returns the status, or {"status": "abandoned"} (nothing written) if the sweep
+    stopped this run.
+    """
+    point_dir = Path(point_dir)
+    with _ONE_AT_A_TIME:
+        _ABANDONED.discard(str(point_dir))
+        spec = json.loads((point_dir / "point.json").read_text())
+        stem, timeout_s = Path(spec["notebook"]).stem, spec.get("timeout_s")
+        final, partial = point_dir / f"{stem}.ipynb", point_dir / f".{stem}.partial.ipynb"
+        for stale in ("status.json", RESULT_FILE, final.name, partial.name, "stderr.log"):
+            (point_dir / stale).unlink(missing_ok=True)
+        timed_out = threading.Event()  # papermill's timeout is per cell; this one is for the whole run
+        def stop_run():
+            timed_out.set()
+            parallel.kill_children(SWEEP_DIR_ENV, str(point_dir))
 
-    try:
-        for line in sys.stdin:
-            reply.write(json.dumps(run_point(Path(line.strip()))) + "\n")
-    except _Stop:
-        return 143
-    return 0
-
-
-def _die_with_parent() -> None:
-    """In a worker, before exec: get SIGTERM when the sweep process dies, even by SIGKILL."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass  # not Linux: workers still exit when their stdin closes
-
-
-class _Worker:
-    def __init__(self, env: dict[str, str], log: Path):
-        self.log = open(log, "a")
-        # Own session: a terminal's Ctrl-C reaches only the sweep, which stops workers in order.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workbench.front.sweep", "--worker"],
-            stdin=-1, stdout=-1, stderr=self.log, env=env, text=True, bufsize=1,
-            start_new_session=True, preexec_fn=_die_with_parent,
-        )
-        self.point: Point | None = None
-        self.started = 0.0
-
-    def send(self, point: Point, point_dir: Path) -> None:
-        self.point, self.started = point, time.monotonic()
-        self.proc.stdin.write(f"{point_dir}\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-
-    def reap(self, deadline: float) -> None:
-        try:
-            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:
-            self.proc.kill()  # its kernel notices its parent is gone and exits too
-            self.proc.wait()
-        self.log.close()
+        watchdog = threading.Timer((timeout_s or 0) + KILL_GRACE_S, stop_run)
+        watchdog.daemon = True
+        started, t0 = now(), time.perf_counter()
+        error, trace = None, None
+        # The kernel inherits this environment at start: the point's folder and results root.
+        kernel_env = {**(env or {}), SWEEP_DIR_ENV: str(point_dir),
+                      "WORKBENCH_RESULTS": str(point_dir / "results")}
+        with parallel.environ(kernel_env), _stderr_to(point_dir / "stderr.log"):
+            if timeout_s:
+                watchdog.start()
+            try:
+                run_notebook(spec["notebook"], spec["parameters"], partial, cwd=point_dir, timeout_s=timeout_s)
+            except PapermillExecutionError as e:
+                error, trace = f"{e.ename}: {e.evalue}", _strip_ansi("\n".join(e.traceback))
+            except Exception as e:  # a dead kernel, a cell timeout, an unreadable notebook: this run failed
+                error = f"{type(e).__name__}: {e}"
+            finally:
+                watchdog.cancel()
+        if error and str(point_dir) in _ABANDONED:  # killed by the sweep's stop: no status, redone later
+            return {"status": "abandoned"}
+        if timed_out.is_set():
+            error, trace = f"TimeoutError: the run passed --timeout {timeout_s:g} s; its kernel was killed", None
+        seconds = time.perf_counter() - t0
+        if partial.exists():  # papermill saves as it goes; only a finished notebook gets the real name
+            os.replace(partial, final)
+        results = {}
+        if error is None and (point_dir / RESULT_FILE).exists():
+            results = json.loads((point_dir / RESULT_FILE).read_text())
+        worker = parallel.current_worker()
+        status = {"status": "error" if error else "ok", "error": error, "seconds": round(seconds, 3),
+                  "started": started, "finished": now(), "notebook": final.name if final.exists() else None,
+                  "threads": os.environ.get("OMP_NUM_THREADS"), "results": results, "traceback": trace,
+                  "worker": worker.address if worker is not None else None}
+        atomic_write_json(point_dir / "status.json", status)  # last: a status here means finished
+        return status
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,8 +221,6 @@ class SweepBusy(RuntimeError):
 
 
 def _lock(out: Path):
-    import fcntl
-
     f = open(out / ".sweep.lock", "w")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -408,190 +230,87 @@ def _lock(out: Path):
     return f
 
 
-def collect(out: Path, planned: list[Point], reused: set[str] = frozenset()):
-    """The tidy table: one row per point, in grid order; unfinished points are `pending`."""
-    import pandas as pd
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """Ctrl-C and SIGTERM (handled alike: stop the runs, keep what finished) raise KeyboardInterrupt
+    and set the event, which the wait loop checks too: Python drops an exception raised while a
+    library's gc callback runs, and distributed has one."""
+    stop = threading.Event()
 
-    rows = []
-    for p in planned:
-        st = read_status(out / p.key) or {}
-        row = {"point": p.key, **p.parameters, "status": st.get("status", "pending"),
-               "seconds": st.get("seconds"), "error": st.get("error"),
-               "notebook": str(out / p.key / st["notebook"]) if st.get("notebook") else None,
-               "finished": st.get("finished"), "threads": st.get("threads"), "reused": p.key in reused}
-        for name, v in (st.get("results") or {}).items() if st.get("status") == "ok" else ():
-            row[f"result_{name}" if name in row else name] = v
-        rows.append(row)
-    df = pd.DataFrame(rows)
-    for col in df.columns:  # list-valued parameters are written as JSON, not Python reprs
-        if df[col].map(lambda v: isinstance(v, (list, dict))).any():
-            df[col] = df[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
-    return df
+    def handler(signum, frame):
+        stop.set()
+        raise KeyboardInterrupt
 
-
-def _write_tables(out: Path, planned: list[Point], reused: set[str]):
-    import pandas as pd
-
-    from workbench.core.results import atomic_write_csv
-
-    df = collect(out, planned, reused)
-    atomic_write_csv(out / "runs.csv", df)
-    # A study's own per-run tables, stacked: the finer-grained view of the same sweep.
-    parts = []
-    for p in planned:
-        if (read_status(out / p.key) or {}).get("status") != "ok":
-            continue
-        for f in sorted((out / p.key / "results").glob("*/runs.csv")):
-            try:
-                parts.append(pd.read_csv(f).assign(point=p.key, study=f.parent.name))
-            except (pd.errors.EmptyDataError, pd.errors.ParserError):
-                continue
-    if parts:
-        atomic_write_csv(out / "study_runs.csv", pd.concat(parts, ignore_index=True))
-    return df
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
-class _Progress:
-    def __init__(self, name: str, total: int, reused: int, workers: int, enabled: bool):
-        self.name, self.total, self.workers, self.enabled = name, total, workers, enabled
-        self.done, self.failed, self.reused, self.times = reused, 0, reused, []
-
-    def finished(self, status: str, seconds: float) -> None:
-        self.done += 1
-        self.failed += status != "ok"
-        self.times.append(seconds)
-
-    def show(self, running: int, note: str = "") -> None:
-        if not self.enabled:
-            return
-        left = self.total - self.done
-        if self.times:
-            eta = f"~{sum(self.times) / len(self.times) * left / self.workers:.0f} s left"
-        else:
-            eta = "time left unknown" if left else "done"
-        print(f"sweep {self.name}: {self.done}/{self.total} done ({self.failed} failed, {self.reused} "
-              f"reused), {running} running, {eta}{'  ' + note if note else ''}", file=sys.stderr, flush=True)
+def _outcome(future, point_dir: Path) -> str:
+    """The status of a point whose task is done. A task that did not return (its worker died, the
+    scheduler dropped it) is an error row, written here, unless its run got to write ok first."""
+    if future.status == "finished":
+        return future.result()["status"]
+    if (read_status(point_dir) or {}).get("status") == "ok":
+        return "ok"
+    atomic_write_json(point_dir / "status.json", {"status": "error", "error": parallel.failure(future),
+                                                   "seconds": None, "finished": now(), "notebook": None,
+                                                   "results": {}})
+    return "error"
 
 
 def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int = 1,
               out: str | Path | None = None, timeout_s: float | None = None, progress: bool = True,
-              rerun: bool = False):
+              rerun: bool = False, scheduler: str | None = None):
     """Run `notebook` once per point (skipping finished ones) and return the runs table.
 
-    Raises ConfigError before running anything if a point is invalid, SweepBusy if another sweep
-    holds `out`, and KeyboardInterrupt (after stopping the workers and writing runs.csv) on Ctrl-C
-    or SIGTERM.
+    On a LocalCluster of `workers` processes, or on the Dask scheduler at `scheduler`. Raises
+    ConfigError before running anything if a point is invalid, SweepBusy if another sweep holds
+    `out`, and KeyboardInterrupt (after stopping the runs and writing runs.csv) on Ctrl-C or SIGTERM.
     """
-    import selectors
-
-    from workbench.core.results import atomic_write_json, now, results_root
-
     path, planned = plan(notebook, points)
-    out = Path(out) if out else results_root() / "sweeps" / path.stem
+    out = (Path(out) if out else results_root() / "sweeps" / path.stem).resolve()  # workers see this path
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)  # released in the finally below, or by the OS if this process dies
     reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
     todo = [p for p in planned if p.key not in reused]
     workers = max(1, min(workers, len(todo) or 1))
-    threads = threads_per_worker(workers)
-    env = {**os.environ, **{v: str(threads) for v in THREAD_VARS}, SWEEP_OUT_ENV: str(out)}
+    env = {SWEEP_OUT_ENV: str(out)}
     if rerun:  # the studies inside the notebooks retrain too, instead of reading finished runs back
         env[RERUN_ENV] = "1"
-    bar = _Progress(path.stem, len(planned), len(reused), workers, progress)
     if progress:
-        print(f"sweep {path.stem}: {len(planned)} points, {len(reused)} already finished, "
-              f"{workers} worker(s) x {threads} thread(s) -> {out}", file=sys.stderr, flush=True)
-
-    pool: list[_Worker] = []
-    spawned = itertools.count(1)
-    sel = selectors.DefaultSelector()
-    pending = list(reversed(todo))  # pop() from the end = grid order
-    logs = out / "logs"  # workers' stderr: papermill's and the kernels' warnings
-    logs.mkdir(exist_ok=True)
-
-    def spawn() -> _Worker:
-        w = _Worker(env, logs / f"worker-{next(spawned)}.log")
-        pool.append(w)
-        sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-        return w
-
-    def retire(w: _Worker) -> None:
-        sel.unregister(w.proc.stdout)
-        pool.remove(w)
-        w.stop()
-        w.reap(time.monotonic() + 5)
-
-    def fail(point: Point, message: str, seconds: float) -> None:
-        # The worker could not write a status (it died or was killed): write the error row here,
-        # unless it finished the run just before it was stopped.
-        if (read_status(out / point.key) or {}).get("status") == "ok":
-            bar.finished("ok", seconds)
-            return
-        atomic_write_json(out / point.key / "status.json",
-                          {"status": "error", "error": message, "seconds": round(seconds, 3),
-                           "finished": now(), "notebook": None, "results": {}})
-        bar.finished("error", seconds)
-
-    # SIGTERM is handled like Ctrl-C: stop the workers, keep what finished (main thread only).
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    old_term = None
-    if threading.current_thread() is threading.main_thread():
-        old_term = signal.signal(signal.SIGTERM, on_term)
+        where = (f"on the Dask scheduler {scheduler}" if scheduler else
+                 f"{workers} worker(s) x {threads_per_worker(workers)} thread(s)")
+        print(f"sweep {path.stem}: {len(planned)} points, {len(reused)} already finished, {where} -> {out}",
+              file=sys.stderr, flush=True)
+    for p in todo:  # a point's old status stays until its new run starts (a stopped --rerun loses nothing)
+        (out / p.key).mkdir(exist_ok=True)
+        atomic_write_json(out / p.key / "point.json", {"notebook": str(path), "parameters": p.parameters,
+                                                       "key": p.key, "timeout_s": timeout_s})
     try:
-        for _ in range(workers if todo else 0):
-            spawn()
-        while pending or any(w.point for w in pool):
-            for w in pool:
-                if w.point is None and pending:
-                    p = pending.pop()
-                    d = out / p.key
-                    d.mkdir(exist_ok=True)
-                    (d / "status.json").unlink(missing_ok=True)
-                    atomic_write_json(d / "point.json", {"notebook": str(path), "parameters": p.parameters,
-                                                         "key": p.key, "timeout_s": timeout_s})
-                    w.send(p, d)
-                    bar.show(sum(1 for x in pool if x.point), f"started {p.key} {json.dumps(p.parameters)}")
-            for key, _ in sel.select(timeout=1.0):
-                w: _Worker = key.data
-                line = w.proc.stdout.readline()
-                p, dt = w.point, time.monotonic() - w.started
-                w.point = None
-                if line:
-                    st = read_status(out / p.key) or {}
-                    bar.finished(st.get("status", "error"), dt)
-                    note = f"{p.key} {st.get('status')}" + (f": {st.get('error')}" if st.get("error") else "")
-                else:  # the worker died (killed from outside, out of memory)
-                    retire(w)
-                    if pending:
-                        spawn()
-                    if p is None:
-                        continue
-                    fail(p, f"sweep worker exited with code {w.proc.returncode} during the run", dt)
-                    note = f"{p.key} error: worker died"
-                _write_tables(out, planned, reused)
-                bar.show(sum(1 for x in pool if x.point), note)
-            for w in list(pool):
-                if timeout_s and w.point and time.monotonic() - w.started > timeout_s + KILL_GRACE_S:
-                    p, dt = w.point, time.monotonic() - w.started
-                    retire(w)
-                    fail(p, f"timed out after {timeout_s:g} s", dt)
-                    if pending:
-                        spawn()
-                    _write_tables(out, planned, reused)
-                    bar.show(sum(1 for x in pool if x.point), f"{p.key} error: timed out")
+        if todo:
+            with _stop_on_signals() as stop, parallel.cluster(workers, scheduler) as client:
+                runs = parallel.Runs(client, functools.partial(run_point, env=env),
+                                     [str(out / p.key) for p in todo],
+                                     threads=None if scheduler else threads_per_worker(workers),
+                                     tasks_per_worker=1, desc=f"sweep {path.stem}", total=len(planned),
+                                     initial=len(reused), progress=progress, stop=stop)
+                try:
+                    for i, future in runs:
+                        runs.failed += _outcome(future, out / todo[i].key) == "error"
+                        write_tables(out, planned, reused)
+                except KeyboardInterrupt:
+                    # Stop the running points now (a worker would finish its run before closing, and a
+                    # scheduler's workers outlive this sweep): their kernels are killed, no status written.
+                    with contextlib.suppress(Exception):
+                        client.run(abandon_points, str(out), on_error="ignore")
+                    raise
     finally:
-        # Stop every worker; its kernel exits with it (ipykernel watches its parent process).
-        # In-flight runs leave no status.json, so the next call redoes them.
-        for w in pool:
-            w.stop()
-        deadline = time.monotonic() + 10
-        for w in pool:
-            w.reap(deadline)
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
-        df = _write_tables(out, planned, reused)
+        df = write_tables(out, planned, reused)
         lock.close()
     df.attrs["out"] = str(out)
     return df
@@ -609,19 +328,25 @@ def register(sub) -> None:
     p.add_argument("--grid", metavar="FILE", help="YAML or JSON grid file (see above)")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                    help="a parameter value (YAML); repeat a name for several values")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="parallel papermill runs; each kernel gets cores // N threads (default 1)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="parallel papermill runs on a local Dask cluster of N processes; each kernel gets "
+                        "cores // N threads (default 1)")
+    p.add_argument("--scheduler", metavar="ADDRESS",
+                   help="run the points on this existing Dask scheduler's workers (e.g. tcp://10.0.0.5:8786, "
+                        "from dask-jobqueue's SLURMCluster) instead of a local cluster")
     p.add_argument("--out", metavar="DIR", help="output folder (default results/sweeps/<notebook stem>/)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="a run taking longer than this is stopped and recorded as an error")
     p.add_argument("--rerun", action="store_true", help="run every point again, even finished ones")
     p.add_argument("--dry-run", action="store_true", help="validate and list the points; run nothing")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
-    if args.workers < 1:
+    if args.workers is not None and args.scheduler:
+        raise ConfigError("--workers and --scheduler: the scheduler's workers run the sweep; give one of them")
+    if args.workers is not None and args.workers < 1:
         raise ConfigError("--workers must be at least 1")
     points = combine(load_grid(args.grid) if args.grid else None, points_from_options(args.param))
     if args.dry_run:
@@ -631,8 +356,8 @@ def main(args) -> int:
         print(f"{len(planned)} point(s) of {path.name}")
         return 0
     try:
-        df = run_sweep(args.notebook, points, workers=args.workers, out=args.out,
-                       timeout_s=args.timeout, progress=not args.quiet, rerun=args.rerun)
+        df = run_sweep(args.notebook, points, workers=args.workers or 1, out=args.out, timeout_s=args.timeout,
+                       progress=not args.quiet, rerun=args.rerun, scheduler=args.scheduler)
     except SweepBusy as e:
         print(f"workbench sweep: {e}", file=sys.stderr)
         return 1
@@ -641,11 +366,3 @@ def main(args) -> int:
     for _, row in failed.iterrows():
         print(f"  {row.point} {row.status}: {row.error}")
     return 1 if len(failed) else 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        sys.exit(_worker_main())
-    from workbench.cli import main as cli_main
-
-    sys.exit(cli_main(["sweep", *sys.argv[1:]]))

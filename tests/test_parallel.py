@@ -1,0 +1,115 @@
+"""run_many: independent runs in this process, on a LocalCluster, or on an existing scheduler.
+
+    OMP_NUM_THREADS=1 python -m pytest tests/test_parallel.py -q      # about half a minute on 2 cores
+
+Results must come back in the order of the items whatever order the runs finish in, a run's
+exception must reach the caller with its own type, each worker process must get its share of the
+cores, and no worker process may outlive the call.
+"""
+
+import os
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+from distributed import Client, LocalCluster
+
+from workbench.core.parallel import cluster, cores, run_many, threads_per_worker
+
+RAN = []  # the sequential path runs here: what ran, in order
+
+
+class Boom(Exception):
+    pass
+
+
+def probe(x):
+    """Where and how it ran; on a cluster item 0 finishes last (the other worker does the rest)."""
+    import torch
+
+    time.sleep(3.0 if x == 0 else 0.2)
+    RAN.append(x)
+    return {"x": x, "squared": x * x, "pid": os.getpid(), "omp": os.environ.get("OMP_NUM_THREADS"),
+            "torch_threads": torch.get_num_threads(), "finished": time.monotonic()}
+
+
+def explode_at_2(x):
+    RAN.append(x)
+    if x == 2:
+        raise Boom(f"run {x} failed on purpose")
+    return x
+
+
+def workers() -> list[int]:
+    """Live (not zombie) worker processes started by this test process (multiprocessing's
+    resource tracker, which lives as long as its parent, is not one)."""
+    out = []
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline()):
+                out.append(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    RAN.clear()
+
+
+def test_sequential_in_this_process():
+    rows = run_many(probe, [3, 1, 2], progress=False)
+    assert [r["squared"] for r in rows] == [9, 1, 4] and RAN == [3, 1, 2]
+    assert {r["pid"] for r in rows} == {os.getpid()}  # no Dask, no process: today's behaviour
+    with pytest.raises(Boom, match="run 2 failed on purpose"):
+        run_many(explode_at_2, [1, 2, 3], workers=1, progress=False)
+    assert RAN[-2:] == [1, 2]  # it stopped at the failure: 3 never ran
+    assert run_many(probe, [], workers=2) == []
+
+
+def test_local_cluster_order_threads_and_errors(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # inherited by the workers unless their share replaces it
+    before = set(workers())
+    rows = run_many(probe, [0, 1, 2, 3], workers=2, progress=False)
+    assert [r["x"] for r in rows] == [0, 1, 2, 3] and [r["squared"] for r in rows] == [0, 1, 4, 9]
+    finished = [r["finished"] for r in rows]
+    assert finished != sorted(finished)  # they did not finish in that order
+    pids = {r["pid"] for r in rows}
+    assert len(pids) == 2 and os.getpid() not in pids and not RAN  # two worker processes ran them
+    share = threads_per_worker(2)
+    assert {r["omp"] for r in rows} == {str(share)} and {r["torch_threads"] for r in rows} == {share}
+    # the run's own exception type and message, raised here; the cluster is closed behind it
+    with pytest.raises(Boom, match="run 2 failed on purpose"):
+        run_many(explode_at_2, [1, 2, 3, 4], workers=2, progress=False)
+    assert set(workers()) <= before, "a worker process outlived run_many"
+
+
+def test_local_cluster_listens_on_localhost_only():
+    with cluster(2) as client:
+        info = client.scheduler_info()
+        assert len(info["workers"]) == 2 and all(w["nthreads"] == 1 for w in info["workers"].values())
+        # the scheduler's HTTP endpoint (health, metrics) is up, but not the dashboard
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{info['services']['dashboard']}/status")
+        me = psutil.Process()
+        listening = [c.laddr for p in [me, *me.children(recursive=True)]
+                     for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 3 and {a.ip for a in listening} == {"127.0.0.1"}, listening
+
+
+def test_existing_scheduler():
+    with LocalCluster(n_workers=1, processes=True, threads_per_worker=1, host="127.0.0.1",
+                      dashboard_address=None, memory_limit=0) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        rows = run_many(probe, [2, 0, 1], scheduler=cluster.scheduler_address, progress=False)
+        assert [r["x"] for r in rows] == [2, 0, 1]
+        worker_pids = set(client.run(os.getpid).values())
+        assert {r["pid"] for r in rows} == worker_pids
+        # the only task on this host may use every core
+        assert {r["torch_threads"] for r in rows} == {cores()}
+        with pytest.raises(Boom):
+            run_many(explode_at_2, [2], scheduler=cluster.scheduler_address, progress=False)
+        assert set(client.run(os.getpid).values()) == worker_pids  # the scheduler's worker lives on

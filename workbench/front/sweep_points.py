@@ -1,0 +1,237 @@
+"""A sweep's points: the grid that makes them, their validation and keys, the table of their runs.
+
+    points = combine(load_grid("grid.yaml"), points_from_options(["lr=1e-3", "lr=3e-4"]))
+    path, planned = plan("01_strategies", points)     # one ConfigError listing every bad point
+    df = collect(out, planned)                        # one row per point, from its folder's files
+
+The grid syntax (three forms of grid file, `-p` axes) is described in workbench.front.sweep's
+docstring, which is also `workbench sweep --help`. Every point is validated before anything runs:
+a study notebook's parameters must build its config (unknown names, wrong types and bad values are
+errors); any other notebook's parameters must be names of its cell tagged `parameters`.
+
+A point's key is the study config's `.hash()` for a study notebook (so points that spell the same
+config differently are one run), else a hash of the sorted parameters. The tables (runs.csv,
+study_runs.csv) are rebuilt from the points' folders, never from memory, so they survive any stop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+import papermill as pm
+import yaml
+
+from workbench.core.config import ConfigError
+from workbench.core.results import atomic_write_csv
+from workbench.front.notebooks import STUDIES, find
+
+
+# ------------------------------------------------------------------------------------------------
+# Grids: files and -p options -> a list of points (dicts of parameters)
+
+
+def _yaml_loader():
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; people write learning rates so.
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+def parse_value(text: str) -> Any:
+    """A `-p` value: a YAML scalar or flow list (`2000`, `1e-3`, `tiny`, `[0, 1]`, `true`)."""
+    try:
+        return yaml.load(text, Loader=_yaml_loader())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse value {text!r}: {str(e).splitlines()[0]}") from None
+
+
+def product(axes: dict[str, Any], where: str = "grid") -> list[dict[str, Any]]:
+    """The cartesian product of a mapping parameter -> list of values (non-lists are fixed)."""
+    names, choices = [], []
+    for name, values in axes.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"{where}: parameter names must be strings, got {name!r}")
+        if isinstance(values, list):
+            if not values:
+                raise ConfigError(f"{where}: {name} has an empty list of values")
+            choices.append(values)
+        else:
+            choices.append([values])
+        names.append(name)
+    return [dict(zip(names, combo)) for combo in itertools.product(*choices)]
+
+
+def points_from_grid(data: Any, where: str = "grid") -> list[dict[str, Any]]:
+    """Expand a loaded grid file (see the module docstring for the three forms)."""
+    if isinstance(data, list):
+        explicit, axes, fixed = data, {}, {}
+    elif isinstance(data, dict) and data and set(data) <= {"grid", "points", "fixed"}:
+        explicit, axes, fixed = data.get("points") or [], data.get("grid") or {}, data.get("fixed") or {}
+        if not isinstance(axes, dict) or not isinstance(fixed, dict) or not isinstance(explicit, list):
+            raise ConfigError(f"{where}: `grid` and `fixed` must be mappings and `points` a list")
+    elif isinstance(data, dict):
+        explicit, axes, fixed = [], data, {}
+    else:
+        raise ConfigError(f"{where}: expected a mapping of parameter -> values or a list of points, "
+                          f"got {type(data).__name__}")
+    for i, p in enumerate(explicit):
+        if not isinstance(p, dict):
+            raise ConfigError(f"{where}: point {i + 1} is not a mapping of parameter -> value: {p!r}")
+    points = (product(axes, where) if axes else []) + [dict(p) for p in explicit]
+    return [{**fixed, **p} for p in points] or [dict(fixed)]
+
+
+def load_grid(path: str | Path) -> list[dict[str, Any]]:
+    """Read a YAML or JSON grid file into a list of points; a malformed file is a ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read grid file {path}: {e.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_yaml_loader())
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"malformed grid file {path}: {' '.join(str(e).split())}") from None
+    return points_from_grid(data, where=f"grid file {path}")
+
+
+def points_from_options(options: Iterable[str]) -> list[dict[str, Any]]:
+    """Repeated `-p NAME=VALUE` options -> points (a name given twice is an axis)."""
+    axes: dict[str, list[Any]] = {}
+    for opt in options:
+        name, eq, text = opt.partition("=")
+        if not eq or not name.strip():
+            raise ConfigError(f"-p {opt!r}: expected NAME=VALUE")
+        axes.setdefault(name.strip(), []).append(parse_value(text))
+    return product(axes, where="-p options")
+
+
+def combine(grid_points: list[dict] | None, option_points: list[dict] | None) -> list[dict]:
+    """Cross the grid file's points with the -p points (-p values win)."""
+    return [{**g, **o} for g in (grid_points or [{}]) for o in (option_points or [{}])]
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation and keys
+
+
+@dataclass(frozen=True)
+class Point:
+    key: str
+    parameters: dict[str, Any]
+
+
+def resolve_notebook(notebook: str | Path) -> Path:
+    """A path to a notebook, or a study notebook's name ('01_strategies')."""
+    path = Path(notebook)
+    if path.is_file():
+        return path.resolve()
+    try:
+        return find(str(notebook)).path
+    except KeyError as e:
+        raise ConfigError(f"no notebook {str(notebook)!r}: not a file, and {e.args[0]}") from None
+
+
+def _study(path: Path):
+    return STUDIES.get(path.stem)
+
+
+def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list[Point]]:
+    """Validate every point and key it; raise one ConfigError listing all bad points."""
+    path = resolve_notebook(notebook)
+    study = _study(path)
+    known = None
+    if study is None:
+        known = set(pm.inspect_notebook(str(path)))
+    errors, planned, seen = [], [], {}
+    for i, params in enumerate(points):
+        try:
+            json.dumps(params)  # point.json and papermill need plain values
+        except TypeError as e:
+            errors.append(f"point {i + 1} {params!r}: {e}")
+            continue
+        try:
+            if study is not None:
+                key = study.check(params).hash()
+            else:
+                unknown = sorted(set(params) - known)
+                if unknown:
+                    raise ConfigError(f"unknown parameter{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                                      f"the notebook's parameters cell has: {', '.join(sorted(known)) or 'none'}")
+                key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+        except ConfigError as e:
+            errors.append(f"point {i + 1} {json.dumps(params)}: {e}")
+            continue
+        if key in seen:  # the same config spelt twice: one run
+            print(f"sweep: point {i + 1} is the same run as point {seen[key] + 1}; running it once",
+                  file=sys.stderr)
+            continue
+        seen[key] = i
+        planned.append(Point(key, params))
+    if errors:
+        raise ConfigError(f"{len(errors)} of {len(points)} points are invalid; nothing was run:\n  "
+                          + "\n  ".join(errors))
+    return path, planned
+
+
+# ------------------------------------------------------------------------------------------------
+# The tables: rebuilt from the points' folders
+
+
+def read_status(point_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((point_dir / "status.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def collect(out: Path, planned: list[Point], reused: set[str] = frozenset()):
+    """The tidy table: one row per point, in grid order; unfinished points are `pending`."""
+    rows = []
+    for p in planned:
+        st = read_status(out / p.key) or {}
+        row = {"point": p.key, **p.parameters, "status": st.get("status", "pending"),
+               "seconds": st.get("seconds"), "error": st.get("error"),
+               "notebook": str(out / p.key / st["notebook"]) if st.get("notebook") else None,
+               "finished": st.get("finished"), "threads": st.get("threads"), "reused": p.key in reused}
+        for name, v in (st.get("results") or {}).items() if st.get("status") == "ok" else ():
+            row[f"result_{name}" if name in row else name] = v
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    for col in df.columns:  # list-valued parameters are written as JSON, not Python reprs
+        if df[col].map(lambda v: isinstance(v, (list, dict))).any():
+            df[col] = df[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
+    return df
+
+
+def write_tables(out: Path, planned: list[Point], reused: set[str]):
+    """runs.csv (returned) and study_runs.csv, written atomically from the points' folders."""
+    df = collect(out, planned, reused)
+    atomic_write_csv(out / "runs.csv", df)
+    # A study's own per-run tables, stacked: the finer-grained view of the same sweep.
+    parts = []
+    for p in planned:
+        if (read_status(out / p.key) or {}).get("status") != "ok":
+            continue
+        for f in sorted((out / p.key / "results").glob("*/runs.csv")):
+            try:
+                parts.append(pd.read_csv(f).assign(point=p.key, study=f.parent.name))
+            except (pd.errors.EmptyDataError, pd.errors.ParserError):
+                continue
+    if parts:
+        atomic_write_csv(out / "study_runs.csv", pd.concat(parts, ignore_index=True))
+    return df
