@@ -135,3 +135,18 @@ def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(ti
     assert df["ppl_after"].isna().all() and df["improvement_pct"].isna().all()  # the columns exist, empty
     runs = rebuild_runs_table()
     assert (runs["status"] == "oom").sum() == 3  # oom is a result: kept, not dropped
+
+
+def test_runs_on_a_two_worker_local_cluster_are_the_same_runs(tiny_base, results_dir):
+    """workers=2: the (strategy, seed) runs go to two processes; their run ids, files and rows are the
+    ones a run in this process makes (where they ran is not part of the science), the sinks get every
+    run's steps, and a run in this process afterwards reads them back instead of training again."""
+    cfg = StrategiesConfig(strategies=("bitfit", "lora"), seeds=(0,), devices=("cpu",), workers=2, **TINY)
+    rows: list[dict] = []
+    df = run_strategies(cfg, sinks=[rows.append], progress=False).runs
+    assert list(df["strategy"]) == ["bitfit", "lora"] and (df["status"] == "ok").all()
+    assert {r["strategy"] for r in rows} == {"bitfit", "lora"} and all("loss" in r for r in rows)
+    again = run_strategies(cfg.replace(workers=0), progress=False).runs
+    assert list(again["run_id"]) == list(df["run_id"]) and list(again["ppl_after"]) == list(df["ppl_after"])
+    for run_id in df["run_id"]:
+        assert json.loads((results_dir / "strategies" / run_id / "summary.json").read_text())["status"] == "ok"

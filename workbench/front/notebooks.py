@@ -60,6 +60,7 @@ class StudyNotebook:
     load: Callable             # load() -> the latest StudyResult in results/<study>/, or None
     figures: ModuleType        # NOTEBOOK_INTRO, NOTEBOOK, findings(result), report_section(result)
     quick: dict[str, Any] = field(default_factory=dict)  # tiny parameters: a fast, complete run
+    reproduce: dict[str, Any] = field(default_factory=dict)  # what `workbench reproduce` adds (where runs go)
 
     @property
     def name(self) -> str:
@@ -86,6 +87,9 @@ STUDIES: dict[str, StudyNotebook] = {
             quick={"base_size": "tiny", "seq_len": 64, "token_budget": 6000, "seeds": [0, 1],
                    "strategies": ["adapter", "freeze_lower", "freeze_embeddings", "full", "lora"],
                    "budget_mib": 13.0, "eval_blocks": 16},
+            # two single-thread processes trained the embedded base at 1.2x the tokens/s of one
+            # two-thread process here; the runs and their results are the same
+            reproduce={"workers": 2},
         ),
         StudyNotebook(
             "ladder", 2, "Study 2: the memory ladder",

@@ -15,8 +15,8 @@ import sys
 import time
 import traceback
 
+from workbench.core.models import TINY_SPEC, EmbeddedSpec, embedded_metrics, ensure_embedded_base
 from workbench.core.results import atomic_write_json, environment, now, results_root
-from workbench.core.models import EmbeddedSpec, TINY_SPEC, embedded_metrics, ensure_embedded_base
 from workbench.front.notebooks import available, find, run_notebook
 from workbench.front.report import write_report
 
@@ -44,7 +44,7 @@ def main(args) -> int:
     log = {"started": now(), "quick": args.quick, "env": environment(), "embedded_base": m, "notebooks": []}
     failed = 0
     for nb in notebooks:
-        params = dict(nb.quick) if args.quick else {}
+        params = {**nb.reproduce, **(nb.quick if args.quick else {})}
         out = root / "notebooks" / f"{nb.name}.ipynb"
         t0 = time.perf_counter()
         print(f"[{nb.name}] running{' (quick)' if args.quick else ''} ...", flush=True)

@@ -43,8 +43,14 @@ class StrategiesConfig(Config):
     preflight: bool = param(True, "skip an attempt whose predicted peak exceeds its budget")
     eval_blocks: int = setting("eval_blocks", 64)
     trust_remote_code: bool = setting("trust_remote_code", False)
+    workers: int = param(0, "independent runs side by side: 0 or 1 in this process; N on a local Dask cluster of N "
+                            "processes sharing the cores (results unchanged)")
+    scheduler: str = param("", "a Dask scheduler address to run the runs on (e.g. a dask-jobqueue SLURM cluster; "
+                               "'': none)")
 
     def __post_init__(self):
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}")
         for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -87,9 +93,13 @@ class StrategiesConfig(Config):
         return TrainSettings(steps=steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                              lr=lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
 
+    def science(self) -> "StrategiesConfig":
+        """The settings that change a result: where the runs execute (workers, scheduler) does not."""
+        return self.replace(workers=0, scheduler="")
+
     def run_id(self, strategy: str, seed: int, inputs: str = "") -> str:
         """The run's folder name: strategy, seed and a key of everything that changes its result:
         the settings, and `inputs` (see `run_inputs`: corpus content, base weights, version)."""
-        run_fields = {k: v for k, v in self.to_dict().items() if k not in ("strategies", "seeds")}
+        run_fields = {k: v for k, v in self.science().to_dict().items() if k not in ("strategies", "seeds")}
         blob = json.dumps({"settings": type(self).from_dict(run_fields).hash(), "inputs": inputs}, sort_keys=True)
         return f"{strategy}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"

@@ -15,27 +15,43 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import pandas as pd
 import torch
 
-from workbench.core.common import Sink
 from workbench import __version__
-from workbench.core.data import corpus_blocks, target_corpus
-from workbench.core.fallback import Attempt, Outcome, run_with_fallback
-from workbench.core.models import (EMBEDDED, check_seq_len, embedded_metrics, load_config, load_model, model_fingerprint,
-                              resolve_model_path)
-from workbench.core.results import (ResultsWriter, RunDir, StudyResult, read_steps, read_table, results_root,
-                                    reuse_finished_runs)
-from workbench.studies.strategies.config import STUDY, StrategiesConfig
-from workbench.core.trainable import StrategyNotApplicable, apply_strategy
-from workbench.core.training import evaluate_perplexity, train
 from workbench.core.claims import study1_comparison
-from workbench.core.data import MAX_OVERLAP, WINDOW
+from workbench.core.common import Sink
+from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks, target_corpus
+from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import simulate
-from workbench.core.models import ModelNotFoundError, _not_found_message
+from workbench.core.models import (
+    EMBEDDED,
+    ModelNotFoundError,
+    _not_found_message,
+    check_seq_len,
+    embedded_metrics,
+    load_config,
+    load_model,
+    model_fingerprint,
+    resolve_model_path,
+)
+from workbench.core.parallel import run_many
+from workbench.core.results import (
+    ResultsWriter,
+    RunDir,
+    StudyResult,
+    read_steps,
+    read_table,
+    results_root,
+    reuse_finished_runs,
+)
+from workbench.core.trainable import StrategyNotApplicable, apply_strategy
+from workbench.core.training import evaluate_perplexity, train
+from workbench.studies.strategies.config import STUDY, StrategiesConfig
 
 
 def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
@@ -183,11 +199,49 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
 # the study
 
 
+@dataclass(frozen=True)
+class Job:
+    """One (strategy, seed) run with everything it needs: picklable, so it can run in another process."""
+
+    cfg: StrategiesConfig
+    strategy: str
+    seed: int
+    inputs: dict
+    corpus_info: dict
+    overlap_share: float | None
+    train_blocks: torch.Tensor
+    held_blocks: torch.Tensor
+
+    def run_dir(self) -> RunDir:
+        return RunDir(STUDY, self.cfg.run_id(self.strategy, self.seed, json.dumps(self.inputs, sort_keys=True)))
+
+
+def run_job(job: Job, sinks: Iterable[Sink] = ()) -> dict:
+    """Train one run and write its folder (config.json first, summary.json last); returns its row."""
+    run = job.run_dir()
+    run.write_config({**job.cfg.to_dict(), "strategy": job.strategy, "seed": job.seed,
+                      "train_blocks": len(job.train_blocks), "heldout_blocks": len(job.held_blocks),
+                      **job.corpus_info, **job.inputs})
+    try:
+        row = _run_strategy(job.cfg, job.strategy, job.seed, job.train_blocks, job.held_blocks, list(sinks), run)
+    except Exception as e:
+        run.write_summary({"status": "error", "row": {"strategy": job.strategy, "seed": job.seed, "status": "error",
+                                                      "error": f"{type(e).__name__}: {e}"}})
+        raise
+    row["config_hash"] = job.cfg.science().hash()
+    row.update(job.inputs)
+    row["heldout_overlap_share"] = job.overlap_share
+    run.write_summary({"status": row["status"], "row": row})
+    return row
+
+
 def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progress: bool = True) -> StudyResult:
     """Run every (strategy, seed) of `cfg`: one row per run, their steps, the summary, claims and
-    overlap tables (all written to results/strategies/). Finished runs are read back, not redone."""
-    from tqdm.auto import tqdm
+    overlap tables (all written to results/strategies/). Finished runs are read back, not redone.
 
+    With `cfg.workers` > 1 (or `cfg.scheduler`) the runs go to a Dask cluster (workbench.core.parallel):
+    each in its own process with its share of the cores, the same settings and seeds, so the same
+    results; the sinks then get each run's step rows when the runs are done (read from steps.jsonl)."""
     sinks = list(sinks)
     check_seq_len(load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code),
                   cfg.seq_len, repr(cfg.model))
@@ -195,34 +249,27 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     corpus = target_corpus(cfg.corpus)
     train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len)
     inputs = run_inputs(cfg, corpus)
-    inputs_key = json.dumps(inputs, sort_keys=True)
     reuse = reuse_finished_runs()
-    rows = []
-    jobs = [(s, seed) for seed in cfg.seeds for s in cfg.strategies]
-    bar = tqdm(jobs, desc="strategies", unit="run", disable=not progress)
-    for strategy, seed in bar:
-        bar.set_postfix(strategy=strategy, seed=seed)
-        run = RunDir(STUDY, cfg.run_id(strategy, seed, inputs_key))
-        done = run.summary() if reuse else None
-        if done is not None and done.get("status") in ("ok", "fallback", "oom", "skipped"):
-            rows.append(done["row"])
-            continue
-        run.write_config({**cfg.to_dict(), "strategy": strategy, "seed": seed,
-                          "train_blocks": len(train_blocks), "heldout_blocks": len(held_blocks),
-                          **corpus.describe(), **inputs})
-        try:
-            row = _run_strategy(cfg, strategy, seed, train_blocks, held_blocks, sinks, run)
-        except Exception as e:
-            run.write_summary({"status": "error", "row": {"strategy": strategy, "seed": seed, "status": "error",
-                                                          "error": f"{type(e).__name__}: {e}"}})
-            raise
-        row["config_hash"] = cfg.hash()
-        row.update(inputs)
-        row["heldout_overlap_share"] = corpus.overlap.share if corpus.overlap else None
-        run.write_summary({"status": row["status"], "row": row})
-        rows.append(row)
-    bar.close()
-    df = pd.DataFrame(rows)
+    jobs = [Job(cfg, s, seed, inputs, corpus.describe(), corpus.overlap.share if corpus.overlap else None,
+                train_blocks, held_blocks) for seed in cfg.seeds for s in cfg.strategies]
+    done: dict[int, dict] = {}
+    for i, job in enumerate(jobs):
+        summary = job.run_dir().summary() if reuse else None
+        if summary is not None and summary.get("status") in ("ok", "fallback", "oom", "skipped"):
+            done[i] = summary["row"]
+    pending = [i for i in range(len(jobs)) if i not in done]
+    if cfg.workers > 1 or cfg.scheduler:
+        rows = run_many(run_job, [jobs[i] for i in pending], workers=cfg.workers, scheduler=cfg.scheduler or None,
+                        desc="strategies", progress=progress)
+        for i in pending:  # the live chart, after the fact: each run's steps as it wrote them
+            steps = jobs[i].run_dir().path / "steps.jsonl"
+            for row in (read_steps(steps).to_dict("records") if steps.exists() and steps.stat().st_size else []):
+                for sink in sinks:
+                    sink(row)
+    else:
+        rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress)
+    done.update(zip(pending, rows))
+    df = pd.DataFrame([done[i] for i in range(len(jobs))])
     result = StudyResult(STUDY, runs=df, steps=steps_frame(df),
                          tables={"summary": summarize(df), "claims": claims_table(df),
                                  "corpus_overlap": corpus_overlap(cfg, corpus)})
