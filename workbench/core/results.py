@@ -14,19 +14,18 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import importlib.metadata
 import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
-import peft
-import torch
-import transformers
 
 from workbench.core.common import PROJECT_ROOT
 
@@ -86,22 +85,32 @@ _ENV_CACHE: dict[str, Any] | None = None
 
 
 def environment() -> dict[str, Any]:
-    """Versions and hardware every result row carries."""
+    """Versions and hardware every result row carries.
+
+    Versions come from the installed packages' metadata, so writing a result never imports torch or
+    transformers (a sweep's tables and a notebook's `record()` stay light); the torch thread count
+    and the GPU's name are read from torch when the process has imported it (it has, wherever
+    anything trained), else they are left empty."""
     global _ENV_CACHE
     if _ENV_CACHE is None:
-        env = {
+        _ENV_CACHE = {
             "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            **{lib: _version(lib) for lib in ("torch", "transformers", "peft")},
             "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
             "git_commit": git_commit(),
         }
-        env["peft"] = peft.__version__
-        _ENV_CACHE = env
-    return dict(_ENV_CACHE)
+    torch = sys.modules.get("torch")  # imported by whatever trained; never imported just to describe it
+    live = {"torch_threads": torch.get_num_threads() if torch else None,
+            "gpu": (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none") if torch else None}
+    return {**_ENV_CACHE, **live}
+
+
+def _version(lib: str) -> str:
+    try:
+        return importlib.metadata.version(lib)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def now() -> str:

@@ -16,32 +16,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 import pandas as pd
-import yaml
 
 from workbench.core.config import ConfigError
 from workbench.front.notebooks import STUDIES, StudyNotebook
+from workbench.front.sweep_points import parse_value
 from workbench.studies.split.perf_model import published_operating_point, seed_verdict
 
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def parse_assignments(items: list[str]) -> dict:
-    """NAME=VALUE strings as a dict; VALUE parsed as YAML (a string if it is not valid YAML)."""
+    """NAME=VALUE strings as a dict; each VALUE parsed exactly as a sweep's (sweep_points.parse_value)."""
     out = {}
     for item in items:
         name, sep, raw = item.partition("=")
         if not sep or not name.isidentifier():
             raise ConfigError(f"expected NAME=VALUE, got {item!r}")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, str) and _FLOAT.fullmatch(value):  # YAML 1.1 reads 1e-3 as a string
-            value = float(value)
-        out[name] = value
+        out[name] = parse_value(raw)
     return out
 
 

@@ -34,7 +34,7 @@ Layout (default `<out>` = results/sweeps/<notebook stem>/):
 `<key>` is the study config's `.hash()` for a study notebook (so points that spell the same config
 differently are one run), else a hash of the sorted parameters.
 
-Results convention: a notebook records scalar results with `workbench.front.sweep.record(loss=1.2)`,
+Results convention: a notebook records scalar results with `workbench.front.record.record(loss=1.2)`,
 which writes `sweep_result.json` into $WORKBENCH_SWEEP_DIR (the point's folder, also the kernel's
 working directory). They become columns of runs.csv (prefixed `result_` if a name is taken).
 
@@ -87,11 +87,10 @@ from workbench.core.config import ConfigError
 from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, now, results_root
 from workbench.front.notebooks import run_notebook
+from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
 from workbench.front.sweep_points import (combine, load_grid, plan, points_from_options, read_status,
                                           write_tables)
 
-RESULT_FILE = "sweep_result.json"
-SWEEP_DIR_ENV = "WORKBENCH_SWEEP_DIR"   # set in each kernel: the point's folder
 SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
 # A run is killed this long after --timeout if papermill's per-cell timeout did not stop it first.
 KILL_GRACE_S = 10.0
@@ -99,24 +98,6 @@ KILL_GRACE_S = 10.0
 
 # ------------------------------------------------------------------------------------------------
 # The notebook side: recording results
-
-
-def record(**values: Any) -> Path:
-    """Record scalar results of this run; each becomes a column of the sweep's runs.csv.
-
-    Call it from a notebook: `record(ppl_after=31.2, status_note="fit")`. Outside a sweep it
-    writes sweep_result.json into the working directory. Values must be scalars.
-    """
-    path = Path(os.environ.get(SWEEP_DIR_ENV, ".")) / RESULT_FILE
-    clean = {}
-    for name, v in values.items():
-        if hasattr(v, "item") and callable(v.item):  # numpy / torch scalars
-            v = v.item()
-        if v is not None and not isinstance(v, (bool, int, float, str)):
-            raise TypeError(f"record({name}=...): a sweep result must be a scalar, got {type(v).__name__}")
-        clean[name] = v
-    old = json.loads(path.read_text()) if path.exists() else {}
-    return atomic_write_json(path, {**old, **clean})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,9 +306,12 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("notebook", help="a study notebook's name (01_strategies) or the path of any notebook "
                                     "with a cell tagged `parameters`")
+    p.add_argument("assignments", nargs="*", metavar="NAME=VALUE",
+                   help="a parameter value (YAML), the same syntax as `workbench STUDY NAME=VALUE`; repeat a name "
+                        "for several values")
     p.add_argument("--grid", metavar="FILE", help="YAML or JSON grid file (see above)")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
-                   help="a parameter value (YAML); repeat a name for several values")
+                   help="the same as a NAME=VALUE argument (papermill's spelling)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="parallel papermill runs on a local Dask cluster of N processes; each kernel gets "
                         "cores // N threads (default 1)")
@@ -348,7 +332,8 @@ def main(args) -> int:
         raise ConfigError("--workers and --scheduler: the scheduler's workers run the sweep; give one of them")
     if args.workers is not None and args.workers < 1:
         raise ConfigError("--workers must be at least 1")
-    points = combine(load_grid(args.grid) if args.grid else None, points_from_options(args.param))
+    points = combine(load_grid(args.grid) if args.grid else None,
+                     points_from_options([*args.assignments, *args.param]))
     if args.dry_run:
         path, planned = plan(args.notebook, points)
         for p in planned:

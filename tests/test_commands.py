@@ -1,0 +1,40 @@
+"""`workbench strategies|ladder|split NAME=VALUE ...`: one syntax for every study and for sweeps.
+
+    .venv/bin/python -m pytest tests/test_commands.py -q        # about 30 s
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.cli import main
+from workbench.front.commands import parse_assignments
+from workbench.front.sweep_points import points_from_options
+
+
+def test_name_value_reads_as_a_sweep_reads_it():
+    items = ["lr=1e-3", "seeds=[0, 1]", "base_size=tiny", "measure=false", "reference_model="]
+    assert parse_assignments(items) == {"lr": 0.001, "seeds": [0, 1], "base_size": "tiny", "measure": False,
+                                        "reference_model": None}
+    assert points_from_options(items) == [parse_assignments(items)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ladder", "micro_batch"], "expected NAME=VALUE"),
+    (["ladder", "micro-batch=2"], "expected NAME=VALUE"),
+    (["ladder", "nosuch=1"], "unknown parameter for LadderConfig: nosuch"),
+    (["strategies", "seeds=zero"], "seeds: expected a list"),
+])
+def test_bad_assignments_are_one_line_errors(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_dir, capsys):
+    code = main(["ladder", "--quick", "rungs=[fp32, cpu]", "breakdown_rung=fp32", "reference_model=''", "autofit=false",
+                 "steps=2", "micro_batch=2", "seq_len=32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "fp32" in out and "predicted_peak (MiB)" in out
+    assert "- Predicted peaks of 2 rung(s) measured here" in out
+    assert (results_dir / "ladder" / "runs.csv").exists()
