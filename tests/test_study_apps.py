@@ -193,3 +193,14 @@ def test_split_app_validates_like_the_parameters_cell_and_runs(monkeypatch, resu
     assert "done" in panel.message.value, panel.message.value
     (cfg,) = calls
     assert cfg.steps == 5 and cfg.k_sweep == (0.0, 0.5) and cfg.model == "tiny-gpt2" and cfg.host_share == 0.8
+
+
+def test_the_fp16_halves_memory_verdict_is_made_on_pure_16_bit_not_autocast():
+    runs = pd.DataFrame([{"rung": r, "role": "reference", "model": "cfg.json", "predicted_peak_bytes": b}
+                         for r, b in (("fp32", 1000.0), ("bf16", 900.0), ("bf16_true", 520.0))])
+    text = ladder_figures.precision_verdict(StudyResult("ladder", runs=runs))
+    assert "autocast (mixed precision) needs 90% of fp32's peak" in text and "(bf16-true) need 52%" in text
+    found = ladder_figures.findings(StudyResult("ladder", runs=runs))
+    assert found[0][0] == text and "FP16 halves memory" in found[0][1]
+    assert ladder_figures.precision_verdict(StudyResult("ladder", runs=runs[runs["rung"] != "bf16_true"])) == ""
+    assert ladder_study.published_table().set_index("strategy").loc["FP16 full model", "rung"] == "bf16_true"
