@@ -53,6 +53,7 @@ def test_notebook_shape(name):
             tree = ast.parse(cell.source)
             assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
     assert nb.cells[-1].source == "app(cfg)"
+    assert not [c for c in nb.cells if c.cell_type == "markdown" and "\\n" in c.source]  # no escaped newlines shown
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -250,17 +250,17 @@ NOTEBOOK = [
     ("Bars: the predicted peak (hatched where the figure is *estimated*, not simulated) and the measured peak; "
      "the dashed line is the budget. Right: the measured step time.", "figures.ladder_figure(result).show()"),
     ("", "figures.loss_figure(result).show()"),
-    ("## Auto-fit\\n\\nThe fastest rung predicted to fit the budget, run with the budget enforced; on a real "
+    ("## Auto-fit\n\nThe fastest rung predicted to fit the budget, run with the budget enforced; on a real "
      "out-of-memory error it steps down the ladder.", "figures.autofit_table(result)"),
-    ("## Where the bytes go at the peak (one rung)\\n\\nWeights, gradients, optimizer state, activations (saved "
+    ("## Where the bytes go at the peak (one rung)\n\nWeights, gradients, optimizer state, activations (saved "
      "for backward) and temporaries at the steady-state peak.",
      "figures.breakdown_figure(result, cfg.breakdown_rung).show()"),
     ("## The reference model, predicted", "figures.reference_table(result)"),
-    ("## The published memory table beside the prediction\\n\\nThe published figures "
+    ("## The published memory table beside the prediction\n\nThe published figures "
      "(`data/published_claims.json`, study2_memory_table) were never measured.",
      "figures.published_figure(result).show()"),
     ("", "figures.published_table(result)"),
-    ("## What the usual estimators say, and why they differ\\n\\naccelerate's `estimate-memory` reports the largest "
+    ("## What the usual estimators say, and why they differ\n\naccelerate's `estimate-memory` reports the largest "
      "single component, not a sum; DeepSpeed's estimators count model states only. Neither counts activations, "
      "the vocabulary-sized logits and their gradient, or optimizer temporaries.",
      "figures.baselines_figure(result).show()"),

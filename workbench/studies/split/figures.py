@@ -230,20 +230,20 @@ NOTEBOOK_RUN_TITLE = "Study 3: the engine's measured runs, each drawn when it en
 NOTEBOOK_RUN_KEYS = ("run",)
 
 NOTEBOOK = [
-    ("## The runs\\n\\nOne row per run. `status` is `oom` where the modelled GPU memory exceeds the card. "
+    ("## The runs\n\nOne row per run. `status` is `oom` where the modelled GPU memory exceeds the card. "
      "`max_abs_diff_vs_adamw` compares each measured run's final weights with plain AdamW.",
      "figures.runs_table(result)"),
-    ("## Throughput against k\\n\\nPanels are per machine; modelled panels say so in their title.",
+    ("## Throughput against k\n\nPanels are per machine; modelled panels say so in their title.",
      "figures.throughput_figure(result).show()"),
     ("", "figures.tflops_figure(result).show()"),
-    ("## Accelerator idle share\\n\\nThe share of an iteration the accelerator waits for the host's updates. "
+    ("## Accelerator idle share\n\nThe share of an iteration the accelerator waits for the host's updates. "
      "Balancing k is meant to drive it towards zero.", "figures.idle_figure(result).show()"),
     ("## One iteration, per side", "figures.timeline_figure(result).show()"),
-    ("## Loss curves\\n\\nIn fp32 the engine's update is the same kernel as `torch.optim.AdamW(fused=True)`, so "
+    ("## Loss curves\n\nIn fp32 the engine's update is the same kernel as `torch.optim.AdamW(fused=True)`, so "
      "the curves lie on top of each other whatever k is.", "figures.loss_figure(result).show()"),
     ("## How much of the host's update is done when backward ends", "figures.host_done_figure(result).show()"),
     ("", "figures.k_figure(result).show()"),
-    ("## The seed's k band: a verdict, not a reproduction\\n\\nThe seed reports alpha = 0.083 and k between 0.1 "
+    ("## The seed's k band: a verdict, not a reproduction\n\nThe seed reports alpha = 0.083 and k between 0.1 "
      "and 0.2 (LLaMA2-10B, batch 8, A100 80 GB) without its sequence length or CPU. The model computes k for "
      "that setting from its own inputs only.", "print(figures.verdict_text(result))\nfigures.verdict_table(result)"),
     ("", "figures.sensitivity_figure(result).show()"),
