@@ -171,7 +171,7 @@ def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
             f"cfg = {nb.config.__name__}.from_namespace(globals())\n"
             f"live = {live}\n"
             f"result = {nb.run.__name__}(cfg, sinks=[live])\n"
-            "live.close()"),
+            "live.close();  # the chart keeps its final state"),
         nbformat.v4.new_markdown_cell("## What we found\n\nEach finding beside the published claim it answers."),
         nbformat.v4.new_code_cell('pd.DataFrame(figures.findings(result), columns=["what we found", "published"])'),
     ]
