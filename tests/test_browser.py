@@ -4,7 +4,8 @@ JupyterLab is started on 127.0.0.1 with a token; Debian's chromium is driven by 
 Python (no `playwright install`: FIELD_NOTES). The test opens study 1's notebook on tiny
 parameters, runs it, checks that the knobs and a chart with data rendered, moves a knob (a bad
 value shows the config error; a good one runs the study again) and saves a screenshot under
-results/browser/. Skipped with the reason when chromium or playwright is missing; `make test`
+results/browser/. Voila serves a study app the same way (screenshot), the report opens offline with
+"What we found" first (screenshot), and no server's token appears on any process's command line. Skipped with the reason when chromium or playwright is missing; `make test`
 installs both where it can (root, Debian).
 """
 
