@@ -22,14 +22,13 @@ tested on the CPU with fabricated measurements (tests/test_gpu_check.py); the fu
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from workbench.core import parallel
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory.monitor import MemoryMonitor
@@ -256,21 +255,10 @@ def check_environment(opts: Options) -> dict[str, Any]:
     return {"status": "pass", "env": env}
 
 
-@contextlib.contextmanager
 def _results_under(path: Path):
     """Study runs of the check write under out/runs, not into the user's results/, and are always
     run again (a finished run read back would not run out of memory on this card)."""
-
-    saved = {k: os.environ.get(k) for k in ("WORKBENCH_RESULTS", RERUN_ENV)}
-    os.environ.update({"WORKBENCH_RESULTS": str(path), RERUN_ENV: "1"})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return parallel.environ({"WORKBENCH_RESULTS": str(path), RERUN_ENV: "1"})
 
 
 def check_ladder(opts: Options) -> dict[str, Any]:
