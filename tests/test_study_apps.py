@@ -204,3 +204,12 @@ def test_the_fp16_halves_memory_verdict_is_made_on_pure_16_bit_not_autocast():
     assert found[0][0] == text and "FP16 halves memory" in found[0][1]
     assert ladder_figures.precision_verdict(StudyResult("ladder", runs=runs[runs["rung"] != "bf16_true"])) == ""
     assert ladder_study.published_table().set_index("strategy").loc["FP16 full model", "rung"] == "bf16_true"
+
+
+def test_the_published_rows_findings_say_which_setting_was_predicted():
+    runs = pd.DataFrame([{"rung": "fp32", "role": "reference", "model": "qwen.json", "batch": 1, "seq": 512,
+                          "predicted_peak_bytes": 1.0}])
+    pub = pd.DataFrame([{"strategy": "FP32 full model", "published_mib": 9537.0, "workbench_predicted_mib": 8577.0}])
+    found = ladder_figures.findings(StudyResult("ladder", runs=runs, tables={"published": pub}))
+    assert ("FP32 full model: predicted 8,577 MiB for qwen.json at 1 x 512.", "published 9,537 MiB") in found
+

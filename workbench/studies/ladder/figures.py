@@ -187,9 +187,12 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         out.append((f"Auto-fit chose {last.get('predicted_choice')} for a {budget_mib(result):g} MiB budget and ran "
                     f"{last.get('ran') or 'nothing'} with the budget enforced.", ""))
     pub = result.tables.get("published", pd.DataFrame())
-    if len(pub) and "workbench_predicted_mib" in pub:
+    ref = _reference(result)
+    if len(pub) and "workbench_predicted_mib" in pub and len(ref):
+        r0 = ref.iloc[0]
+        setting = f"{r0['model']} at {r0.get('batch', '?')} x {r0.get('seq', '?')}"  # the published table states none
         for r in pub.dropna(subset=["workbench_predicted_mib"]).itertuples():
-            out.append((f"{r.strategy}: predicted {r.workbench_predicted_mib:,.0f} MiB for the reference model.",
+            out.append((f"{r.strategy}: predicted {r.workbench_predicted_mib:,.0f} MiB for {setting}.",
                         f"published {r.published_mib:,.0f} MiB"))
     return out or [("Nothing was predicted or measured.", "")]
 
