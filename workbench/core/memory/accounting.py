@@ -168,14 +168,18 @@ class MemoryAccounting(LiveBytes):
                 self.timeline.append((self._serials, nbytes))
                 self.timeline_steps.append(self.step)
                 self.timeline_ops.append(f"{self.phase}: {self._op}" if self.phase != "setup" else "setup")
-            self.by_category[role] += nbytes
+            self._count(key, role, nbytes)
             self.current_bytes += nbytes
             self._snapshot()
         return True
 
+    def _count(self, key: int, role: str, nbytes: int) -> None:
+        """Add `nbytes` (negative: take away) to `role`'s running total, for storage `key`."""
+        self.by_category[role] += nbytes
+
     def _forgotten(self, key: int, nbytes: int) -> None:
         role = self._role.pop(key)
-        self.by_category[role] -= nbytes
+        self._count(key, role, -nbytes)
         if self.timeline is not None and key in self._serial:
             serial = self._serial.pop(key)
             self.timeline.append((serial, -1))
@@ -203,8 +207,8 @@ class MemoryAccounting(LiveBytes):
                 if old == role or (only_from is not None and old not in only_from):
                     continue
                 nbytes = self._live[key][0]
-                self.by_category[old] -= nbytes
-                self.by_category[role] += nbytes
+                self._count(key, old, -nbytes)
+                self._count(key, role, nbytes)
                 self._role[key] = role
 
     def alias(self, twins) -> None:
@@ -240,8 +244,8 @@ class MemoryAccounting(LiveBytes):
                     if key in self._live and self._role.get(key) == "temporaries":
                         self._role[key] = "activations"
                         n = self._live[key][0]
-                        self.by_category["temporaries"] -= n
-                        self.by_category["activations"] += n
+                        self._count(key, "temporaries", -n)
+                        self._count(key, "activations", n)
                 self._forward_made.clear()
         self.phase = phase
         # The new phase's peak starts from what is live when it begins.

@@ -18,10 +18,8 @@ several times at the end of backward, and optimizer temporaries (FIELD_NOTES.md)
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import torch
 
 from workbench.core.memory.meta import build_meta_model, weights_bytes
 
@@ -56,37 +54,6 @@ def deepspeed_estimates(total_params: int, largest_layer_params: int) -> dict[st
                                                        cpu_offload=True, cpu_offload_params=True)
     out["zero3_offload_params_gpu_bytes"], out["zero3_offload_params_cpu_bytes"] = int(gpu), int(cpu)
     return out
-
-
-def accelerate_device_map(config, *, device_bytes: int) -> dict[str, int]:
-    """Where accelerate's `infer_auto_device_map` puts the model given `device_bytes` on GPU 0.
-
-    Returns fp32 bytes on the device, on the host, and the largest block offloaded (streamed to
-    the device one at a time in forward).
-    """
-    from accelerate import infer_auto_device_map
-
-
-    model = build_meta_model(config)
-    no_split = getattr(model, "_no_split_modules", None) or []
-    # GPU 0 may not exist here: accelerate warns about it but places the layers all the same.
-    log = logging.getLogger("accelerate.utils.modeling")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        dmap = infer_auto_device_map(model, max_memory={0: int(device_bytes), "cpu": 2**50},
-                                     no_split_module_classes=no_split, dtype=torch.float32)
-    finally:
-        log.setLevel(level)
-    sizes: dict[str, int] = {}
-    for name, p in model.named_parameters():  # tied weights once (named_parameters dedups)
-        owner = max((k for k in dmap if name == k or name.startswith(k + ".") or k == ""), key=len)
-        sizes.setdefault(owner, 0)
-        sizes[owner] += p.numel() * 4
-    on_dev = sum(b for k, b in sizes.items() if dmap[k] == 0)
-    off = {k: b for k, b in sizes.items() if dmap[k] != 0}
-    return {"device_bytes": on_dev, "host_bytes": sum(off.values()),
-            "largest_offloaded_bytes": max(off.values(), default=0), "modules_on_host": len(off)}
 
 
 def simple_estimate(total_params: int, trainable_params: int) -> int:

@@ -22,10 +22,12 @@ Workarounds, all measured (FIELD_NOTES.md):
 - `.item()` / `float(loss)` have no value to return: the accounting answers 1.0 (an optimizer step
   count, so single-tensor AdamW's bias correction is defined).
 
-Rungs whose mechanism moves tensors between a GPU and the host (accelerate's device_map,
-DeepSpeed ZeRO-Offload) cannot be simulated on a CPU-only torch; nor can fp16 autocast for the
-CPU. Their figures are *estimated* from a simulated rung plus the library's own numbers, and the
-result says so (`method="estimated"` and a `note` with the formula).
+The offload rungs accelerate `device_map` and DeepSpeed ZeRO-2 with the optimizer offloaded are
+simulated with each tensor at its place, the card or host memory, as the library places and copies
+it (workbench.core.memory.placement): the device peak is the card's, `host_bytes` the host's.
+ZeRO-3 with offloaded parameters, and fp16 autocast for a CPU target, cannot be simulated here:
+their figures are *estimated* from a simulated rung plus the library's own numbers, and the result
+says so (`method="estimated"` and a `note` with the formula).
 
 `device="cpu"` (the default) predicts a CPU step, exactly. `device="cuda"` makes the simulated step
 take CUDA's choices (attention kernel, dropout masks, autocast lists, optimizer; simulated) and
@@ -46,8 +48,10 @@ from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport, model_tensors
-from workbench.core.memory.baselines import accelerate_device_map, deepspeed_estimates
+from workbench.core.memory.baselines import deepspeed_estimates
+from workbench.core.memory.fake import fakeify, unpacked_for_fake_inputs
 from workbench.core.memory.meta import build_meta_model, model_config, model_label, weights_bytes
+from workbench.core.memory.placement import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.models import check_seq_len
 from workbench.core.training import train
@@ -69,6 +73,8 @@ class Prediction:
     seconds: float = 0.0
     first_step_peak_bytes: int = 0
     host_bytes: int = 0  # bytes the rung keeps in host memory instead (offload, CPU only)
+    host_breakdown: dict[str, int] = field(default_factory=dict)  # offload rungs: host bytes per category at its peak
+    placement: str = ""  # offload rungs: what lives where (the simulation's summary)
     pageable_bytes: int = 0  # device bytes that can page out to the host under pressure
     phases: list[dict[str, Any]] = field(default_factory=list)
     device: str = "cpu"
@@ -124,48 +130,6 @@ class Prediction:
 
 
 # ------------------------------------------------------------------------------------------------
-# the model, from whatever names it
-
-def fakeify(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str = "cpu") -> torch.nn.Module:
-    """Turn every meta parameter and buffer into a fake tensor on `device`; tied stay tied."""
-    memo: dict[int, torch.Tensor] = {}
-    dev = torch.device(device)
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or p.device.type != "meta":
-                continue
-            if id(p) not in memo:
-                memo[id(p)] = torch.nn.Parameter(FakeTensor(fake_mode, p.data, dev), requires_grad=p.requires_grad)
-            module._parameters[name] = memo[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is None or b.device.type != "meta":
-                continue
-            if id(b) not in memo:
-                memo[id(b)] = FakeTensor(fake_mode, b, dev)
-            module._buffers[name] = memo[id(b)]
-    return model
-
-
-@contextlib.contextmanager
-def _unpacked_for_fake_inputs():
-    """transformers builds an explicit mask for fake inputs; answer 'not packed' as for real ones."""
-    from transformers import masking_utils
-
-    original = masking_utils.find_packed_sequence_indices
-
-    def find(position_ids):
-        if isinstance(position_ids, FakeTensor):
-            return None
-        return original(position_ids)
-
-    masking_utils.find_packed_sequence_indices = find
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
-# ------------------------------------------------------------------------------------------------
 # simulation
 
 def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
@@ -197,7 +161,7 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     cuda = torch.device(target).type == "cuda"
 
     choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
-    with _unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda or timeline) as acc:
+    with unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda or timeline) as acc:
         acc.watch(model)
         acc.alias(twins)
         with choices as mode:
@@ -226,28 +190,20 @@ def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: s
     n, fp32_bytes, largest = weights_bytes(config)
 
     ds = deepspeed_estimates(n, largest)
-    if plan.placement == "zero_offload":
-        gpu = ds["zero2_offload_gpu_bytes"]
-        return base, {"peak": gpu + act, "host": ds["zero2_offload_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
-                      "note": "estimated: DeepSpeed's ZeRO-2 offload model-state estimate (16-bit params on the GPU) "
-                              "+ the simulated activations and temporaries of bf16_ckpt"}
     if plan.placement == "zero_offload_params":
         gpu = ds["zero3_offload_params_gpu_bytes"]
         return base, {"peak": gpu + act, "host": ds["zero3_offload_params_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
                       "note": "estimated: DeepSpeed's ZeRO-3 param+optimizer offload estimate (the largest layer "
                               "gathered on the GPU) + the simulated activations and temporaries of bf16_ckpt"}
-    # device_map: accelerate places whole decoder layers so that half the weights stay on the GPU;
-    # those train (weights + grads + 2 AdamW moments, fp32); offloaded layers stream in one at a time.
+    raise ValueError(f"{plan.placement} is simulated, not estimated (workbench.core.memory.placement)")
 
-    placed = accelerate_device_map(config, device_bytes=fp32_bytes // 2)
-    on_dev = placed["device_bytes"]
-    peak = 4 * on_dev + placed["largest_offloaded_bytes"] + act
-    return base, {"peak": peak, "host": placed["host_bytes"],
-                  "parts": {"weights": on_dev + placed["largest_offloaded_bytes"], "gradients": on_dev,
-                            "optimizer_state": 2 * on_dev, "activations": act},
-                  "note": "estimated: accelerate's infer_auto_device_map with max_memory = half the fp32 weights; "
-                          "device = its layers x (weights + grads + 2 AdamW moments) + the largest offloaded layer "
-                          "streamed in + the simulated activations and temporaries of bf16_ckpt"}
+
+def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
+    if plan.placement == "device_map":
+        return (f"accelerate infer_auto_device_map put {summary['modules_on_device']} of "
+                f"{summary['modules_on_device'] + summary['modules_on_host']} modules on the card, the rest train on the host")
+    return (f"DeepSpeed ZeRO-2: bf16 weights and a {summary['reduce_bucket_elements']:,}-element reduce bucket on the "
+            f"card; fp32 master, gradients and AdamW state of {summary['offloaded_parameters']:,} parameters on the host")
 
 
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int = 2,
@@ -278,7 +234,22 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     host = 0
     pageable = 0
     simulated_fp16 = plan.precision == "fp16" and device == "cuda"
-    if (plan.precision == "fp16" and not simulated_fp16) or plan.placement in ("device_map", "zero_offload", "zero_offload_params"):
+    host_breakdown: dict[str, int] = {}
+    placement = ""
+    if plan.placement in SIMULATED_PLACEMENTS:
+        # fp16 autocast (device_map) cannot run on a CPU target: bf16's 2-byte activations stand in
+        as_bf16 = plan.placement == "device_map" and plan.precision == "fp16" and not simulated_fp16
+        sim = plan.compose(plan.name, plan.help, precision="bf16") if as_bf16 else plan
+        placed = simulate_placed(config, sim, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm)
+        report = placed.device
+        report.kernels = placed.kernels
+        method = "estimated" if as_bf16 else "predicted"
+        peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
+        host, host_breakdown = placed.host.steady_peak_bytes, placed.host.breakdown()
+        placement = _placement_text(plan, placed.summary)
+        note = (f"simulated placement: {placement}; host memory {host / MiB:,.0f} MiB at its own peak"
+                + ("; estimated: fp16 autocast needs CUDA, bf16 simulated instead" if as_bf16 else ""))
+    elif (plan.precision == "fp16" and not simulated_fp16) or plan.placement == "zero_offload_params":
         report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps, target=device, sm=sm)
         method, note = "estimated", est["note"]
         peak = est.get("peak", report.steady_peak_bytes)
@@ -304,7 +275,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                           f"alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, --precision bf16-true, "
                           f"--trainable qlora, or an offload rung")
     cuda: dict[str, Any] = {}
-    if device == "cuda" and report.timeline is not None and plan.placement == "device":
+    if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
         ws = (the_card or cuda_model.Card("", 0, sm)).cublas_workspace_bytes
         last = report.steps - 1
         steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
@@ -319,7 +290,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),
         breakdown=breakdown, where=where, method=method, note=note, seconds=time.perf_counter() - t0,
         first_step_peak_bytes=max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0), default=0),
-        host_bytes=int(host), pageable_bytes=int(pageable), phases=report.rows(), device=device,
+        host_bytes=int(host), host_breakdown=host_breakdown, placement=placement, pageable_bytes=int(pageable), phases=report.rows(), device=device,
         card=the_card.name if the_card else "", card_bytes=the_card.total_bytes if the_card else 0,
         kernels=dict(report.kernels or {}), **cuda,
     )

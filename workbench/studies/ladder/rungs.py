@@ -21,6 +21,7 @@ import torch
 
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import MemoryAccounting
+from workbench.core.memory.placement import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.memory.predict import predict
 from workbench.core.training import BlockSampler, TrainSettings, train
@@ -118,7 +119,8 @@ def zero_config(plan: Plan, settings: TrainSettings) -> dict[str, Any]:
     CPU Adam step) on the host; ZeRO-3 with the parameters on the host as well."""
     if plan.placement not in ("zero_offload", "zero_offload_params"):
         raise ValueError(f"{plan.name} is not a ZeRO rung")
-    zero: dict[str, Any] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    zero: dict[str, Any] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                            "reduce_bucket_size": REDUCE_BUCKET_SIZE}  # what the prediction simulates
     if plan.placement == "zero_offload_params":
         zero.update(stage=3, offload_param={"device": "cpu", "pin_memory": True})
     return {
@@ -131,13 +133,6 @@ def zero_config(plan: Plan, settings: TrainSettings) -> dict[str, Any]:
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
-
-
-def device_map_memory(model: torch.nn.Module, gpu_index: int, *, gpu_share: float = 0.5) -> dict[Any, int]:
-    """`max_memory` for accelerate: the GPU gets `gpu_share` of the weights' bytes, the host the rest
-    (so about half the decoder layers run on the CPU, which is what this rung is about)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {gpu_index: max(1, int(weights * gpu_share)), "cpu": 4 * weights + 2**30}
 
 
 def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: torch.Tensor, *, batch: int,
@@ -158,11 +153,9 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
     rows: list[dict[str, Any]] = []
     extra = {"rung": plan.name}
     if plan.placement == "device_map":
-        from accelerate import dispatch_model, infer_auto_device_map
+        from accelerate import dispatch_model
 
-        memory = device_map_memory(model, device.index or 0)
-        dmap = infer_auto_device_map(model, max_memory=memory,
-                                     no_split_module_classes=list(getattr(model, "_no_split_modules", None) or []))
+        dmap = {k: (device.index or 0) if v == 0 else v for k, v in infer_device_map(model).items()}
         model = dispatch_model(model, device_map=dmap, main_device="cpu")
 
         result = train(model, blocks, settings, device=device, sinks=[rows.append, *sinks], extra=extra)
