@@ -212,6 +212,17 @@ class PlacedAccounting(MemoryAccounting):
         finally:
             self._call = None
 
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        super()._after_step(optimizer, args, kwargs)
+        # State lives with its parameter; the step counter of the foreach and single-tensor loops
+        # is a CPU scalar (torch/optim/adamw.py), the fused kernel's is on the parameter's device.
+        for p, state in optimizer.state.items():
+            group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+            on_host = not (group.get("fused") or group.get("capturable"))
+            for k, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    self.preset([t], HOST if k == "step" and on_host else (self.place_of(p) or self.exec_places[0]))
+
     # -- reports ------------------------------------------------------------------------------
     def place_report(self, place: str) -> MemoryReport:
         """The MemoryReport of one place: its peaks, and its allocations' timeline for the

@@ -1,0 +1,147 @@
+"""The offload rungs simulated with each tensor at its place (issue 10 item 3).
+
+workbench.core.memory.placement: accelerate's device_map (its own placement, its hooks' copies)
+and DeepSpeed ZeRO-2 with the optimizer offloaded (its buffers, bucket and copies), on the card
+("device") and in host memory ("host").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_config
+from workbench.core.memory.meta import build_meta_model
+from workbench.core.memory.placement import (
+    DEVICE,
+    HOST,
+    PlacedAccounting,
+    dispatch_like_accelerate,
+    infer_device_map,
+    simulate_placed,
+)
+from workbench.core.memory.plan import RUNGS
+from workbench.core.memory.predict import predict, simulate
+
+SEQ, BATCH = 32, 2
+
+
+def _bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# the placement rules, on real tensors
+
+def test_ops_run_where_their_inputs_live_and_copies_cross_as_accelerate_makes_them():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    dmap = {"0": 0, "1": 0, "2": "cpu"}
+    x = torch.randn(8, 64)
+    with PlacedAccounting("cpu") as acc:
+        handles = dispatch_like_accelerate(model, dmap, acc)
+        acc.watch(model)
+        acc.preset([x], DEVICE)
+        acc.track([x])
+        hidden = []
+        model[2].register_forward_pre_hook(lambda m, a: hidden.append(a[0]))
+        y = model(x)
+        # layer 2 runs on the host: its input was copied there, its output copied back to the input's place
+        assert acc.place_of(hidden[0]) == HOST and acc.place_of(y) == DEVICE
+        assert acc.place_bytes[HOST] >= 64 * 32 * 4 + 8 * 64 * 4  # its weights + the copied input
+        y.sum().backward()
+        assert acc.place_of(model[0].weight.grad) == DEVICE and acc.place_of(model[2].weight.grad) == HOST
+        for h in handles:
+            h.remove()
+    # the weights are where accelerate's map puts them
+    assert acc.place_peak[DEVICE].by_category["weights"] == _bytes(model[0].parameters())
+    assert acc.place_peak[HOST].by_category["weights"] == _bytes(model[2].parameters())
+
+
+# ------------------------------------------------------------------------------------------------
+# accelerate device_map
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_config("llama")
+
+
+def test_device_map_places_the_weights_where_accelerate_does_and_loses_no_bytes(llama):
+    plan = RUNGS["device_map"]
+    r = simulate_placed(llama, plan, batch=BATCH, seq=SEQ)
+    meta = build_meta_model(llama)
+    dmap = infer_device_map(meta)
+    on_card = [k for k, v in dmap.items() if v == 0]
+    assert 0 < len(on_card) < len(dmap), dmap  # the rung splits the model
+    card_params = [p for n, p in meta.named_parameters() if any(n == k or n.startswith(k + ".") for k in on_card)]
+    dev, host = r.device.breakdown(), r.host.breakdown()
+    assert r.device.peak.by_category["weights"] == _bytes(card_params)
+    everything = _bytes([*meta.parameters(), *meta.buffers()])  # buffers (rotary frequencies) are weights too
+    assert r.device.peak.by_category["weights"] + r.host.peak.by_category["weights"] == everything
+    # each side keeps the AdamW moments of its own weights (and the fused kernel's 4-byte step counters)
+    host_params = [p for p in meta.parameters() if not any(p is q for q in card_params)]
+    assert dev["optimizer_state"] == 2 * _bytes(card_params) + 4 * len(card_params)
+    assert host["optimizer_state"] == 2 * _bytes(host_params) + 4 * len(host_params)
+    # all bytes together: the plain step's, plus only the copies across (hidden states, not weights)
+    plain = simulate(llama, RUNGS["bf16_ckpt"], batch=BATCH, seq=SEQ).steady_peak_bytes
+    hidden = BATCH * SEQ * llama.hidden_size * 4
+    assert plain <= r.combined.steady_peak_bytes <= plain + 8 * hidden
+
+
+def test_device_map_host_layers_keep_their_activations_on_the_host(llama):
+    few = simulate_placed(llama, RUNGS["device_map"], batch=BATCH, seq=SEQ, gpu_share=0.2)
+    many = simulate_placed(llama, RUNGS["device_map"], batch=BATCH, seq=SEQ, gpu_share=0.8)
+    act = lambda rep: max(p.by_category["activations"] for p in rep.phase_peaks.values())  # noqa: E731
+    assert act(few.device) < act(many.device) and act(few.host) > act(many.host)
+    assert few.summary["modules_on_device"] < many.summary["modules_on_device"]
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-2, optimizer offloaded
+
+def test_zero2_offload_keeps_bf16_weights_and_the_reduce_bucket_on_the_card(llama):
+    plan = RUNGS["zero_offload"]
+    n = sum(p.numel() for p in {id(p): p for p in build_meta_model(llama).parameters()}.values())
+    largest = max(p.numel() for p in build_meta_model(llama).parameters())
+    buffers = _bytes(build_meta_model(llama).buffers())  # DeepSpeed keeps buffers in fp32
+    seq = 24  # no activation of this size matches a largest-parameter copy
+    big = simulate_placed(llama, plan, batch=BATCH, seq=seq, reduce_bucket_size=4 * n)
+    small = simulate_placed(llama, plan, batch=BATCH, seq=seq, reduce_bucket_size=2 * n)
+    assert big.device.breakdown()["weights"] == 2 * n + buffers  # bf16 on the card
+    # the host: fp32 master + bf16 staging; fp32 gradient partition + one largest-parameter buffer; AdamW moments
+    host = big.host.peak.by_category
+    assert host["weights"] == 6 * n and host["gradients"] == 4 * n + 2 * largest and host["optimizer_state"] == 8 * n
+    # the bucket is allocated at its full size whatever the model: the card's peak moves with it, byte for byte
+    assert big.device.steady_peak_bytes - small.device.steady_peak_bytes == 2 * (4 * n - 2 * n)
+    assert big.device.breakdown()["gradients"] == 2 * 4 * n + 2 * largest  # bucket + the card's offload buffer
+    # each gradient's norm is taken in fp64 on the card (the largest parameter's copy is the biggest)
+    assert 8 * largest in {n for _, n in big.device.timeline if n > 0}
+    assert 8 * largest not in {n for _, n in big.host.timeline if n > 0}
+
+
+def test_zero2_offload_with_a_bucket_smaller_than_the_model_reduces_as_it_goes(llama):
+    n = sum(p.numel() for p in {id(p): p for p in build_meta_model(llama).parameters()}.values())
+    r = simulate_placed(llama, RUNGS["zero_offload"], batch=BATCH, seq=SEQ, reduce_bucket_size=n // 4)
+    full = simulate_placed(llama, RUNGS["zero_offload"], batch=BATCH, seq=SEQ, reduce_bucket_size=4 * n)
+    assert r.device.steady_peak_bytes < full.device.steady_peak_bytes
+    assert r.host.steady_peak_bytes == full.host.steady_peak_bytes  # the host partition does not depend on it
+
+
+# ------------------------------------------------------------------------------------------------
+# through predict and the command line's setups
+
+@pytest.mark.parametrize("name", ["device_map", "zero_offload"])
+def test_predict_simulates_the_offload_rungs_with_host_memory_beside(llama, name):
+    p = predict(llama, name, batch=BATCH, seq=SEQ)
+    assert p.method == "predicted" and "simulated placement" in p.note
+    assert p.host_bytes > 0 and p.host_breakdown and p.placement
+    c = predict(llama, name, batch=BATCH, seq=SEQ, device="cuda", card=8)
+    assert c.allocated_peak_bytes >= c.peak_bytes and c.reserved_peak_bytes >= c.allocated_peak_bytes
+    assert c.fits is True
+    # ZeRO-3 with offloaded parameters is still an estimate, and says so
+    assert predict(llama, "zero_offload_params", batch=BATCH, seq=SEQ).method == "estimated"
+
+
+def test_placement_rejects_rungs_it_does_not_simulate(llama):
+    with pytest.raises(ValueError, match="not simulated"):
+        simulate_placed(llama, RUNGS["bf16_ckpt"], batch=BATCH, seq=SEQ)
