@@ -59,11 +59,14 @@ def test_run_ladder_predicts_measures_and_explains(env):
             assert abs(r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1) < 0.01, name
         assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["loss_after"] == r["loss_after"]
     assert ok.loc["cpu", "measured_host_bytes"] > 0
-    # Rungs that cannot run here are rows that say why; their figure is labelled estimated.
+    # Rungs that cannot run here are rows that say why; fp16 autocast's figure is labelled estimated,
+    # device_map's is simulated (each tensor at its place) with the host's share beside it.
     for name in ("fp16", "device_map"):
         row = at_hand.loc[name]
         assert row["status"] == "skipped" and ("CUDA" in row["reason"] or "GPU" in row["reason"]), name
-        assert row["method"] == "estimated" and row["note"].startswith("estimated")
+    assert at_hand.loc["fp16", "method"] == "estimated" and at_hand.loc["fp16", "note"].startswith("estimated")
+    dm = at_hand.loc["device_map"]
+    assert dm["method"] == "predicted" and dm["note"].startswith("simulated placement") and dm["host_bytes"] > 0
     # The ladder saves memory as it goes down.
     assert at_hand.loc["lora", "predicted_peak_bytes"] < at_hand.loc["bf16_ckpt", "predicted_peak_bytes"] \
         < at_hand.loc["fp32", "predicted_peak_bytes"]
@@ -229,7 +232,7 @@ def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypa
 
 
 def test_zero_and_device_map_settings():
-    from workbench.core.memory.placement import REDUCE_BUCKET_SIZE, device_map_max_memory
+    from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, device_map_max_memory
     from workbench.studies.ladder.rungs import zero_config
 
     s2 = zero_config(RUNGS["zero_offload"], RUNGS["zero_offload"].settings(8, 3))

@@ -34,7 +34,8 @@ def test_notebook_runs_on_tiny_parameters(tiny_base, tmp_path, monkeypatch):
     # the live chart's final state: every step of every measured rung, and the budget line
     live = live_outputs[-1]
     loss = {t["name"]: t["y"] for t in live["data"] if t.get("xaxis", "x") == "x" and t.get("y")}
-    assert set(loss) == {"fp32 ladder", "bf16_ckpt ladder", "cpu ladder"}
+    # auto-fit runs the CPU: ZeRO-2's reduce bucket alone (5e8 bf16 elements on the card) is over the budget
+    assert set(loss) == {"fp32 ladder", "bf16_ckpt ladder", "cpu ladder", "cpu auto-fit"}
     assert all(len(y) == TINY["steps"] for y in loss.values())
     assert any(s.get("y0") == TINY["budget_mib"] for s in live["layout"]["shapes"])
     last = nbformat.read(out, as_version=4).cells[-1]
@@ -42,7 +43,7 @@ def test_notebook_runs_on_tiny_parameters(tiny_base, tmp_path, monkeypatch):
     (run_dir,) = (tmp_path / "results" / "ladder").glob("ladder-*")
     df = pd.read_csv(run_dir / "ladder.csv")
     hand = df[df["role"] == "at hand"].set_index("rung")
-    assert hand.loc["zero_offload", "status"] == "skipped" and hand.loc["zero_offload", "method"] == "estimated"
+    assert hand.loc["zero_offload", "status"] == "skipped" and hand.loc["zero_offload", "method"] == "predicted"
     ok = hand[(hand["status"] == "ok") & (hand.index != "cpu")]
     assert len(ok) == 2
     assert ((ok["predicted_peak_bytes"] / ok["measured_peak_bytes"] - 1).abs() < 0.01).all()

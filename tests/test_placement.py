@@ -1,6 +1,6 @@
 """The offload rungs simulated with each tensor at its place (issue 10 item 3).
 
-workbench.core.memory.placement: accelerate's device_map (its own placement, its hooks' copies)
+workbench.core.memory.placement and .offload: accelerate's device_map (its own placement, its hooks' copies)
 and DeepSpeed ZeRO-2 with the optimizer offloaded (its buffers, bucket and copies), on the card
 ("device") and in host memory ("host").
 """
@@ -12,14 +12,8 @@ import torch
 
 from tests.conftest import tiny_config
 from workbench.core.memory.meta import build_meta_model
-from workbench.core.memory.placement import (
-    DEVICE,
-    HOST,
-    PlacedAccounting,
-    dispatch_like_accelerate,
-    infer_device_map,
-    simulate_placed,
-)
+from workbench.core.memory.offload import dispatch_like_accelerate, infer_device_map, simulate_placed
+from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict, simulate
 

@@ -51,7 +51,7 @@ from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, Memor
 from workbench.core.memory.baselines import deepspeed_estimates
 from workbench.core.memory.fake import fakeify, unpacked_for_fake_inputs
 from workbench.core.memory.meta import build_meta_model, model_config, model_label, weights_bytes
-from workbench.core.memory.placement import SIMULATED_PLACEMENTS, simulate_placed
+from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.models import check_seq_len
 from workbench.core.training import train

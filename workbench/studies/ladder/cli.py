@@ -169,6 +169,7 @@ def _estimate(args) -> int:
                 {**{k: v for k, v in p.row().items() if k != "model"},
                  "breakdown_bytes": p.breakdown, "peak_bytes": p.peak_bytes,
                  "allocated_breakdown_bytes": p.allocated_breakdown, "kernels": p.kernels,
+                 "host_breakdown_bytes": p.host_breakdown, "placement": p.placement,
                  "fits_card": p.fits,
                  "fits": None if budget is None else p.fit_bytes <= budget}
                 for p in preds.values()
@@ -195,6 +196,8 @@ def _estimate(args) -> int:
             print(f"  CUDA context     {p.context_bytes / MiB:>12,.1f} MiB  modelled (per-card constant)")
             print(f"  nvidia-smi       {p.nvidia_smi_bytes / MiB:>12,.1f} MiB  modelled (reserved + context)")
             print(f"  attention kernel {', '.join(f'{k} x{n}' for k, n in p.kernels.items()) or 'none'}  simulated")
+            if p.host_bytes:
+                print(f"  host memory      {p.host_bytes / MiB:>12,.1f} MiB  simulated ({p.placement})")
             if p.card:
                 print(f"  card {p.card} ({p.card_bytes / MiB:,.0f} MiB): "
                       + ("fits" if p.fits else "does not fit") + f", headroom {p.headroom_bytes / MiB:,.1f} MiB")
@@ -221,7 +224,8 @@ def _estimate(args) -> int:
         print(line)
     if cuda:
         print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
-              "smi: reserved + the CUDA context (modelled); offload rungs: no allocator figures (estimated)")
+              "smi: reserved + the CUDA context (modelled); device_map and zero_offload: the card's share "
+              "(simulated placement, host memory in the note); zero_offload_params: estimated, no allocator figures")
     notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note]
     if notes:
         print("notes:\n" + "\n".join(notes))

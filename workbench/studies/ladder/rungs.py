@@ -21,7 +21,7 @@ import torch
 
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import MemoryAccounting
-from workbench.core.memory.placement import REDUCE_BUCKET_SIZE, infer_device_map
+from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.memory.predict import predict
 from workbench.core.training import BlockSampler, TrainSettings, train
