@@ -139,3 +139,88 @@ def test_predict_simulates_the_offload_rungs_with_host_memory_beside(llama, name
 def test_placement_rejects_rungs_it_does_not_simulate(llama):
     with pytest.raises(ValueError, match="not simulated"):
         simulate_placed(llama, RUNGS["bf16_ckpt"], batch=BATCH, seq=SEQ)
+
+
+# ------------------------------------------------------------------------------------------------
+# the ZeRO-2 replay against DeepSpeed's own objects (real DeepSpeed on the CPU, in a subprocess)
+
+_DEEPSPEED_INVENTORY = r"""
+import json, os, sys, torch
+import deepspeed
+from tests.conftest import tiny_config
+from transformers import AutoModelForCausalLM
+from workbench.core.memory.plan import RUNGS
+from workbench.studies.ladder.rungs import zero_config
+from workbench.studies.split.zero_baseline import _free_port
+for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+    os.environ.setdefault(k, v)
+try:
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    plan = RUNGS["zero_offload"]
+    conf = zero_config(plan, plan.settings(2, 2))
+    conf["zero_optimization"]["reduce_bucket_size"] = int(sys.argv[1])
+    # torch's AdamW instead of DeepSpeedCPUAdam (no op to build): the ZeRO buffers are the same
+    conf.pop("optimizer")
+    conf["zero_force_ds_cpu_optimizer"] = False
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=conf)
+except Exception as e:
+    print(json.dumps({"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+    sys.exit(0)
+zo = engine.optimizer
+size = lambda ts: [[t.numel(), str(t.dtype)] for t in ts]
+out = {"params": sorted({str(p.dtype) for p in engine.module.parameters()}),
+       "buffers": sorted({str(b.dtype) for b in engine.module.buffers()}),
+       "flat": size(zo.bit16_groups_flat), "master": size(zo.single_partition_of_fp32_groups),
+       "master_grad": size([t.grad for t in zo.single_partition_of_fp32_groups]),
+       "staging": size(zo.param_buffer_of_bit16_for_cpu_offload_groups),
+       "host_temp": size([zo.temp_grad_buffer_for_cpu_offload]), "device_temp": size([zo.temp_grad_buffer_for_gpu_offload])}
+seen = []
+for p in engine.module.parameters():
+    p.register_post_accumulate_grad_hook(lambda p: seen.append(size(b for bk in zo.ipg_buckets.values() for b in bk.buffer)))
+x = torch.randint(0, 128, (2, 32))
+engine.backward(engine(input_ids=x, labels=x).loss)
+out["bucket_in_backward"] = seen[-1]
+out["bucket_after"] = size(b for bk in zo.ipg_buckets.values() for b in bk.buffer)
+engine.step()
+out["model_grads_after"] = [p.grad is None for p in engine.module.parameters()]
+out["state"] = sorted([k, v.numel(), str(v.dtype)] for s in zo.optimizer.state.values() for k, v in s.items() if v.dim())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bucket = 100_000
+    proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INVENTORY, str(bucket)], cwd=root, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ds = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "unavailable" in ds:
+        pytest.skip(f"DeepSpeed cannot initialise here: {ds['unavailable']}")
+    meta = build_meta_model(llama)
+    n = sum(p.numel() for p in meta.parameters())
+    largest = max(p.numel() for p in meta.parameters())
+    # what the replay allocates (ZeroOffloadStep) is what DeepSpeed holds, tensor for tensor
+    assert ds["params"] == ["torch.bfloat16"] and ds["buffers"] == ["torch.float32"]
+    assert ds["flat"] == [[n, "torch.bfloat16"]]
+    assert ds["master"] == ds["master_grad"] == [[n, "torch.float32"]]
+    assert ds["staging"] == [[n, "torch.bfloat16"]]
+    assert ds["host_temp"] == ds["device_temp"] == [[largest, "torch.bfloat16"]]
+    assert ds["bucket_in_backward"] == [[bucket, "torch.bfloat16"]] and ds["bucket_after"] == []
+    assert all(ds["model_grads_after"])  # the gradients went to the host partition
+    assert ds["state"] == [["exp_avg", n, "torch.float32"], ["exp_avg_sq", n, "torch.float32"]]
+    # and the simulation's books agree: the same bytes on each side
+    r = simulate_placed(llama, RUNGS["zero_offload"], batch=BATCH, seq=SEQ, reduce_bucket_size=bucket)
+    buffers = _bytes(meta.buffers())
+    host = r.host.peak.by_category
+    assert r.device.breakdown()["weights"] == 2 * n + buffers
+    assert host["weights"] == 4 * n + 2 * n and host["gradients"] == 4 * n + 2 * largest and host["optimizer_state"] == 8 * n
+    assert max(p.by_category["gradients"] for p in r.device.phase_peaks.values()) >= 2 * bucket + 2 * largest
