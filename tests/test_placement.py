@@ -224,3 +224,16 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
     assert r.device.breakdown()["weights"] == 2 * n + buffers
     assert host["weights"] == 4 * n + 2 * n and host["gradients"] == 4 * n + 2 * largest and host["optimizer_state"] == 8 * n
     assert max(p.by_category["gradients"] for p in r.device.phase_peaks.values()) >= 2 * bucket + 2 * largest
+
+
+def test_an_offload_rungs_snapshot_is_the_cards_share(llama):
+    from workbench.core.config import ConfigError
+    from workbench.core.memory.snapshot import predicted_snapshot
+
+    snap = predicted_snapshot(llama, "zero_offload", batch=BATCH, seq=SEQ)
+    sizes = [e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    assert max(sizes) >= 2 * 500_000_000  # DeepSpeed's reduce bucket, on the card
+    n = sum(p.numel() for p in build_meta_model(llama).parameters())
+    assert 4 * n not in sizes  # the fp32 master partition is host memory: not in the card's timeline
+    with pytest.raises(ConfigError, match="estimated"):
+        predicted_snapshot(llama, "zero_offload_params", batch=BATCH, seq=SEQ)

@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.memory import cuda_model
+from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import MemoryReport
 from workbench.core.memory.cuda_model import CachingAllocator
 from workbench.core.memory.meta import model_config
+from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import rung
 from workbench.core.memory.predict import simulate
 
@@ -81,7 +83,13 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, car
     """Simulate `plan` for a CUDA card and return its snapshot (cuBLAS workspaces included)."""
 
     c = cuda_model.card(card) or cuda_model.Card("", 0, cuda_model.DEFAULT_SM)
-    report = simulate(model_config(model), rung(plan), batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)
+    plan = rung(plan)
+    if plan.placement in SIMULATED_PLACEMENTS:  # the card's share of an offload rung
+        report = simulate_placed(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm).device
+    elif plan.placement == "zero_offload_params":
+        raise ConfigError("zero_offload_params is estimated, not simulated: it has no allocation timeline to export")
+    else:
+        report = simulate(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)
     ws = c.cublas_workspace_bytes
     return snapshot_from_report(report, [("cuBLAS workspace (forward)", ws), ("cuBLAS workspace (backward)", ws)])
 
