@@ -90,6 +90,16 @@ def test_device_map_host_layers_keep_their_activations_on_the_host(llama):
     assert few.summary["modules_on_device"] < many.summary["modules_on_device"]
 
 
+def test_device_map_host_layers_run_outside_cudas_autocast(llama):
+    """The rung trains under CUDA autocast: the layers accelerate keeps on the host compute in fp32."""
+    act = lambda rep: max(p.by_category["activations"] for p in rep.phase_peaks.values())  # noqa: E731
+    all_host = simulate_placed(llama, RUNGS["device_map"], batch=BATCH, seq=SEQ, gpu_share=0.01)
+    assert set(all_host.summary["device_map"].values()) == {HOST}
+    fp32 = act(simulate(llama, RUNGS["bf16_ckpt"].compose("fp32_ckpt", "", precision="fp32"), batch=BATCH, seq=SEQ))
+    bf16 = act(simulate(llama, RUNGS["bf16_ckpt"], batch=BATCH, seq=SEQ))
+    assert fp32 != bf16 and abs(act(all_host.host) - fp32) <= 8  # a scalar or two
+
+
 # ------------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-2, optimizer offloaded
 

@@ -14,7 +14,8 @@ with one more fact per storage: its *place*, the card ("device") or host memory 
   `AlignDevicesHook` to each placed module that copies its inputs to its execution device
   (accelerate/hooks.py `pre_forward`), and one to the whole model whose execution device is the
   host and which copies the outputs back to where the inputs came from (`io_same_device`). Each
-  layer trains where it lives: its weights, gradients, AdamW moments and activations.
+  layer trains where it lives: its weights, gradients, AdamW moments and activations; the run's
+  autocast is CUDA's, so the host layers compute in their weights' dtype (fp32).
 - DeepSpeed ZeRO-2 with `offload_optimizer` (deepspeed 0.19, runtime/zero/stage_1_and_2.py): the
   weights become bf16 on the card (engine `_configure_distributed_model`); the fp32 master, its
   gradient partition, the AdamW moments and a bf16 staging copy are in host memory (`__init__`,
@@ -103,10 +104,17 @@ def dispatch_like_accelerate(model: torch.nn.Module, dmap: dict[str, Any], acc: 
                 mod._wb_input_place = next((acc.place_of(t) for t in tree_flatten((args, kwargs))[0]
                                             if isinstance(t, torch.Tensor) and acc.place_of(t)), place)
             acc.exec_places.append(place)
+            if place == HOST and (not top or "" in places):
+                # the run's autocast is CUDA's: it leaves the host layers' CPU ops in their own dtype
+                off = torch.autocast("cpu", enabled=False)
+                off.__enter__()
+                mod.__dict__.setdefault("_wb_autocast_off", []).append(off)
             return tree_map(lambda t: move(t, acc, place), (args, kwargs))
 
         def post(mod, args, out, top=top):
             acc.exec_places.pop()
+            if mod.__dict__.get("_wb_autocast_off"):
+                mod._wb_autocast_off.pop().__exit__(None, None, None)
             return move_output(out, acc, mod._wb_input_place) if top else out
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))

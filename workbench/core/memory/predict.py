@@ -24,7 +24,7 @@ Workarounds, all measured (FIELD_NOTES.md):
 
 The offload rungs accelerate `device_map` and DeepSpeed ZeRO-2 with the optimizer offloaded are
 simulated with each tensor at its place, the card or host memory, as the library places and copies
-it (workbench.core.memory.placement): the device peak is the card's, `host_bytes` the host's.
+it (workbench.core.memory.offload): the device peak is the card's, `host_bytes` the host's.
 ZeRO-3 with offloaded parameters, and fp16 autocast for a CPU target, cannot be simulated here:
 their figures are *estimated* from a simulated rung plus the library's own numbers, and the result
 says so (`method="estimated"` and a `note` with the formula).
@@ -194,8 +194,12 @@ def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: s
         gpu = ds["zero3_offload_params_gpu_bytes"]
         return base, {"peak": gpu + act, "host": ds["zero3_offload_params_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
                       "note": "estimated: DeepSpeed's ZeRO-3 param+optimizer offload estimate (the largest layer "
-                              "gathered on the GPU) + the simulated activations and temporaries of bf16_ckpt"}
-    raise ValueError(f"{plan.placement} is simulated, not estimated (workbench.core.memory.placement)")
+                              "gathered on the GPU) + the simulated activations and temporaries of bf16_ckpt; a lower "
+                              "bound: DeepSpeed's parameter coordinator releases a gathered parameter only when its next "
+                              "use in the recorded trace is more than stage3_max_reuse_distance (1e9 elements) away, "
+                              "so a model of well under 1e9 parameters keeps most of them on the card, and ZeRO-3's "
+                              "reduce bucket is not counted"}
+    raise ValueError(f"{plan.placement} is simulated, not estimated (workbench.core.memory.offload)")
 
 
 def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
