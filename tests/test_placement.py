@@ -90,6 +90,14 @@ def test_device_map_host_layers_keep_their_activations_on_the_host(llama):
     assert few.summary["modules_on_device"] < many.summary["modules_on_device"]
 
 
+def test_device_map_places_the_model_as_it_trains_lora_included(llama):
+    plan = RUNGS["device_map"].compose("device_map_lora", "", trainable="lora", lora_targets=("q_proj", "v_proj"))
+    r = simulate_placed(llama, plan, batch=BATCH, seq=SEQ)
+    assert all(k.startswith("base_model.model.") for k in r.summary["device_map"])  # peft's module names
+    assert r.summary["modules_on_device"] > 0 and r.summary["modules_on_host"] > 0
+    assert r.device.breakdown()["optimizer_state"] > 0 and r.host.breakdown()["optimizer_state"] > 0
+
+
 def test_device_map_host_layers_run_outside_cudas_autocast(llama):
     """The rung trains under CUDA autocast: the layers accelerate keeps on the host compute in fp32."""
     act = lambda rep: max(p.by_category["activations"] for p in rep.phase_peaks.values())  # noqa: E731

@@ -265,8 +265,8 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
         settings = dataclasses.replace(plan.settings(batch, steps), precision="fp32")
         dmap = None
     else:
-        dmap = infer_device_map(meta, gpu_share=gpu_share)
         model = apply_trainable(meta, plan.compose(plan.name, plan.help, placement="device"))
+        dmap = infer_device_map(model, gpu_share=gpu_share)  # of the model as it trains (LoRA's names)
         settings = plan.settings(batch, steps)
         on_card = [k for k, v in dmap.items() if v not in ("cpu", "disk")]
         summary = {"modules_on_device": len(on_card), "modules_on_host": len(dmap) - len(on_card),
