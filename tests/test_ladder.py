@@ -74,8 +74,12 @@ def test_run_ladder_predicts_measures_and_explains(env):
     for f in ("config.json", "summary.json", "ladder.csv", "steps.jsonl", "autofit.csv"):
         assert (run_dir / f).exists(), f
     assert (env / "ladder" / "runs.csv").exists()
-    fit = result.tables["autofit"]
-    assert fit.iloc[-1]["status"] == "ok" and fit.iloc[-1]["ran"] in rungs
+    fit, searched = result.tables["autofit"], result.tables["autofit_search"]
+    assert fit.iloc[-1]["status"] == "ok" and fit.iloc[-1]["ran"] == fit.iloc[-1]["predicted_choice"]
+    # the joint search ran: every setup it predicted before the chosen one is over the budget
+    first_fit = searched["fits"].tolist().index(True)
+    assert searched.iloc[first_fit]["setup"] == fit.iloc[-1]["ran"] and not searched["fits"][:first_fit].any()
+    assert searched.iloc[first_fit]["with_margin_mib"] <= cfg.budget_mib and "MiB" in fit.iloc[-1]["why"]
 
 
 def test_auto_fit_steps_down_on_a_real_oom(env):
@@ -328,10 +332,11 @@ def test_reference_device_is_validated_and_the_pure_bf16_rungs_are_in_the_study(
     assert {"bf16_true", "bf16_true_lora"} <= set(LadderConfig().rungs)
 
 
-def test_the_default_budget_makes_auto_fit_choose_a_middle_rung_of_the_embedded_default():
-    """The notebook's auto-fit demonstration: at the default budget the faster rungs do not fit and
-    a middle rung does (not the CPU, which always fits). The embedded default's config is built
-    from its spec (its trained tokenizer has exactly spec.vocab_size tokens), no weights needed."""
+def test_the_default_budget_makes_auto_fit_choose_a_middle_setup_of_the_embedded_default():
+    """The notebook's auto-fit demonstration: at the default budget the faster setups do not fit and
+    a middle one does (not the CPU, which always fits), with the batch per step kept; the rung-level
+    auto-fit (`workbench estimate --auto-fit`) picks a middle rung too. The embedded default's config
+    is built from its spec (its trained tokenizer has exactly spec.vocab_size tokens), no weights needed."""
     from transformers import Qwen2Config
 
     from workbench.core.models import EmbeddedSpec
@@ -347,3 +352,12 @@ def test_the_default_budget_makes_auto_fit_choose_a_middle_rung_of_the_embedded_
     fits = {r["rung"]: r["fits"] for r in choice.table}
     assert choice.rung == "bf16_ckpt"
     assert not fits["fp32"] and not fits["bf16_true"] and fits["lora"] and fits["cpu"]
+    from workbench.studies.ladder.autofit import search
+    from workbench.studies.ladder.runner import CPU_MARGIN
+
+    here = torch.device("cpu")
+    joint = search(config, RUNGS[cfg.rungs[0]], batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib,
+                   device="cpu", margin=CPU_MARGIN, keep=2, runnable=lambda p: p.cannot_run_here(here) is None)
+    assert joint.plan is not None and joint.plan.placement == "device" and not joint.table[0]["fits"]
+    assert joint.plan.accum > 1 and cfg.micro_batch // joint.plan.accum * joint.plan.accum == cfg.micro_batch
+    assert "micro-batch 4 x 2" in joint.plan.name

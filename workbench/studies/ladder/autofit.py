@@ -133,20 +133,21 @@ class SetupChoice:
 
 def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, device: str = "cuda",
            card: str | float | None = None, allow_lora: bool = False, margin: float | None = None,
-           keep: int = 3) -> SetupChoice:
+           margin_source: str = "given", keep: int = 3, runnable: Callable[[Plan], bool] | None = None) -> SetupChoice:
     """The fastest setup (by the prior cost) predicted to fit `budget_mib` with the margin.
 
     Predicts candidates cheapest first until one fits, then `keep` - 1 more that fit (the
-    step-down order for a real out-of-memory error)."""
+    step-down order for a real out-of-memory error). `runnable`: only candidates it accepts are
+    searched (a study running on this machine leaves out what cannot run here)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
     if not budget_mib > 0:
         raise ConfigError(f"the budget must be a positive number of MiB, got {budget_mib!r}")
     budget = int(budget_mib * MiB)
-    src = "given"
+    src = margin_source
     if margin is None:
         margin, src = prediction_margin(setup)
-    ranked = sorted(candidates(setup, batch, allow_lora=allow_lora),
+    ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora) if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p)))
     choice = SetupChoice(None, batch, budget, margin, src)
     for plan in ranked:

@@ -35,8 +35,8 @@ class LadderConfig(Config):
     steps: int = setting("steps", 6, "measured per rung; the first is warm-up, left out of timings")
     lr: float = setting("lr", 1e-4, "of the measured runs")
     budget_mib: float = param(100.0, "device budget to fit (MiB); the CPU enforces it by counting live bytes. The "
-                              "default lets auto-fit pick a middle rung of the embedded default (bf16_ckpt, "
-                              "predicted 93 MiB), not the CPU")
+                              "default lets auto-fit pick a middle setup of the embedded default (pure bf16, "
+                              "micro-batch 4 x 2 accumulation, predicted 74 MiB), not the CPU")
     measure: bool = param(True, "measure the rungs that can run on this machine")
     autofit: bool = param(True, "run auto-fit for the model at hand with the budget enforced")
     reference_model: str = param("data/configs/qwen2-0.5b.json", "reference config predicted for every rung ('': none)")

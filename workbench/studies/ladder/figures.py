@@ -76,8 +76,13 @@ runs_table = ladder_table
 
 
 def autofit_table(result: StudyResult) -> pd.DataFrame:
-    """Auto-fit's attempts: the rung predicted fastest to fit, run with the budget enforced."""
+    """Auto-fit's attempts: the setup predicted fastest to fit, run with the budget enforced, and why."""
     return rounded(result.tables.get("autofit", pd.DataFrame()))
+
+
+def autofit_search_table(result: StudyResult) -> pd.DataFrame:
+    """Every setup the joint search predicted, in the order it tried them."""
+    return rounded(result.tables.get("autofit_search", pd.DataFrame()))
 
 
 def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
@@ -184,8 +189,9 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     fit = result.tables.get("autofit", pd.DataFrame())
     if len(fit):
         last = fit.iloc[-1]
-        out.append((f"Auto-fit chose {last.get('predicted_choice')} for a {budget_mib(result):g} MiB budget and ran "
-                    f"{last.get('ran') or 'nothing'} with the budget enforced.", ""))
+        out.append((f"Auto-fit chose {last.get('predicted_choice') or 'nothing on the device'} for a "
+                    f"{budget_mib(result):g} MiB budget and ran {last.get('ran') or 'nothing'} with the budget "
+                    f"enforced, the batch per step kept. Why: {last.get('why', '')}", ""))
     pub = result.tables.get("published", pd.DataFrame())
     ref = _reference(result)
     if len(pub) and "workbench_predicted_mib" in pub and len(ref):
@@ -225,6 +231,7 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
         ("figure", "", loss_figure(result)),
         ("table", "Auto-fit: the rung predicted fastest to fit, run here with the budget enforced "
                   "(measured where its status is ok or oom)", autofit_table(result)),
+        ("table", "Auto-fit's search: each setup predicted, cheapest first", autofit_search_table(result)),
     ]
     if len(ref):
         parts += [("table", f"Reference model {ref['model'].iloc[0]}: predicted peaks (not measured)",
@@ -253,8 +260,12 @@ NOTEBOOK = [
     ("Bars: the predicted peak (hatched where the figure is *estimated*, not simulated) and the measured peak; "
      "the dashed line is the budget. Right: the measured step time.", "figures.ladder_figure(result).show()"),
     ("", "figures.loss_figure(result).show()"),
-    ("## Auto-fit\n\nThe fastest rung predicted to fit the budget, run with the budget enforced; on a real "
-     "out-of-memory error it steps down the ladder.", "figures.autofit_table(result)"),
+    ("## Auto-fit\n\nFrom the ladder's top rung, the fastest setup predicted to fit the budget with the batch per "
+     "step kept (micro-batch with accumulation, checkpointing, precision, optimizer), run with the budget "
+     "enforced; on a real out-of-memory error it steps down to the next setup, and to the CPU last.",
+     "figures.autofit_table(result)"),
+    ("The setups auto-fit predicted, cheapest first by their prior cost, until enough fitted.",
+     "figures.autofit_search_table(result)"),
     ("## Where the bytes go at the peak (one rung)\n\nWeights, gradients, optimizer state, activations (saved "
      "for backward) and temporaries at the steady-state peak.",
      "figures.breakdown_figure(result, cfg.breakdown_rung).show()"),

@@ -11,11 +11,13 @@ embedded base by default) and a reference config (Qwen2-0.5B) - the study predic
 steady-state device peak (fake tensors, no GPU), and for the model at hand it measures every
 rung that can run on this machine: peak live bytes, step time, tokens/s and the loss after a
 fixed number of steps. A rung that cannot run here is a row whose `reason` says why.
-It then asks auto-fit for the fastest rung predicted to fit the budget and runs it with the
-budget enforced, stepping down the ladder on a real out-of-memory error.
+It then asks auto-fit (workbench.studies.ladder.autofit) for the fastest setup predicted to fit
+the budget, searching from the ladder's top rung with the batch per step kept (micro-batch with
+accumulation, checkpointing, precision, optimizer), and runs it with the budget enforced, stepping
+down to the next setup on a real out-of-memory error and to the CPU last.
 
 Results: results/ladder/<run_id>/{config.json, ladder.csv, baselines.csv, autofit.csv,
-summary.json} and results/ladder/runs.csv. Columns say which figures are `measured`,
+autofit_search.csv, summary.json} and results/ladder/runs.csv. Columns say which figures are `measured`,
 `predicted` or `estimated`; sizes are bytes (`_bytes`) or MiB (`_mib`).
 
 Sinks receive the training rows of every measured rung (`stage` "ladder") and of every auto-fit
@@ -42,7 +44,13 @@ from workbench.core.memory.predict import predict
 from workbench.core.models import load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, read_steps, read_table, results_root
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
-from workbench.studies.ladder.rungs import auto_fit, measure, run_with_fallback
+from workbench.studies.ladder.autofit import run_with_step_down, search
+from workbench.studies.ladder.rungs import measure
+
+
+# Auto-fit's margin when the budget is played on the CPU: the prediction of a CPU step is exact to the
+# byte in FIELD_NOTES and within 1% in the tests (tests/test_memory.py); a GPU uses the validation's error.
+CPU_MARGIN = 0.01
 
 
 def model_at_hand(cfg: LadderConfig):
@@ -156,29 +164,38 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     if "measured_peak_bytes" in df:
         df["measured_peak_mib"] = df["measured_peak_bytes"] / MiB
 
-    # Auto-fit for the model at hand, with the budget enforced: step down on a real OOM.
+    # Auto-fit for the model at hand, with the budget enforced: the joint search from the ladder's
+    # top rung (the setup the user would train) keeps the batch per step; step down on a real OOM.
     fit_rows: list[dict[str, Any]] = []
+    search_table = pd.DataFrame()
     if cfg.autofit:
-        choice = auto_fit(config, batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib,
-                          rungs=cfg.rungs, predictions=preds, device="cpu")
+        here = torch.device("cpu")
+        choice = search(config, RUNGS[cfg.rungs[0]], batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib,
+                        device="cpu", margin=CPU_MARGIN, margin_source="the CPU prediction's tested tolerance",
+                        keep=2, runnable=lambda p: p.cannot_run_here(here) is None)
+        search_table = pd.DataFrame(choice.table)
+        # the ladder's bottom rung is the last resort: nothing stays on the device
+        choice.fitting.append(RUNGS["cpu"])
 
-        def attempt(name):
-            m = measure(name, load, blocks, batch=cfg.micro_batch, steps=2, lr=cfg.lr, budget_mib=cfg.budget_mib,
+        def attempt(plan):
+            m = measure(plan, load, blocks, batch=cfg.micro_batch, steps=2, lr=cfg.lr, budget_mib=cfg.budget_mib,
                         sinks=_labelled(sinks, stage="auto-fit", budget_mib=cfg.budget_mib))
-            _event(sinks, rung=name, attempt=f"auto-fit {name}", result=m["status"])
+            _event(sinks, rung=plan.name, attempt=f"auto-fit {plan.name}", result=m["status"])
             if m["status"] == "oom":
                 raise torch.OutOfMemoryError(m["reason"])
             if m["status"] != "ok":
-                raise RuntimeError(f"{name}: {m['status']}: {m['reason']}")
+                raise RuntimeError(f"{plan.name}: {m['status']}: {m['reason']}")
             return m
 
         try:
-            chosen, _, tries = run_with_fallback(choice, attempt, log=lambda s: None)
+            ran, _, tries = run_with_step_down(choice, attempt, log=lambda s: None)
+            chosen = ran.name
         except torch.OutOfMemoryError as e:
-            chosen, tries = None, [{"rung": None, "status": "oom", "error": str(e)}]
-        except RuntimeError as e:  # the chosen rung cannot run here (e.g. needs CUDA)
-            chosen, tries = None, [{"rung": choice.rung, "status": "skipped", "error": str(e)}]
-        fit_rows = [{**t, "predicted_choice": choice.rung, "ran": chosen, "budget_mib": cfg.budget_mib} for t in tries]
+            chosen, tries = None, [{"setup": None, "status": "oom", "error": str(e)}]
+        except RuntimeError as e:  # a setup that cannot run here after all
+            chosen, tries = None, [{"setup": choice.plan.name if choice.plan else None, "status": "skipped", "error": str(e)}]
+        fit_rows = [{**t, "predicted_choice": choice.plan.name if choice.plan else None, "ran": chosen,
+                     "why": choice.why, "budget_mib": cfg.budget_mib} for t in tries]
 
     # Side tables for the notebook: what others claim / estimate, beside our prediction.
     published = published_table()
@@ -191,7 +208,8 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
         published["workbench_predicted_mib"] = published["rung"].map(ours_ref)
         host = {r["rung"]: r["host_bytes"] / MiB for r in ref_rows}
         published.loc[published["rung"] == "cpu", "workbench_predicted_mib"] = host.get("cpu")
-    tables = {"ladder": df, "baselines": baselines, "published": published, "autofit": pd.DataFrame(fit_rows)}
+    tables = {"ladder": df, "baselines": baselines, "published": published, "autofit": pd.DataFrame(fit_rows),
+              "autofit_search": search_table}
     writer = ResultsWriter(STUDY)
     paths = {name: str(writer.table(name, table, run=cfg.run_id())) for name, table in tables.items()}
     statuses = set(df["status"])
@@ -221,5 +239,5 @@ def load_result() -> StudyResult | None:
         return None
     steps_path = run_dir / "steps.jsonl"
     steps = read_steps(steps_path) if steps_path.exists() and steps_path.stat().st_size else pd.DataFrame()
-    tables = {name: read_table(run_dir / f"{name}.csv") for name in ("baselines", "published", "autofit")}
+    tables = {name: read_table(run_dir / f"{name}.csv") for name in ("baselines", "published", "autofit", "autofit_search")}
     return StudyResult(STUDY, runs=ladder, steps=steps, tables=tables, paths={"run_dir": str(run_dir)})
