@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/predict_ladder.py                      # Qwen2-0.5B config, 1 x 512, every rung (~2 min)
     .venv/bin/python benchmarks/predict_ladder.py --rungs fp32 lora    # a few rungs
     .venv/bin/python benchmarks/predict_ladder.py --device cuda --model data/configs/qwen2-7b.json --rungs bf16_true_lora
-    .venv/bin/python benchmarks/predict_ladder.py --validate           # the validation table (~5 min)
+    .venv/bin/python benchmarks/predict_ladder.py --validate           # the validation table (~1.5 min)
 
 What it counts: for each rung, the wall time of one `workbench.core.memory.predict.predict` call on
 the Qwen2-0.5B config (data/configs/qwen2-0.5b.json) at batch 1 x seq 512: building the model on

@@ -63,13 +63,16 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
     need = roomy.table[0]["need_mib"]
     # a budget the cheapest setup fits only without the margin: the search moves on, to a setup that
     # fits with it, and says why
-    tight = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=need * 1.05, keep=1)
+    margin = prediction_margin(setup)[0]
+    assert margin > 0
+    budget = need * (1 + margin / 2)
+    tight = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=budget, keep=1)
     assert tight.plan is not None and tight.plan.name != ranked[0].name
     assert tight.table[0]["setup"] == ranked[0].name and not tight.table[0]["fits"]
     chosen = tight.table[-1]
-    assert chosen["fits"] and chosen["with_margin_mib"] <= need * 1.05 < tight.table[0]["with_margin_mib"]
+    assert chosen["fits"] and chosen["with_margin_mib"] <= budget < tight.table[0]["with_margin_mib"]
     assert tight.micro_batch * tight.plan.accum == BATCH and "margin" in tight.why
-    assert search(config, setup, batch=BATCH, seq=SEQ, budget_mib=need * 1.05, keep=1, margin=0.0).plan.name \
+    assert search(config, setup, batch=BATCH, seq=SEQ, budget_mib=budget, keep=1, margin=0.0).plan.name \
         == ranked[0].name  # without the margin the cheapest would have been taken
 
 

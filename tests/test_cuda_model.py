@@ -209,17 +209,6 @@ def test_unknown_card_and_a_card_smaller_than_the_weights(tmp_path):
         predict(str(path), "fp32", batch=1, seq=32, device="cuda", card=0.0001)
 
 
-def test_every_validation_row_has_its_config_and_a_complete_setup():
-    from workbench.studies.ladder.validation import CONFIGS, PUBLISHED, SOURCES
-
-    for r in PUBLISHED:
-        assert (CONFIGS / f"{r.model}.json").is_file(), r.model
-        assert r.measures in ("allocated", "reserved") and r.published_gb > 0 and r.source_key in SOURCES
-        plan_from_flags(precision=r.precision, optimizer=r.optimizer, trainable=r.trainable,
-                        lora_targets=tuple(r.lora_targets.split(",")), batch=r.batch)
-        cm.card(r.card)
-
-
 # ------------------------------------------------------------------------------------------------
 # memory snapshots (the _dump_snapshot format)
 

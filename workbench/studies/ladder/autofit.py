@@ -17,9 +17,9 @@ first that fits is the fastest by the prior and the search predicts only what it
 
 Margin: a setup fits when its predicted peak plus a margin is within the budget. The margin is the
 prediction's own measured error (data/prediction_error.json, written by the validation against
-published GPU peaks: the worst under-prediction for that precision, else the worst overall), not a
-fixed guess. On a real out-of-memory error `run_with_step_down` tries the next setup that fits,
-still at the same effective batch.
+published GPU peaks: the worst error for that precision when at least `min_family_rows` rows of it
+were checked, else the worst overall), not a fixed guess. On a real out-of-memory error
+`run_with_step_down` tries the next setup that fits, still at the same effective batch.
 """
 
 from __future__ import annotations
@@ -63,10 +63,11 @@ def prediction_margin(plan: Plan, path=MARGINS_FILE) -> tuple[float, str]:
                           "the prediction's margin from published GPU measurements") from None
     family = PRECISION_FAMILY.get(plan.precision, plan.precision)
     by = data.get("by_precision_pct", {})
-    if family in by:
-        return by[family] / 100, f"worst under-prediction of {family} rows in the validation ({by[family]:.1f}%)"
-    return data["overall_pct"] / 100, f"worst under-prediction of any validation row ({data['overall_pct']:.1f}%; " \
-                                      f"no {family} row was validated)"
+    rows = data.get("rows_by_precision", {}).get(family, 0)
+    if family in by and rows >= data.get("min_family_rows", 1):
+        return by[family] / 100, f"worst error of the {rows} {family} rows in the validation ({by[family]:.1f}%)"
+    why = f"only {rows} {family} row(s) validated" if rows else f"no {family} row was validated"
+    return data["overall_pct"] / 100, f"worst error of any validation row ({data['overall_pct']:.1f}%; {why})"
 
 
 def cost(plan: Plan) -> float:
