@@ -9,11 +9,13 @@ import json
 import pytest
 import torch
 
+from workbench.core.memory import cuda_model as cm
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.plan import plan_from_flags
 from workbench.studies.ladder import autofit
 from workbench.studies.ladder.validation import (BATCH_SIZE, CONFIGS, LM_HEAD_CHUNK, PUBLISHED, SOURCES,
-                                                 litgpt_config, litgpt_peaks, margins, simulate_litgpt_lora)
+                                                 fits_card, litgpt_config, litgpt_peaks, margins,
+                                                 simulate_litgpt_lora)
 
 pytest.importorskip("lit_gpt")
 pytest.importorskip("lightning")
@@ -78,6 +80,10 @@ def test_the_cuda_program_makes_cudas_choices_and_its_allocator_peak_covers_the_
     peaks = litgpt_peaks(row, config=config)
     assert peaks["allocated"] >= peaks["live"] and peaks["reserved"] >= peaks["allocated"]
     assert "backward" in peaks["where"] or "forward" in peaks["where"]
+    # a run published as out of memory is judged by fits / does not fit on its card
+    assert fits_card(peaks, cm.card("A100 40GB"))
+    assert not fits_card(peaks, cm.card(str((peaks["reserved"] + cm.CONTEXT_BYTES - 1) / 2**30)))
+    assert fits_card(peaks, cm.card(str((peaks["reserved"] + cm.CONTEXT_BYTES + 2**20) / 2**30)))
 
 
 def test_the_published_figure_is_not_an_input_and_the_prediction_moves_with_the_setup():
@@ -99,12 +105,11 @@ def test_published_rows_are_predicted_within_the_target(row):
 def test_every_row_names_its_programs_and_a_complete_setup():
     from lit_gpt.config import Config
 
-    from workbench.core.memory import cuda_model as cm
-
     for r in PUBLISHED:
         Config.from_name(r.litgpt)
         assert (CONFIGS / f"{r.model}.json").is_file(), r.model
-        assert r.measures in ("allocated", "reserved") and r.published_gb > 0 and r.source_key in SOURCES
+        assert r.measures in ("allocated", "reserved", "oom") and r.source_key in SOURCES
+        assert (r.published_gb > 0) == (r.measures != "oom")
         plan_from_flags(precision=r.precision, optimizer=r.optimizer, trainable=r.trainable,
                         lora_targets=tuple(r.lora_targets.split(",")), batch=r.batch)
         cm.card(r.card)
@@ -113,8 +118,10 @@ def test_every_row_names_its_programs_and_a_complete_setup():
 def test_margins_are_the_worst_miss_either_way_and_thin_families_use_the_overall(tmp_path):
     rows = [{"setup": "bf16-true, adamw", "error_pct": e, "measures": "m"} for e in (0.4, -0.2, 0.1)]
     rows.append({"setup": "bf16-mixed, adamw", "error_pct": -1.5, "measures": "m"})
+    rows.append({"setup": "fp32, adamw", "error_pct": None, "measures": "out of memory"})  # no figure: no error
     m = margins(rows)
     assert m["by_precision_pct"] == {"bf16-true": 0.4, "bf16-mixed": 1.5} and m["overall_pct"] == 1.5
+    assert m["rows"] == 4 and m["measures"] == ["m"]
     path = tmp_path / "e.json"
     path.write_text(json.dumps({**m, "by_precision_pct": {"bf16-true": 0.4, "bf16-mixed": 0.1}, "overall_pct": 0.4}))
     true = plan_from_flags(precision="bf16-true", optimizer="adamw_torch", trainable="full")

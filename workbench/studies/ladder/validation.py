@@ -71,8 +71,8 @@ class Published:
     lora_targets: str  # the Hugging Face module names, for the comparison column
     batch: int
     seq: int
-    published_gb: float  # as published, in 1e9 bytes
-    measures: str  # "allocated" (max_memory_allocated) or "reserved"
+    published_gb: float  # as published, in 1e9 bytes (0 for a run published as out of memory)
+    measures: str  # "allocated" (max_memory_allocated), "reserved", or "oom" (it ran out of memory)
     card: str
     source: str
     source_key: str = "litgpt"
@@ -97,6 +97,11 @@ PUBLISHED = (
               LITGPT_TABLES),
     Published("Llama-2-7b-hf", "llama-2-7b", "bf16-true", "q_proj,v_proj", 2, 1304, 29.07, "allocated", "A100 40GB",
               LITGPT_TABLES),
+    # published as out of memory on the same card: the prediction must say it does not fit
+    Published("Llama-2-7b-hf", "llama-2-7b", "bf16-true", "q_proj,v_proj", 4, 1304, 0.0, "oom", "A100 40GB",
+              LITGPT_TABLES),
+    Published("Llama-2-7b-hf", "llama-2-7b", "bf16-mixed", "q_proj,v_proj", 1, 1304, 0.0, "oom", "A100 40GB",
+              LITGPT_LORA),
 )
 
 
@@ -174,12 +179,19 @@ def litgpt_peaks(row: Published, config=None, sm: int | None = None) -> dict:
             "kernels": ",".join(f"{k}x{n}" for k, n in (report.kernels or {}).items())}
 
 
+def fits_card(peaks: dict, card) -> bool:
+    """Fits: the allocator's reserved peak and the CUDA context within the card."""
+    return peaks["reserved"] + card.context_bytes <= card.total_bytes
+
+
 def validate_row(row: Published) -> dict:
     """Predict one published setup on its card, as LitGPT's program and as Hugging Face's, and compare."""
     t0 = time.perf_counter()
     lit = litgpt_peaks(row)
     seconds = time.perf_counter() - t0
-    predicted = lit["allocated"] if row.measures == "allocated" else lit["reserved"]
+    predicted = lit["reserved"] if row.measures == "reserved" else lit["allocated"]
+    card = cuda_model.card(row.card)
+    fits = fits_card(lit, card)
     plan = plan_from_flags(precision=row.precision, optimizer=row.optimizer, trainable=row.trainable,
                            lora_targets=tuple(row.lora_targets.split(",")), checkpointing=row.checkpointing,
                            batch=row.batch)
@@ -187,11 +199,13 @@ def validate_row(row: Published) -> dict:
     hf_predicted = hf.allocated_peak_bytes if row.measures == "allocated" else hf.reserved_peak_bytes
 
     def err(b):
-        return round(100 * (b / 1e9 / row.published_gb - 1), 1)
+        return None if row.measures == "oom" else round(100 * (b / 1e9 / row.published_gb - 1), 1)
 
     return {
         "model": row.litgpt, "setup": f"{plan.help}; batch {row.batch} x {row.seq}", "card": row.card,
-        "published_gb": row.published_gb, "measures": f"max_memory_{row.measures} (GB = 1e9 bytes)",
+        "published_gb": row.published_gb if row.measures != "oom" else None,
+        "measures": "out of memory" if row.measures == "oom" else f"max_memory_{row.measures} (GB = 1e9 bytes)",
+        "predicted_fits": fits, "card_gb": round(card.total_bytes / 1e9, 2),
         "predicted_gb": round(predicted / 1e9, 3), "error_pct": err(predicted),
         "predicted_live_gb": round(lit["live"] / 1e9, 3), "predicted_reserved_gb": round(lit["reserved"] / 1e9, 3),
         "predicted_where": lit["where"], "attention": lit["kernels"], "predict_seconds": round(seconds, 1),
@@ -206,9 +220,14 @@ def validation_table(rows=PUBLISHED, out: str | Path | None = None, log=print) -
     results = []
     for r in rows:
         res = validate_row(r)
-        log(f"  {res['model']:<24} {res['setup'][:56]:<56} published {res['published_gb']:>6.2f}  "
-            f"predicted {res['predicted_gb']:>7.3f} ({res['error_pct']:+5.1f}%)  Hugging Face "
-            f"{res['hf_predicted_gb']:>7.3f} ({res['hf_error_pct']:+5.1f}%)  [{res['predict_seconds']:.0f} s]")
+        if res["published_gb"] is None:
+            log(f"  {res['model']:<24} {res['setup'][:56]:<56} published out of memory; predicted "
+                f"{res['predicted_gb']:.3f} GB allocated: {'fits' if res['predicted_fits'] else 'does not fit'} "
+                f"on {res['card']} ({res['card_gb']} GB)  [{res['predict_seconds']:.0f} s]")
+        else:
+            log(f"  {res['model']:<24} {res['setup'][:56]:<56} published {res['published_gb']:>6.2f}  "
+                f"predicted {res['predicted_gb']:>7.3f} ({res['error_pct']:+5.1f}%)  Hugging Face "
+                f"{res['hf_predicted_gb']:>7.3f} ({res['hf_error_pct']:+5.1f}%)  [{res['predict_seconds']:.0f} s]")
         results.append(res)
     if out is not None:
         atomic_write_csv(out, pd.DataFrame(results))
@@ -229,12 +248,15 @@ def margins(results: list[dict]) -> dict:
     worst: dict[str, float] = {}
     count: dict[str, int] = {}
     for r in results:
+        if r.get("error_pct") is None or r["error_pct"] != r["error_pct"]:  # published as out of memory
+            continue
         family = r["setup"].split(",")[0].strip()  # bf16-mixed, bf16-true, ...
         worst[family] = max(worst.get(family, 0.0), abs(float(r["error_pct"])))
         count[family] = count.get(family, 0) + 1
     return {"by_precision_pct": worst, "rows_by_precision": count, "overall_pct": max(worst.values(), default=0.0),
-            "rows": len(results), "min_family_rows": MIN_FAMILY_ROWS,
-            "measures": sorted({r["measures"] for r in results})}
+            "rows": sum(count.values()), "min_family_rows": MIN_FAMILY_ROWS,
+            "measures": sorted({r["measures"] for r in results if r.get("error_pct") is not None
+                                and r["error_pct"] == r["error_pct"]})}
 
 
 def write_margins(results: list[dict], path: str | Path = MARGINS_FILE) -> Path:
