@@ -172,15 +172,43 @@ def _cast(obj, to, src):
 
 
 class CudaChoices(TorchFunctionMode):
-    """Reroutes SDPA, dropout and the CUDA-only autocast list entries; everything else runs as is."""
+    """Reroutes SDPA, dropout and the CUDA-only autocast list entries; everything else runs as is.
+
+    `host()` suspends every active instance: code that a CUDA run executes on the CPU (the layers
+    accelerate's device_map keeps in host memory) makes the CPU's choices."""
+
+    active: list["CudaChoices"] = []  # entered instances, innermost last
 
     def __init__(self, sm: int = DEFAULT_SM):
         super().__init__()
         self.sm = sm
         self.kernels: dict[str, int] = {}  # attention kernels chosen, for the report
+        self.suspended = 0
+
+    def __enter__(self):
+        CudaChoices.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        CudaChoices.active.remove(self)
+        return super().__exit__(*exc)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def host():
+        modes = list(CudaChoices.active)
+        for m in modes:
+            m.suspended += 1
+        try:
+            yield
+        finally:
+            for m in modes:
+                m.suspended -= 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if self.suspended:
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "scaled_dot_product_attention":
             return cuda_sdpa(*args, **kwargs, sm=self.sm, original=func, chosen=self.kernels)
@@ -223,9 +251,14 @@ def cuda_step(sm: int = DEFAULT_SM):
 
     checkpoint = modeling_utils.checkpoint
 
+    def choices_as_now():  # called in the forward: a layer running on the host recomputes on the host
+        recompute = CudaChoices(sm)
+        recompute.suspended = int(any(m.suspended for m in CudaChoices.active))
+        return contextlib.nullcontext(), recompute
+
     def checkpoint_with_choices(function, *args, **kwargs):
         if not kwargs.get("use_reentrant", True) and "context_fn" not in kwargs:
-            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), CudaChoices(sm))
+            kwargs["context_fn"] = choices_as_now
         return checkpoint(function, *args, **kwargs)
 
     training.autocast = autocast

@@ -15,7 +15,8 @@ with one more fact per storage: its *place*, the card ("device") or host memory 
   (accelerate/hooks.py `pre_forward`), and one to the whole model whose execution device is the
   host and which copies the outputs back to where the inputs came from (`io_same_device`). Each
   layer trains where it lives: its weights, gradients, AdamW moments and activations; the run's
-  autocast is CUDA's, so the host layers compute in their weights' dtype (fp32).
+  autocast is CUDA's, so the host layers compute in their weights' dtype (fp32), with the CPU's
+  attention kernel and dropout (a CUDA-modelled prediction suspends CUDA's choices inside them).
 - DeepSpeed ZeRO-2 with `offload_optimizer` (deepspeed 0.19, runtime/zero/stage_1_and_2.py): the
   weights become bf16 on the card (engine `_configure_distributed_model`); the fp32 master, its
   gradient partition, the AdamW moments and a bf16 staging copy are in host memory (`__init__`,
@@ -105,9 +106,11 @@ def dispatch_like_accelerate(model: torch.nn.Module, dmap: dict[str, Any], acc: 
                                             if isinstance(t, torch.Tensor) and acc.place_of(t)), place)
             acc.exec_places.append(place)
             if place == HOST and (not top or "" in places):
-                # the run's autocast is CUDA's: it leaves the host layers' CPU ops in their own dtype
-                off = torch.autocast("cpu", enabled=False)
-                off.__enter__()
+                # the run's autocast is CUDA's: it leaves the host layers' CPU ops in their own dtype,
+                # and they run the CPU's kernels (attention, dropout), not the card's
+                off = contextlib.ExitStack()
+                off.enter_context(torch.autocast("cpu", enabled=False))
+                off.enter_context(cuda_model.CudaChoices.host())
                 mod.__dict__.setdefault("_wb_autocast_off", []).append(off)
             return tree_map(lambda t: move(t, acc, place), (args, kwargs))
 
