@@ -17,8 +17,6 @@ from workbench.studies.ladder.validation import (BATCH_SIZE, CONFIGS, LM_HEAD_CH
                                                  fits_card, litgpt_config, litgpt_peaks, margins,
                                                  simulate_litgpt_lora)
 
-pytest.importorskip("lit_gpt")
-pytest.importorskip("lightning")
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=4, vocab_size=500, padded_vocab_size=512, block_size=512)
 SEQ = 300  # three LM-head chunks of 128, the last one partial
