@@ -63,7 +63,7 @@ def main() -> int:
 
         out = Path(results_root()) / "ladder" / "validation.csv"
         rows = validation_table(out=out)
-        worst = max(abs(r["error_pct"]) for r in rows if r["error_pct"] is not None)
+        worst = max(abs(r["error_pct"]) for r in rows if r["error_pct"] is not None)  # out-of-memory rows: none
         wrong = [r for r in rows if r["published_gb"] is None and r["predicted_fits"]]
         if wrong:
             print(f"  {len(wrong)} run(s) published as out of memory predicted to fit")

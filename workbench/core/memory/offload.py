@@ -108,16 +108,16 @@ def dispatch_like_accelerate(model: torch.nn.Module, dmap: dict[str, Any], acc: 
             if place == HOST and (not top or "" in places):
                 # the run's autocast is CUDA's: it leaves the host layers' CPU ops in their own dtype,
                 # and they run the CPU's kernels (attention, dropout), not the card's
-                off = contextlib.ExitStack()
-                off.enter_context(torch.autocast("cpu", enabled=False))
-                off.enter_context(cuda_model.CudaChoices.host())
-                mod.__dict__.setdefault("_wb_autocast_off", []).append(off)
+                ctx = contextlib.ExitStack()
+                ctx.enter_context(torch.autocast("cpu", enabled=False))
+                ctx.enter_context(cuda_model.CudaChoices.host())
+                mod.__dict__.setdefault("_wb_host_ctx", []).append(ctx)
             return tree_map(lambda t: move(t, acc, place), (args, kwargs))
 
         def post(mod, args, out, top=top):
             acc.exec_places.pop()
-            if mod.__dict__.get("_wb_autocast_off"):
-                mod._wb_autocast_off.pop().__exit__(None, None, None)
+            if mod.__dict__.get("_wb_host_ctx"):
+                mod._wb_host_ctx.pop().__exit__(None, None, None)
             return move_output(out, acc, mod._wb_input_place) if top else out
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))

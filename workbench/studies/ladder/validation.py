@@ -196,7 +196,7 @@ def validate_row(row: Published) -> dict:
                            lora_targets=tuple(row.lora_targets.split(",")), checkpointing=row.checkpointing,
                            batch=row.batch)
     hf = predict(str(CONFIGS / f"{row.model}.json"), plan, batch=row.batch, seq=row.seq, device="cuda", card=row.card)
-    hf_predicted = hf.allocated_peak_bytes if row.measures == "allocated" else hf.reserved_peak_bytes
+    hf_predicted = hf.reserved_peak_bytes if row.measures == "reserved" else hf.allocated_peak_bytes
 
     def err(b):
         return None if row.measures == "oom" else round(100 * (b / 1e9 / row.published_gb - 1), 1)
@@ -245,18 +245,16 @@ MIN_FAMILY_ROWS = 3  # fewer rows of a precision than this are no spread: such a
 def margins(results: list[dict]) -> dict:
     """The worst error (in %, either direction) per precision family among `results`, and overall:
     the margin a prediction of that kind needs on the cards it was checked against."""
+    scored = [r for r in results if not pd.isna(r.get("error_pct"))]  # runs published as out of memory have none
     worst: dict[str, float] = {}
     count: dict[str, int] = {}
-    for r in results:
-        if r.get("error_pct") is None or r["error_pct"] != r["error_pct"]:  # published as out of memory
-            continue
+    for r in scored:
         family = r["setup"].split(",")[0].strip()  # bf16-mixed, bf16-true, ...
         worst[family] = max(worst.get(family, 0.0), abs(float(r["error_pct"])))
         count[family] = count.get(family, 0) + 1
     return {"by_precision_pct": worst, "rows_by_precision": count, "overall_pct": max(worst.values(), default=0.0),
             "rows": sum(count.values()), "min_family_rows": MIN_FAMILY_ROWS,
-            "measures": sorted({r["measures"] for r in results if r.get("error_pct") is not None
-                                and r["error_pct"] == r["error_pct"]})}
+            "measures": sorted({r["measures"] for r in scored})}
 
 
 def write_margins(results: list[dict], path: str | Path = MARGINS_FILE) -> Path:
