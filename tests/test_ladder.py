@@ -15,7 +15,8 @@ from workbench.core.config import ConfigError
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
 from workbench.core.models import TINY_SPEC, load_model
-from workbench.studies.ladder.rungs import FitChoice, auto_fit, measure, run_with_fallback
+from workbench.studies.ladder.autofit import SetupChoice, run_with_step_down
+from workbench.studies.ladder.rungs import auto_fit, measure
 from workbench.studies.ladder.runner import LadderConfig, run_ladder
 
 
@@ -93,20 +94,22 @@ def test_auto_fit_steps_down_on_a_real_oom(env):
     choice = auto_fit(model.config, batch=1, seq=64, budget_mib=3.6, rungs=rungs, device="cpu")
     assert choice.rung == "fp32" and choice.order() == ["fp32", "bf16_ckpt", "lora"]
 
-    def attempt(name):
-        m = measure(name, lambda: load_model("embedded", spec=TINY_SPEC)[0], blocks, batch=2, steps=2,
+    def attempt(plan):
+        m = measure(plan, lambda: load_model("embedded", spec=TINY_SPEC)[0], blocks, batch=2, steps=2,
                     budget_mib=3.6)
         if m["status"] == "oom":
             raise torch.OutOfMemoryError(m["reason"])
         return m
 
-    ran, result, tries = run_with_fallback(choice, attempt, log=lambda s: None)
+    rung_choice = SetupChoice(RUNGS[choice.rung], 2, choice.budget_bytes, 0.0, "",
+                              fitting=[RUNGS[n] for n in choice.order()])
+    ran, result, tries = run_with_step_down(rung_choice, attempt, log=lambda s: None)
     assert tries[0]["status"] == "oom" and tries[-1]["status"] == "ok"
-    assert ran == tries[-1]["rung"] == "bf16_ckpt"
+    assert ran.name == tries[-1]["setup"] == "bf16_ckpt"
     assert result["measured_peak_bytes"] <= 3.6 * 2**20
     # Nothing fits: a clear OOM, not a silent choice.
-    with pytest.raises(torch.OutOfMemoryError, match="no rung fits"):
-        run_with_fallback(FitChoice(None, 1, []), attempt)
+    with pytest.raises(torch.OutOfMemoryError, match="no setup fits"):
+        run_with_step_down(SetupChoice(None, 2, 1, 0.0, ""), attempt)
 
 
 def test_config_and_budget_errors():

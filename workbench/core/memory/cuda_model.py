@@ -70,6 +70,13 @@ class Card:
         parseChosenWorkspaceSize): 32 MiB on sm_90/10x/12x, else 4096 KiB x 2 + 16 KiB x 8."""
         return 4096 * 8 * 1024 if self.sm // 10 in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
+    @property
+    def cublas_workspaces(self) -> list[tuple[str, int]]:
+        """The workspaces a training step holds, made before it and never freed: two cuBLAS
+        handles, the forward's thread and autograd's device thread for backward."""
+        ws = self.cublas_workspace_bytes
+        return [("cuBLAS workspace (forward)", ws), ("cuBLAS workspace (backward)", ws)]
+
 
 CARDS = {c.name: c for c in (
     Card("RTX 3060 12GB", 12 * GiB, 86),

@@ -256,19 +256,17 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     cpu = torch.device("cpu")
     zero = plan.placement == "zero_offload"
-    meta = build_meta_model(config)
+    model = apply_trainable(build_meta_model(config), plan.compose(plan.name, plan.help, placement="device"))
     summary: dict[str, Any] = {}
     if zero:
         # ZeRO trains the bf16 (or fp16) weights without autocast; the fp32 master is on the host.
         half = plan.half_dtype or torch.bfloat16
-        model = apply_trainable(meta, plan.compose(plan.name, plan.help, placement="device"))
         for p in model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(half)
         settings = dataclasses.replace(plan.settings(batch, steps), precision="fp32")
         dmap = None
     else:
-        model = apply_trainable(meta, plan.compose(plan.name, plan.help, placement="device"))
         dmap = infer_device_map(model, gpu_share=gpu_share)  # of the model as it trains (LoRA's names)
         settings = plan.settings(batch, steps)
         on_card = [k for k, v in dmap.items() if v not in ("cpu", "disk")]
@@ -305,4 +303,5 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
             if zero:
                 optimizer.remove()
     kernels = dict(mode.kernels) if cuda else {}
-    return PlacedReport(acc.place_report(DEVICE), acc.place_report(HOST), acc.report(), summary, kernels)
+    full = acc.report()
+    return PlacedReport(acc.place_report(DEVICE, full), acc.place_report(HOST, full), full, summary, kernels)

@@ -166,11 +166,11 @@ class PlacedAccounting(MemoryAccounting):
                     self.preset([t], HOST if k == "step" and on_host else (self.place_of(p) or self.exec_places[0]))
 
     # -- reports ------------------------------------------------------------------------------
-    def place_report(self, place: str) -> MemoryReport:
+    def place_report(self, place: str, full: MemoryReport | None = None) -> MemoryReport:
         """The MemoryReport of one place: its peaks, and its allocations' timeline for the
-        allocator model."""
+        allocator model (split from `full`, this accounting's `report()`, when given)."""
         r = MemoryReport(place, self.place_peak[place], dict(self.place_phase_peaks[place]), self.step)
-        full = self.report()
+        full = full or self.report()
         if full.timeline is not None:
             keep = [i for i, (serial, _) in enumerate(full.timeline) if self.serial_place.get(serial) == place]
             r.timeline = [full.timeline[i] for i in keep]

@@ -280,12 +280,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                           f"--trainable qlora, or an offload rung")
     cuda: dict[str, Any] = {}
     if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
-        ws = (the_card or cuda_model.Card("", 0, sm)).cublas_workspace_bytes
         last = report.steps - 1
         steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
-        # two cuBLAS handles: the forward's thread and autograd's device thread for backward
-        alloc = cuda_model.replay(report.timeline, report.timeline_roles, [("cublas", ws), ("cublas", ws)],
-                                  steady_from=steady_from)
+        alloc = cuda_model.replay(report.timeline, report.timeline_roles,
+                                  (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces, steady_from=steady_from)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
                     allocated_breakdown=alloc.by_category_at_peak,

@@ -90,8 +90,7 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, car
         raise ConfigError("zero_offload_params is estimated, not simulated: it has no allocation timeline to export")
     else:
         report = simulate(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)
-    ws = c.cublas_workspace_bytes
-    return snapshot_from_report(report, [("cuBLAS workspace (forward)", ws), ("cuBLAS workspace (backward)", ws)])
+    return snapshot_from_report(report, c.cublas_workspaces)
 
 
 def dump(snapshot: dict[str, Any], path: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""Measuring a rung on the machine at hand, and auto-fit with out-of-memory step-down (study 2).
+"""Measuring a rung on the machine at hand, and the rung-level auto-fit (study 2).
 
     from workbench.studies.ladder.rungs import measure, auto_fit
     choice = auto_fit("data/configs/qwen2-0.5b.json", batch=1, seq=512, budget_mib=6144)
@@ -6,8 +6,9 @@
 
 The rungs themselves (the Plan registry) live in workbench.core.memory.plan. Auto-fit ranks rungs
 by `speed_rank`: the expected cost of the rung's mechanism on a GPU (lower is faster), overridden
-by measured step times when the caller has them. On a real out-of-memory error
-`run_with_fallback` steps down to the next rung that is predicted to fit.
+by measured step times when the caller has them (`workbench estimate --auto-fit`). Running a
+choice, with a step down to the next one on a real out-of-memory error, is
+workbench.studies.ladder.autofit.run_with_step_down, for rungs and composed setups alike.
 """
 
 from __future__ import annotations
@@ -261,31 +262,3 @@ def auto_fit(
         })
     fitting = sorted((r for r in table if r["fits"]), key=lambda r: r["rank"])
     return FitChoice(fitting[0]["rung"] if fitting else None, budget, table)
-
-
-def run_with_fallback(
-    choice: FitChoice,
-    attempt: Callable[[str], Any],
-    *,
-    log: Callable[[str], None] = print,
-) -> tuple[str, Any, list[dict[str, Any]]]:
-    """Try the fitting rungs fastest first; on a real OOM step down to the next one.
-
-    `attempt(rung_name)` runs the job (inside its own device budget) and returns its result.
-    Returns (rung that worked, its result, one row per attempt with its status).
-    """
-    tries = []
-    for name in choice.order():
-        t0 = time.perf_counter()
-        try:
-            result = attempt(name)
-        except torch.OutOfMemoryError as e:
-            tries.append({"rung": name, "status": "oom", "seconds": time.perf_counter() - t0, "error": str(e)[:200]})
-            log(f"auto-fit: {name} ran out of memory; stepping down the ladder")
-            continue
-        tries.append({"rung": name, "status": "ok", "seconds": time.perf_counter() - t0, "error": ""})
-        return name, result, tries
-    raise torch.OutOfMemoryError(
-        f"auto-fit: no rung fits {choice.budget_bytes / 2**20:.0f} MiB "
-        f"(tried: {', '.join(t['rung'] for t in tries) or 'none predicted to fit'})"
-    )

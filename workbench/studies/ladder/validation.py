@@ -172,8 +172,7 @@ def litgpt_peaks(row: Published, config=None, sm: int | None = None) -> dict:
     card = cuda_model.card(row.card)
     report = simulate_litgpt_lora(config or litgpt_config(row.litgpt), row.precision, batch=row.batch, seq=row.seq,
                                   sm=sm or card.sm)
-    ws = card.cublas_workspace_bytes
-    alloc = cuda_model.replay(report.timeline, report.timeline_roles, [("cublas", ws), ("cublas", ws)], steady_from=0)
+    alloc = cuda_model.replay(report.timeline, report.timeline_roles, card.cublas_workspaces, steady_from=0)
     return {"allocated": alloc.steady_allocated_peak_bytes, "reserved": alloc.steady_reserved_peak_bytes,
             "live": report.peak_bytes, "where": f"{report.peak.phase} ({report.peak.op})",
             "kernels": ",".join(f"{k}x{n}" for k, n in (report.kernels or {}).items())}
