@@ -108,3 +108,31 @@ def test_a_played_card_can_model_the_caching_allocator():
     assert out.history_text() == "cpu@48:cuda: oom in start -> cpu@48: ok" and out.status == "fallback"
     assert out.peak_mib == 28  # the live-bytes budget: the pattern fits
 
+
+
+def test_a_cuda_budget_collects_garbage_before_its_peak_starts_and_names_the_card(monkeypatch):
+    """On CUDA, max_memory_allocated counts every live block: garbage an earlier run left in
+    reference cycles must be collected before the peak is reset (an H200 measured a rung 1 GB high
+    without it), and set_per_process_memory_fraction needs the card's index ("cuda" has none)."""
+    import gc
+
+    from torch.cuda._utils import _get_device_index
+
+    from workbench.core.memory.budget import device_budget
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc.collect") or 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: calls.append("reset_peak"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"total_memory": 1024 * 2**20})())
+
+    def fraction(f, device):  # torch's own check: raises for a device without an index
+        calls.append(f"fraction {f:g} on {_get_device_index(device, optional=False)}")
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
+    budget = device_budget("cuda", budget_mib=256)
+    assert budget.device == torch.device("cuda", 0)
+    budget.__enter__()
+    assert calls[:4] == ["gc.collect", "empty_cache", "reset_peak", "fraction 0.25 on 0"]

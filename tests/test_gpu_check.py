@@ -59,7 +59,7 @@ def test_error_pct():
 def test_rung_row_puts_the_prediction_beside_the_card():
     nvml = {"nvml_used_peak_mib": 2000.0, "nvml_used_before_mib": 500.0}
     r = gc.rung_row("bf16", _pred(1000, 1100), _measured(950, 1200, step_ms=12.0), nvml)
-    assert r["predicted_peak_mib"] == 1000 and r["cuda_max_allocated_mib"] == 950 and r["cuda_max_reserved_mib"] == 1200
+    assert r["predicted_allocated_mib"] == 1000 and r["cuda_max_allocated_mib"] == 950 and r["cuda_max_reserved_mib"] == 1200
     assert r["error_vs_allocated_pct"] == pytest.approx(100 * 50 / 950)
     assert r["error_vs_reserved_pct"] == pytest.approx(100 * -100 / 1200)
     assert r["nvml_used_peak_mib"] == 2000 and r["nvml_used_delta_mib"] == 1500 and r["passed"] is True
@@ -72,6 +72,23 @@ def test_rung_row_puts_the_prediction_beside_the_card():
     # A rung that did not run has no verdict of its own.
     nm = gc.rung_row("zero_offload", _pred(500), {"status": "not measured", "reason": "deepspeed failed"}, {})
     assert nm["passed"] is None and nm["cuda_max_allocated_mib"] is None and nm["error_vs_allocated_pct"] is None
+
+
+def test_a_cuda_prediction_is_judged_by_its_allocator_figures_not_its_live_bytes():
+    cuda = {**_pred(900), "allocated_peak_bytes": 1000 * MiB, "reserved_peak_bytes": 1150 * MiB,
+            "nvidia_smi_bytes": 1650 * MiB}
+    r = gc.rung_row("bf16", cuda, _measured(1000, 1200), {"nvml_used_peak_mib": 2600.0, "nvml_used_before_mib": 500.0})
+    assert r["predicted_allocated_mib"] == 1000 and r["error_vs_allocated_pct"] == 0.0
+    assert r["predicted_reserved_mib"] == 1150 and r["error_vs_reserved_pct"] == pytest.approx(100 * -50 / 1200)
+    # what nvidia-smi would show beside NVML, and what NVML saw outside the allocator (context, kernels)
+    assert r["predicted_nvidia_smi_mib"] == 1650 and r["outside_allocator_mib"] == 1400
+
+
+def test_a_failed_prediction_is_its_rungs_failure_with_the_measurement_kept():
+    r = gc.rung_row("qlora", {"error": "TypeError: dispatch failed"}, _measured(2000, 2300), {})
+    assert r["cuda_max_allocated_mib"] == 2000 and r["predicted_allocated_mib"] is None
+    v = gc.ladder_verdict([r, gc.rung_row("bf16", _pred(100), _measured(98, 110), {})])
+    assert v["status"] == "fail" and v["failures"] == ["qlora: the prediction failed: TypeError: dispatch failed"]
 
 
 def test_ladder_verdict():
@@ -137,6 +154,22 @@ def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_p
     # Everything passes: the summary passes.
     fine = {k: v for k, v in _fake_checks(rows).items() if k != "trace"}
     assert gc.run_checks(gc.Options(out=tmp_path), fine, say=lambda s: None)["status"] == "pass"
+
+
+def test_summary_is_on_disk_after_each_check_so_a_killed_run_keeps_what_came_before(tmp_path):
+    rows = [gc.rung_row("bf16", _pred(100), _measured(98, 110), {})]
+    found = {k: v for k, v in _fake_checks(rows).items() if k in ("environment", "ladder")}
+
+    def killed(opts):  # what a lease ending or a timeout does mid-check: not an Exception
+        raise KeyboardInterrupt
+
+    found["strategies"] = killed
+    with pytest.raises(KeyboardInterrupt):
+        gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["checks"] == {"environment": "pass", "ladder": "pass"}
+    assert saved["results"]["ladder"]["rows"][0]["rung"] == "bf16"
+    assert "| bf16 | ok |" in (tmp_path / "report.md").read_text()
 
 
 def test_only_runs_the_named_checks(tmp_path):

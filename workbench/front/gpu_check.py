@@ -22,8 +22,10 @@ tested on the CPU with fabricated measurements (tests/test_gpu_check.py); the fu
 
 from __future__ import annotations
 
+import gc
 import importlib
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +33,7 @@ from typing import Any, Callable
 from workbench.core import parallel
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
+from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
@@ -85,7 +88,9 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
              thresholds: dict[str, float] = THRESHOLDS) -> dict[str, Any]:
     """One rung: prediction beside what the card measured, errors in percent, pass/fail.
 
-    `prediction`: Prediction.row() (predicted_peak_bytes, fit_bytes, method). `measured`: ladder.measure()'s
+    `prediction`: Prediction.row() of a CUDA-modelled prediction (allocated_peak_bytes,
+    reserved_peak_bytes, nvidia_smi_bytes, method; a CPU one's predicted_peak_bytes and fit_bytes
+    stand in), or {"error": ...} when the prediction failed. `measured`: ladder.measure()'s
     row (status, cuda_max_allocated_bytes, cuda_max_reserved_bytes, measured_peak_bytes).
     `nvml`: {"nvml_used_peak_mib", "nvml_used_before_mib"} from the monitor (may be empty).
     """
@@ -93,13 +98,19 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         return None if b is None else b / MiB
 
     alloc, reserved = mib(measured.get("cuda_max_allocated_bytes")), mib(measured.get("cuda_max_reserved_bytes"))
-    pred, fit = mib(prediction.get("predicted_peak_bytes")), mib(prediction.get("fit_bytes"))
+    # a CUDA-modelled prediction has the allocator's two figures; a CPU one only its live bytes
+    pred = mib(prediction.get("allocated_peak_bytes") or prediction.get("predicted_peak_bytes"))
+    fit = mib(prediction.get("reserved_peak_bytes") or prediction.get("fit_bytes"))
     row = {
         "rung": name, "status": measured.get("status", "error"), "reason": measured.get("reason", ""),
-        "method": prediction.get("method"), "predicted_peak_mib": pred, "predicted_fit_mib": fit,
+        "method": prediction.get("method"), "prediction_error": prediction.get("error"),
+        "predicted_allocated_mib": pred, "predicted_reserved_mib": fit,
         "cuda_max_allocated_mib": alloc, "cuda_max_reserved_mib": reserved,
         "accounted_peak_mib": mib(measured.get("measured_peak_bytes")),
+        "predicted_nvidia_smi_mib": mib(prediction.get("nvidia_smi_bytes") or None),
         "nvml_used_peak_mib": nvml.get("nvml_used_peak_mib"),
+        "outside_allocator_mib": (nvml["nvml_used_peak_mib"] - reserved
+                                  if "nvml_used_peak_mib" in nvml and reserved is not None else None),
         "nvml_used_delta_mib": (nvml["nvml_used_peak_mib"] - nvml["nvml_used_before_mib"]
                                 if {"nvml_used_peak_mib", "nvml_used_before_mib"} <= set(nvml) else None),
         "error_vs_allocated_pct": error_pct(pred, alloc), "error_vs_reserved_pct": error_pct(fit, reserved),
@@ -119,7 +130,9 @@ def ladder_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     the thresholds; the failures say which rung and why."""
     failures = []
     for r in rows:
-        if r["status"] == "ok" and not r["passed"]:
+        if r.get("prediction_error"):
+            failures.append(f"{r['rung']}: the prediction failed: {r['prediction_error']}")
+        elif r["status"] == "ok" and not r["passed"]:
             failures.append(f"{r['rung']}: prediction off by {r['error_vs_allocated_pct']:+.1f}% of allocated"
                             if r["error_vs_allocated_pct"] is not None else f"{r['rung']}: no allocator figure")
         elif r["status"] not in ("ok", "oom"):
@@ -177,8 +190,9 @@ def report_markdown(summary: dict[str, Any]) -> str:
     lines += [f"- {name}: {status}" for name, status in summary["checks"].items()]
     ladder = summary["results"].get("ladder", {})
     if ladder.get("rows"):
-        cols = ["rung", "status", "method", "predicted_peak_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",
-                "predicted_fit_mib", "cuda_max_reserved_mib", "error_vs_reserved_pct", "nvml_used_peak_mib", "passed"]
+        cols = ["rung", "status", "method", "predicted_allocated_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",
+                "predicted_reserved_mib", "cuda_max_reserved_mib", "error_vs_reserved_pct",
+                "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "passed"]
         lines += ["", "### Ladder: predicted beside measured on the card (MiB; error = (predicted - measured) / measured)",
                   "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in ladder["rows"]]
@@ -220,6 +234,7 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
     found = checks() if found is None else found
     t0 = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
+    summary = summarize(results, {}, 0.0)
     for name, fn in found.items():
         if opts.extra.get("only") and name not in opts.extra["only"] and name != "environment":
             continue
@@ -230,9 +245,9 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
             results[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
         results[name]["seconds"] = time.perf_counter() - t
         say(f"gpu-check {name}: {results[name].get('status')} ({results[name]['seconds']:.0f} s)")
-    env = results.get("environment", {}).get("env", {})
-    summary = summarize(results, env, time.perf_counter() - t0)
-    write_results(opts.out, summary)
+        # written after every check: a check that hangs or a lease that ends keeps what came before
+        summary = summarize(results, results.get("environment", {}).get("env", {}), time.perf_counter() - t0)
+        write_results(opts.out, summary)
     return summary
 
 
@@ -269,17 +284,49 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, steps=opts.steps, reference_model="")
     config, load, blocks, _ = model_at_hand(cfg)
-    rows = []
+    here = card_at_hand(opts.device)
+    rows, tracebacks = [], {}
     for name in opts.rungs or gpu_rungs(RUNGS):
-        p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks)).row()
+        # one rung's failure (its prediction or its run) is that rung's row, not the end of the check
+        try:
+            p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
+                        card=here).row()
+        except Exception as e:
+            p, tracebacks[f"{name} prediction"] = {"error": _one_line(e)}, traceback.format_exc(limit=-12)
         torch.cuda.empty_cache()
-        with MemoryMonitor(opts.device, interval_s=0.05) as mon:
-            before = mon.sample().get("nvml_used_mib")
-            m = measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device)
-        nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before} \
-            if before is not None else {}
+        nvml = {}
+        try:
+            with MemoryMonitor(opts.device, interval_s=0.05) as mon:
+                before = mon.sample().get("nvml_used_mib")
+                m = measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device)
+            if before is not None:
+                nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before}
+        except Exception as e:
+            m, tracebacks[f"{name} measurement"] = {"status": "error", "reason": _one_line(e)}, traceback.format_exc(limit=-12)
         rows.append(rung_row(name, p, m, nvml))
-    return ladder_verdict(rows)
+    torch.cuda.synchronize()
+    unreferenced = torch.cuda.memory_allocated()
+    gc.collect()
+    # what the rungs left on the card: held by cycles until a collection, or still referenced
+    left = {"left_allocated_before_gc_bytes": unreferenced, "left_allocated_after_gc_bytes": torch.cuda.memory_allocated()}
+    return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, **left}
+
+
+def card_at_hand(device: str = "cuda"):
+    """CUDA: this card as the prediction's card (its memory and compute capability; the context
+    constant of its preset where there is one, else the modelled default)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    sm = props.major * 10 + props.minor
+    preset = next((c for c in cuda_model.CARDS.values() if " ".join(c.name.split()[:-1]) in props.name and c.sm == sm),
+                  None)
+    return cuda_model.Card(props.name, props.total_memory, sm,
+                           preset.context_bytes if preset else cuda_model.CONTEXT_BYTES)
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
 
 
 def check_strategies(opts: Options) -> dict[str, Any]:
@@ -291,6 +338,7 @@ def check_strategies(opts: Options) -> dict[str, Any]:
                            seq_len=64, micro_batch=4, eval_blocks=4, preflight=False,
                            devices=(f"cuda@{opts.study1_budget_mib:g}", "cpu"))
     torch.cuda.synchronize()
+    gc.collect()  # what earlier checks left for the collector is not study 1's
     before = torch.cuda.memory_allocated()
     with _results_under(opts.out / "runs"):
         df = run_strategies(cfg, progress=False).runs

@@ -132,11 +132,17 @@ class device_budget:
             raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
         self.allocator = allocator
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # set_per_process_memory_fraction (unlike the statistics) needs the card's index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.budget_mib = budget_mib
         self._state: DeviceBudget | None = None
 
     def __enter__(self) -> DeviceBudget:
         if self.device.type == "cuda":
+            # garbage an earlier run left in reference cycles still holds its blocks, and
+            # max_memory_allocated would count it in this run's peak (an H200 measured +1 GB)
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             if self.budget_mib is not None:

@@ -53,7 +53,8 @@ GiB = 2**30
 # Not measured here; discuss.pytorch.org reports 700-800 MiB before lazy module loading
 # ("High gpu memory overhead", "What is the reason for pytorch's GPU memory floor?": 723 MiB);
 # with CUDA_MODULE_LOADING=LAZY (torch's default since CUDA 11.7) it is smaller. Modelled at
-# 500 MiB on every card, +-250 MiB; `workbench gpu-check` measures it (NVML used - reserved).
+# 500 MiB on every card, +-250 MiB; `workbench gpu-check` measures it (NVML used - reserved):
+# an H200 (sm_90, CUDA 13) measured 1,384 MiB, well above this, so on other cards too it may be low.
 CONTEXT_BYTES = 500 * MiB
 
 
@@ -91,6 +92,10 @@ CARDS = {c.name: c for c in (
     Card("A100 40GB", 40 * GiB, 80),
     Card("A100 80GB", 80 * GiB, 80),
     Card("H100 80GB", 80 * GiB, 90),
+    # measured by `workbench gpu-check` (2026-11-22; torch 2.11, CUDA 13.0, driver 580): NVML's used
+    # memory less max_memory_reserved was 1,366-1,384 MiB on every rung before bitsandbytes' paged
+    # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB
+    Card("H200 141GB", 143771 * MiB, 90, context_bytes=1384 * MiB),
 )}
 DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre card
 
@@ -431,11 +436,14 @@ class AllocatorReport:
     steady_reserved_peak_bytes: int
 
 
-def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0) -> AllocatorReport:
+def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
+           outside: tuple[str, ...] = ()) -> AllocatorReport:
     """Replay a timeline of (serial, nbytes) allocations and (serial, -1) frees through the allocator.
 
     `extra_allocs`: (name, nbytes) made before the step (cuBLAS workspaces) and never freed.
     `steady_from`: the event index the last step starts at (its peaks are reported separately).
+    `outside`: categories allocated outside torch's allocator (a paged optimizer's state lives in
+    CUDA managed memory, cudaMallocManaged): left out of the replay, as max_memory_allocated does.
     """
     a = CachingAllocator()
     live: dict[int, _Block] = {}
@@ -445,6 +453,8 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0)
         b = a.malloc(n)
         cat["workspace"] += b.size
     for i, (serial, n) in enumerate(events):
+        if outside and roles.get(serial, "temporaries") in outside:
+            continue
         if n >= 0:
             b = live[serial] = a.malloc(n)
             cat[roles.get(serial, "temporaries")] += b.size

@@ -89,16 +89,17 @@ class Prediction:
 
     @property
     def nvidia_smi_bytes(self) -> int:
-        """What nvidia-smi would show in use for the process: reserved + the CUDA context."""
-        return self.reserved_peak_bytes + self.context_bytes if self.device == "cuda" else 0
+        """What nvidia-smi would show in use for the process: reserved + the CUDA context (+ paged
+        optimizer state, resident on the card while nothing presses it out)."""
+        return self.reserved_peak_bytes + self.context_bytes + self.pageable_bytes if self.device == "cuda" else 0
 
     @property
     def fit_bytes(self) -> int:
         """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the
-        allocator's reserved peak, which a budget caps (set_per_process_memory_fraction); on the CPU
+        allocator's reserved peak (paged state lives in managed memory, outside it), which a budget caps (set_per_process_memory_fraction); on the CPU
         the live bytes, which the CPU budget counts."""
         if self.device == "cuda" and self.reserved_peak_bytes:
-            return self.reserved_peak_bytes - self.pageable_bytes
+            return self.reserved_peak_bytes  # paged state is outside the allocator's figures already
         return self.peak_bytes - self.pageable_bytes
 
     @property
@@ -283,7 +284,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         last = report.steps - 1
         steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
         alloc = cuda_model.replay(report.timeline, report.timeline_roles,
-                                  (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces, steady_from=steady_from)
+                                  (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces, steady_from=steady_from,
+                                  outside=("optimizer_state",) if pageable else ())
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
                     allocated_breakdown=alloc.by_category_at_peak,

@@ -13,6 +13,7 @@ workbench.studies.ladder.autofit.run_with_step_down, for rungs and composed setu
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
         raise RuntimeError(f"{plan.placement} is measured on a CUDA device only, not {device}")
     settings = plan.settings(batch, steps, lr=lr)
     model = load()
+    gc.collect()  # an earlier run's garbage in reference cycles would count in this peak
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     rows: list[dict[str, Any]] = []
