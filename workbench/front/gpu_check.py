@@ -5,15 +5,19 @@
 
 Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in minutes:
 - ladder: every rung that places anything on the GPU, measured on the card (random init from a
-  config, random tokens), its prediction (`memory.predict`) beside `torch.cuda.max_memory_allocated`,
-  `max_memory_reserved` and NVML's used memory, with the prediction's error in percent;
+  config, random tokens), its CUDA-modelled prediction for the card at hand (`memory.predict(...,
+  device="cuda", card=card_at_hand())`: allocated, reserved, nvidia-smi) beside
+  `torch.cuda.max_memory_allocated`, `max_memory_reserved` and NVML's used memory, with the errors
+  in percent; a rung whose prediction or run fails is that rung's row (traceback in the summary);
 - strategies: study 1 under a real CUDA budget (`set_per_process_memory_fraction`) small enough
   that the strategies run out of memory for real and fall back to the CPU; afterwards
   `torch.cuda.memory_allocated()` must be back where it started;
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
 - any check another part adds (study 3's engine: `workbench/studies/split/gpu_check.py` defining
   `gpu_checks() -> {"split": fn}`), and versions with the card's name.
-Results: results/gpu_check/{summary.json, report.md, trace.json, memory_snapshot.pickle, runs/}.
+Results: results/gpu_check/{summary.json, report.md, trace.json, memory_snapshot.pickle, runs/};
+summary.json and report.md are rewritten after every check, so a run cut short keeps what it had.
+One run on an H200 is recorded in data/measured/h200-2026-11-22/ (README: "Measured on an H200").
 
 The logic (rows, errors, thresholds, verdicts, the summary and the report) is pure functions
 tested on the CPU with fabricated measurements (tests/test_gpu_check.py); the functions marked
