@@ -279,3 +279,12 @@ def test_a_measured_cpu_step_exports_the_same_snapshot(tmp_path):
     # the same peak of rounded blocks (what is left at the end differs: here the loop made the optimizer)
     assert _trace_peak(measured)[0] == _trace_peak(predicted)[0] > 0
     assert len(measured["device_traces"][0]) > 100 and measured["segments"]
+
+
+def test_a_real_card_takes_its_presets_measured_context_and_its_own_size():
+    h200 = cm.card_of("NVIDIA H200", 143156 * MiB, 90)
+    assert h200.context_bytes == 1384 * MiB and h200.total_bytes == 143156 * MiB and h200.sm == 90
+    assert cm.card_of("NVIDIA GeForce RTX 4090", 24 * 2**30, 89).context_bytes == cm.CONTEXT_BYTES
+    # a name that is not a preset's (or the wrong architecture) takes the modelled default
+    assert cm.card_of("NVIDIA H200", 1, 80).context_bytes == cm.CONTEXT_BYTES
+    assert cm.card_of("NVIDIA B200", 1, 100).context_bytes == cm.CONTEXT_BYTES

@@ -15,9 +15,8 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
 - any check another part adds (study 3's engine: `workbench/studies/split/gpu_check.py` defining
   `gpu_checks() -> {"split": fn}`), and versions with the card's name.
-Results: results/gpu_check/{summary.json, report.md, trace.json, memory_snapshot.pickle, runs/};
-summary.json and report.md are rewritten after every check, so a run cut short keeps what it had.
-One run on an H200 is recorded in data/measured/h200-2026-11-22/ (README: "Measured on an H200").
+Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
+memory_snapshot.pickle, runs/}. One H200 run is kept in data/measured/h200-2026-11-22/.
 
 The logic (rows, errors, thresholds, verdicts, the summary and the report) is pure functions
 tested on the CPU with fabricated measurements (tests/test_gpu_check.py); the functions marked
@@ -92,9 +91,8 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
              thresholds: dict[str, float] = THRESHOLDS) -> dict[str, Any]:
     """One rung: prediction beside what the card measured, errors in percent, pass/fail.
 
-    `prediction`: Prediction.row() of a CUDA-modelled prediction (allocated_peak_bytes,
-    reserved_peak_bytes, nvidia_smi_bytes, method; a CPU one's predicted_peak_bytes and fit_bytes
-    stand in), or {"error": ...} when the prediction failed. `measured`: ladder.measure()'s
+    `prediction`: a CUDA-modelled Prediction.row() (allocated_peak_bytes, reserved_peak_bytes, nvidia_smi_bytes;
+    a CPU one's predicted_peak_bytes and fit_bytes stand in), or {"error": ...} when it failed. `measured`: ladder.measure()'s
     row (status, cuda_max_allocated_bytes, cuda_max_reserved_bytes, measured_peak_bytes).
     `nvml`: {"nvml_used_peak_mib", "nvml_used_before_mib"} from the monitor (may be empty).
     """
@@ -220,7 +218,6 @@ def report_markdown(summary: dict[str, Any]) -> str:
 
 
 def write_results(out: Path, summary: dict[str, Any]) -> None:
-
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "report.md", report_markdown(summary))
 
@@ -261,7 +258,6 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
 def check_environment(opts: Options) -> dict[str, Any]:
     import torch
 
-
     env = environment()
     props = torch.cuda.get_device_properties(0)
     env.update(gpu=props.name, gpu_total_mib=props.total_memory / MiB, cuda=torch.version.cuda,
@@ -283,7 +279,6 @@ def _results_under(path: Path):
 def check_ladder(opts: Options) -> dict[str, Any]:
     """CUDA: every GPU rung measured on the card beside its prediction."""
     import torch
-
 
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, steps=opts.steps, reference_model="")
@@ -317,16 +312,11 @@ def check_ladder(opts: Options) -> dict[str, Any]:
 
 
 def card_at_hand(device: str = "cuda"):
-    """CUDA: this card as the prediction's card (its memory and compute capability; the context
-    constant of its preset where there is one, else the modelled default)."""
+    """CUDA: this card as the prediction's card (cuda_model.card_of: its preset's context, if any)."""
     import torch
 
     props = torch.cuda.get_device_properties(device)
-    sm = props.major * 10 + props.minor
-    preset = next((c for c in cuda_model.CARDS.values() if " ".join(c.name.split()[:-1]) in props.name and c.sm == sm),
-                  None)
-    return cuda_model.Card(props.name, props.total_memory, sm,
-                           preset.context_bytes if preset else cuda_model.CONTEXT_BYTES)
+    return cuda_model.card_of(props.name, props.total_memory, props.major * 10 + props.minor)
 
 
 def _one_line(e: BaseException) -> str:
@@ -336,7 +326,6 @@ def _one_line(e: BaseException) -> str:
 def check_strategies(opts: Options) -> dict[str, Any]:
     """CUDA: study 1 with a real CUDA budget that the strategies outgrow, then the CPU."""
     import torch
-
 
     cfg = StrategiesConfig(base_size="tiny", strategies=("full", "adapter"), seeds=(0,), token_budget=4096,
                            seq_len=64, micro_batch=4, eval_blocks=4, preflight=False,
@@ -354,7 +343,6 @@ def check_trace(opts: Options) -> dict[str, Any]:
     """CUDA: a torch.profiler trace and a CUDA memory snapshot of one bf16 training iteration."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
 
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, reference_model="")
@@ -406,7 +394,6 @@ def _main(args) -> int:
     found = checks()
     unknown = [n for n in opts.extra["only"] if n not in found]
     if unknown:
-
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
     summary = run_checks(opts, found)
     print(f"gpu-check: {summary['status']} in {summary['seconds']:.0f} s; see {out / 'report.md'}")

@@ -118,6 +118,13 @@ def card(spec: str | float | Card | None) -> Card | None:
     return Card(f"{gib:g} GiB card", int(gib * GiB), DEFAULT_SM)
 
 
+def card_of(name: str, total_bytes: int, sm: int) -> Card:
+    """A real card as torch reports it ("NVIDIA GeForce RTX 4090"): its own memory and compute
+    capability, with the context constant of the preset it is (name and sm), else the default."""
+    preset = next((c for c in CARDS.values() if " ".join(c.name.split()[:-1]) in name and c.sm == sm), None)
+    return Card(name, total_bytes, sm, preset.context_bytes if preset else CONTEXT_BYTES)
+
+
 # ------------------------------------------------------------------------------------------------
 # attention: the kernel sdp_utils.cpp picks (torch 2.13 rules, default priority flash > efficient > math)
 
