@@ -91,9 +91,9 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
              thresholds: dict[str, float] = THRESHOLDS) -> dict[str, Any]:
     """One rung: prediction beside what the card measured, errors in percent, pass/fail.
 
-    `prediction`: a CUDA-modelled Prediction.row() (allocated_peak_bytes, reserved_peak_bytes, nvidia_smi_bytes;
-    a CPU one's predicted_peak_bytes and fit_bytes stand in), or {"error": ...} when it failed. `measured`: ladder.measure()'s
-    row (status, cuda_max_allocated_bytes, cuda_max_reserved_bytes, measured_peak_bytes).
+    `prediction`: a CUDA-modelled Prediction.row() (allocated_peak_bytes, reserved_peak_bytes,
+    nvidia_smi_bytes; a CPU one's predicted_peak_bytes and fit_bytes stand in), or {"error": ...}.
+    `measured`: ladder.measure()'s row (status, cuda_max_allocated_bytes, cuda_max_reserved_bytes, measured_peak_bytes).
     `nvml`: {"nvml_used_peak_mib", "nvml_used_before_mib"} from the monitor (may be empty).
     """
     def mib(b):
@@ -304,10 +304,10 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             m, tracebacks[f"{name} measurement"] = {"status": "error", "reason": _one_line(e)}, traceback.format_exc(limit=-12)
         rows.append(rung_row(name, p, m, nvml))
     torch.cuda.synchronize()
-    unreferenced = torch.cuda.memory_allocated()
+    before_gc = torch.cuda.memory_allocated()
     gc.collect()
     # what the rungs left on the card: held by cycles until a collection, or still referenced
-    left = {"left_allocated_before_gc_bytes": unreferenced, "left_allocated_after_gc_bytes": torch.cuda.memory_allocated()}
+    left = {"left_allocated_before_gc_bytes": before_gc, "left_allocated_after_gc_bytes": torch.cuda.memory_allocated()}
     return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, **left}
 
 

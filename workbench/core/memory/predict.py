@@ -96,8 +96,8 @@ class Prediction:
     @property
     def fit_bytes(self) -> int:
         """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the
-        allocator's reserved peak (paged state lives in managed memory, outside it), which a budget caps (set_per_process_memory_fraction); on the CPU
-        the live bytes, which the CPU budget counts."""
+        allocator's reserved peak, which a budget caps (set_per_process_memory_fraction; paged state
+        is managed memory, outside it); on the CPU the live bytes, which the CPU budget counts."""
         if self.device == "cuda" and self.reserved_peak_bytes:
             return self.reserved_peak_bytes  # paged state is outside the allocator's figures already
         return self.peak_bytes - self.pageable_bytes

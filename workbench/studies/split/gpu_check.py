@@ -10,7 +10,7 @@ On the CUDA card, on one small randomly initialised Qwen2-style model and random
   so what is left is the engine's pipelining; the largest weight difference within 1% of one step
   (lr). Beside it, measured and not judged: the same run against AdamW on the card for every
   weight (the CPU and CUDA fused kernels round differently; on an H200 that was 3e-5 on the
-  embedding after 3 steps, 3% of lr, with 0 between two runs of either reference);
+  embedding after 3 steps, 3% of lr, with 0 between two runs of that reference);
 - overlap: in how many measured iterations a host update started before backward ended, and
   the share of host parameters already updated when it ended;
 - rates: alpha (accelerator / host update time per parameter) and the transfer rates through the
