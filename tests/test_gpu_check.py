@@ -183,7 +183,7 @@ def test_study3_adds_its_split_check_after_the_workbench_checks():
     from workbench.studies.split import gpu_check as split_check
 
     found = gc.checks()
-    assert list(found) == ["environment", "ladder", "strategies", "trace", "split"]
+    assert list(found) == ["environment", "ladder", "strategies", "trace", "split", "notebooks"]
     assert found["split"] is split_check.check_split
 
 
@@ -196,11 +196,11 @@ def test_gpu_check_on_this_card(tmp_path):
 
 
 def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, monkeypatch):
-    from workbench.core.results import RERUN_ENV, results_root, reuse_finished_runs
+    from workbench.core.results import RERUN_ENV, results_root, results_under, reuse_finished_runs
 
     monkeypatch.setenv("WORKBENCH_RESULTS", "/somewhere/else")
     monkeypatch.delenv(RERUN_ENV, raising=False)
-    with gc._results_under(tmp_path / "runs"):
+    with results_under(tmp_path / "runs"):
         assert results_root() == tmp_path / "runs" and not reuse_finished_runs()
     assert str(results_root()) == "/somewhere/else" and reuse_finished_runs()
 
@@ -219,3 +219,63 @@ def test_a_check_that_brings_its_own_report_section_has_it_in_the_report(tmp_pat
     gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)
     report = (tmp_path / "report.md").read_text()
     assert "### Study 3 on the card" in report and "| 0.5 | 123 |" in report
+
+
+# ------------------------------------------------------------------------------------------------
+# the notebooks check (workbench/front/gpu_notebooks.py), with a stand-in for papermill
+
+def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
+    """Executes nothing: writes the executed notebook and appends the runs.csv rows a study would."""
+    import pandas as pd
+
+    from workbench.core.results import results_root
+
+    def execute(path, params, out, timeout_s=None):
+        study = Path(path).stem.split("_", 1)[1]
+        calls.append({"notebook": Path(path).stem, "params": params, "out": Path(out), "root": results_root()})
+        if study == fail:
+            raise RuntimeError("PapermillExecutionError: cell 4 raised\nTraceback ...")
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("{}")
+        runs_csv = results_root() / study / "runs.csv"
+        runs_csv.parent.mkdir(parents=True, exist_ok=True)
+        old = pd.read_csv(runs_csv) if runs_csv.exists() else pd.DataFrame()
+        row = {"study": study, "source": "measured", **({"hardware": recorded[study]} if study in recorded else {})}
+        # study 3 also writes modelled rows for other machines: they trained nowhere here
+        other = {"study": study, "source": "modelled", "hardware": "H100-PCIe + cuda (modelled)"}
+        pd.concat([old, pd.DataFrame([row, other])]).to_csv(runs_csv, index=False)
+    return execute
+
+
+def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_reads_where_they_trained(tmp_path):
+    from workbench.front import gpu_notebooks as gn
+    from workbench.front.notebooks import STUDIES
+
+    calls = []
+    recorded = {"strategies": "cuda@13 oom -> cpu ok", "split": "this machine (cuda)"}
+    r = gn.check_notebooks(gc.Options(out=tmp_path), execute=_stand_in(recorded, calls))
+    assert [c["notebook"] for c in calls] == list(STUDIES)
+    for c in calls:  # the quick parameters, the executed notebook and the runs under the check's folder
+        assert c["params"] == STUDIES[c["notebook"]].quick
+        assert c["out"] == tmp_path / "notebooks" / f"{c['notebook']}.ipynb" and c["out"].exists()
+        assert c["root"] == tmp_path / "runs"
+    assert r["status"] == "pass", r["failures"]
+    rows = {row["study"]: row for row in r["rows"]}
+    assert rows["strategies"]["used_gpu"] and rows["split"]["devices"] == ["this machine (cuda)"]
+    assert not rows["ladder"]["used_gpu"] and rows["ladder"]["passed"]  # the CPU plays the card by design
+    assert "| 03_split | ok |" in r["report"]
+
+
+def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_notebook_that_raised(tmp_path):
+    from workbench.front import gpu_notebooks as gn
+
+    # an earlier check's run on the card is in runs.csv already: only the rows this run adds count
+    (tmp_path / "runs" / "split").mkdir(parents=True)
+    (tmp_path / "runs" / "split" / "runs.csv").write_text("study,source,hardware\nsplit,measured,this machine (cuda)\n")
+    calls = []
+    r = gn.check_notebooks(gc.Options(out=tmp_path),
+                           execute=_stand_in({"strategies": "cuda", "split": "this machine (cpu)"}, calls, fail="ladder"))
+    assert len(calls) == 3  # the failing notebook did not stop the next one
+    assert r["status"] == "fail"
+    assert r["failures"] == ["02_ladder: RuntimeError: PapermillExecutionError: cell 4 raised",
+                             "03_split: its runs did not train on the GPU (they recorded: this machine (cpu))"]

@@ -4,14 +4,40 @@
     Sink         a callable that receives one row (a dict) per step or event: live charts,
                  steps.jsonl, the dashboard
     PROJECT_ROOT the checkout (data/, notebooks/, results/ and .cache/ live beside workbench/)
+    environ      os.environ with some values for a while (subprocesses started meanwhile inherit them)
+    one_line     an exception as one line: its type and its message's first line
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 MiB = 2**20
 GiB = 2**30
 Sink = Callable[[dict[str, Any]], None]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` (inherited by subprocesses started meanwhile), restored after: a
+    worker process outlives the task that changed it."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """'TypeName: first line of the message' (at most `limit` characters of the message)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"

@@ -104,22 +104,6 @@ def set_threads(threads: int) -> None:
 # Worker processes: what a task may change and stop
 
 
-@contextlib.contextmanager
-def environ(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with `values` (inherited by subprocesses started meanwhile), restored after: a
-    worker process outlives the task that changed it."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def kill_children(name: str, value: str) -> int:
     """Kill this process's descendants (a task's notebook kernel, say) whose environment has
     name=value; returns how many."""

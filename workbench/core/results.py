@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from workbench.core.common import PROJECT_ROOT
+from workbench.core.common import PROJECT_ROOT, environ
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")
 _UMASK = os.umask(0)
@@ -167,6 +167,12 @@ def reuse_finished_runs() -> bool:
     """False when $WORKBENCH_RERUN is set (`workbench sweep --rerun` sets it for its notebooks):
     then a study retrains a finished run instead of reading its summary back."""
     return os.environ.get(RERUN_ENV, "").strip().lower() not in ("1", "true", "yes")
+
+
+def results_under(path: str | Path):
+    """A context in which study runs write under `path` instead of results/ and always run again
+    (a finished run read back is not a run: `workbench gpu-check` measures, it does not recall)."""
+    return environ({"WORKBENCH_RESULTS": str(path), RERUN_ENV: "1"})
 
 
 @contextlib.contextmanager

@@ -13,10 +13,10 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   that the strategies run out of memory for real and fall back to the CPU; afterwards
   `torch.cuda.memory_allocated()` must be back where it started;
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
-- any check another part adds (study 3's engine: `workbench/studies/split/gpu_check.py` defining
-  `gpu_checks() -> {"split": fn}`), and versions with the card's name.
+- any check another part adds (study 3's engine: `workbench/studies/split/gpu_check.py`; the
+  study notebooks executed on this machine: `workbench/front/gpu_notebooks.py`), versions, the card.
 Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
-memory_snapshot.pickle, runs/}. One H200 run is kept in data/measured/h200-2026-11-22/.
+memory_snapshot.pickle, notebooks/, runs/}. One H200 run is in data/measured/h200-2026-11-22/.
 
 The logic (rows, errors, thresholds, verdicts, the summary and the report) is pure functions
 tested on the CPU with fabricated measurements (tests/test_gpu_check.py); the functions marked
@@ -33,15 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from workbench.core import parallel
-from workbench.core.common import MiB
+from workbench.core.common import MiB, one_line
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
-from workbench.core.results import RERUN_ENV, atomic_write_json, atomic_write_text, environment, results_root
+from workbench.core.results import atomic_write_json, atomic_write_text, environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
+from workbench.front import gpu_notebooks
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import measure
 from workbench.studies.ladder.runner import model_at_hand
@@ -223,10 +223,9 @@ def write_results(out: Path, summary: dict[str, Any]) -> None:
 
 
 def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
-    """The checks in order: the workbench's own, then study 3's (it lives in
-    workbench/studies/split/gpu_check.py, owned by that package)."""
+    """The checks in order: the workbench's own, study 3's (owned by that package), the notebooks."""
     return {"environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
-            "trace": check_trace, **split_gpu_check.gpu_checks()}
+            "trace": check_trace, **split_gpu_check.gpu_checks(), **gpu_notebooks.gpu_checks()}
 
 
 def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any]]] | None = None,
@@ -270,12 +269,6 @@ def check_environment(opts: Options) -> dict[str, Any]:
     return {"status": "pass", "env": env}
 
 
-def _results_under(path: Path):
-    """Study runs of the check write under out/runs, not into the user's results/, and are always
-    run again (a finished run read back would not run out of memory on this card)."""
-    return parallel.environ({"WORKBENCH_RESULTS": str(path), RERUN_ENV: "1"})
-
-
 def check_ladder(opts: Options) -> dict[str, Any]:
     """CUDA: every GPU rung measured on the card beside its prediction."""
     import torch
@@ -291,7 +284,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=here).row()
         except Exception as e:
-            p, tracebacks[f"{name} prediction"] = {"error": _one_line(e)}, traceback.format_exc(limit=-12)
+            p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         torch.cuda.empty_cache()
         nvml = {}
         try:
@@ -301,7 +294,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             if before is not None:
                 nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before}
         except Exception as e:
-            m, tracebacks[f"{name} measurement"] = {"status": "error", "reason": _one_line(e)}, traceback.format_exc(limit=-12)
+            m, tracebacks[f"{name} measurement"] = {"status": "error", "reason": one_line(e)}, traceback.format_exc(limit=-12)
         rows.append(rung_row(name, p, m, nvml))
     torch.cuda.synchronize()
     before_gc = torch.cuda.memory_allocated()
@@ -319,10 +312,6 @@ def card_at_hand(device: str = "cuda"):
     return cuda_model.card_of(props.name, props.total_memory, props.major * 10 + props.minor)
 
 
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-
-
 def check_strategies(opts: Options) -> dict[str, Any]:
     """CUDA: study 1 with a real CUDA budget that the strategies outgrow, then the CPU."""
     import torch
@@ -333,7 +322,7 @@ def check_strategies(opts: Options) -> dict[str, Any]:
     torch.cuda.synchronize()
     gc.collect()  # what earlier checks left for the collector is not study 1's
     before = torch.cuda.memory_allocated()
-    with _results_under(opts.out / "runs"):
+    with results_under(opts.out / "runs"):
         df = run_strategies(cfg, progress=False).runs
     after = torch.cuda.memory_allocated()  # no gc.collect first: the fallback itself must free
     return {**study1_verdict(df.to_dict("records"), before, after), "budget_mib": opts.study1_budget_mib}
@@ -376,7 +365,7 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, default=Options.seq, help="tokens per sequence of the ladder check")
     p.add_argument("--steps", type=int, default=Options.steps, help="steps per rung (the first is warm-up)")
     p.add_argument("--quick", action="store_true", help="the tiny embedded base instead of --model (seconds)")
-    p.add_argument("--only", default="", help="comma-separated checks to run (ladder, strategies, trace, split)")
+    p.add_argument("--only", default="", help="comma-separated checks to run (ladder, strategies, trace, split, notebooks)")
     p.set_defaults(func=_main)
 
 

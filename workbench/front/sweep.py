@@ -83,6 +83,7 @@ from typing import Any, Iterator
 from papermill.exceptions import PapermillExecutionError
 
 from workbench.core import parallel
+from workbench.core.common import environ
 from workbench.core.config import ConfigError
 from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, now, results_root
@@ -163,7 +164,7 @@ def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[
         # The kernel inherits this environment at start: the point's folder and results root.
         kernel_env = {**(env or {}), SWEEP_DIR_ENV: str(point_dir),
                       "WORKBENCH_RESULTS": str(point_dir / "results")}
-        with parallel.environ(kernel_env), _stderr_to(point_dir / "stderr.log"):
+        with environ(kernel_env), _stderr_to(point_dir / "stderr.log"):
             if timeout_s:
                 watchdog.start()
             try:

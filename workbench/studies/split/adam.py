@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.core.common import one_line
+
 
 @dataclass(frozen=True)
 class AdamHP:
@@ -49,7 +51,7 @@ def backend_status(name: str) -> str:
 
         CPUAdamBuilder().load(verbose=False)  # JIT build on first use (~1 min), cached after
     except Exception as e:  # ImportError, ninja/compiler failures, ...
-        return f"DeepSpeedCPUAdam unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return f"DeepSpeedCPUAdam unavailable: {one_line(e, 200)}"
     return "ok"
 
 

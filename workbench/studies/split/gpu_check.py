@@ -29,6 +29,7 @@ import copy
 import time
 from typing import Any
 
+from workbench.core.common import one_line
 from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP
 from workbench.studies.split.engine import SplitEngine
@@ -266,7 +267,7 @@ def _torchao_rows(base, batches) -> tuple[list[dict], str | None]:
             rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3, "tokens": b.numel()})
         return rows, None
     except Exception as e:  # an API change in torchao is a finding, not a crash
-        return [], f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return [], one_line(e, 200)
 
 
 def check_split(opts) -> dict[str, Any]:

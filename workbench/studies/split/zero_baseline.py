@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from workbench.core.common import one_line
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -53,7 +55,7 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
         }
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     except Exception as e:  # build failures, missing package, unsupported device
-        return [], f"DeepSpeed ZeRO-Offload unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return [], f"DeepSpeed ZeRO-Offload unavailable: {one_line(e, 200)}"
     rows = []
     for i, b in enumerate(batches):
         t0 = time.perf_counter()

@@ -1,0 +1,100 @@
+"""gpu-check's notebooks check: every study notebook executed headless on the card, kept.
+
+    workbench gpu-check --only notebooks
+
+Each study notebook runs through papermill (`workbench.front.notebooks.run_notebook`, the same path
+as `workbench reproduce --quick`) with its quick parameters, in a fresh kernel on this machine; the
+executed notebooks go to <out>/notebooks/, their study runs to <out>/runs/ (never the user's
+results/). Where each study's runs trained is read back from the rows the notebook added to its
+runs.csv, so "ran on the GPU" is what the runs recorded, not what was asked:
+- study 1 (strategies): its default attempts on a CUDA machine are the card under the quick budget,
+  then the CPU; its rows must name a CUDA attempt;
+- study 2 (ladder): the CPU plays the card by design (its budget counts live bytes); the ladder
+  check measures the card itself. Its notebook must run; its runs are not expected on the GPU;
+- study 3 (split): `device: auto` is the card; its rows must say they ran on CUDA.
+
+The verdict and the device read-back are plain functions, tested on the CPU with a stand-in
+executor (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from workbench.core.common import one_line
+from workbench.core.results import read_table, results_root, results_under
+from workbench.front.notebooks import available, run_notebook
+
+# the studies whose runs must have trained on the card (study 2's CPU plays the card by design)
+EXPECTS_GPU = {"strategies": True, "ladder": False, "split": True}
+# columns of a study's runs.csv that say where a run trained
+DEVICE_COLUMNS = ("device", "devices", "device_history", "hardware")
+NOTEBOOK_TIMEOUT_S = 300
+
+
+def devices_recorded(runs: pd.DataFrame) -> list[str]:
+    """The distinct places the measured rows say they trained on ('cuda@13', 'cpu', 'this machine
+    (cuda)', ...); modelled and published rows (study 3 has both) trained nowhere here."""
+    if "source" in runs:
+        runs = runs[runs["source"] == "measured"]
+    seen: list[str] = []
+    for col in DEVICE_COLUMNS:
+        if col in runs:
+            for v in runs[col].dropna().astype(str):
+                if v and v not in seen:
+                    seen.append(v)
+    return seen
+
+
+def notebook_row(name: str, study: str, status: str, seconds: float, output: Path, error: str | None,
+                 devices: list[str]) -> dict[str, Any]:
+    """One executed notebook: did it run, where did its runs train, does that pass."""
+    used_gpu = any("cuda" in d for d in devices)
+    expects = EXPECTS_GPU.get(study, False)
+    passed = status == "ok" and (used_gpu or not expects)
+    why = (error if status != "ok" else
+           "" if passed else f"its runs did not train on the GPU (they recorded: {', '.join(devices) or 'nothing'})")
+    return {"notebook": name, "study": study, "status": status, "seconds": round(seconds, 1),
+            "output": str(output), "devices": devices, "used_gpu": used_gpu, "expects_gpu": expects,
+            "passed": passed, "why": why or ""}
+
+
+def notebooks_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    failures = [f"{r['notebook']}: {r['why']}" for r in rows if not r["passed"]]
+    lines = ["### Study notebooks executed on this machine", "",
+             "| notebook | status | s | runs trained on | on the GPU | passed |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['notebook']} | {r['status']} | {r['seconds']:.0f} | {', '.join(r['devices']) or '-'} | "
+              f"{'yes' if r['used_gpu'] else 'no (the CPU plays the card)' if not r['expects_gpu'] else 'no'} | "
+              f"{'yes' if r['passed'] else 'no'} |" for r in rows]
+    return {"status": "pass" if rows and not failures else "fail", "failures": failures, "rows": rows,
+            "report": "\n".join(lines)}
+
+
+def check_notebooks(opts, *, execute: Callable | None = None) -> dict[str, Any]:
+    """Execute every study notebook (quick parameters) on this machine; `execute` stands in for
+    run_notebook in tests. One failing notebook is its row; the others still run."""
+    execute = execute or run_notebook
+    rows = []
+    with results_under(opts.out / "runs"):
+        for nb in available():
+            runs_csv = results_root() / nb.study / "runs.csv"
+            before = len(read_table(runs_csv))
+            out = opts.out / "notebooks" / f"{nb.name}.ipynb"
+            t0 = time.perf_counter()
+            try:
+                execute(nb.path, dict(nb.quick), out, timeout_s=NOTEBOOK_TIMEOUT_S)
+                status, error = "ok", None
+            except Exception as e:
+                status, error = "error", one_line(e)
+            added = read_table(runs_csv).iloc[before:]
+            rows.append(notebook_row(nb.name, nb.study, status, time.perf_counter() - t0, out, error,
+                                     devices_recorded(added)))
+    return notebooks_verdict(rows)
+
+
+def gpu_checks() -> dict[str, Callable]:
+    return {"notebooks": check_notebooks}
