@@ -1,8 +1,9 @@
 """Tensors with shapes but no values: a meta model made fake, and transformers told the truth about them.
 
-    from workbench.core.memory.fake import fakeify, unpacked_for_fake_inputs
+    from workbench.core.memory.fake import fakeify, unpacked_for_fake_inputs, fake_step
     fakeify(model, fake_mode)          # every meta parameter and buffer becomes a FakeTensor
     with unpacked_for_fake_inputs(), fake_mode: ...
+    step = fake_step(model, n_blocks=4, seq=512, target="cuda", sm=90)   # the setup both share
 
 Shared by the step prediction (workbench.core.memory.predict) and the simulated offload rungs
 (workbench.core.memory.placement). FIELD_NOTES.md: under fake tensors transformers thinks it is
@@ -13,10 +14,16 @@ being traced and builds an explicit seq x seq attention mask that a real run ski
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Any, ContextManager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from workbench.core.memory import cuda_model
+from workbench.core.memory.accounting import model_tensors
+from workbench.core.memory.meta import model_label
+from workbench.core.models import check_seq_len
 
 
 def fakeify(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str = "cpu") -> torch.nn.Module:
@@ -56,3 +63,40 @@ def unpacked_for_fake_inputs():
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+def check_step(config: Any, seq: int, steps: int) -> None:
+    """What a simulated step refuses before anything is built: too few steps, too long a sequence."""
+    if steps < 2:
+        raise ValueError("simulate at least two steps: the steady state starts at the second")
+    check_seq_len(config, seq, model_label(config))
+
+
+@dataclass
+class FakeStep:
+    """What every simulated step shares (workbench.core.memory.predict.simulate and
+    workbench.core.memory.offload.simulate_placed): the fake mode, the model made fake, the fake
+    training blocks, the fake twins of the real tensors the model keeps, and the choices of the
+    device the step is for."""
+
+    fake_mode: FakeTensorMode
+    model: torch.nn.Module
+    blocks: torch.Tensor
+    # Real tensors in the model (bitsandbytes' quantized weights and their quantization state)
+    # meet fake activations; fake mode converts them to fake twins, memoized while the real one
+    # lives. Their bytes are counted once, under the real tensor: the twins are aliases.
+    twins: list[torch.Tensor]
+    cuda: bool
+    choices: ContextManager  # CUDA's kernel, dropout and autocast choices for a cuda target; else nothing
+
+
+def fake_step(model: torch.nn.Module, *, n_blocks: int, seq: int, target: str = "cpu", sm: int | None = None) -> FakeStep:
+    """Make the meta `model` fake and build what a simulated step of it needs (see FakeStep)."""
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakeify(model, fake_mode)
+    with fake_mode:
+        blocks = torch.zeros((n_blocks, seq), dtype=torch.long)
+    twins = [fake_mode.from_tensor(t) for t in model_tensors(model) if not isinstance(t, FakeTensor)]
+    cuda = torch.device(target).type == "cuda"
+    choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
+    return FakeStep(fake_mode, model, blocks, twins, cuda, choices)

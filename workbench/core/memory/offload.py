@@ -45,16 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryReport, model_tensors
-from workbench.core.memory.fake import fakeify, unpacked_for_fake_inputs
-from workbench.core.memory.meta import build_meta_model, model_label
+from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
+from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting, move, move_output
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer
-from workbench.core.models import check_seq_len
 from workbench.core.training import train
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py), which the ladder's zero_config keeps
@@ -250,10 +248,7 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
     """
     if plan.placement not in SIMULATED_PLACEMENTS:
         raise ValueError(f"{plan.placement} is not simulated by placement (only {', '.join(SIMULATED_PLACEMENTS)})")
-    if steps < 2:
-        raise ValueError("simulate at least two steps: the steady state starts at the second")
-    check_seq_len(config, seq, model_label(config))
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    check_step(config, seq, steps)
     cpu = torch.device("cpu")
     zero = plan.placement == "zero_offload"
     model = apply_trainable(build_meta_model(config), plan.compose(plan.name, plan.help, placement="device"))
@@ -272,36 +267,30 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
         on_card = [k for k, v in dmap.items() if v not in ("cpu", "disk")]
         summary = {"modules_on_device": len(on_card), "modules_on_host": len(dmap) - len(on_card),
                    "device_map": {k: (DEVICE if v not in ("cpu", "disk") else HOST) for k, v in dmap.items()}}
-    fakeify(model, fake_mode)
-    with fake_mode:
-        blocks = torch.zeros((n_blocks or batch * steps, seq), dtype=torch.long)
-    cuda = torch.device(target).type == "cuda"
-    choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
-    real = [t for t in model_tensors(model) if not isinstance(t, FakeTensor)]
-    twins = [fake_mode.from_tensor(t) for t in real]
+    step = fake_step(model, n_blocks=n_blocks or batch * steps, seq=seq, target=target, sm=sm)
     handles: list = []
     optimizer = None
     if not zero:
         # where params span the card and the host, torch.optim.AdamW() picks the single-tensor loop
         optimizer = make_plan_optimizer(model, plan, settings, cpu, target=cpu if plan.optimizer == "adamw_torch" else target)
-    with unpacked_for_fake_inputs(), fake_mode, PlacedAccounting(cpu, stub_scalars=True, timeline=True) as acc:
+    with unpacked_for_fake_inputs(), step.fake_mode, PlacedAccounting(cpu, stub_scalars=True, timeline=True) as acc:
         if dmap is not None:
             handles = dispatch_like_accelerate(model, dmap, acc)
         else:
             acc.preset(model_tensors(model), DEVICE)
         acc.watch(model)
-        acc.alias(twins)
+        acc.alias(step.twins)
         if zero:
             optimizer = ZeroOffloadStep(model, acc, reduce_bucket_size=reduce_bucket_size, dtype=plan.half_dtype or torch.bfloat16)
             summary = {"reduce_bucket_elements": int(reduce_bucket_size), "offloaded_parameters": sum(p.numel() for p in optimizer.params)}
         try:
-            with choices as mode:
-                train(model, blocks, settings, device=cpu, optimizer=optimizer)
+            with step.choices as mode:
+                train(model, step.blocks, settings, device=cpu, optimizer=optimizer)
         finally:
             for h in handles:
                 h.remove()
             if zero:
                 optimizer.remove()
-    kernels = dict(mode.kernels) if cuda else {}
+    kernels = dict(mode.kernels) if step.cuda else {}
     full = acc.report()
     return PlacedReport(acc.place_report(DEVICE, full), acc.place_report(HOST, full), full, summary, kernels)

@@ -36,20 +36,18 @@ replays its allocations through the caching allocator (modelled): see workbench/
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
-from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport, model_tensors
+from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
 from workbench.core.memory.baselines import deepspeed_estimates
-from workbench.core.memory.fake import fakeify, unpacked_for_fake_inputs
+from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
 from workbench.core.memory.meta import build_meta_model, model_config, model_label, weights_bytes
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
@@ -143,32 +141,20 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     of compute capability `sm`, and the allocation timeline for the allocator model). `timeline`:
     record the allocation timeline for a CPU target too (for a memory snapshot).
     """
-    if steps < 2:
-        raise ValueError("simulate at least two steps: the steady state starts at the second")
-    check_seq_len(config, seq, model_label(config))
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    check_step(config, seq, steps)
     device = torch.device("cpu")
-    model = apply_trainable(build_meta_model(config), plan)
-    fakeify(model, fake_mode)
-    settings = plan.settings(batch, steps)
+    step = fake_step(apply_trainable(build_meta_model(config), plan), n_blocks=n_blocks or batch * steps, seq=seq,
+                     target=target, sm=sm)
+    model, settings = step.model, plan.settings(batch, steps)
     optimizer = make_plan_optimizer(model, plan, settings, device, target=target)  # outside fake mode (bnb reads values)
-    with fake_mode:
-        blocks = torch.zeros((n_blocks or batch * steps, seq), dtype=torch.long)
-    # Real tensors in the model (bitsandbytes' quantized weights and their quantization state)
-    # meet fake activations; fake mode converts them to fake twins, memoized while the real one
-    # lives. Their bytes are counted once, under the real tensor: the twins are aliases.
-    real = [t for t in model_tensors(model) if not isinstance(t, FakeTensor)]
-    twins = [fake_mode.from_tensor(t) for t in real]
-    cuda = torch.device(target).type == "cuda"
-
-    choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
-    with unpacked_for_fake_inputs(), fake_mode, MemoryAccounting(device, stub_scalars=True, timeline=cuda or timeline) as acc:
+    with (unpacked_for_fake_inputs(), step.fake_mode,
+          MemoryAccounting(device, stub_scalars=True, timeline=step.cuda or timeline) as acc):
         acc.watch(model)
-        acc.alias(twins)
-        with choices as mode:
-            train(model, blocks, settings, device=device, optimizer=optimizer)
+        acc.alias(step.twins)
+        with step.choices as mode:
+            train(model, step.blocks, settings, device=device, optimizer=optimizer)
     report = acc.report()
-    report.kernels = dict(mode.kernels) if cuda else {}
+    report.kernels = dict(mode.kernels) if step.cuda else {}
     return report
 
 
