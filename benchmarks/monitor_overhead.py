@@ -22,18 +22,16 @@ A row goes to results/benchmarks.csv with versions and hardware.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workbench.core.memory.monitor import MemoryMonitor  # noqa: E402
+from workbench.core.memory.monitor import overhead  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 from workbench.core.training import TrainSettings, train  # noqa: E402
 from workbench.front.sweep import threads_per_worker  # noqa: E402
@@ -48,6 +46,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="off/on pairs (order reversed every round)")
     ap.add_argument("--steps", type=int, default=15, help="training steps per run")
     ap.add_argument("--interval", type=float, default=0.5, help="monitor sampling interval (s); at 0.1 s it cost about 4%% here")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the monitor adds NVML and torch's CUDA counters)")
     ap.add_argument("--threads", type=int, default=threads_per_worker(1),
                     help="torch threads (default: what a real run gets, all usable cores)")
     args = ap.parse_args()
@@ -58,44 +57,24 @@ def main() -> int:
     config = Qwen2Config(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    device = torch.device(args.device)
+    model = Qwen2ForCausalLM(config).to(device)
     blocks = torch.randint(0, 2048, (256, 128), generator=torch.Generator().manual_seed(0))
     settings = TrainSettings(steps=args.steps, micro_batch=8, lr=1e-4)
     print(f"{NAME} v{VERSION}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"{args.steps} steps x {args.rounds} off/on pairs, interval {args.interval} s, "
+          f"{args.steps} steps x {args.rounds} off/on pairs, interval {args.interval} s, {device}, "
           f"{args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
 
-    def timed(monitor: bool) -> tuple[float, int]:
-        """(seconds, samples) of one whole train call, with or without the monitor around it."""
-        rows: list[dict] = []
-        gc.collect()  # the previous run's garbage is collected here, not inside the next timed call
-        t0 = time.perf_counter()
-        if monitor:
-            with MemoryMonitor("cpu", interval_s=args.interval, sinks=[rows.append]):
-                train(model, blocks, settings)
-        else:
-            train(model, blocks, settings)
-        return time.perf_counter() - t0, len(rows)
-
-    timed(False), timed(True)  # warm-up: allocation, kernel selection, psutil; not counted
-    off, on, samples, ratios = 0.0, 0.0, 0, []
-    for i in range(args.rounds):
-        secs, n = {}, 0
-        for monitor in ((False, True) if i % 2 == 0 else (True, False)):  # ABBA
-            secs[monitor], got = timed(monitor)
-            n += got
-        a, b = secs[False], secs[True]
-        off, on, samples = off + a, on + b, samples + n
-        ratios.append(b / a)
-        first = "off" if i % 2 == 0 else "on"
-        print(f"  round {i + 1} ({first} first): off {a:.2f} s, on {b:.2f} s ({n} samples), on/off {b / a:.3f}")
-    ratio = on / off
+    result = overhead(lambda: train(model, blocks, settings, device=device), device, rounds=args.rounds,
+                      interval_s=args.interval, say=print)
+    off, on, samples, ratios, ratio = result["off_s"], result["on_s"], result["samples"], result["round_ratios"], result["ratio"]
     print(f"  total off {off:.2f} s, on {on:.2f} s, {samples} samples; median of the rounds' on/off "
           f"{statistics.median(ratios):.3f}; load average {os.getloadavg()[0]:.2f}; target <= {TARGET}: "
           f"{'met' if ratio <= TARGET else 'NOT met'}")
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio, "unit": "ratio (with / without monitor)",
                 "median_round_ratio": statistics.median(ratios), "threads": args.threads,
-                "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval} threads={args.threads} order=ABBA",
+                "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval} threads={args.threads} order=ABBA "
+                          f"device={device.type}",
                 "load_avg": os.getloadavg()[0]})
     print(f"{NAME}: {ratio:.4f}")
     return 0

@@ -14,7 +14,8 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   `torch.cuda.memory_allocated()` must be back where it started;
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
 - any check another part adds (study 3's engine: `workbench/studies/split/gpu_check.py`; the
-  study notebooks executed on this machine: `workbench/front/gpu_notebooks.py`), versions, the card.
+  study notebooks executed here and the memory monitor's cost: `workbench/front/gpu_programs.py`);
+  versions and the card's name.
 Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
 memory_snapshot.pickle, notebooks/, runs/}. One H200 run is in data/measured/h200-2026-11-22/.
 
@@ -41,7 +42,7 @@ from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
 from workbench.core.results import atomic_write_json, atomic_write_text, environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
-from workbench.front import gpu_notebooks
+from workbench.front import gpu_programs
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import measure
 from workbench.studies.ladder.runner import model_at_hand
@@ -225,7 +226,7 @@ def write_results(out: Path, summary: dict[str, Any]) -> None:
 def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
     """The checks in order: the workbench's own, study 3's (owned by that package), the notebooks."""
     return {"environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
-            "trace": check_trace, **split_gpu_check.gpu_checks(), **gpu_notebooks.gpu_checks()}
+            "trace": check_trace, **split_gpu_check.gpu_checks(), **gpu_programs.gpu_checks()}
 
 
 def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any]]] | None = None,
@@ -365,7 +366,7 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, default=Options.seq, help="tokens per sequence of the ladder check")
     p.add_argument("--steps", type=int, default=Options.steps, help="steps per rung (the first is warm-up)")
     p.add_argument("--quick", action="store_true", help="the tiny embedded base instead of --model (seconds)")
-    p.add_argument("--only", default="", help="comma-separated checks to run (ladder, strategies, trace, split, notebooks)")
+    p.add_argument("--only", default="", help="comma-separated checks to run (ladder, strategies, trace, split, notebooks, monitor)")
     p.set_defaults(func=_main)
 
 

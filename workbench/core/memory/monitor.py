@@ -14,12 +14,16 @@ it can read.
 
 The training loop takes the GPU figures per step as well (`step_memory`): on CUDA every training
 row of studies 1 and 2 carries the run's peak allocated and reserved bytes so far and NVML's used
-memory; on the CPU it adds no columns (a CPU has no allocator peak or NVML to report). Sampling costs microseconds per row; benchmarks/monitor_overhead.py measures it.
+memory; on the CPU it adds no columns (a CPU has no allocator peak or NVML to report). Sampling
+costs microseconds per row; `overhead` measures what it costs a run (benchmarks/monitor_overhead.py
+on this machine, `workbench gpu-check --only monitor` on a card).
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import statistics
 import sys
 import threading
 import time
@@ -157,3 +161,44 @@ class MemoryMonitor:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def overhead(run: Callable[[], Any], device: str | torch.device = "cpu", *, rounds: int = 4, interval_s: float = 0.5,
+             say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """What a MemoryMonitor around `run()` costs it: each call timed from outside (the monitor's start
+    and stop included; on CUDA after a synchronize), after gc.collect(), in the order off, on | on,
+    off | ... (ABBA: neither side always runs second, and a linear drift of the machine's load hits
+    both alike), after one untimed warm-up of each. `ratio` is the total time with the monitor over
+    the total without, from this one run; the monitor's rows are returned too (what it read)."""
+    device = torch.device(device)
+
+    def timed(monitor: bool) -> tuple[float, list[dict[str, Any]]]:
+        rows: list[dict[str, Any]] = []
+        gc.collect()  # the previous run's garbage is collected here, not inside the timed call
+        t0 = time.perf_counter()
+        if monitor:
+            with MemoryMonitor(device, interval_s=interval_s, sinks=[rows.append]):
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        else:
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return time.perf_counter() - t0, rows
+
+    timed(False), timed(True)  # warm-up: allocation, kernel selection, psutil, NVML
+    off = on = 0.0
+    ratios, rows = [], []
+    for i in range(rounds):
+        secs = {}
+        for monitor in ((False, True) if i % 2 == 0 else (True, False)):
+            secs[monitor], got = timed(monitor)
+            rows += got
+        off, on = off + secs[False], on + secs[True]
+        ratios.append(secs[True] / secs[False])
+        say(f"  round {i + 1} ({'off' if i % 2 == 0 else 'on'} first): off {secs[False]:.2f} s, "
+            f"on {secs[True]:.2f} s, on/off {ratios[-1]:.3f}")
+    return {"ratio": on / off, "off_s": off, "on_s": on, "round_ratios": ratios,
+            "median_round_ratio": statistics.median(ratios), "samples": len(rows), "rows": rows,
+            "rounds": rounds, "interval_s": interval_s, "device": str(device)}

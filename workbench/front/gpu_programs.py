@@ -1,7 +1,8 @@
-"""gpu-check's notebooks check: every study notebook executed headless on the card, kept.
+"""gpu-check's checks that run whole programs of the workbench on this machine's card.
 
-    workbench gpu-check --only notebooks
+    workbench gpu-check --only notebooks,monitor
 
+notebooks: every study notebook executed headless on the card, kept.
 Each study notebook runs through papermill (`workbench.front.notebooks.run_notebook`, the same path
 as `workbench reproduce --quick`) with its quick parameters, in a fresh kernel on this machine; the
 executed notebooks go to <out>/notebooks/, their study runs to <out>/runs/ (never the user's
@@ -13,8 +14,13 @@ runs.csv, so "ran on the GPU" is what the runs recorded, not what was asked:
   check measures the card itself. Its notebook must run; its runs are not expected on the GPU;
 - study 3 (split): `device: auto` is the card; its rows must say they ran on CUDA.
 
-The verdict and the device read-back are plain functions, tested on the CPU with a stand-in
-executor (tests/test_gpu_check.py).
+monitor: the memory monitor on the card (NVML and torch's CUDA counters, issue 11 item 7): what it
+costs a training run (`memory.monitor.overhead`, the method of benchmarks/monitor_overhead.py, ABBA
+order in one run), and whether its rows carry the card's figures. The cost is a figure beside its
+target, not a verdict (one noisy run does not make the monitor broken); the rows are the verdict.
+
+The verdicts and the device read-back are plain functions, tested on the CPU with stand-ins
+(tests/test_gpu_check.py); `check_monitor` runs on the CPU as well (its rows then have no card figures).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Any, Callable
 import pandas as pd
 
 from workbench.core.common import one_line
+from workbench.core.memory.monitor import overhead
+from workbench.core.training import TrainSettings, train
 from workbench.core.results import read_table, results_root, results_under
 from workbench.front.notebooks import available, run_notebook
 
@@ -34,6 +42,10 @@ EXPECTS_GPU = {"strategies": True, "ladder": False, "split": True}
 # columns of a study's runs.csv that say where a run trained
 DEVICE_COLUMNS = ("device", "devices", "device_history", "hardware")
 NOTEBOOK_TIMEOUT_S = 300
+# benchmarks/monitor_overhead.py's target: the monitor may cost a run at most 1% of its time
+MONITOR_TARGET = 1.01
+# what a monitor row must carry on a card (on the CPU: the process's resident set)
+CARD_COLUMNS = ("nvml_used_mib", "cuda_allocated_mib", "cuda_reserved_mib", "cuda_max_allocated_mib")
 
 
 def devices_recorded(runs: pd.DataFrame) -> list[str]:
@@ -96,5 +108,40 @@ def check_notebooks(opts, *, execute: Callable | None = None) -> dict[str, Any]:
     return notebooks_verdict(rows)
 
 
+def monitor_verdict(result: dict[str, Any], device: str) -> dict[str, Any]:
+    """pass when the monitor sampled and, on a card, every row has the card's figures; the cost is
+    reported beside its target."""
+    rows = result["rows"]
+    want = CARD_COLUMNS if device.startswith("cuda") else ("rss_mib",)
+    missing = sorted({c for r in rows for c in want if r.get(c) is None})
+    failures = (["the monitor sent no rows"] if not rows else
+                [f"monitor rows without {', '.join(missing)}"] if missing else [])
+    ratio = result["ratio"]
+    report = (f"### Memory monitor on {device}\n\nWith the monitor sampling every {result['interval_s']:g} s, a "
+              f"training run took {ratio:.3f}x its time without it ({result['rounds']} off/on pairs, ABBA; "
+              f"median pair {result['median_round_ratio']:.3f}; {result['samples']} samples); target <= "
+              f"{MONITOR_TARGET}: {'met' if ratio <= MONITOR_TARGET else 'not met'}.")
+    peaks = {c: max(r[c] for r in rows) for c in want if rows and not missing}
+    return {"status": "fail" if failures else "pass", "failures": failures, "overhead_ratio": ratio,
+            "target": MONITOR_TARGET, "target_met": ratio <= MONITOR_TARGET, "peaks_mib": peaks,
+            **{k: result[k] for k in ("off_s", "on_s", "round_ratios", "median_round_ratio", "samples", "interval_s")},
+            "report": report}
+
+
+def check_monitor(opts, *, rounds: int = 4, steps: int = 15) -> dict[str, Any]:
+    """The monitor around a small Qwen2 training run on `opts.device` (benchmarks/monitor_overhead.py's model)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(opts.device)
+    blocks = torch.randint(0, 2048, (256, 128), generator=torch.Generator().manual_seed(0))
+    settings = TrainSettings(steps=steps, micro_batch=8, lr=1e-4)
+    result = overhead(lambda: train(model, blocks, settings, device=opts.device), opts.device, rounds=rounds)
+    return monitor_verdict(result, str(opts.device))
+
+
 def gpu_checks() -> dict[str, Callable]:
-    return {"notebooks": check_notebooks}
+    return {"notebooks": check_notebooks, "monitor": check_monitor}
