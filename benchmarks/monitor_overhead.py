@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/monitor_overhead.py            # ~30 s idle; minutes when the cores are shared
     .venv/bin/python benchmarks/monitor_overhead.py --rounds 3 # shorter
+    .venv/bin/python benchmarks/monitor_overhead.py --device cuda   # on a card (also: workbench gpu-check --only monitor)
 
 What it counts: the wall time of `workbench.core.training.train` on a small random Qwen2 (hidden
-128, 4 layers, vocab 2048; batch 8 x 128, fused AdamW, CPU) without and with a MemoryMonitor
-sampling every `--interval` s (process RSS via psutil; NVML too where a driver exists) and
-sending each row to a sink. Each run is timed the same way, from outside: time.perf_counter
-around the whole `train` call (with the monitor, its start and stop included), after
+128, 4 layers, vocab 2048; batch 8 x 128, fused AdamW; `gpu_programs.monitor_workload`) on
+`--device` without and with a MemoryMonitor sampling every `--interval` s (process RSS via psutil;
+on a card also NVML and torch's CUDA counters) and sending each row to a sink. Each run is timed
+the same way, from outside (`memory.monitor.overhead`): time.perf_counter around the whole `train`
+call (with the monitor, its start and stop included; on CUDA after a synchronize), after
 gc.collect(). The order alternates ABBA (off, on | on, off | ...), so neither side always runs
 second and a linear drift of load from other processes hits both alike; one untimed warm-up run
 of each comes first. Threads: by default what a real study run gets (torch's threads = the cores
@@ -33,12 +35,12 @@ import torch  # noqa: E402
 
 from workbench.core.memory.monitor import overhead  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
-from workbench.core.training import TrainSettings, train  # noqa: E402
+from workbench.front.gpu_programs import MONITOR_TARGET, monitor_workload  # noqa: E402
 from workbench.front.sweep import threads_per_worker  # noqa: E402
 
 NAME = "monitor_overhead"
 VERSION = 3  # bump when the method changes (2: default interval 0.5 s; 3: ABBA order, a real run's threads)
-TARGET = 1.01
+TARGET = MONITOR_TARGET  # at most 1% of a run's time
 
 
 def main() -> int:
@@ -52,21 +54,13 @@ def main() -> int:
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
     device = torch.device(args.device)
-    model = Qwen2ForCausalLM(config).to(device)
-    blocks = torch.randint(0, 2048, (256, 128), generator=torch.Generator().manual_seed(0))
-    settings = TrainSettings(steps=args.steps, micro_batch=8, lr=1e-4)
-    print(f"{NAME} v{VERSION}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+    run, params = monitor_workload(device, args.steps)
+    print(f"{NAME} v{VERSION}: {params / 1e6:.1f}M params, "
           f"{args.steps} steps x {args.rounds} off/on pairs, interval {args.interval} s, {device}, "
           f"{args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
 
-    result = overhead(lambda: train(model, blocks, settings, device=device), device, rounds=args.rounds,
-                      interval_s=args.interval, say=print)
+    result = overhead(run, device, rounds=args.rounds, interval_s=args.interval, say=print)
     off, on, samples, ratios, ratio = result["off_s"], result["on_s"], result["samples"], result["round_ratios"], result["ratio"]
     print(f"  total off {off:.2f} s, on {on:.2f} s, {samples} samples; median of the rounds' on/off "
           f"{statistics.median(ratios):.3f}; load average {os.getloadavg()[0]:.2f}; target <= {TARGET}: "

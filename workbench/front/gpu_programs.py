@@ -33,8 +33,8 @@ import pandas as pd
 
 from workbench.core.common import one_line
 from workbench.core.memory.monitor import overhead
-from workbench.core.training import TrainSettings, train
 from workbench.core.results import read_table, results_root, results_under
+from workbench.core.training import TrainSettings, train
 from workbench.front.notebooks import available, run_notebook
 
 # the studies whose runs must have trained on the card (study 2's CPU plays the card by design)
@@ -128,19 +128,26 @@ def monitor_verdict(result: dict[str, Any], device: str) -> dict[str, Any]:
             "report": report}
 
 
-def check_monitor(opts, *, rounds: int = 4, steps: int = 15) -> dict[str, Any]:
-    """The monitor around a small Qwen2 training run on `opts.device` (benchmarks/monitor_overhead.py's model)."""
+def monitor_workload(device: Any, steps: int = 15) -> tuple[Callable[[], Any], int]:
+    """The run whose cost the monitor is measured on (here and in benchmarks/monitor_overhead.py):
+    `steps` training steps of a small random Qwen2 (hidden 128, 4 layers, vocab 2048; batch 8 x 128,
+    fused AdamW) on `device`. Returns (run, parameter count)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(opts.device)
+    model = Qwen2ForCausalLM(config).to(device)
     blocks = torch.randint(0, 2048, (256, 128), generator=torch.Generator().manual_seed(0))
     settings = TrainSettings(steps=steps, micro_batch=8, lr=1e-4)
-    result = overhead(lambda: train(model, blocks, settings, device=opts.device), opts.device, rounds=rounds)
-    return monitor_verdict(result, str(opts.device))
+    return (lambda: train(model, blocks, settings, device=device)), sum(p.numel() for p in model.parameters())
+
+
+def check_monitor(opts, *, rounds: int = 4, steps: int = 15) -> dict[str, Any]:
+    """The monitor around `monitor_workload` on `opts.device`, its cost and its rows."""
+    run, _ = monitor_workload(opts.device, steps)
+    return monitor_verdict(overhead(run, opts.device, rounds=rounds), str(opts.device))
 
 
 def gpu_checks() -> dict[str, Callable]:
