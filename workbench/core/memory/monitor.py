@@ -21,6 +21,7 @@ on this machine, `workbench gpu-check --only monitor` on a card).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -176,15 +177,10 @@ def overhead(run: Callable[[], Any], device: str | torch.device = "cpu", *, roun
         rows: list[dict[str, Any]] = []
         gc.collect()  # the previous run's garbage is collected here, not inside the timed call
         t0 = time.perf_counter()
-        if monitor:
-            with MemoryMonitor(device, interval_s=interval_s, sinks=[rows.append]):
-                run()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-        else:
+        with MemoryMonitor(device, interval_s=interval_s, sinks=[rows.append]) if monitor else contextlib.nullcontext():
             run()
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(device)  # the monitor stops after the card's work, not before
         return time.perf_counter() - t0, rows
 
     timed(False), timed(True)  # warm-up: allocation, kernel selection, psutil, NVML
