@@ -275,7 +275,7 @@ def test_a_measured_cpu_step_exports_the_same_snapshot(tmp_path):
         acc.watch(model)
         train(model, blocks, settings, device="cpu")
     measured = snapshot_from_report(acc.report())
-    predicted = snapshot_from_report(simulate(config, plan, batch=1, seq=32, n_blocks=2, timeline=True))
+    predicted = snapshot_from_report(simulate(config, plan, batch=1, seq=32, n_blocks=2, timeline=True, instrumented=True))
     # the same peak of rounded blocks (what is left at the end differs: here the loop made the optimizer)
     assert _trace_peak(measured)[0] == _trace_peak(predicted)[0] > 0
     assert len(measured["device_traces"][0]) > 100 and measured["segments"]

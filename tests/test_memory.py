@@ -45,7 +45,7 @@ def test_prediction_equals_real_step_within_1pct(tiny, name):
     config, blocks = tiny
     real = measure(name, _load, blocks, batch=BATCH, steps=2)
     assert real["status"] == "ok", real
-    pred = predict(config, name, batch=BATCH, seq=SEQ, n_blocks=len(blocks))
+    pred = predict(config, name, batch=BATCH, seq=SEQ, n_blocks=len(blocks), instrumented=True)  # as measure() counts
     assert pred.method == "predicted"
     if name == "cpu":  # everything in host memory: the device holds nothing, the host holds the step
         assert pred.peak_bytes == real["measured_peak_bytes"] == 0
@@ -134,3 +134,58 @@ def test_bad_inputs_get_clear_errors(tiny, tmp_path):
         predict(str(not_model), "fp32")
     assert set(RUNGS) >= {"fp32", "fp16", "bf16", "bf16_ckpt", "adamw8bit", "paged_adamw8bit", "lora", "qlora",
                           "device_map", "zero_offload", "zero_offload_params", "cpu"}
+
+
+def _backward_sums(prof) -> list[tuple[bool, tuple[int, ...]]]:
+    """autograd's gradient sums in a profiled real step, in order: (in place, shape) of each
+    `aten::add_` / `aten::add` of two same-shaped tensors inside the engine's evaluate_function."""
+    out = []
+    for e in prof.events():
+        if e.name not in ("aten::add", "aten::add_") or len(e.input_shapes) < 2 or not e.input_shapes[0]:
+            continue
+        if e.input_shapes[0] != e.input_shapes[1]:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("autograd::engine::evaluate_function"):
+            parent = parent.cpu_parent
+        if parent is not None:
+            out.append((e.name == "aten::add_", tuple(e.input_shapes[0])))
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_the_plain_step_sums_gradients_where_autograd_does(name):
+    """Without a dispatch mode autograd sums a multi-use tensor's gradients in place when it can
+    (a tied embedding's two gradients under autocast, most residual-stream sums); the simulation,
+    which runs under modes, makes the same choice for every sum, and the instrumented one none."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from workbench.core.memory.plan import rung
+    from workbench.core.memory.predict import simulate
+    from workbench.core.training import train
+
+    config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    blocks = torch.randint(0, 4096, (2, 32))
+    plan = rung(name)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        train(model, blocks[:1], plan.settings(1, 1), device="cpu")
+    real = _backward_sums(prof)
+    tied = (config.vocab_size, config.hidden_size)
+    assert len(real) > 10 and real[-1][1] == tied  # the tied embedding's two gradients come last
+    assert real[-1][0] == (name == "bf16")  # in place under autocast (a fresh fp32 cast), not in fp32 (a view)
+    assert any(in_place for in_place, _ in real[:-1])  # the residual stream's sums, mostly in place
+
+    plain = simulate(config, plan, batch=1, seq=32, n_blocks=2, steps=2)
+    assert plain.sums == real * 2  # each of the two simulated steps sums as the real step did
+    instrumented = simulate(config, plan, batch=1, seq=32, n_blocks=2, steps=2, instrumented=True)
+    assert [shape for _, shape in instrumented.sums] == [shape for _, shape in real] * 2
+    assert not any(in_place for in_place, _ in instrumented.sums)
+    gap = instrumented.steady_peak_bytes - plain.steady_peak_bytes
+    if name == "bf16":  # one fp32 vocab x hidden tensor less at the end of backward; the peak moves
+        assert 0.9 * 4096 * 64 * 4 < gap <= 4096 * 64 * 4
+    else:  # the residual sums' extra tensors are not at the peak
+        assert gap == 0

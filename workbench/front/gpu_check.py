@@ -44,7 +44,7 @@ from workbench.core.results import atomic_write_json, atomic_write_text, environ
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
 from workbench.studies.ladder.config import LadderConfig
-from workbench.studies.ladder.rungs import measure
+from workbench.studies.ladder.rungs import OFFLOADED, measure
 from workbench.studies.ladder.runner import model_at_hand
 from workbench.studies.split import gpu_check as split_gpu_check
 from workbench.studies.strategies.config import StrategiesConfig
@@ -282,8 +282,10 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     for name in opts.rungs or gpu_rungs(RUNGS):
         # one rung's failure (its prediction or its run) is that rung's row, not the end of the check
         try:
+            # a device rung is measured under the live-bytes count (a dispatch mode), an offload rung
+            # through its library without one: each beside the prediction of the step it runs
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
-                        card=here).row()
+                        card=here, instrumented=name not in OFFLOADED).row()
         except Exception as e:
             p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         torch.cuda.empty_cache()

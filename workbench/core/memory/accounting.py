@@ -31,6 +31,16 @@ integers, so the accounting stays cheap enough to run over a 0.5B model's step.
 With `stub_scalars=True` (for FakeTensorMode runs, see predict.py) an op that would read a
 tensor's value into Python (`.item()`, `float(loss)`) returns 0.0 instead of failing, so the
 unchanged training loop runs over fake tensors.
+
+The count changes what it counts in one place. When a tensor feeds several ops, autograd's engine
+sums its gradients in an input buffer (torch/csrc/autograd/input_buffer.cpp `accumulate`): in place
+(`old.add_(new)`) when the buffer's tensor is dense and nothing else holds its storage, else out of
+place (`old + new`, one more tensor of that size). A Python dispatch mode (this one, and
+FakeTensorMode) makes `isTensorSubclassLike` true, so under it the sum is always out of place: a
+tied embedding's two gradients then hold a third vocab x hidden tensor at the end of backward. With
+`plain_engine=True` (fake tensors only) the accounting makes the choice the engine makes without a
+mode, by the engine's own rule, so the simulated step is the plain step a user runs; every sum is
+listed in `sums` ((in_place, shape), in order). The real-tensor count is always the instrumented step.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from workbench.core.memory.live_bytes import LiveBytes, MiB
 
@@ -82,6 +93,7 @@ class MemoryReport:
     timeline_roles: dict[int, str] | None = None  # each allocation's category (when it died, or at the end)
     kernels: dict[str, int] | None = None  # CUDA-modelled runs: the attention kernels used
     timeline_ops: list[str] | None = None  # the phase and op of each timeline event
+    sums: list[tuple[bool, tuple[int, ...]]] = field(default_factory=list)  # autograd's gradient sums (in place, shape)
 
     @property
     def peak_bytes(self) -> int:
@@ -123,9 +135,12 @@ class MemoryAccounting(LiveBytes):
         *,
         stub_scalars: bool = False,
         timeline: bool = False,
+        plain_engine: bool = False,
     ):
         super().__init__(device, budget_bytes)
         self.stub_scalars = stub_scalars
+        self.plain_engine = plain_engine
+        self.sums: list[tuple[bool, tuple[int, ...]]] = []  # autograd's gradient sums: (in place, shape)
         # With `timeline`, every allocation (serial, nbytes) and free (serial, -1) in order, the
         # step each happened in, and each storage's role when it died (the CUDA allocator model
         # replays it: workbench.core.memory.cuda_model.replay).
@@ -313,16 +328,39 @@ class MemoryAccounting(LiveBytes):
             self._in_backward = False
             self._enter_phase("optimizer")  # backward has ended: clipping, the step, zeroing
         self._op = func.__name__ if hasattr(func, "__name__") else str(func)
+        if in_backward and func is torch.ops.aten.add.Tensor and is_engine_sum(args, kwargs):
+            in_place = self.plain_engine and sums_in_place(args[0])
+            self.sums.append((in_place, tuple(args[0].shape)))
+            if in_place:
+                self._op = "add_.Tensor (autograd's in-place gradient sum)"
+                super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, args, {})
+                return args[0]
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def report(self) -> MemoryReport:
-        r = MemoryReport(self.device_type, self.peak, dict(self.phase_peaks), self.step)
+        r = MemoryReport(self.device_type, self.peak, dict(self.phase_peaks), self.step, sums=list(self.sums))
         if self.timeline is not None:
             roles = dict(self.roles_at_death)
             roles.update({serial: self._role[key] for key, serial in self._serial.items() if key in self._role})
             r.timeline, r.timeline_steps, r.timeline_roles = list(self.timeline), list(self.timeline_steps), roles
             r.timeline_ops = list(self.timeline_ops)
         return r
+
+
+def is_engine_sum(args, kwargs) -> bool:
+    """Could this `add.Tensor` in backward be autograd's input-buffer sum (`old + new`: two tensors
+    of one shape, dtype and device, no alpha, grad mode off)? No derivative formula of the supported
+    models calls `add.Tensor` itself (tests/test_memory.py holds every sum to a profiled real step)."""
+    return (not kwargs and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args)
+            and args[0].shape == args[1].shape and args[0].dtype == args[1].dtype
+            and args[0].device == args[1].device and not torch.is_grad_enabled())
+
+
+def sums_in_place(old: torch.Tensor) -> bool:
+    """The engine's `can_accumulate_inplace(old)` without a dispatch mode: dense, and its storage
+    held by this tensor alone (the storage's use count less the reference `untyped_storage()` makes)."""
+    return (is_non_overlapping_and_dense_or_false(old)
+            and torch._C._storage_Use_Count(old.untyped_storage()._cdata) - 1 == 1)
 
 
 def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

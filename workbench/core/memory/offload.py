@@ -238,13 +238,14 @@ SIMULATED_PLACEMENTS = ("device_map", "zero_offload")
 
 def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
                     target: str = "cpu", sm: int | None = None, gpu_share: float = DEVICE_MAP_GPU_SHARE,
-                    reduce_bucket_size: int = REDUCE_BUCKET_SIZE) -> PlacedReport:
+                    reduce_bucket_size: int = REDUCE_BUCKET_SIZE, instrumented: bool = False) -> PlacedReport:
     """Simulate `steps` training steps of an offload rung over fake tensors, each storage at its place.
 
     `target`: "cuda" makes the step take CUDA's choices (workbench.core.memory.cuda_model); the
     card's timeline is then replayed through the allocator model by the caller. `gpu_share`
     (device_map): the card's share of the weights in accelerate's `max_memory`.
-    `reduce_bucket_size` (ZeRO): DeepSpeed's reduce bucket, in elements.
+    `reduce_bucket_size` (ZeRO): DeepSpeed's reduce bucket, in elements. `instrumented`: as
+    `predict.simulate` (default: the plain step, autograd's in-place gradient sums).
     """
     if plan.placement not in SIMULATED_PLACEMENTS:
         raise ValueError(f"{plan.placement} is not simulated by placement (only {', '.join(SIMULATED_PLACEMENTS)})")
@@ -273,7 +274,8 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
     if not zero:
         # where params span the card and the host, torch.optim.AdamW() picks the single-tensor loop
         optimizer = make_plan_optimizer(model, plan, settings, cpu, target=cpu if plan.optimizer == "adamw_torch" else target)
-    with unpacked_for_fake_inputs(), step.fake_mode, PlacedAccounting(cpu, stub_scalars=True, timeline=True) as acc:
+    with unpacked_for_fake_inputs(), step.fake_mode, PlacedAccounting(cpu, stub_scalars=True, timeline=True,
+                                                                          plain_engine=not instrumented) as acc:
         if dmap is not None:
             handles = dispatch_like_accelerate(model, dmap, acc)
         else:

@@ -132,14 +132,18 @@ class Prediction:
 # simulation
 
 def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
-             target: str = "cpu", sm: int | None = None, timeline: bool = False) -> MemoryReport:
+             target: str = "cpu", sm: int | None = None, timeline: bool = False,
+             instrumented: bool = False) -> MemoryReport:
     """Run `steps` real training steps of `plan` over fake tensors and account their bytes.
 
     `n_blocks`: how many blocks the training set holds (the loop keeps a shuffled index of them,
     8 bytes each); default: just enough for the simulated steps. `target`: the device the step is
     for: "cpu" (exact), or "cuda" (CUDA's kernel, dropout, autocast and optimizer choices on a card
     of compute capability `sm`, and the allocation timeline for the allocator model). `timeline`:
-    record the allocation timeline for a CPU target too (for a memory snapshot).
+    record the allocation timeline for a CPU target too (for a memory snapshot). `instrumented`: the
+    step as this workbench's own live-bytes count runs it (a dispatch mode: autograd sums every
+    multi-use tensor's gradients out of place), to compare with that count; default: the plain step
+    (the engine's in-place sums, workbench.core.memory.accounting).
     """
     check_step(config, seq, steps)
     device = torch.device("cpu")
@@ -148,7 +152,8 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     model, settings = step.model, plan.settings(batch, steps)
     optimizer = make_plan_optimizer(model, plan, settings, device, target=target)  # outside fake mode (bnb reads values)
     with (unpacked_for_fake_inputs(), step.fake_mode,
-          MemoryAccounting(device, stub_scalars=True, timeline=step.cuda or timeline) as acc):
+          MemoryAccounting(device, stub_scalars=True, timeline=step.cuda or timeline,
+                           plain_engine=not instrumented) as acc):
         acc.watch(model)
         acc.alias(step.twins)
         with step.choices as mode:
@@ -165,14 +170,15 @@ def _act_temp_peak(report: MemoryReport) -> int:
 
 
 def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: str = "cpu",
-              sm: int | None = None) -> tuple[MemoryReport, dict[str, Any]]:
+              sm: int | None = None, instrumented: bool = False) -> tuple[MemoryReport, dict[str, Any]]:
     """Figures for rungs that cannot be simulated here, from a simulated rung + library numbers."""
     if plan.precision == "fp16" and plan.placement == "device":
-        base = simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps)
+        base = simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps,
+                        instrumented=instrumented)
         return base, {"note": "estimated: the bf16 simulation (same 2-byte activations); fp16 autocast needs "
                               "CUDA, which a CPU-only torch cannot simulate; the GradScaler adds a few bytes"}
     base = simulate(config, plan.compose(plan.name, plan.help, placement="device"), batch=batch, seq=seq, steps=steps,
-                    target=target, sm=sm)
+                    target=target, sm=sm, instrumented=instrumented)
     act = _act_temp_peak(base)
     n, fp32_bytes, largest = weights_bytes(config)
 
@@ -198,13 +204,16 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
 
 
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int = 2,
-            n_blocks: int | None = None, spec=None, device: str = "cpu", card=None) -> Prediction:
+            n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
+            instrumented: bool = False) -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
     (its config; the weights are never read). `device`: "cpu" (the default: a CPU step, exact) or
     "cuda" (CUDA's choices simulated, its allocator and context modelled). `card`: a preset name or
-    GiB (workbench.core.memory.cuda_model.CARDS) to say whether it fits. Raises ConfigError for an
+    GiB (workbench.core.memory.cuda_model.CARDS) to say whether it fits. `instrumented`: predict the
+    step as the workbench's own live-bytes count runs it (to compare with that count, see `simulate`);
+    default: the plain step. Raises ConfigError for an
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
@@ -231,7 +240,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         # fp16 autocast (device_map) cannot run on a CPU target: bf16's 2-byte activations stand in
         as_bf16 = plan.placement == "device_map" and plan.precision == "fp16" and not simulated_fp16
         sim = plan.compose(plan.name, plan.help, precision="bf16") if as_bf16 else plan
-        placed = simulate_placed(config, sim, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm)
+        placed = simulate_placed(config, sim, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm,
+                                 instrumented=instrumented)
         report = placed.device
         report.kernels = placed.kernels
         method = "estimated" if as_bf16 else "predicted"
@@ -241,14 +251,16 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         note = (f"simulated placement: {placement}; host memory {host / MiB:,.0f} MiB at its own peak"
                 + ("; estimated: fp16 autocast needs CUDA, bf16 simulated instead" if as_bf16 else ""))
     elif (plan.precision == "fp16" and not simulated_fp16) or plan.placement == "zero_offload_params":
-        report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps, target=device, sm=sm)
+        report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps, target=device, sm=sm,
+                                instrumented=instrumented)
         method, note = "estimated", est["note"]
         peak = est.get("peak", report.steady_peak_bytes)
         breakdown = {c: est["parts"].get(c, 0) for c in CATEGORIES} if "parts" in est else report.breakdown()
         host = est.get("host", 0)
         where = "not simulated" if "parts" in est else report.where()
     else:
-        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm)
+        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm,
+                          instrumented=instrumented)
         method, note = "predicted", ""
         peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
         if plan.placement == "cpu":

@@ -128,7 +128,8 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     preds = {}
     for name in cfg.rungs:
         plan = RUNGS[name]
-        p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks))
+        # the step as the study's own live-bytes count (a dispatch mode) runs it: the figure it is held to
+        p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
         preds[name] = p
         row = {**p.row(), "model_label": p.model, "model": cfg.model, "role": "at hand",
                "tier": plan.tier, "help": plan.help, "budget_mib": cfg.budget_mib,

@@ -151,7 +151,7 @@ def simulate_litgpt_lora(config, precision: str, *, batch: int, seq: int, target
         input_ids = torch.zeros((batch, seq), dtype=torch.long)
         targets = torch.zeros((batch, seq), dtype=torch.long)
     choices = cuda_model.cuda_step(sm) if cuda else contextlib.nullcontext()
-    with fake_mode, MemoryAccounting(torch.device("cpu"), stub_scalars=True, timeline=cuda) as acc:
+    with fake_mode, MemoryAccounting(torch.device("cpu"), stub_scalars=True, timeline=cuda, plain_engine=True) as acc:
         acc.watch(model)
         with choices as mode:
             (x,) = plugin.convert_input((input_ids,))

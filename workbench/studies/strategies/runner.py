@@ -110,7 +110,9 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> t
         plan = Plan(f"study1-{strategy}", 0, "", precision=cfg.precision, trainable=strategy,
                     accum=cfg.grad_accum, lora_rank=cfg.lora_rank)
         try:
-            report = simulate(config, plan, batch=cfg.micro_batch * cfg.grad_accum, seq=cfg.seq_len, n_blocks=n_blocks)
+            # as the played budget's live-bytes count (a dispatch mode) runs the step
+            report = simulate(config, plan, batch=cfg.micro_batch * cfg.grad_accum, seq=cfg.seq_len, n_blocks=n_blocks,
+                              instrumented=True)
             _PREDICTIONS[key] = (report.steady_peak_bytes / 2**20, "fake-tensor prediction of the training step")
         except StrategyNotApplicable:
             _PREDICTIONS[key] = None
