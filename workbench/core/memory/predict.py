@@ -209,7 +209,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
-    (its config; the weights are never read). `device`: "cpu" (the default: a CPU step, exact) or
+    (its config; the weights are never read). `device`: "cpu" (the default: a CPU step; byte-exact
+    against the live-bytes count when `instrumented`) or
     "cuda" (CUDA's choices simulated, its allocator and context modelled). `card`: a preset name or
     GiB (workbench.core.memory.cuda_model.CARDS) to say whether it fits. `instrumented`: predict the
     step as the workbench's own live-bytes count runs it (to compare with that count, see `simulate`);
