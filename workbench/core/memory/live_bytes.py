@@ -23,8 +23,10 @@ import weakref
 from typing import Callable, Iterable
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.core.common import MiB
 
@@ -38,6 +40,33 @@ def _storages(t: torch.Tensor, device_type: str | None = None):
         return (t.untyped_storage(),)
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
         return ()
+
+
+def _metadata_only_parameter(x) -> bool:
+    """A Parameter subclass that adds attributes but no dispatch of its own (bitsandbytes' Params4bit)."""
+    t = type(x)
+    return (isinstance(x, torch.nn.Parameter) and t is not torch.nn.Parameter and not isinstance(x, FakeTensor)
+            and t.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+def fake_parameters(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A real metadata-only Parameter subclass in an op under a fake mode becomes its fake twin, as
+    FakeTensorMode itself does for a plain Parameter (the op may see only that parameter: `view`
+    of the 4-bit weight).
+
+    FakeTensorMode from torch 2.13 converts such a parameter (bitsandbytes' 4-bit weight in a
+    simulated QLoRA step) to its memoized fake twin; torch 2.11 and 2.12 call it an unrecognized
+    subclass and return NotImplemented, so the op fails ("Multiple dispatch failed for
+    aten.view"). The twin comes from the same memo, so the step and its bytes are the same on
+    every torch; an op on real tensors only is left alone.
+    """
+    flat, _ = tree_flatten((args, kwargs))
+    if not any(_metadata_only_parameter(x) for x in flat):
+        return args, kwargs
+    fake_mode = detect_fake_mode(flat)  # the fake mode below this one on the stack, or of a fake input
+    if fake_mode is None:
+        return args, kwargs
+    return tree_map(lambda x: fake_mode.from_tensor(x) if _metadata_only_parameter(x) else x, (args, kwargs))
 
 
 class LiveBytes(TorchDispatchMode):
@@ -126,7 +155,8 @@ class LiveBytes(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        args, kwargs = fake_parameters(args, kwargs or {})
+        out = func(*args, **kwargs)
         flat, _ = tree_flatten(out)
         self.track(flat)
         return out
