@@ -91,6 +91,51 @@ def test_a_failed_prediction_is_its_rungs_failure_with_the_measurement_kept():
     assert v["status"] == "fail" and v["failures"] == ["qlora: the prediction failed: TypeError: dispatch failed"]
 
 
+@pytest.mark.parametrize("counted", [False, True])
+def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypatch, tmp_path, counted):
+    """Plain by default (no dispatch mode: the step a user's training runs); --counted measures the
+    device rungs under the live-bytes count, which makes autograd sum gradients out of place, so
+    their prediction must be the instrumented one; an offload rung always runs plain."""
+    import contextlib
+    import types
+
+    calls = []
+
+    def fake_predict(config, name, **kw):
+        calls.append(("predict", name, kw["instrumented"]))
+        return types.SimpleNamespace(row=lambda: {**_pred(100), "allocated_peak_bytes": 100 * MiB,
+                                                  "reserved_peak_bytes": 110 * MiB})
+
+    def fake_measure(name, load, blocks, **kw):
+        calls.append(("measure", name, kw["counted"]))
+        plain = not kw["counted"] or name in gc.OFFLOADED  # measure_offloaded reads the allocator
+        return _measured(100, 110, **({"measured_by": "cuda allocator"} if plain else {}))
+
+    class Monitor(contextlib.nullcontext):
+        peak = {}
+
+        def __enter__(self):
+            return self
+
+        def sample(self):
+            return {}
+
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg: (None, lambda: None, torch.zeros(4, 8), None))
+    monkeypatch.setattr(gc, "card_at_hand", lambda device: gc.cuda_model.card("H200 141GB"))
+    monkeypatch.setattr(gc, "predict", fake_predict)
+    monkeypatch.setattr(gc, "measure", fake_measure)
+    monkeypatch.setattr(gc, "MemoryMonitor", lambda *a, **k: Monitor())
+    for f in ("empty_cache", "synchronize"):
+        monkeypatch.setattr(torch.cuda, f, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "device_map"), counted=counted))
+    assert calls == [("predict", "bf16", counted), ("measure", "bf16", counted),
+                     ("predict", "device_map", False), ("measure", "device_map", counted)]
+    assert out["status"] == "pass"
+    # the allocator's peak is not the live-bytes count: a plain row has no accounted figure
+    assert [r["accounted_peak_mib"] for r in out["rows"]] == [100.0 if counted else None, None]
+
+
 def test_ladder_verdict():
     good = [gc.rung_row("bf16", _pred(100), _measured(98, 110), {}),
             gc.rung_row("fp32", _pred(200), {"status": "oom", "reason": "CUDA out of memory"}, {})]

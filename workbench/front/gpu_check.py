@@ -8,7 +8,8 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   config, random tokens), its CUDA-modelled prediction for the card at hand (`memory.predict(...,
   device="cuda", card=card_at_hand())`: allocated, reserved, nvidia-smi) beside
   `torch.cuda.max_memory_allocated`, `max_memory_reserved` and NVML's used memory, with the errors
-  in percent; a rung whose prediction or run fails is that rung's row (traceback in the summary);
+  in percent (the plain step, as a user's training runs it; `--counted`: the device rungs under
+  the live-bytes count, as on 2026-11-22); a rung whose prediction or run fails is that rung's row;
 - strategies: study 1 under a real CUDA budget (`set_per_process_memory_fraction`) small enough
   that the strategies run out of memory for real and fall back to the CPU; afterwards
   `torch.cuda.memory_allocated()` must be back where it started;
@@ -69,6 +70,7 @@ class Options:
     steps: int = 3
     rungs: tuple[str, ...] = ()  # empty: every rung that uses the GPU
     study1_budget_mib: float = 2.0
+    counted: bool = False  # the device rungs under the live-bytes count (as on 2026-11-22), not plain
     device: str = "cuda"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -109,7 +111,8 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         "method": prediction.get("method"), "prediction_error": prediction.get("error"),
         "predicted_allocated_mib": pred, "predicted_reserved_mib": fit,
         "cuda_max_allocated_mib": alloc, "cuda_max_reserved_mib": reserved,
-        "accounted_peak_mib": mib(measured.get("measured_peak_bytes")),
+        "accounted_peak_mib": (None if measured.get("measured_by") == "cuda allocator"
+                               else mib(measured.get("measured_peak_bytes"))),
         "predicted_nvidia_smi_mib": mib(prediction.get("nvidia_smi_bytes") or None),
         "nvml_used_peak_mib": nvml.get("nvml_used_peak_mib"),
         "outside_allocator_mib": (nvml["nvml_used_peak_mib"] - reserved
@@ -282,10 +285,10 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     for name in opts.rungs or gpu_rungs(RUNGS):
         # one rung's failure (its prediction or its run) is that rung's row, not the end of the check
         try:
-            # a device rung is measured under the live-bytes count (a dispatch mode), an offload rung
-            # through its library without one: each beside the prediction of the step it runs
+            # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless
+            # --counted measures the device rungs under the live-bytes count
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
-                        card=here, instrumented=name not in OFFLOADED).row()
+                        card=here, instrumented=opts.counted and name not in OFFLOADED).row()
         except Exception as e:
             p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         torch.cuda.empty_cache()
@@ -293,7 +296,8 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         try:
             with MemoryMonitor(opts.device, interval_s=0.05) as mon:
                 before = mon.sample().get("nvml_used_mib")
-                m = measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device)
+                m = measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
+                            counted=opts.counted)
             if before is not None:
                 nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before}
         except Exception as e:
@@ -368,6 +372,7 @@ def register(sub) -> None:
     p.add_argument("--seq", type=int, default=Options.seq, help="tokens per sequence of the ladder check")
     p.add_argument("--steps", type=int, default=Options.steps, help="steps per rung (the first is warm-up)")
     p.add_argument("--quick", action="store_true", help="the tiny embedded base instead of --model (seconds)")
+    p.add_argument("--counted", action="store_true", help="measure the device rungs under the live-bytes count")
     p.add_argument("--only", default="", help="comma-separated checks to run (ladder, strategies, trace, split, notebooks, monitor)")
     p.set_defaults(func=_main)
 
@@ -381,7 +386,7 @@ def _main(args) -> int:
 
     out = Path(args.out) if args.out else results_root() / "gpu_check"
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
-                   seq=64 if args.quick else args.seq, steps=args.steps,
+                   seq=64 if args.quick else args.seq, steps=args.steps, counted=args.counted,
                    extra={"only": tuple(s for s in args.only.split(",") if s)})
     found = checks()
     unknown = [n for n in opts.extra["only"] if n not in found]

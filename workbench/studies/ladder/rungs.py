@@ -13,6 +13,7 @@ workbench.studies.ladder.autofit.run_with_step_down, for rungs and composed setu
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -42,6 +43,7 @@ def measure(
     budget_mib: float | None = None,
     sinks: tuple = (),
     lr: float = 1e-4,
+    counted: bool = True,
 ) -> dict[str, Any]:
     """Train `steps` steps of `plan` on a fresh model from `load()` and measure its device peak.
 
@@ -49,10 +51,17 @@ def measure(
     prediction makes over fake tensors; on CUDA the allocator's peak is reported beside it).
     A budget turns a too-large peak into torch.OutOfMemoryError (status "oom", a row, not a gap).
     Step time and tokens/s leave out the first step (warm-up: allocation, kernel selection).
+
+    `counted=False` (CUDA only, no budget): no count, so no dispatch mode changes the step (under
+    one, autograd sums every multi-use gradient out of place: `accounting.is_engine_sum`); the
+    allocator's peaks are the measurement, of the step a user's training runs. Compare it with
+    `predict(..., instrumented=False)`; the counted step with `instrumented=True`.
     """
 
     plan = rung(plan)
     device = torch.device(device)
+    if not counted and (device.type != "cuda" or budget_mib is not None):
+        raise ValueError("an uncounted measurement reads the CUDA allocator's peaks: it needs a CUDA device and no budget")
     row: dict[str, Any] = {"rung": plan.name, "tier": plan.tier, "batch": batch, "seq": int(blocks.shape[1]),
                            "steps": steps, "device": str(device), "budget_mib": budget_mib}
     run_on = torch.device("cpu") if plan.placement == "cpu" else device
@@ -81,26 +90,33 @@ def measure(
         optimizer = make_plan_optimizer(model, plan, settings, run_on)
         budget = int(budget_mib * 2**20) if budget_mib is not None and plan.placement != "cpu" else None
         if run_on.type == "cuda":
+            gc.collect()  # an earlier run's garbage in reference cycles would count in this peak
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(run_on)
-        with MemoryAccounting(run_on, budget_bytes=budget) as acc:
-            acc.watch(model)
+        with MemoryAccounting(run_on, budget_bytes=budget) if counted else contextlib.nullcontext() as acc:
+            if counted:
+                acc.watch(model)
             probe = None if run_on.type == "cuda" else acc.take_window_peak_mib  # each step's peak; CUDA: the allocator's
             result = train(model, blocks, settings, device=run_on, optimizer=optimizer,
                            sinks=[rows.append, *sinks], extra={"rung": plan.name}, memory_probe=probe)
     except torch.OutOfMemoryError as e:
         return {**row, "status": "oom", "reason": str(e)[:300]}
-    report = acc.report()
     timed = [r for r in rows if r["step"] > 1] or rows
     step_ms = sorted(r["step_ms"] for r in timed)[len(timed) // 2]  # median
-    out = {
-        **row, "status": "ok", "reason": "",
-        "measured_peak_bytes": report.steady_peak_bytes,
-        "measured_first_step_peak_bytes": max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0), default=0),
-        "measured_where": report.where(),
-        "step_ms": step_ms, "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / (step_ms / 1e3),
-        "loss_after": result.final_loss,
-        **{f"measured_{c}_bytes": b for c, b in report.breakdown().items()},
-    }
+    out = {**row, "status": "ok", "reason": "", "step_ms": step_ms,
+           "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / (step_ms / 1e3), "loss_after": result.final_loss}
+    if counted:
+        report = acc.report()
+        out.update({
+            "measured_peak_bytes": report.steady_peak_bytes,
+            "measured_first_step_peak_bytes": max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0),
+                                                  default=0),
+            "measured_where": report.where(),
+            **{f"measured_{c}_bytes": b for c, b in report.breakdown().items()},
+        })
+    else:
+        out.update({"measured_by": "cuda allocator", "measured_peak_bytes": torch.cuda.max_memory_allocated(run_on),
+                    "measured_where": "the plain step (no dispatch mode)"})
     if plan.placement == "cpu":
         # CPU only: the count is host memory; the device holds nothing.
         out["measured_host_bytes"], out["measured_peak_bytes"] = out["measured_peak_bytes"], 0
