@@ -127,3 +127,49 @@ def test_margins_are_the_worst_miss_either_way_and_thin_families_use_the_overall
     assert autofit.prediction_margin(true, path=path)[0] == pytest.approx(0.004)
     margin, why = autofit.prediction_margin(mixed, path=path)  # one bf16-mixed row: no spread
     assert margin == pytest.approx(0.004) and "only 1 bf16-mixed row" in why
+
+
+QLORA = {(r.litgpt, r.quantize): r for r in PUBLISHED if r.quantize}
+
+
+@pytest.mark.parametrize("key", [("phi-1_5", "bnb.nf4"), ("stablelm-base-alpha-3b", "bnb.nf4-dq")],
+                         ids=["phi-nf4", "stablelm-nf4-dq"])
+def test_published_qlora_rows_are_predicted_within_the_target(key):
+    """LitGPT's --quantize runs (bitsandbytes 0.41.1) at full size: the allocated peak within 3%."""
+    row = QLORA[key]
+    peaks = litgpt_peaks(row)
+    assert abs(peaks["allocated"] / 1e9 / row.published_gb - 1) < 0.03
+
+
+def test_the_4bit_state_costs_what_the_qlora_paper_says():
+    """Dettmers et al. 2023 (QLoRA, section 3): the blockwise constants cost 32/64 = 0.5 bits per
+    parameter, and 8/64 + 32/(64 * 256) = 0.127 bits after double quantization; the weight 4 bits."""
+    from workbench.studies.ladder.bnb_041 import Linear4bit041
+
+    n_in, n_out = 4096, 1024
+    n = n_in * n_out
+    for dq, constant_bits in ((False, 0.5), (True, 8 / 64 + 32 / (64 * 256))):
+        layer = Linear4bit041(n_in, n_out, None, double_quant=dq, compute_dtype=torch.bfloat16, device="meta")
+        weight_bits = 8 * layer.weight.numel() * layer.weight.element_size() / n
+        per_layer = {"code", "offset"}  # a fixed few bytes per layer, not per parameter
+        state_bits = 8 * sum(b.numel() * b.element_size() for name, b in layer.named_buffers() if name not in per_layer) / n
+        assert weight_bits == 4 and state_bits == pytest.approx(constant_bits)
+
+
+def test_a_4bit_layer_keeps_its_input_for_backward_only_when_it_needs_a_gradient():
+    """bitsandbytes 0.41.1's MatMul4Bit kept the input (today's does not): the published QLoRA peaks
+    include it. The input's gradient flows; the frozen 4-bit weight gets none."""
+    from workbench.studies.ladder.bnb_041 import Linear4bit041, quantize_linears
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False)).to(torch.bfloat16)
+    assert quantize_linears(model, double_quant=True) == 2 and all(isinstance(m, Linear4bit041) for m in model)
+    for b in model.buffers():
+        b.zero_()
+    x = torch.zeros(2, 5, 64, dtype=torch.bfloat16)
+    assert model(x).grad_fn is None  # nothing needs a gradient: nothing kept
+    x.requires_grad_(True)
+    out = model[0](x)
+    assert out.grad_fn.tensors[0] is x and out.dtype == torch.bfloat16 and out.shape == (2, 5, 32)
+    model[1](out).sum().backward()
+    assert x.grad.shape == x.shape and x.grad.dtype == torch.bfloat16
+    assert model[0].weight.grad is None and not model[0].bias.requires_grad

@@ -34,6 +34,7 @@ from workbench.core.memory.fake import fakeify
 from workbench.core.memory.plan import plan_from_flags
 from workbench.core.memory.predict import predict
 from workbench.core.results import atomic_write_csv, atomic_write_json, git_commit, now
+from workbench.studies.ladder.bnb_041 import quantize_linears
 
 ROOT = PROJECT_ROOT
 CONFIGS = ROOT / "data" / "configs"
@@ -54,6 +55,15 @@ SOURCES = {
               "program (lit_gpt from litgpt 0.1.0.dev1, Fabric's precision plugin); the Hugging Face column runs "
               "transformers' implementation of the same model with peft's LoRA (GPT-NeoX: on the fused "
               "query_key_value) through the workbench's loop.",
+    "litgpt_qlora": "The same script with --quantize bnb.nf4 or bnb.nf4-dq (bf16-true): Lightning's "
+                    "BitsandbytesPrecision (Lightning 71aed751) replaced torch.nn.Linear while the model was built, so "
+                    "every linear layer, the LM head included, held a 4-bit weight, quantized from fp16, and trained "
+                    "through bitsandbytes 0.41.1's MatMul4Bit (dequantize, cast, linear; the layer's input kept for "
+                    "backward). The optimizer is bitsandbytes' PagedAdamW, which takes no step in the first "
+                    "iteration. Predicted: that program with bitsandbytes 0.41.1's 4-bit layer as its source reads "
+                    "(workbench/studies/ladder/bnb_041.py). No Hugging Face column: the workbench's qlora "
+                    "setup is another program (today's bitsandbytes saves no input; peft's "
+                    "prepare_model_for_kbit_training keeps the other weights in fp32; the LM head stays 16-bit).",
 }
 
 # finetune/lora.py's hyperparameters at 8641822
@@ -79,6 +89,7 @@ class Published:
     trainable: str = "lora"
     optimizer: str = "adamw_torch"
     checkpointing: bool = False
+    quantize: str = ""  # LitGPT's --quantize (bnb.nf4, bnb.nf4-dq): bitsandbytes 0.41.1 under Fabric's plugin
 
 
 PUBLISHED = (
@@ -102,6 +113,14 @@ PUBLISHED = (
               LITGPT_TABLES),
     Published("Llama-2-7b-hf", "llama-2-7b", "bf16-mixed", "q_proj,v_proj", 1, 1304, 0.0, "oom", "A100 40GB",
               LITGPT_LORA),
+    # QLoRA: the same tables' --quantize rows (bitsandbytes 0.41.1)
+    *(Published(lit, model, "bf16-true", targets, 1, seq, gb, "allocated", "A100 40GB", LITGPT_TABLES,
+                source_key="litgpt_qlora", quantize=q)
+      for lit, model, targets, seq, nf4, dq in (
+          ("phi-1_5", "phi-1_5", "q_proj,v_proj", 1044, 3.78, 3.72),
+          ("stablelm-base-alpha-3b", "stablelm-base-alpha-3b", "query_key_value", 1034, 6.35, 6.19),
+          ("Llama-2-7b-hf", "llama-2-7b", "q_proj,v_proj", 1304, 14.14, 13.84))
+      for q, gb in (("bnb.nf4", nf4), ("bnb.nf4-dq", dq))),
 )
 
 
@@ -116,7 +135,7 @@ def litgpt_config(name: str, **overrides):
 
 
 def simulate_litgpt_lora(config, precision: str, *, batch: int, seq: int, target: str = "cuda",
-                         sm: int = cuda_model.DEFAULT_SM) -> MemoryReport:
+                         sm: int = cuda_model.DEFAULT_SM, quantize: str = "") -> MemoryReport:
     """The first iteration of LitGPT's finetune/lora.py for `config`, over fake tensors, accounted.
 
     What the script does, in its order: the model built under `fabric.init_module()` (the
@@ -126,6 +145,9 @@ def simulate_litgpt_lora(config, precision: str, *, batch: int, seq: int, target
     the plugin's forward context, convert the output), the shift, `chunked_cross_entropy`, backward
     of the loss over the accumulation. `target="cuda"`: CUDA's kernel, dropout and autocast
     choices (workbench.core.memory.cuda_model) and the allocation timeline for the allocator model.
+    `quantize` ("bnb.nf4", "bnb.nf4-dq"; bf16-true only): every linear layer 4-bit as bitsandbytes
+    0.41.1 under Fabric's BitsandbytesPrecision trained it (workbench.studies.ladder.bnb_041); that
+    plugin's dtype, forward context and input and output conversions are HalfPrecision's.
     """
     from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
     from lit_gpt.lora import GPT, mark_only_lora_as_trainable
@@ -140,8 +162,12 @@ def simulate_litgpt_lora(config, precision: str, *, batch: int, seq: int, target
         raise ValueError(f"unknown Fabric precision {precision!r}; use bf16-true or bf16-mixed")
     with plugin.module_init_context(), torch.device("meta"):
         model = GPT(config)
+    if quantize and (quantize not in ("bnb.nf4", "bnb.nf4-dq") or precision != "bf16-true"):
+        raise ValueError(f"quantize {quantize!r} with {precision}: use bnb.nf4 or bnb.nf4-dq with bf16-true")
     mark_only_lora_as_trainable(model)
     model = plugin.convert_module(model)
+    if quantize:  # after convert_module, whose .to(bf16) would cast the fp32 quantization state
+        quantize_linears(model, double_quant=quantize == "bnb.nf4-dq")
     with torch.device("meta"):
         model.max_seq_length = seq
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -171,7 +197,7 @@ def litgpt_peaks(row: Published, config=None, sm: int | None = None) -> dict:
     """Allocated / reserved / live peaks (bytes) of `row`'s program on its card, and where."""
     card = cuda_model.card(row.card)
     report = simulate_litgpt_lora(config or litgpt_config(row.litgpt), row.precision, batch=row.batch, seq=row.seq,
-                                  sm=sm or card.sm)
+                                  sm=sm or card.sm, quantize=row.quantize)
     alloc = cuda_model.replay(report.timeline, report.timeline_roles, card.cublas_workspaces, steady_from=0)
     return {"allocated": alloc.steady_allocated_peak_bytes, "reserved": alloc.steady_reserved_peak_bytes,
             "live": report.peak_bytes, "where": f"{report.peak.phase} ({report.peak.op})",
@@ -194,22 +220,27 @@ def validate_row(row: Published) -> dict:
     plan = plan_from_flags(precision=row.precision, optimizer=row.optimizer, trainable=row.trainable,
                            lora_targets=tuple(row.lora_targets.split(",")), checkpointing=row.checkpointing,
                            batch=row.batch)
-    hf = predict(str(CONFIGS / f"{row.model}.json"), plan, batch=row.batch, seq=row.seq, device="cuda", card=row.card)
-    hf_predicted = hf.reserved_peak_bytes if row.measures == "reserved" else hf.allocated_peak_bytes
+    hf, hf_predicted = None, None
+    if not row.quantize:  # a 4-bit row has no Hugging Face twin (SOURCES["litgpt_qlora"])
+        hf = predict(str(CONFIGS / f"{row.model}.json"), plan, batch=row.batch, seq=row.seq, device="cuda",
+                     card=row.card)
+        hf_predicted = hf.reserved_peak_bytes if row.measures == "reserved" else hf.allocated_peak_bytes
 
     def err(b):
-        return None if row.measures == "oom" else round(100 * (b / 1e9 / row.published_gb - 1), 1)
+        return None if row.measures == "oom" or b is None else round(100 * (b / 1e9 / row.published_gb - 1), 1)
 
     return {
-        "model": row.litgpt, "setup": f"{plan.help}; batch {row.batch} x {row.seq}", "card": row.card,
+        "model": row.litgpt, "card": row.card,
+        "setup": f"{plan.help}{f', {row.quantize}' if row.quantize else ''}; batch {row.batch} x {row.seq}",
         "published_gb": row.published_gb if row.measures != "oom" else None,
         "measures": "out of memory" if row.measures == "oom" else f"max_memory_{row.measures} (GB = 1e9 bytes)",
         "predicted_fits": fits, "card_gb": round(card.total_bytes / 1e9, 2),
         "predicted_gb": round(predicted / 1e9, 3), "error_pct": err(predicted),
         "predicted_live_gb": round(lit["live"] / 1e9, 3), "predicted_reserved_gb": round(lit["reserved"] / 1e9, 3),
         "predicted_where": lit["where"], "attention": lit["kernels"], "predict_seconds": round(seconds, 1),
-        "hf_config": f"data/configs/{row.model}.json", "hf_predicted_gb": round(hf_predicted / 1e9, 3),
-        "hf_error_pct": err(hf_predicted), "hf_where": hf.where,
+        "hf_config": f"data/configs/{row.model}.json",
+        "hf_predicted_gb": None if hf is None else round(hf_predicted / 1e9, 3),
+        "hf_error_pct": err(hf_predicted), "hf_where": "" if hf is None else hf.where,
         "source": row.source, "notes": SOURCES[row.source_key],
     }
 
@@ -220,13 +251,15 @@ def validation_table(rows=PUBLISHED, out: str | Path | None = None, log=print) -
     for r in rows:
         res = validate_row(r)
         if res["published_gb"] is None:
-            log(f"  {res['model']:<24} {res['setup'][:56]:<56} published out of memory; predicted "
+            log(f"  {res['model']:<24} {res['setup'][:62]:<62} published out of memory; predicted "
                 f"{res['predicted_gb']:.3f} GB allocated: {'fits' if res['predicted_fits'] else 'does not fit'} "
                 f"on {res['card']} ({res['card_gb']} GB)  [{res['predict_seconds']:.0f} s]")
         else:
-            log(f"  {res['model']:<24} {res['setup'][:56]:<56} published {res['published_gb']:>6.2f}  "
-                f"predicted {res['predicted_gb']:>7.3f} ({res['error_pct']:+5.1f}%)  Hugging Face "
-                f"{res['hf_predicted_gb']:>7.3f} ({res['hf_error_pct']:+5.1f}%)  [{res['predict_seconds']:.0f} s]")
+            hf = ("no Hugging Face twin" if res["hf_predicted_gb"] is None else
+                  f"Hugging Face {res['hf_predicted_gb']:>7.3f} ({res['hf_error_pct']:+5.1f}%)")
+            log(f"  {res['model']:<24} {res['setup'][:62]:<62} published "
+                f"{res['published_gb']:>6.2f}  predicted {res['predicted_gb']:>7.3f} ({res['error_pct']:+5.1f}%)  "
+                f"{hf}  [{res['predict_seconds']:.0f} s]")
         results.append(res)
     if out is not None:
         atomic_write_csv(out, pd.DataFrame(results))
