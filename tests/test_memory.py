@@ -192,7 +192,7 @@ def test_the_plain_step_sums_gradients_where_autograd_does(name):
 
 
 def test_a_qlora_prediction_runs_where_fake_mode_refuses_parameter_subclasses(tiny, monkeypatch):
-    """torch 2.11 and 2.12's FakeTensorMode calls bitsandbytes' 4-bit weight (a Parameter subclass)
+    """torch 2.11's FakeTensorMode calls bitsandbytes' 4-bit weight (a Parameter subclass)
     an unrecognized subclass and returns NotImplemented: the H200's torch 2.11 failed the qlora
     prediction so. With that rule put back, the prediction must run and give the same bytes."""
     import torch._subclasses.fake_tensor as fake_tensor

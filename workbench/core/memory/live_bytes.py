@@ -23,7 +23,6 @@ import weakref
 from typing import Callable, Iterable
 
 import torch
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -55,16 +54,16 @@ def fake_parameters(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     of the 4-bit weight).
 
     FakeTensorMode from torch 2.13 converts such a parameter (bitsandbytes' 4-bit weight in a
-    simulated QLoRA step) to its memoized fake twin; torch 2.11 and 2.12 call it an unrecognized
+    simulated QLoRA step) to its memoized fake twin; torch 2.11 (the H200's) calls it an unrecognized
     subclass and return NotImplemented, so the op fails ("Multiple dispatch failed for
     aten.view"). The twin comes from the same memo, so the step and its bytes are the same on
     every torch; an op on real tensors only is left alone.
     """
+    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)  # one C call per op
+    if fake_mode is None:
+        return args, kwargs
     flat, _ = tree_flatten((args, kwargs))
     if not any(_metadata_only_parameter(x) for x in flat):
-        return args, kwargs
-    fake_mode = detect_fake_mode(flat)  # the fake mode below this one on the stack, or of a fake input
-    if fake_mode is None:
         return args, kwargs
     return tree_map(lambda x: fake_mode.from_tensor(x) if _metadata_only_parameter(x) else x, (args, kwargs))
 
