@@ -55,7 +55,7 @@ def fake_parameters(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
     FakeTensorMode from torch 2.13 converts such a parameter (bitsandbytes' 4-bit weight in a
     simulated QLoRA step) to its memoized fake twin; torch 2.11 (the H200's) calls it an unrecognized
-    subclass and return NotImplemented, so the op fails ("Multiple dispatch failed for
+    subclass and returns NotImplemented, so the op fails ("Multiple dispatch failed for
     aten.view"). The twin comes from the same memo, so the step and its bytes are the same on
     every torch; an op on real tensors only is left alone.
     """
