@@ -123,8 +123,10 @@ def test_config_and_budget_errors():
         auto_fit("unused", batch=1, seq=8, budget_mib=-1)
     # an uncounted measurement is the CUDA allocator's peak: nothing to read on the CPU
     blocks = torch.zeros((2, 8), dtype=torch.long)
-    with pytest.raises(ValueError, match="needs a CUDA device and no budget"):
+    with pytest.raises(ValueError, match="needs a rung trained on a CUDA device and no budget"):
         measure("bf16", lambda: None, blocks, batch=1, steps=2, counted=False)
+    with pytest.raises(ValueError, match="needs a rung trained on a CUDA device"):  # CPU only trains on the host
+        measure("cpu", lambda: None, blocks, batch=1, steps=2, device="cuda", counted=False)
 
 
 def test_monitor_rows_go_to_sinks_and_a_missing_driver_is_one_line(capsys):

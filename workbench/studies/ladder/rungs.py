@@ -60,11 +60,12 @@ def measure(
 
     plan = rung(plan)
     device = torch.device(device)
-    if not counted and (device.type != "cuda" or budget_mib is not None):
-        raise ValueError("an uncounted measurement reads the CUDA allocator's peaks: it needs a CUDA device and no budget")
     row: dict[str, Any] = {"rung": plan.name, "tier": plan.tier, "batch": batch, "seq": int(blocks.shape[1]),
                            "steps": steps, "device": str(device), "budget_mib": budget_mib}
     run_on = torch.device("cpu") if plan.placement == "cpu" else device
+    if not counted and (run_on.type != "cuda" or budget_mib is not None):
+        raise ValueError("an uncounted measurement reads the CUDA allocator's peaks: it needs a rung trained "
+                         "on a CUDA device and no budget")
     reason = plan.cannot_run_here(device)
     if reason:
         return {**row, "status": "skipped", "reason": reason}

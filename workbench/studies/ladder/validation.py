@@ -160,10 +160,10 @@ def simulate_litgpt_lora(config, precision: str, *, batch: int, seq: int, target
         plugin = MixedPrecision(precision, device="cpu")  # the CPU's autocast under CudaChoices is CUDA's
     else:
         raise ValueError(f"unknown Fabric precision {precision!r}; use bf16-true or bf16-mixed")
-    with plugin.module_init_context(), torch.device("meta"):
-        model = GPT(config)
     if quantize and (quantize not in ("bnb.nf4", "bnb.nf4-dq") or precision != "bf16-true"):
         raise ValueError(f"quantize {quantize!r} with {precision}: use bnb.nf4 or bnb.nf4-dq with bf16-true")
+    with plugin.module_init_context(), torch.device("meta"):
+        model = GPT(config)
     mark_only_lora_as_trainable(model)
     model = plugin.convert_module(model)
     if quantize:  # after convert_module, whose .to(bf16) would cast the fp32 quantization state
