@@ -14,8 +14,8 @@ from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.plan import plan_from_flags
 from workbench.studies.ladder import autofit
 from workbench.studies.ladder.validation import (BATCH_SIZE, CONFIGS, LM_HEAD_CHUNK, PUBLISHED, SOURCES,
-                                                 fits_card, litgpt_config, litgpt_peaks, margins,
-                                                 simulate_litgpt_lora)
+                                                 card_reserved_errors, fits_card, litgpt_config, litgpt_peaks,
+                                                 margins, reserved_shortfall, simulate_litgpt_lora)
 
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=4, vocab_size=500, padded_vocab_size=512, block_size=512)
@@ -127,6 +127,55 @@ def test_margins_are_the_worst_miss_either_way_and_thin_families_use_the_overall
     assert autofit.prediction_margin(true, path=path)[0] == pytest.approx(0.004)
     margin, why = autofit.prediction_margin(mixed, path=path)  # one bf16-mixed row: no spread
     assert margin == pytest.approx(0.004) and "only 1 bf16-mixed row" in why
+
+
+def _card_record(root, name, rows, gpu="Test card"):
+    (root / name).mkdir(parents=True)
+    (root / name / "summary.json").write_text(json.dumps(
+        {"environment": {"gpu": gpu}, "results": {"ladder": {"rows": rows}}}))
+
+
+def test_on_cuda_the_margin_adds_the_reserved_shortfall_measured_on_a_card_per_placement(tmp_path):
+    def row(rung, err, method="predicted"):
+        return {"rung": rung, "method": method, "error_vs_reserved_pct": err}
+
+    _card_record(tmp_path, "card-a", [row("fp32", -2.0), row("bf16_true", 1.5), row("zero_offload", -12.0),
+                                      row("device_map", 8.0), row("zero_offload_params", -70.0, "estimated"),
+                                      row("qlora", None)])
+    _card_record(tmp_path, "card-b", [row("bf16_true_lora", -3.5)], gpu="Other card")
+    rows = card_reserved_errors(tmp_path)
+    # estimated rows and rows without a reserved prediction are no evidence about the allocator model
+    assert sorted(r["rung"] for r in rows) == ["bf16_true", "bf16_true_lora", "device_map", "fp32", "zero_offload"]
+    pct, why = reserved_shortfall("device", rows)
+    assert pct == 3.5 and "bf16_true_lora on the Other card" in why  # the worst under-prediction, across cards
+    assert reserved_shortfall("zero_offload", rows)[0] == 12.0  # each placement its own
+    assert reserved_shortfall("device_map", rows)[0] == 0.0  # only over-predicted: no margin needed
+    pct, why = reserved_shortfall("cpu", rows)  # never measured: the worst of any placement
+    assert pct == 12.0 and "no cpu rung measured" in why
+    assert reserved_shortfall("device", [])[0] == 0.0
+    _card_record(tmp_path, "card-c", [row("no_such_rung", -1.0)])
+    with pytest.raises(ValueError, match="no_such_rung"):
+        card_reserved_errors(tmp_path)
+
+    # auto-fit's margin: the bytes' error (published rows) plus, on CUDA only, the reserved shortfall
+    (tmp_path / "card-c" / "summary.json").unlink()
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({"by_precision_pct": {"bf16-true": 0.4}, "rows_by_precision": {"bf16-true": 5},
+                                "overall_pct": 0.4, "min_family_rows": 3}))
+    true = plan_from_flags(precision="bf16-true", optimizer="adamw_torch", trainable="full")
+    assert autofit.prediction_margin(true, path=path, records=tmp_path)[0] == pytest.approx(0.004)
+    m, why = autofit.prediction_margin(true, path=path, device="cuda", records=tmp_path)
+    assert m == pytest.approx(0.004 + 0.035) and "3.5% below" in why
+    zero = dataclasses.replace(true, placement="zero_offload")
+    assert autofit.prediction_margin(zero, path=path, device="cuda", records=tmp_path)[0] == pytest.approx(0.124)
+
+
+def test_the_committed_card_records_give_every_simulated_placement_its_reserved_margin():
+    """The H200 record (2026-11-22): its reserved misses set the margin auto-fit keeps on CUDA."""
+    rows = card_reserved_errors()
+    assert {r["placement"] for r in rows} >= {"device", "zero_offload", "device_map"}
+    device = reserved_shortfall("device", rows)[0]
+    assert 0 < device < 5 < reserved_shortfall("zero_offload", rows)[0]
 
 
 QLORA = {(r.litgpt, r.quantize): r for r in PUBLISHED if r.quantize}

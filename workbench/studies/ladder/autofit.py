@@ -16,10 +16,16 @@ first; the setups are predicted in that order (fake tensors, the CUDA model) unt
 first that fits is the fastest by the prior and the search predicts only what it must.
 
 Margin: a setup fits when its predicted peak plus a margin is within the budget. The margin is the
-prediction's own measured error (data/prediction_error.json, written by the validation against
-published GPU peaks: the worst error for that precision when at least `min_family_rows` rows of it
-were checked, else the worst overall), not a fixed guess. On a real out-of-memory error
-`run_with_step_down` tries the next setup that fits, still at the same effective batch.
+prediction's own measured error, not a fixed guess, for the figure that is compared:
+- the bytes (allocated peak): data/prediction_error.json, written by the validation against
+  published GPU peaks: the worst error for that precision when at least `min_family_rows` rows of
+  it were checked, else the worst overall;
+- on CUDA the budget caps the allocator's reserved peak, so the margin adds how far the reserved
+  prediction fell below a real card's at worst for the setup's placement (on the card, in the
+  gpu-check records under data/measured/; `validation.reserved_shortfall`).
+Each setup gets its own margin (ZeRO-Offload's reserved peak was missed by more than the device
+rungs'). On a real out-of-memory error `run_with_step_down` tries the next setup that fits, still
+at the same effective batch.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import predict
-from workbench.studies.ladder.validation import MARGINS_FILE
+from workbench.studies.ladder.validation import CARD_RECORDS, MARGINS_FILE, card_reserved_errors, reserved_shortfall
 
 # Prior cost of a step on a GPU relative to the user's setup (lower is faster); each factor states
 # its reason. They order setups; they are not a speed prediction.
@@ -54,8 +60,9 @@ PRECISION_FAMILY = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16_true": "bf
                     "fp32": "fp32"}
 
 
-def prediction_margin(plan: Plan, path=MARGINS_FILE) -> tuple[float, str]:
-    """(margin as a fraction, where it comes from) for a prediction of `plan`."""
+def prediction_margin(plan: Plan, path=MARGINS_FILE, *, device: str = "cpu", records=CARD_RECORDS) -> tuple[float, str]:
+    """(margin as a fraction, where it comes from) for a prediction of `plan` on `device`: the
+    bytes' measured error; on CUDA plus the reserved peak's shortfall measured on a card."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -65,9 +72,14 @@ def prediction_margin(plan: Plan, path=MARGINS_FILE) -> tuple[float, str]:
     by = data.get("by_precision_pct", {})
     rows = data.get("rows_by_precision", {}).get(family, 0)
     if family in by and rows >= data.get("min_family_rows", 1):
-        return by[family] / 100, f"worst error of the {rows} {family} rows in the validation ({by[family]:.1f}%)"
-    why = f"only {rows} {family} row(s) validated" if rows else f"no {family} row was validated"
-    return data["overall_pct"] / 100, f"worst error of any validation row ({data['overall_pct']:.1f}%; {why})"
+        pct, why = by[family], f"worst error of the {rows} {family} rows in the validation ({by[family]:.1f}%)"
+    else:
+        thin = f"only {rows} {family} row(s) validated" if rows else f"no {family} row was validated"
+        pct, why = data["overall_pct"], f"worst error of any validation row ({data['overall_pct']:.1f}%; {thin})"
+    if torch.device(device).type != "cuda":
+        return pct / 100, why
+    short, short_why = reserved_shortfall(plan.placement, card_reserved_errors(records))
+    return (pct + short) / 100, f"{why} + {short_why}"
 
 
 def cost(plan: Plan) -> float:
@@ -123,8 +135,8 @@ class SetupChoice:
     @property
     def why(self) -> str:
         if self.plan is None:
-            return (f"nothing fits {self.budget_bytes / MiB:,.0f} MiB with a {self.margin:.1%} margin "
-                    f"({len(self.table)} setups predicted)")
+            return (f"nothing fits {self.budget_bytes / MiB:,.0f} MiB with the prediction's margin "
+                    f"({self.margin:.1%} for the setup as given: {self.margin_source}; {len(self.table)} setups predicted)")
         row = next(r for r in self.table if r["setup"] == self.plan.name)
         faster = [r["setup"] for r in self.table if not r["fits"]]
         return (f"{self.plan.name}: predicted {row['need_mib']:,.0f} MiB + {self.margin:.1%} margin "
@@ -135,7 +147,8 @@ class SetupChoice:
 def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, device: str = "cuda",
            card: str | float | None = None, allow_lora: bool = False, margin: float | None = None,
            margin_source: str = "given", keep: int = 3, runnable: Callable[[Plan], bool] | None = None) -> SetupChoice:
-    """The fastest setup (by the prior cost) predicted to fit `budget_mib` with the margin.
+    """The fastest setup (by the prior cost) predicted to fit `budget_mib` with its margin
+    (`prediction_margin` for each setup on `device`, or `margin` for all when given).
 
     Predicts candidates cheapest first until one fits, then `keep` - 1 more that fit (the
     step-down order for a real out-of-memory error). `runnable`: only candidates it accepts are
@@ -145,24 +158,25 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     if not budget_mib > 0:
         raise ConfigError(f"the budget must be a positive number of MiB, got {budget_mib!r}")
     budget = int(budget_mib * MiB)
-    src = margin_source
-    if margin is None:
-        margin, src = prediction_margin(setup)
+    fixed = None if margin is None else (margin, margin_source)
+    margin_of = (lambda plan: fixed) if fixed else (lambda plan: prediction_margin(plan, device=device))
     ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora) if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p)))
-    choice = SetupChoice(None, batch, budget, margin, src)
+    choice = SetupChoice(None, batch, budget, *margin_of(setup))
     for plan in ranked:
         t0 = time.perf_counter()
+        m, src = margin_of(plan)
         p = predict(model, plan, batch=batch, seq=seq, device=device, card=card)
         need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
-        fits = need * (1 + margin) <= budget
+        fits = need * (1 + m) <= budget
         choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan), 3), "method": p.method,
-                             "need_mib": need / MiB, "with_margin_mib": need * (1 + margin) / MiB, "fits": fits,
-                             "changes_what_trains": plan.trainable != setup.trainable,
+                             "need_mib": need / MiB, "margin": m, "with_margin_mib": need * (1 + m) / MiB,
+                             "fits": fits, "changes_what_trains": plan.trainable != setup.trainable,
                              "predict_seconds": round(time.perf_counter() - t0, 1)})
         if fits:
             choice.fitting.append(plan)
-            choice.plan = choice.plan or plan
+            if choice.plan is None:
+                choice.plan, choice.margin, choice.margin_source = plan, m, src
             if len(choice.fitting) >= keep:
                 break
     return choice

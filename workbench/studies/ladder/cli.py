@@ -252,9 +252,10 @@ def _search(args, config, setup) -> int:
         return 0 if choice.plan else 1
     print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {budget_mib:,.0f} MiB  "
           f"(from {setup.help})")
-    print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'+margin':>9}  fits")
+    print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin':>9}  fits")
     for r in choice.table:
-        print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {r['need_mib']:>9,.1f} {r['with_margin_mib']:>9,.1f}  "
+        print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {r['need_mib']:>9,.1f} {r['margin']:>7.1%} "
+              f"{r['with_margin_mib']:>9,.1f}  "
               f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else ""))
     print(f"auto-fit: {choice.why}")
     if len(choice.fitting) > 1:

@@ -20,6 +20,7 @@ answer. The inputs are the published settings only: nothing here is fitted to th
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from workbench.core.common import PROJECT_ROOT
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import fakeify
-from workbench.core.memory.plan import plan_from_flags
+from workbench.core.memory.plan import RUNGS, plan_from_flags
 from workbench.core.memory.predict import predict
 from workbench.core.results import atomic_write_csv, atomic_write_json, git_commit, now
 from workbench.studies.ladder.bnb_041 import quantize_linears
@@ -294,3 +295,43 @@ def write_margins(results: list[dict], path: str | Path = MARGINS_FILE) -> Path:
     return atomic_write_json(path, {**margins(results), "source": "workbench.studies.ladder.validation against "
                                     + "; ".join(sorted({r["source"] for r in results})),
                                     "written": now(), "git_commit": git_commit()})
+
+
+# The reserved peak is what a CUDA budget caps, so auto-fit compares it with the card; its error is
+# the allocator model's on top of the bytes'. No published reserved peak with complete settings was
+# found: the reserved error comes from this project's own card records (`make gpu-check` summaries,
+# committed under data/measured/<card>-<date>/), per placement, since each library allocates
+# differently (DeepSpeed's reduce bucket, accelerate's host layers).
+CARD_RECORDS = ROOT / "data" / "measured"
+
+
+def card_reserved_errors(root: str | Path = CARD_RECORDS) -> list[dict]:
+    """Every ladder row of the committed card records whose reserved peak was both predicted
+    (simulated, not estimated) and measured: rung, placement, error in %, card, record."""
+    rows = []
+    for path in sorted(Path(root).glob("*/summary.json")):
+        record = json.loads(path.read_text())
+        card = record.get("environment", {}).get("gpu", "?")
+        for r in record.get("results", {}).get("ladder", {}).get("rows", []):
+            if r.get("method") != "predicted" or r.get("error_vs_reserved_pct") is None:
+                continue
+            if r["rung"] not in RUNGS:
+                raise ValueError(f"{path}: rung {r['rung']!r} is not a rung of the ladder")
+            rows.append({"rung": r["rung"], "placement": RUNGS[r["rung"]].placement, "card": card,
+                         "error_pct": float(r["error_vs_reserved_pct"]), "record": path.parent.name})
+    return rows
+
+
+def reserved_shortfall(placement: str, rows: list[dict]) -> tuple[float, str]:
+    """(the margin the reserved peak needs, in %, and why) for a setup of `placement`: how far below
+    the card's reserved peak the prediction fell at worst (over-predictions need no margin). A
+    placement never measured on a card takes the worst shortfall of any placement."""
+    if not rows:
+        return 0.0, "no reserved peak measured on a card yet"
+    own = [r for r in rows if r["placement"] == placement]
+    pool = own or rows
+    worst = min(pool, key=lambda r: r["error_pct"])
+    pct = max(0.0, -worst["error_pct"])
+    where = (f"{len(own)} {placement} rung(s)" if own else f"no {placement} rung measured, so any of {len(rows)} rungs")
+    return pct, (f"reserved peak {pct:.1f}% below the card's at worst ({where}; {worst['rung']} on the "
+                 f"{worst['card']}, {worst['record']})" if pct else f"reserved peak never below the card's ({where})")
