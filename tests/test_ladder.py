@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from workbench.core.config import ConfigError
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
 from workbench.core.models import TINY_SPEC, load_model
-from workbench.studies.ladder.autofit import SetupChoice, run_with_step_down
+from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down
 from workbench.studies.ladder.rungs import auto_fit, measure
 from workbench.studies.ladder.runner import LadderConfig, run_ladder
 
@@ -93,6 +94,11 @@ def test_auto_fit_steps_down_on_a_real_oom(env):
     # the fastest rung fits on paper, not for real, and auto-fit must step down.
     choice = auto_fit(model.config, batch=1, seq=64, budget_mib=3.6, rungs=rungs, device="cpu")
     assert choice.rung == "fp32" and choice.order() == ["fp32", "bf16_ckpt", "lora"]
+    overall = json.loads(MARGINS_FILE.read_text())["overall_pct"] / 100  # none of these precisions has 3 rows
+    assert all(r["margin"] == pytest.approx(overall) for r in choice.table)  # the bytes' measured error on a CPU
+    # a rung fits only with its margin: fp32 (3.57 MiB) is out once 1% is kept
+    assert auto_fit(model.config, batch=1, seq=64, budget_mib=3.6, rungs=rungs, device="cpu", margin=0.01).rung \
+        == "bf16_ckpt"
 
     def attempt(plan):
         m = measure(plan, lambda: load_model("embedded", spec=TINY_SPEC)[0], blocks, batch=2, steps=2,

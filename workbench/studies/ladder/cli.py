@@ -177,6 +177,7 @@ def _estimate(args) -> int:
         }
         if choice is not None:
             out["auto_fit"] = choice.rung
+            out["auto_fit_margins"] = {r["rung"]: r["margin"] for r in choice.table}
         print(json.dumps(out, indent=2))
         return 0
     print(f"model {args.model}  batch {args.batch} x seq {args.seq}"
@@ -230,9 +231,11 @@ def _estimate(args) -> int:
     if notes:
         print("notes:\n" + "\n".join(notes))
     if choice is not None:
+        m = {r["rung"]: r["margin"] for r in choice.table}
         print(f"auto-fit: {choice.rung or 'nothing fits'}"
-              + (" (the fastest rung predicted to fit; on a real OOM, step down in this order: "
-                 + " -> ".join(choice.order()) + ")" if choice.rung else ""))
+              + (f" (the fastest rung predicted to fit with the prediction's measured margin, {m[choice.rung]:.1%} "
+                 "for it; on a real OOM, step down in this order: " + " -> ".join(choice.order()) + ")"
+                 if choice.rung else " with the prediction's measured margin"))
     return 0
 
 

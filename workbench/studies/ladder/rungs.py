@@ -28,6 +28,7 @@ from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.memory.predict import predict
 from workbench.core.training import BlockSampler, TrainSettings, train
+from workbench.studies.ladder.autofit import prediction_margin
 
 # ------------------------------------------------------------------------------------------------
 # measuring a rung on the machine at hand
@@ -254,13 +255,16 @@ def auto_fit(
     step_ms: dict[str, float] | None = None,
     predictions: dict[str, Any] | None = None,
     device: str | torch.device = "cuda",
+    margin: float | None = None,
 ) -> FitChoice:
     """Pick the fastest rung predicted to fit `budget_mib` for `model` at `batch` x `seq`.
 
     `model` is a name, config.json path, PretrainedConfig or nn.Module (see predict.predict).
     Speed: measured `step_ms` where given, else the rung's `speed_rank`. Rungs that place
     nothing on the device (cpu) always fit and come last. `device`: the target; paged
-    optimizer state can page out only on CUDA, so elsewhere it counts in full.
+    optimizer state can page out only on CUDA, so elsewhere it counts in full. A rung fits when
+    its need plus `margin` (a fraction) is within the budget; None: each rung's measured margin
+    (workbench.studies.ladder.autofit.prediction_margin on `device`).
     """
 
     budget = _check_budget(budget_mib)
@@ -272,12 +276,13 @@ def auto_fit(
         plan = RUNGS[n]
         p = (predictions or {}).get(n) or predict(model, n, batch=batch, seq=seq)
         need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
+        m = margin if margin is not None else prediction_margin(plan, device=str(device))[0]
         measured = (step_ms or {}).get(n)
         # Measured step times rank first (in ms); rungs without one follow, by their speed prior.
         rank = (0, measured) if measured is not None else (1, plan.speed_rank)
         table.append({
             "rung": n, "tier": plan.tier, "predicted_peak_bytes": p.peak_bytes, "fit_bytes": need,
-            "method": p.method, "fits": need <= budget, "rank": rank,
+            "method": p.method, "margin": m, "fits": need * (1 + m) <= budget, "rank": rank,
         })
     fitting = sorted((r for r in table if r["fits"]), key=lambda r: r["rank"])
     return FitChoice(fitting[0]["rung"] if fitting else None, budget, table)
