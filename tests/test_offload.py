@@ -13,7 +13,7 @@ import transformers
 
 from workbench.core.config import ConfigError
 from workbench.studies.split.adam import AdamHP, backend_status
-from workbench.studies.split.balance import Rates, balance_k
+from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.layers import last_arriving, split_layers
 
@@ -243,6 +243,61 @@ def test_k_formula_without_transfers_is_the_seeds():
     assert balance_k(overlapped) == pytest.approx(balance_k(r))
     # ... unless the link is the slowest stage
     assert balance_k(Rates(1.0, 2.0, 0.1, t_to_host_s=3.0, copies_overlap=True)) > balance_k(r)
+
+
+def test_backward_slowed_by_the_host_moves_k_to_the_accelerator():
+    """The H200's case (2026-11-22): backward 95 ms with every update on the host, 25 ms with none.
+    With the slowdown left out the balance gives the host everything; with it, the accelerator."""
+    plain = Rates(0.095, 0.050, 0.03, t_to_host_s=0.06, t_to_accel_s=0.04)
+    assert balance_k(plain) == 0.0  # backward "longer than the host side": host does all
+    measured = Rates(0.025, 0.050, 0.03, t_to_host_s=0.06, t_to_accel_s=0.04, t_interference_s=0.070)
+    assert balance_k(measured) == 1.0
+    # a slowdown smaller than the accelerator's own update (0.1 < alpha * t_U = 0.2): the accelerator's
+    # side still grows with k, the two cross inside (0, 1) and balance there
+    r = Rates(0.5, 2.0, 0.1, t_interference_s=0.1)
+    k = balance_k(r)
+    assert 0 < k < balance_k(Rates(0.5, 2.0, 0.1))  # backward is longer while the host has a share
+    assert r.t_backward_s + (1 - k) * 0.1 + k * r.alpha * r.t_update_host_s == pytest.approx((1 - k) * 2.0)
+    # a larger one makes the accelerator's side shrink with k: all of it on the accelerator
+    assert balance_k(Rates(0.5, 2.0, 0.1, t_interference_s=0.3)) == 1.0
+    # no interference: exactly the formula
+    assert balance_k(Rates(0.5, 2.0, 0.1, t_interference_s=0.0)) == pytest.approx(1.5 / 2.2)
+
+
+def test_backward_fit_recovers_the_slowdown_from_measured_k():
+    obs = [(0.0, 0.095), (0.5, 0.060), (1.0, 0.025), (0.25, 0.0775)]
+    t_b, i = backward_fit(obs)
+    assert t_b == pytest.approx(0.025) and i == pytest.approx(0.070)
+    assert backward_fit([(0.0, 0.1), (0.1, 0.09)]) is None  # one k (within the spread) says nothing
+    assert backward_fit([(0.0, 0.1)]) is None
+    assert backward_fit([(0.0, 0.1), (1.0, 0.12)]) == (pytest.approx(0.11), 0.0)  # no slowdown
+
+
+def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkeypatch):
+    """Backward is measured at one k only while the balance keeps k: the engine moves k once to
+    measure the slowdown, then balances with it."""
+    from workbench.studies.split import engine as engine_mod
+
+    seen = []
+
+    def keep_k(rates, include_transfer=True):  # a balance that never moves k by itself
+        seen.append(rates)
+        return eng_ref[0].k_actual
+
+    eng_ref = []
+    monkeypatch.setattr(engine_mod, "balance_k", keep_k)
+    base, data = tiny_qwen(), batches(512, 7)
+    eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0, adaptive=True, k_every=1)
+    eng_ref.append(eng)
+    for b in data:
+        eng.step(b)
+    eng.finish()
+    probes = [r for r in eng.rows if r["k_probe"]]
+    assert len(probes) == 1 and probes[0]["k_actual"] >= 0.2  # moved up from 0, once
+    assert all(r["k_actual"] == 0.0 for r in eng.rows if r["iteration"] < probes[0]["iteration"])
+    # after the probe backward is known at two k: the rates carry the fit (no more probes)
+    assert seen[-1].t_interference_s >= 0.0 and backward_fit(list(eng._backward_obs)) is not None
+    eng.close()
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -726,3 +781,26 @@ def test_study_runner_clips_like_its_reference(tmp_path, monkeypatch, tiny_base)
     assert [r["max_abs_diff_vs_adamw"] for r in engine] == [0.0, 0.0]
     assert all(s["clip_coef"] < 1.0 for s in steps if s["run"] != "plain AdamW")
     assert all(r["pinned_bytes"] == 0 and r["staging_bytes"] > 0 for r in engine)
+
+
+def test_split_adaptive_benchmark_runs_and_writes_its_row(results_dir):
+    """benchmarks/split_adaptive.py end to end, shortened: its last line and its benchmarks.csv row."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/split_adaptive.py", "--rounds", "1", "--iterations", "4",
+                          "--warmup", "2"], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "WORKBENCH_RESULTS": str(results_dir)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("split_adaptive: ") and float(last.split()[-1]) > 0
+    row = pd.read_csv(results_dir / "benchmarks.csv").iloc[-1]
+    assert row["benchmark"] == "split_adaptive" and row["value"] == pytest.approx(float(last.split()[-1]), rel=1e-3)
+    bad = subprocess.run([sys.executable, "benchmarks/split_adaptive.py", "--iterations", "2", "--warmup", "2"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--iterations must exceed --warmup" in bad.stderr

@@ -161,6 +161,8 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     assert r["pinned_bytes"] == 0 and len(calls) == 1 and next(calls[0][0].parameters()).device.type == "cpu"
     assert {b["run"]: b["status"] for b in r["baselines"]}["DeepSpeed ZeRO-Offload"] == "unavailable"
     assert "### Study 3 split engine on the card: pass" in r["report"]
+    adaptive = next(x for x in r["runs"] if x["run"] == "adaptive")
+    assert len(adaptive["k_path"]) == 3 and "- adaptive: k by iteration" in r["report"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the split check measures the card")

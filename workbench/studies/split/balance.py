@@ -14,6 +14,19 @@ on CUDA they do (copy engines, side streams), layer after layer, so the slowest 
 stages sets the pace, T_host = max(t_U, t_D, t_W); when one thread copies and updates in turn
 (the CPU-only engine), they add up, T_host = t_U + t_D + t_W. The performance model's per-layer
 simulation (perf_model.simulate) checks the formula against a schedule.
+
+Interference: the formula takes t_B as fixed, whatever k. Measured, it is not: on the CPU twin
+and on an H200 (2026-11-22, a 32M-parameter model) backward took 3.8x as long with every update on
+the host (95 ms at k=0, 25 ms at k=1): the host's Adam, copies and Python work compete with the
+thread that runs backward. Then the balance says "the host finishes before backward, give it
+everything" (k = 0) exactly where k = 1 was twice as fast. So t_B is what backward takes with
+no host work beside it, and I (`t_interference_s`) how much longer it takes with every parameter
+updated beside it, measured at run time from backward at two or more k (`backward_fit`):
+
+    accelerator: t_B + (1 - k) * I + k * alpha * t_U        host: (1 - k) * T_host
+
+and k minimises the longer of the two (both lines: the minimum is at 0, 1 or where they cross;
+with I = 0 it is the formula above).
 """
 
 from __future__ import annotations
@@ -25,12 +38,13 @@ from dataclasses import dataclass
 class Rates:
     """Measured (or modelled) times of one iteration, in seconds, for ALL parameters."""
 
-    t_backward_s: float  # accelerator backward (t_B)
+    t_backward_s: float  # accelerator backward with no host work beside it (t_B)
     t_update_host_s: float  # host Adam of all parameters (t_U)
     alpha: float  # accelerator update time / host update time, per parameter
     t_to_host_s: float = 0.0  # all gradients to the host (t_D)
     t_to_accel_s: float = 0.0  # all weights back to the accelerator (t_W)
     copies_overlap: bool = True  # copies run beside the host Adam (CUDA) or in turn with it
+    t_interference_s: float = 0.0  # backward's extra time with every parameter updated beside it (I)
 
     @property
     def t_transfer_s(self) -> float:
@@ -49,8 +63,38 @@ class Rates:
 def balance_k(r: Rates, include_transfer: bool = True) -> float:
     """The share of parameters to update on the accelerator (0: host only, 1: all)."""
     t_h = r.host_side_s(include_transfer)
-    denom = t_h + r.alpha * r.t_update_host_s
-    if denom <= 0:
-        return 0.0
-    return min(1.0, max(0.0, (t_h - r.t_backward_s) / denom))
+    acc_upd = r.alpha * r.t_update_host_s
+    i = max(0.0, r.t_interference_s)
+    if i == 0.0:
+        denom = t_h + acc_upd
+        if denom <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (t_h - r.t_backward_s) / denom))
 
+    def longer(k: float) -> float:
+        return max(r.t_backward_s + (1 - k) * i + k * acc_upd, (1 - k) * t_h)
+
+    ks = [0.0, 1.0]
+    denom = t_h + acc_upd - i
+    if denom != 0:
+        cross = (t_h - r.t_backward_s - i) / denom
+        if 0.0 < cross < 1.0:
+            ks.append(cross)
+    return min(ks, key=lambda k: (longer(k), k))
+
+
+def backward_fit(obs: list[tuple[float, float]], min_spread: float = 0.2) -> tuple[float, float] | None:
+    """(t_B, I) from measured (k, backward seconds) pairs, by least squares on backward(k) =
+    t_B + (1 - k) * I; None while the k's spread less than `min_spread` (one k says nothing about
+    the slope). A backward that does not shrink as the host does less has no interference: its
+    mean is t_B."""
+    if len(obs) < 2:
+        return None
+    ks, bs = [k for k, _ in obs], [b for _, b in obs]
+    if max(ks) - min(ks) < min_spread:
+        return None
+    mk, mb = sum(ks) / len(ks), sum(bs) / len(bs)
+    slope = sum((k - mk) * (b - mb) for k, b in obs) / sum((k - mk) ** 2 for k in ks)
+    if slope >= 0:
+        return mb, 0.0
+    return max(0.0, mb + slope * (1 - mk)), -slope

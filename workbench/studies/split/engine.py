@@ -30,7 +30,10 @@ One iteration:
 3. after backward the accelerator updates its share k: the layers whose gradients arrived
    last, i.e. the ones the next forward needs first;
 4. measurements (backward time, per-parameter update times on both sides, seconds per byte
-   moved) give the next k (balance.balance_k) every `k_every` iterations when adaptive.
+   moved) give the next k (balance.balance_k) every `k_every` iterations when adaptive. Backward
+   itself slows down as the host does more beside it, so it is fitted against k over the recent
+   iterations (balance.backward_fit); until two k's have been measured, k is moved once by
+   K_PROBE to measure it (the row says `k_probe`).
 
 Decisions known only after backward (fp16 overflow, global-norm gradient clipping) are made by
 SPECULATION, so that the host updates keep overlapping backward: until backward has ended, a
@@ -60,6 +63,7 @@ would need the others' internals.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,10 +75,14 @@ from torch import nn
 
 from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP, BackendUnavailable, ParamAdam, backend_status
-from workbench.studies.split.balance import Rates, balance_k
+from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.layers import guessed_arrival_order, last_arriving, split_layers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# adaptive k: backward is measured at the last BACKWARD_OBS iterations' k; while they all lie within
+# K_SPREAD of each other and the balance would not move k that far, k moves by K_PROBE once to
+# measure how backward depends on it (downward where it can: less on the accelerator, no more memory)
+BACKWARD_OBS, K_SPREAD, K_PROBE = 8, 0.2, 0.25
 HOST, ACCEL = "host", "accelerator"
 
 
@@ -118,6 +126,7 @@ class _Iter:
     grad_norm: float = float("nan")  # global gradient norm (clipping only; unscaled)
     clip_coef: float = 1.0
     redone_numel: int = 0  # host parameters whose speculated update was undone (skip or clip)
+    probe: bool = False  # adaptive: k was moved to measure backward at another k, not by the balance
     host_numel: int = 0
     accel_numel: int = 0
 
@@ -196,6 +205,8 @@ class SplitEngine:
         self.total_numel = sum(self.sizes.values())
         self.order = guessed_arrival_order(self.layers)
         self.order_measured = False
+        self._backward_obs: collections.deque = collections.deque(maxlen=BACKWARD_OBS)  # (k_actual, backward s)
+        self._probing = False
 
         # ---- hooks: gradients out as they become final; weights waited for module by module
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.slots]
@@ -413,9 +424,16 @@ class SplitEngine:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """Run one training iteration on a (batch, seq) block of token ids; returns the loss."""
+        probe = False
         if self.adaptive and self.iteration > 0 and self.iteration % self.k_every == 0:
-            self.set_k(balance_k(self.current_rates(), self.include_transfer))
+            k = balance_k(self.current_rates(), self.include_transfer)
+            if (self._backward_obs and not self._probing and abs(k - self.k_actual) < K_SPREAD
+                    and backward_fit(list(self._backward_obs), K_SPREAD) is None):
+                k, probe = (self.k_actual - K_PROBE if self.k_actual >= K_PROBE else self.k_actual + K_PROBE), True
+                self._probing = True  # until its row is in (rows lag step() by one call)
+            self.set_k(k)
         it = _Iter(self.iteration, self.k_target, self.k_actual, input_ids.numel())
+        it.probe = probe
         it.host_numel = sum(s.numel for s in self.slots.values() if s.side == HOST)
         it.accel_numel = self.total_numel - it.host_numel
         if self.dtype == torch.float16 or self.max_grad_norm > 0:
@@ -557,6 +575,7 @@ class SplitEngine:
             "loss": it.loss,
             "k_target": it.k_target,
             "k_actual": it.k_actual,
+            "k_probe": it.probe,  # adaptive: k moved to measure backward at another k
             "host_params": it.host_numel,
             "accel_params": it.accel_numel,
             "tokens": it.tokens,
@@ -587,6 +606,7 @@ class SplitEngine:
         self._learn(row)
         rates = self.current_rates()
         row.update({"alpha": rates.alpha, "t_backward_s": rates.t_backward_s,
+                    "t_interference_s": rates.t_interference_s,
                     "t_update_host_s": rates.t_update_host_s, "t_transfer_s": rates.t_transfer_s,
                     "k_next": balance_k(rates, self.include_transfer)})
         self.rows.append(row)
@@ -611,17 +631,25 @@ class SplitEngine:
         if row["accel_params"] and row["accel_update_ms"] > 0:
             blend("accel_s_per_elem", row["accel_update_ms"] / 1e3 / row["accel_params"])
         r["backward_s"] = row["backward_ms"] / 1e3
+        if row["iteration"] > 0:  # the first iteration also pays for warm-up
+            self._backward_obs.append((row["k_actual"], r["backward_s"]))
+        if row["k_probe"]:
+            self._probing = False
 
     def current_rates(self) -> Rates:
         """alpha, t_B, t_U and the transfer times as the engine knows them now (for balance_k)."""
         r, n, b = self.rates, self.total_numel, self.dtype.itemsize
+        # backward without host work and the interference, once measured at two k; until then the
+        # last backward as it was (the formula's fixed t_B)
+        t_b, interference = backward_fit(list(self._backward_obs), K_SPREAD) or (r.get("backward_s", 0.0), 0.0)
         return Rates(
-            t_backward_s=r.get("backward_s", 0.0),
+            t_backward_s=t_b,
             t_update_host_s=r["host_s_per_elem"] * n,
             alpha=r["accel_s_per_elem"] / r["host_s_per_elem"],
             t_to_host_s=r["d2h_s_per_byte"] * b * n,
             t_to_accel_s=r["h2d_s_per_byte"] * b * n,
             copies_overlap=self.cuda,  # on the CPU one worker copies and updates in turn
+            t_interference_s=interference,
         )
 
     def _timeline(self, it: _Iter, m: dict, ev: list) -> None:

@@ -87,6 +87,9 @@ def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMU
         "measured_iterations": len(keep),
         "alpha": last.get("alpha"),
         "k_next": last.get("k_next"),
+        # backward's measured slowdown with every update on the host (adaptive runs: fitted over k)
+        "interference_ms": None if last.get("t_interference_s") is None else last["t_interference_s"] * 1e3,
+        "k_path": [round(r["k_actual"], 3) for r in rows],  # every iteration's k, warm-up included
         "d2h_gb_per_s": sum(r["to_host_bytes"] for r in keep) / (to_h_ms * 1e6) if to_h_ms > 0 else None,
         "h2d_gb_per_s": sum(r["to_accel_bytes"] for r in keep) / (to_a_ms * 1e6) if to_a_ms > 0 else None,
         "pinned_bytes": last.get("pinned_bytes"),
@@ -169,7 +172,7 @@ def split_markdown(result: dict[str, Any]) -> str:
               for p in result.get("parity", [])]
     lines += [f"- measured, not judged: {p['run']}: max |engine - AdamW| = {p['max_abs_diff']:.3g} ({p['worst_param']})"
               for p in result.get("kernel_differences", [])]
-    cols = ["run", "status", "k_actual", "tokens_per_s", "accel_idle_share", "host_done_before_bwd_end_share",
+    cols = ["run", "status", "k_actual", "tokens_per_s", "backward_ms", "accel_idle_share", "host_done_before_bwd_end_share",
             "overlapped_iterations", "alpha", "d2h_gb_per_s", "h2d_gb_per_s", "pinned_bytes"]
     rows = result.get("runs", []) + result.get("baselines", [])
     if rows:
@@ -178,6 +181,10 @@ def split_markdown(result: dict[str, Any]) -> str:
             lines.append("| " + " | ".join(_f(r.get(c), ".3g" if c in ("alpha", "accel_idle_share",
                                                                      "host_done_before_bwd_end_share", "k_actual")
                                               else ".1f") for c in cols) + " |")
+    for r in result.get("runs", []):
+        if r.get("run") == "adaptive" and r.get("k_path"):
+            lines.append(f"- adaptive: k by iteration {', '.join(f'{k:g}' for k in r['k_path'])}; backward's measured "
+                         f"slowdown with every update on the host: {_f(r.get('interference_ms'))} ms")
     for c in result.get("comparisons", []):
         if c["speedup"] is not None:
             lines.append(f"- {c['best_engine_run']} vs {c['baseline']}: {c['speedup']:.2f}x tokens/s")

@@ -1,0 +1,111 @@
+"""Does the adaptive split pick a fast k? Study 3's engine at fixed k beside its adaptive run.
+
+    .venv/bin/python benchmarks/split_adaptive.py              # ~3 min on 2 cores
+    .venv/bin/python benchmarks/split_adaptive.py --device cuda --iterations 12   # on a card
+
+What it counts: tokens/s of `SplitEngine` on a small random Qwen2 (hidden 256, 6 layers, vocab
+4096; batch 4 x 128, fp32, the default torch fused AdamW on the host) at k = 0, k = 1 and adaptive
+(k = 0 at the start, recomputed every iteration from measured rates). Each run takes
+`--iterations` steps; the first `--warmup` are left out. The runs go in alternating order, one
+round forward and the next reversed (k0, k1, adaptive | adaptive, k1, k0 | ...), so that a drift
+of load from other processes hits every run alike; each figure is the median over the rounds.
+It prints, per run, tokens/s and backward time, and for the adaptive run the k it settled on (its
+last iteration's k), its tokens/s relative to the faster fixed k, and backward's slowdown with
+every update on the host as the engine fitted it.
+
+On a CPU-only machine the "accelerator" is the CPU too: this shows what the balance chooses when
+the host's work slows backward (here it must, with two cores), not GPU speed.
+
+Last line: `split_adaptive: VALUE` (adaptive tokens/s over the best fixed k's; 1.0 = as fast).
+A row goes to results/benchmarks.csv with versions and hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from workbench.core.results import append_benchmark_row  # noqa: E402
+from workbench.studies.split.adam import AdamHP  # noqa: E402
+from workbench.studies.split.engine import SplitEngine  # noqa: E402
+
+NAME = "split_adaptive"
+VERSION = 1
+SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
+RUNS = {"k=0": dict(k=0.0), "k=1": dict(k=1.0), "adaptive": dict(k=0.0, adaptive=True)}
+
+
+def one_run(base, batches, warmup: int, **kw) -> dict:
+    eng = SplitEngine(copy.deepcopy(base), hp=AdamHP(lr=1e-4), **kw)
+    try:
+        for b in batches:
+            eng.step(b)
+        eng.finish()
+        rows = eng.rows[warmup:]
+    finally:
+        eng.close()
+    ms = sum(r["iteration_ms"] for r in rows)
+    return {"tokens_per_s": sum(r["tokens"] for r in rows) / (ms / 1e3),
+            "backward_ms": statistics.median(r["backward_ms"] for r in rows),
+            "k_last": rows[-1]["k_actual"], "interference_ms": rows[-1].get("t_interference_s", 0.0) * 1e3,
+            "probes": sum(bool(r.get("k_probe")) for r in eng.rows)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the three runs (order reversed every round)")
+    ap.add_argument("--iterations", type=int, default=10, help="steps per run")
+    ap.add_argument("--warmup", type=int, default=5, help="first steps left out (the adaptive run's k settles there)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda")
+    args = ap.parse_args()
+    if args.iterations <= args.warmup or args.rounds < 1:
+        print("split_adaptive: --iterations must exceed --warmup and --rounds must be at least 1", file=sys.stderr)
+        return 2
+    sys.stdout.reconfigure(line_buffering=True)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    base = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE))
+    base.to(device)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, SHAPE["vocab_size"], (4, 128), generator=g).to(device) for _ in range(args.iterations)]
+    print(f"{NAME} v{VERSION}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M params, {device}, "
+          f"{args.rounds} round(s) x {args.iterations} steps ({args.warmup} warm-up), "
+          f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.2f}")
+    got: dict[str, list[dict]] = {n: [] for n in RUNS}
+    for rnd in range(args.rounds):
+        order = list(RUNS) if rnd % 2 == 0 else list(reversed(RUNS))
+        for name in order:
+            got[name].append(one_run(base, batches, args.warmup, **RUNS[name]))
+            r = got[name][-1]
+            print(f"  round {rnd + 1} {name:<9} {r['tokens_per_s']:>9,.0f} tokens/s  backward {r['backward_ms']:>7.1f} ms"
+                  + (f"  k settled at {r['k_last']:.2f} ({r['probes']} probe(s)); backward's slowdown "
+                     f"{r['interference_ms']:.1f} ms" if name == "adaptive" else ""))
+    med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in got.items()}
+    best_fixed = max(("k=0", "k=1"), key=med.get)
+    ratio = med["adaptive"] / med[best_fixed]
+    k_last = [r["k_last"] for r in got["adaptive"]]
+    print(f"  median tokens/s: " + ", ".join(f"{n} {v:,.0f}" for n, v in med.items())
+          + f"; adaptive settled at k = {', '.join(f'{k:.2f}' for k in k_last)}; "
+          f"{ratio:.3f}x the faster fixed k ({best_fixed}); load average {os.getloadavg()[0]:.2f}")
+    append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio,
+                          "unit": "ratio (adaptive tokens/s over the faster of k=0 and k=1)",
+                          "detail": f"rounds={args.rounds} iterations={args.iterations} warmup={args.warmup} "
+                                    f"device={device.type} k_last={k_last} best_fixed={best_fixed} "
+                                    + " ".join(f"{n}={v:.0f}" for n, v in med.items()),
+                          "load_avg": os.getloadavg()[0]})
+    print(f"{NAME}: {ratio:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
