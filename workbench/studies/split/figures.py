@@ -217,6 +217,10 @@ instead, with *k* computed at run time so that the two sides finish together?
 The engine (`workbench.studies.split.engine.SplitEngine`) streams each parameter's gradient to the
 host as soon as backward finalises it and runs a CPU Adam there while backward goes on; the layers
 whose gradients arrive last (the ones the next forward needs first) are updated on the accelerator.
+The balance also measures how much the host's work slows backward itself (backward against *k* over
+the last iterations; the adaptive run moves *k* once to see a second point): on an H200 and on this
+CPU, backward took far longer with every update on the host, and leaving that out made the adaptive
+run pick the slowest *k*.
 
 Two kinds of figures, never mixed: **measured** rows come from the engine on this machine,
 fine-tuning the embedded base on the real target corpus with held-out perplexity before and after
