@@ -296,7 +296,11 @@ def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkey
     assert len(probes) == 1 and probes[0]["k_actual"] >= 0.2  # moved up from 0, once
     assert all(r["k_actual"] == 0.0 for r in eng.rows if r["iteration"] < probes[0]["iteration"])
     # after the probe backward is known at two k: the rates carry the fit (no more probes)
-    assert seen[-1].t_interference_s >= 0.0 and backward_fit(list(eng._backward_obs)) is not None
+    assert seen[-1].t_interference_s >= 0.0 and eng._fit is not None
+    # once k stays put, the window holds one k only: the last fit is kept, not forgotten (no new probe)
+    fitted = eng.current_rates().t_interference_s
+    eng._backward_obs.extend([(0.0, 0.1)] * 8)
+    assert eng.current_rates().t_interference_s == fitted
     eng.close()
 
 

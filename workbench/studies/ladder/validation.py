@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from workbench.core.common import PROJECT_ROOT
+from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import fakeify
@@ -310,13 +311,17 @@ def card_reserved_errors(root: str | Path = CARD_RECORDS) -> list[dict]:
     (simulated, not estimated) and measured: rung, placement, error in %, card, record."""
     rows = []
     for path in sorted(Path(root).glob("*/summary.json")):
-        record = json.loads(path.read_text())
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not a gpu-check summary ({e}); remove it or copy it again") from None
         card = record.get("environment", {}).get("gpu", "?")
         for r in record.get("results", {}).get("ladder", {}).get("rows", []):
             if r.get("method") != "predicted" or r.get("error_vs_reserved_pct") is None:
                 continue
             if r["rung"] not in RUNGS:
-                raise ValueError(f"{path}: rung {r['rung']!r} is not a rung of the ladder")
+                raise ConfigError(f"{path}: rung {r['rung']!r} is not a rung of the ladder; remove the record or "
+                                  "rename the rung in it")
             rows.append({"rung": r["rung"], "placement": RUNGS[r["rung"]].placement, "card": card,
                          "error_pct": float(r["error_vs_reserved_pct"]), "record": path.parent.name})
     return rows

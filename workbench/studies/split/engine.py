@@ -32,8 +32,8 @@ One iteration:
 4. measurements (backward time, per-parameter update times on both sides, seconds per byte
    moved) give the next k (balance.balance_k) every `k_every` iterations when adaptive. Backward
    itself slows down as the host does more beside it, so it is fitted against k over the recent
-   iterations (balance.backward_fit); until two k's have been measured, k is moved once by
-   K_PROBE to measure it (the row says `k_probe`).
+   iterations (balance.backward_fit; the last fit is kept while k stays put); until two k's have
+   been measured, k is moved once by K_PROBE to measure it (the row says `k_probe`).
 
 Decisions known only after backward (fp16 overflow, global-norm gradient clipping) are made by
 SPECULATION, so that the host updates keep overlapping backward: until backward has ended, a
@@ -207,6 +207,7 @@ class SplitEngine:
         self.order_measured = False
         self._backward_obs: collections.deque = collections.deque(maxlen=BACKWARD_OBS)  # (k_actual, backward s)
         self._probing = False
+        self._fit: tuple[float, float] | None = None  # the last (t_B, I) fitted; kept while k stays put
 
         # ---- hooks: gradients out as they become final; weights waited for module by module
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.slots]
@@ -427,8 +428,7 @@ class SplitEngine:
         probe = False
         if self.adaptive and self.iteration > 0 and self.iteration % self.k_every == 0:
             k = balance_k(self.current_rates(), self.include_transfer)
-            if (self._backward_obs and not self._probing and abs(k - self.k_actual) < K_SPREAD
-                    and backward_fit(list(self._backward_obs), K_SPREAD) is None):
+            if self._fit is None and self._backward_obs and not self._probing and abs(k - self.k_actual) < K_SPREAD:
                 k, probe = (self.k_actual - K_PROBE if self.k_actual >= K_PROBE else self.k_actual + K_PROBE), True
                 self._probing = True  # until its row is in (rows lag step() by one call)
             self.set_k(k)
@@ -641,7 +641,8 @@ class SplitEngine:
         r, n, b = self.rates, self.total_numel, self.dtype.itemsize
         # backward without host work and the interference, once measured at two k; until then the
         # last backward as it was (the formula's fixed t_B)
-        t_b, interference = backward_fit(list(self._backward_obs), K_SPREAD) or (r.get("backward_s", 0.0), 0.0)
+        self._fit = backward_fit(list(self._backward_obs), K_SPREAD) or self._fit
+        t_b, interference = self._fit or (r.get("backward_s", 0.0), 0.0)
         return Rates(
             t_backward_s=t_b,
             t_update_host_s=r["host_s_per_elem"] * n,
