@@ -1,6 +1,6 @@
 """Does the adaptive split pick a fast k? Study 3's engine at fixed k beside its adaptive run.
 
-    .venv/bin/python benchmarks/split_adaptive.py              # ~3 min on 2 cores
+    .venv/bin/python benchmarks/split_adaptive.py              # about 20 s on 2 cores
     .venv/bin/python benchmarks/split_adaptive.py --device cuda --iterations 12   # on a card
 
 What it counts: tokens/s of `SplitEngine` on a small random Qwen2 (hidden 256, 6 layers, vocab

@@ -633,15 +633,15 @@ class SplitEngine:
         r["backward_s"] = row["backward_ms"] / 1e3
         if row["iteration"] > 0:  # the first iteration also pays for warm-up
             self._backward_obs.append((row["k_actual"], r["backward_s"]))
+            # backward without host work and its slowdown, once measured at two k (kept while k stays put)
+            self._fit = backward_fit(list(self._backward_obs), K_SPREAD) or self._fit
         if row["k_probe"]:
             self._probing = False
 
     def current_rates(self) -> Rates:
         """alpha, t_B, t_U and the transfer times as the engine knows them now (for balance_k)."""
         r, n, b = self.rates, self.total_numel, self.dtype.itemsize
-        # backward without host work and the interference, once measured at two k; until then the
-        # last backward as it was (the formula's fixed t_B)
-        self._fit = backward_fit(list(self._backward_obs), K_SPREAD) or self._fit
+        # until backward has been measured at two k: the last backward as it was (the formula's fixed t_B)
         t_b, interference = self._fit or (r.get("backward_s", 0.0), 0.0)
         return Rates(
             t_backward_s=t_b,
