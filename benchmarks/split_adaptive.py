@@ -57,7 +57,7 @@ def one_run(base, batches, warmup: int, **kw) -> dict:
     ms = sum(r["iteration_ms"] for r in rows)
     return {"tokens_per_s": sum(r["tokens"] for r in rows) / (ms / 1e3),
             "backward_ms": statistics.median(r["backward_ms"] for r in rows),
-            "k_last": rows[-1]["k_actual"], "interference_ms": rows[-1].get("t_interference_s", 0.0) * 1e3,
+            "k_last": rows[-1]["k_actual"], "interference_ms": (rows[-1].get("t_interference_s") or float("nan")) * 1e3,
             "probes": sum(bool(r.get("k_probe")) for r in eng.rows)}
 
 

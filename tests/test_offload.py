@@ -295,6 +295,8 @@ def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkey
     probes = [r for r in eng.rows if r["k_probe"]]
     assert len(probes) == 1 and probes[0]["k_actual"] >= 0.2  # moved up from 0, once
     assert all(r["k_actual"] == 0.0 for r in eng.rows if r["iteration"] < probes[0]["iteration"])
+    # before a second k there is no slowdown measured: None, not a 0 that reads as "none"
+    assert all(r["t_interference_s"] is None for r in eng.rows if r["iteration"] < probes[0]["iteration"])
     # after the probe backward is known at two k: the rates carry the fit (no more probes)
     assert seen[-1].t_interference_s >= 0.0 and eng._fit is not None
     # once k stays put, the window holds one k only: the last fit is kept, not forgotten (no new probe)

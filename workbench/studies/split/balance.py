@@ -15,10 +15,10 @@ stages sets the pace, T_host = max(t_U, t_D, t_W); when one thread copies and up
 (the CPU-only engine), they add up, T_host = t_U + t_D + t_W. The performance model's per-layer
 simulation (perf_model.simulate) checks the formula against a schedule.
 
-Interference: the formula takes t_B as fixed, whatever k. Measured, it is not: on the CPU twin
-and on an H200 (2026-11-22, a 32M-parameter model) backward took 3.8x as long with every update on
-the host (95 ms at k=0, 25 ms at k=1): the host's Adam, copies and Python work compete with the
-thread that runs backward. Then the balance says "the host finishes before backward, give it
+Interference: the formula takes t_B as fixed, whatever k. Measured, it is not: with every update
+on the host, backward took 3.8x as long on an H200 (2026-11-22, a 32M-parameter model: 95 ms at
+k=0, 25 ms at k=1) and 1.6x as long on the CPU twin (two cores): the host's Adam, copies and
+Python work compete with the thread that runs backward. Then the balance says "the host finishes before backward, give it
 everything" (k = 0) exactly where k = 1 was twice as fast. So t_B is what backward takes with
 no host work beside it, and I (`t_interference_s`) how much longer it takes with every parameter
 updated beside it, measured at run time from backward at two or more k (`backward_fit`):
@@ -65,11 +65,6 @@ def balance_k(r: Rates, include_transfer: bool = True) -> float:
     t_h = r.host_side_s(include_transfer)
     acc_upd = r.alpha * r.t_update_host_s
     i = max(0.0, r.t_interference_s)
-    if i == 0.0:
-        denom = t_h + acc_upd
-        if denom <= 0:
-            return 0.0
-        return min(1.0, max(0.0, (t_h - r.t_backward_s) / denom))
 
     def longer(k: float) -> float:
         return max(r.t_backward_s + (1 - k) * i + k * acc_upd, (1 - k) * t_h)

@@ -606,7 +606,8 @@ class SplitEngine:
         self._learn(row)
         rates = self.current_rates()
         row.update({"alpha": rates.alpha, "t_backward_s": rates.t_backward_s,
-                    "t_interference_s": rates.t_interference_s,
+                    # None until backward has been measured at two k (0 would read as "no slowdown")
+                    "t_interference_s": rates.t_interference_s if self._fit else None,
                     "t_update_host_s": rates.t_update_host_s, "t_transfer_s": rates.t_transfer_s,
                     "k_next": balance_k(rates, self.include_transfer)})
         self.rows.append(row)
