@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/predict_ladder.py --rungs fp32 lora    # a few rungs
     .venv/bin/python benchmarks/predict_ladder.py --device cuda --model data/configs/qwen2-7b.json --rungs bf16_true_lora
     .venv/bin/python benchmarks/predict_ladder.py --validate           # the validation table (~1.5 min)
+    .venv/bin/python benchmarks/predict_ladder.py --cards              # re-predict the card records (~5 min)
 
 What it counts: for each rung, the wall time of one `workbench.core.memory.predict.predict` call on
 the Qwen2-0.5B config (data/configs/qwen2-0.5b.json) at batch 1 x seq 512: building the model on
@@ -13,7 +14,9 @@ prediction (imports, first-call caches) runs first and is not counted. Target: u
 for the 0.5B config, under 60 s for a 7B one (`--model data/configs/qwen2-7b.json`). `--device
 cuda` times the CUDA-modelled prediction (CUDA's choices + the allocator replay).
 `--validate` instead predicts every published GPU measurement in workbench.studies.ladder.validation and
-writes results/ladder/validation.csv (prediction vs published, error %).
+writes results/ladder/validation.csv (prediction vs published, error %). `--cards` predicts again,
+with this checkout's code, every rung of each committed gpu-check record (data/measured/*/) and
+writes repredicted.json beside it, which auto-fit's reserved margin then reads.
 
 Last line: `predict_ladder: VALUE`, the slowest prediction in seconds.
 A row goes to results/benchmarks.csv with versions and hardware.
@@ -54,9 +57,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the device predicted for")
     ap.add_argument("--validate", action="store_true", help="write results/ladder/validation.csv instead")
+    ap.add_argument("--cards", action="store_true", help="re-predict the committed card records instead")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
+    if args.cards:
+        from workbench.studies.ladder.validation import CARD_RECORDS, repredict_card_record
+
+        for summary in sorted(CARD_RECORDS.glob("*/summary.json")):
+            print(f"{summary.parent.name}:")
+            print(f"  wrote {repredict_card_record(summary.parent)}")
+        return 0
     if args.validate:
         from workbench.core.results import results_root
         from workbench.studies.ladder.validation import validation_table, write_margins

@@ -288,3 +288,23 @@ def test_a_real_card_takes_its_presets_measured_context_and_its_own_size():
     # a name that is not a preset's (or the wrong architecture) takes the modelled default
     assert cm.card_of("NVIDIA H200", 1, 80).context_bytes == cm.CONTEXT_BYTES
     assert cm.card_of("NVIDIA B200", 1, 100).context_bytes == cm.CONTEXT_BYTES
+
+
+def test_an_empty_cache_in_the_timeline_gives_back_the_wholly_free_segments(tmp_path):
+    from workbench.core.memory.accounting import EMPTY_CACHE, EMPTY_CACHE_SERIAL, MemoryReport, PeakSnapshot
+    from workbench.core.memory.snapshot import snapshot_from_report
+
+    big, small = 30 * MiB, 512
+    cached = [(1, big), (2, small), (1, -1), (3, big)]
+    emptied = [(1, big), (2, small), (1, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (3, big)]
+    kept, given_back = cm.replay(cached, {}), cm.replay(emptied, {})
+    # without it the second 30 MiB reuses the cached block; with it that segment went back to the
+    # card, so the second needs a new one (the small segment holds a live block: it stays)
+    assert kept.segments == 2 and given_back.segments == 3
+    assert kept.reserved_peak_bytes == given_back.reserved_peak_bytes == big + 2 * MiB
+    # the snapshot's trace says so: one segment_free, of the 30 MiB segment
+    report = MemoryReport("cuda", PeakSnapshot(), {}, 1, timeline=emptied, timeline_steps=[0] * 5,
+                          timeline_roles={}, timeline_ops=[""] * 5)
+    trace = snapshot_from_report(report)["device_traces"][0]
+    assert [e["size"] for e in trace if e["action"] == "segment_free"] == [big]
+    assert [e["size"] for e in trace if e["action"] == "segment_alloc"] == [big, 2 * MiB, big]

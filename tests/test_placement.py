@@ -149,6 +149,43 @@ def test_zero2_offload_with_a_bucket_smaller_than_the_model_reduces_as_it_goes(l
     assert r.host.steady_peak_bytes == full.host.steady_peak_bytes  # the host partition does not depend on it
 
 
+def test_zero2_flattens_the_weights_where_deepspeed_does_and_the_card_keeps_their_old_blocks():
+    import transformers as T
+
+    from workbench.core.memory import cuda_model
+    from workbench.core.memory.accounting import EMPTY_CACHE
+
+    # weights large enough to take segments of their own (the 16 MiB embedding, 2 MiB projections)
+    config = T.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=8)
+    n = sum(p.numel() for p in build_meta_model(config).parameters())
+    plan = RUNGS["zero_offload"]
+    roomy = simulate_placed(config, plan, batch=1, seq=SEQ, target="cuda", reduce_bucket_size=n)
+    tight = simulate_placed(config, plan, batch=1, seq=SEQ, target="cuda", reduce_bucket_size=n, card_bytes=3 * n)
+    assert roomy.summary["flattened_on"] == DEVICE and tight.summary["flattened_on"] == HOST
+    for r in (roomy, tight):
+        made = [nb for nb, op in zip((nb for _, nb in r.device.timeline), r.device.timeline_ops) if op == "setup"]
+        assert made.count(2 * n) == 1  # one flat bf16 buffer on the card holds every weight
+    # DeepSpeed empties the cache before it looks for room, and again after moving the weights off
+    assert [nb for _, nb in roomy.device.timeline].count(EMPTY_CACHE) == 1
+    assert [nb for _, nb in tight.device.timeline].count(EMPTY_CACHE) == 2
+    # flattened on the host, the weights were copied there (their copies and the host's flat buffer)
+    setup_host = max(p.bytes for (s, ph), p in tight.host.phase_peaks.items() if ph == "setup")
+    assert setup_host >= 2 * (2 * n)
+    def replay(r, setup_only=False):
+        events = r.device.timeline
+        if setup_only:
+            events = events[:next(i for i, op in enumerate(r.device.timeline_ops) if op.startswith("forward"))]
+        return cuda_model.replay(events, r.device.timeline_roles)
+
+    # flattened on the card, both copies of the weights were on it at once; on the host, never
+    assert replay(roomy, True).reserved_peak_bytes >= 2 * (2 * n) > replay(tight, True).reserved_peak_bytes
+    # training reuses some of them: the same live bytes, a higher reserved peak
+    a_roomy, a_tight = replay(roomy), replay(tight)
+    assert a_roomy.steady_allocated_peak_bytes == a_tight.steady_allocated_peak_bytes
+    assert a_roomy.steady_reserved_peak_bytes > a_tight.steady_reserved_peak_bytes
+
+
 # ------------------------------------------------------------------------------------------------
 # through predict and the command line's setups
 
@@ -197,7 +234,10 @@ except Exception as e:
     sys.exit(0)
 zo = engine.optimizer
 size = lambda ts: [[t.numel(), str(t.dtype)] for t in ts]
+flat = zo.bit16_groups_flat[0]
 out = {"params": sorted({str(p.dtype) for p in engine.module.parameters()}),
+       "params_in_flat": all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                             for p in engine.module.parameters()),
        "buffers": sorted({str(b.dtype) for b in engine.module.buffers()}),
        "flat": size(zo.bit16_groups_flat), "master": size(zo.single_partition_of_fp32_groups),
        "master_grad": size([t.grad for t in zo.single_partition_of_fp32_groups]),
@@ -238,7 +278,7 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
     largest = max(p.numel() for p in meta.parameters())
     # what the replay allocates (ZeroOffloadStep) is what DeepSpeed holds, tensor for tensor
     assert ds["params"] == ["torch.bfloat16"] and ds["buffers"] == ["torch.float32"]
-    assert ds["flat"] == [[n, "torch.bfloat16"]]
+    assert ds["flat"] == [[n, "torch.bfloat16"]] and ds["params_in_flat"]  # every weight a view of it
     assert ds["master"] == ds["master_grad"] == [[n, "torch.float32"]]
     assert ds["staging"] == [[n, "torch.bfloat16"]]
     assert ds["host_temp"] == ds["device_temp"] == [[largest, "torch.bfloat16"]]
@@ -250,6 +290,7 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
     buffers = _bytes(meta.buffers())
     host = r.host.peak.by_category
     assert r.device.breakdown()["weights"] == 2 * n + buffers
+    assert r.summary["flattened_on"] == DEVICE and r.device.timeline.count((max(s for s, _ in r.device.timeline if s), -1)) <= 1
     assert host["weights"] == 4 * n + 2 * n and host["gradients"] == 4 * n + 2 * largest and host["optimizer_state"] == 8 * n
     assert max(p.by_category["gradients"] for p in r.device.phase_peaks.values()) >= 2 * bucket + 2 * largest
 

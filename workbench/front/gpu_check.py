@@ -308,7 +308,8 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     gc.collect()
     # what the rungs left on the card: held by cycles until a collection, or still referenced
     left = {"left_allocated_before_gc_bytes": before_gc, "left_allocated_after_gc_bytes": torch.cuda.memory_allocated()}
-    return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, **left}
+    options = {"model": opts.model, "batch": opts.batch, "seq": opts.seq, "steps": opts.steps, "counted": opts.counted}
+    return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, "options": options, **left}
 
 
 def card_at_hand(device: str = "cuda"):

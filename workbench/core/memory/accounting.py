@@ -57,6 +57,9 @@ from workbench.core.memory.live_bytes import LiveBytes, MiB
 
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("setup", "forward", "backward", "optimizer")
+# a timeline event (EMPTY_CACHE_SERIAL, EMPTY_CACHE): the caching allocator's cache given back
+# (torch.cuda.empty_cache), which a library under simulation calls
+EMPTY_CACHE_SERIAL, EMPTY_CACHE = 0, -2
 
 
 @dataclass
@@ -88,7 +91,7 @@ class MemoryReport:
     peak: PeakSnapshot
     phase_peaks: dict[tuple[int, str], PeakSnapshot]
     steps: int
-    timeline: list[tuple[int, int]] | None = None  # (serial, nbytes) allocations, (serial, -1) frees
+    timeline: list[tuple[int, int]] | None = None  # (serial, nbytes) allocations, (serial, -1) frees, (0, -2) empty_cache
     timeline_steps: list[int] | None = None  # the step of each timeline event
     timeline_roles: dict[int, str] | None = None  # each allocation's category (when it died, or at the end)
     kernels: dict[str, int] | None = None  # CUDA-modelled runs: the attention kernels used
@@ -283,6 +286,15 @@ class MemoryAccounting(LiveBytes):
                 self._handles.append(p.register_post_accumulate_grad_hook(grad_ready))
         self._handles.append(model.register_forward_pre_hook(lambda m, a: self._enter_phase("forward")))
         return self
+
+    def empty_cache(self) -> None:
+        """Mark where the simulated code calls `torch.cuda.empty_cache()` (the timeline's replay
+        through the allocator model gives back the segments that are wholly free there)."""
+        if self.timeline is not None:
+            with self._lock:
+                self.timeline.append((EMPTY_CACHE_SERIAL, EMPTY_CACHE))
+                self.timeline_steps.append(self.step)
+                self.timeline_ops.append("empty_cache")
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         state = [t for s in optimizer.state.values() for t in _tensors(s)]

@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from workbench.core import training
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
+from workbench.core.memory.accounting import EMPTY_CACHE
 
 GiB = 2**30
 
@@ -445,7 +446,8 @@ class AllocatorReport:
 
 def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
            outside: tuple[str, ...] = ()) -> AllocatorReport:
-    """Replay a timeline of (serial, nbytes) allocations and (serial, -1) frees through the allocator.
+    """Replay a timeline of (serial, nbytes) allocations, (serial, -1) frees and (0, EMPTY_CACHE)
+    empty_cache calls through the allocator.
 
     `extra_allocs`: (name, nbytes) made before the step (cuBLAS workspaces) and never freed.
     `steady_from`: the event index the last step starts at (its peaks are reported separately).
@@ -462,7 +464,9 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     for i, (serial, n) in enumerate(events):
         if outside and roles.get(serial, "temporaries") in outside:
             continue
-        if n >= 0:
+        if n == EMPTY_CACHE:
+            a.release_cached()
+        elif n >= 0:
             b = live[serial] = a.malloc(n)
             cat[roles.get(serial, "temporaries")] += b.size
             if a.allocated >= a.peak_allocated:

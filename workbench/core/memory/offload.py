@@ -57,6 +57,8 @@ from workbench.core.training import train
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py), which the ladder's zero_config keeps
 REDUCE_BUCKET_SIZE = 500_000_000
+# stage_1_and_2.py: nccl_start_alignment_factor (2) x the world size (1); parameter_alignment is off
+FLAT_ALIGNMENT = 2
 # the share of the weights' bytes the device_map rung gives the card (the rest goes to the host)
 DEVICE_MAP_GPU_SHARE = 0.5
 
@@ -137,7 +139,7 @@ class ZeroOffloadStep(torch.optim.Optimizer):
     card's reduce bucket to the host's fp32 partition."""
 
     def __init__(self, model: torch.nn.Module, acc: PlacedAccounting, *, reduce_bucket_size: int = REDUCE_BUCKET_SIZE,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, card_bytes: int | None = None):
         self.params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
         if not self.params:
             raise ValueError("nothing to train: no parameter requires a gradient")
@@ -148,6 +150,7 @@ class ZeroOffloadStep(torch.optim.Optimizer):
         for p in self.params:
             self.offset[p] = o
             o += p.numel()
+        self._flatten(acc, card_bytes)
         with acc.placing(HOST):
             master = torch.empty(n, dtype=torch.float32)  # single_partition_of_fp32_groups
             master.requires_grad_(True)
@@ -168,6 +171,43 @@ class ZeroOffloadStep(torch.optim.Optimizer):
         self.in_bucket: list[torch.nn.Parameter] = []
         self.elements = 0
         self.handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+
+    def _flatten(self, acc: PlacedAccounting, card_bytes: int | None) -> None:
+        """DeepSpeed's `__init__` makes the weights one flat buffer (`bit16_groups_flat`), each weight
+        a view of it (`_update_model_bit16_weights`). After an `empty_cache`, it flattens on the card
+        when the card has room for the flat copy beside the weights (`flatten_on_accelerator`, from
+        NVML's free memory): the weights' own blocks are then freed into the caching allocator's
+        cache, where later allocations only partly reuse them, so the card's reserved peak carries
+        them. Without room it copies the weights to the host, gives the card's cache back, flattens
+        there and moves the flat buffer to the card. `card_bytes`: what the allocator may use
+        (the card less its CUDA context); None: a card with room (as on every card the rung fits
+        unless its weights are over half of it)."""
+        n = sum(p.numel() for p in self.params)
+        numel = n + (-n) % FLAT_ALIGNMENT  # align_dense_tensors' padding
+        dtype = self.params[0].dtype
+        shapes = {p: p.shape for p in self.params}
+        acc.empty_cache()
+        room = card_bytes is None or card_bytes - acc.place_bytes[DEVICE] >= numel * dtype.itemsize
+        if room:
+            with acc.placing(DEVICE):
+                flat = torch.empty(numel, dtype=dtype)
+        else:
+            with acc.placing(HOST):
+                cpu_data = [p.data.clone() for p in self.params]  # param.cpu_data = param.data.cpu()
+            with acc.placing(DEVICE):
+                for p in self.params:
+                    p.data = torch.empty(1)  # a placeholder on the card
+            acc.empty_cache()
+            with acc.placing(HOST):
+                on_host = torch.empty(numel, dtype=dtype)
+            del cpu_data
+            with acc.placing(DEVICE):
+                flat = torch.empty(numel, dtype=dtype)  # flattened_buffer.to(the card)
+            del on_host
+        acc.set_role([flat], "weights")
+        for p in self.params:
+            p.data = flat.narrow(0, self.offset[p], shapes[p].numel()).view(shapes[p])
+        self.flat, self.flattened_on = flat, (DEVICE if room else HOST)
 
     # backward: reduce_independent_p_g_buckets_and_remove_grads, reduce_ipg_grads, copy_grads_in_partition
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
@@ -236,15 +276,27 @@ class PlacedReport:
 SIMULATED_PLACEMENTS = ("device_map", "zero_offload")
 
 
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """DeepSpeed's cast of the parameters (not the buffers). A function of its own, so that no loop
+    variable outlives it: a meta parameter shares its storage with the fake one made from it, and a
+    reference left behind would keep a weight's storage alive after ZeRO flattens it."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
 def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
                     target: str = "cpu", sm: int | None = None, gpu_share: float = DEVICE_MAP_GPU_SHARE,
-                    reduce_bucket_size: int = REDUCE_BUCKET_SIZE, instrumented: bool = False) -> PlacedReport:
+                    reduce_bucket_size: int = REDUCE_BUCKET_SIZE, instrumented: bool = False,
+                    card_bytes: int | None = None) -> PlacedReport:
     """Simulate `steps` training steps of an offload rung over fake tensors, each storage at its place.
 
     `target`: "cuda" makes the step take CUDA's choices (workbench.core.memory.cuda_model); the
     card's timeline is then replayed through the allocator model by the caller. `gpu_share`
     (device_map): the card's share of the weights in accelerate's `max_memory`.
-    `reduce_bucket_size` (ZeRO): DeepSpeed's reduce bucket, in elements. `instrumented`: as
+    `reduce_bucket_size` (ZeRO): DeepSpeed's reduce bucket, in elements. `card_bytes` (ZeRO): what
+    the card's allocator may use, which decides where DeepSpeed flattens the weights (None: room on
+    the card). `instrumented`: as
     `predict.simulate` (default: the plain step, autograd's in-place gradient sums).
     """
     if plan.placement not in SIMULATED_PLACEMENTS:
@@ -256,10 +308,7 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
     summary: dict[str, Any] = {}
     if zero:
         # ZeRO trains the bf16 (or fp16) weights without autocast; the fp32 master is on the host.
-        half = plan.half_dtype or torch.bfloat16
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(half)
+        _cast_parameters(model, plan.half_dtype or torch.bfloat16)
         settings = dataclasses.replace(plan.settings(batch, steps), precision="fp32")
         dmap = None
     else:
@@ -283,8 +332,10 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
         acc.watch(model)
         acc.alias(step.twins)
         if zero:
-            optimizer = ZeroOffloadStep(model, acc, reduce_bucket_size=reduce_bucket_size, dtype=plan.half_dtype or torch.bfloat16)
-            summary = {"reduce_bucket_elements": int(reduce_bucket_size), "offloaded_parameters": sum(p.numel() for p in optimizer.params)}
+            optimizer = ZeroOffloadStep(model, acc, reduce_bucket_size=reduce_bucket_size, dtype=plan.half_dtype or torch.bfloat16,
+                                        card_bytes=card_bytes)
+            summary = {"reduce_bucket_elements": int(reduce_bucket_size), "offloaded_parameters": sum(p.numel() for p in optimizer.params),
+                       "flattened_on": optimizer.flattened_on}
         try:
             with step.choices as mode:
                 train(model, step.blocks, settings, device=cpu, optimizer=optimizer)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from workbench.core.memory.accounting import MemoryAccounting, MemoryReport, PeakSnapshot
+from workbench.core.memory.accounting import EMPTY_CACHE, MemoryAccounting, MemoryReport, PeakSnapshot
 from workbench.core.memory.live_bytes import _storages
 
 DEVICE, HOST = "device", "host"
@@ -172,7 +172,9 @@ class PlacedAccounting(MemoryAccounting):
         r = MemoryReport(place, self.place_peak[place], dict(self.place_phase_peaks[place]), self.step)
         full = full or self.report()
         if full.timeline is not None:
-            keep = [i for i, (serial, _) in enumerate(full.timeline) if self.serial_place.get(serial) == place]
+            # an empty_cache is the card's allocator's
+            keep = [i for i, (serial, n) in enumerate(full.timeline)
+                    if self.serial_place.get(serial) == place or (n == EMPTY_CACHE and place == DEVICE)]
             r.timeline = [full.timeline[i] for i in keep]
             r.timeline_steps = [full.timeline_steps[i] for i in keep]
             r.timeline_ops = [full.timeline_ops[i] for i in keep]

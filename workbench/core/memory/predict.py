@@ -200,7 +200,8 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
         return (f"accelerate infer_auto_device_map put {summary['modules_on_device']} of "
                 f"{summary['modules_on_device'] + summary['modules_on_host']} modules on the card, the rest train on the host")
     return (f"DeepSpeed ZeRO-2: bf16 weights and a {summary['reduce_bucket_elements']:,}-element reduce bucket on the "
-            f"card; fp32 master, gradients and AdamW state of {summary['offloaded_parameters']:,} parameters on the host")
+            f"card; fp32 master, gradients and AdamW state of {summary['offloaded_parameters']:,} parameters on the host; "
+            f"weights flattened {'on the card (their old blocks stay cached)' if summary['flattened_on'] == 'device' else 'on the host (no room on the card)'}")
 
 
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int = 2,
@@ -242,7 +243,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         as_bf16 = plan.placement == "device_map" and plan.precision == "fp16" and not simulated_fp16
         sim = plan.compose(plan.name, plan.help, precision="bf16") if as_bf16 else plan
         placed = simulate_placed(config, sim, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm,
-                                 instrumented=instrumented)
+                                 instrumented=instrumented,
+                                 card_bytes=the_card.total_bytes - the_card.context_bytes if the_card else None)
         report = placed.device
         report.kernels = placed.kernels
         method = "estimated" if as_bf16 else "predicted"

@@ -22,7 +22,7 @@ from typing import Any
 
 from workbench.core.memory import cuda_model
 from workbench.core.config import ConfigError
-from workbench.core.memory.accounting import MemoryReport
+from workbench.core.memory.accounting import EMPTY_CACHE, MemoryReport
 from workbench.core.memory.cuda_model import CachingAllocator
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
@@ -52,7 +52,13 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         alloc(("extra", i), nbytes, [{"filename": "workspace", "line": 0, "name": name}])
     roles, ops = report.timeline_roles or {}, report.timeline_ops or [""] * len(report.timeline)
     for (serial, nbytes), op, step in zip(report.timeline, ops, report.timeline_steps):
-        if nbytes >= 0:
+        if nbytes == EMPTY_CACHE:
+            before = [(seg, base, total) for seg, base, total, _ in a.segment_blocks()]
+            a.release_cached()
+            kept = {seg for seg, *_ in a.segment_blocks()}
+            trace.extend({"action": "segment_free", "addr": base, "size": total, "stream": 0, "frames": []}
+                         for seg, base, total in before if seg not in kept)
+        elif nbytes >= 0:
             frames = [{"filename": roles.get(serial, "temporaries"), "line": step + 1, "name": op or "setup"}]
             alloc(serial, nbytes, frames)
         elif serial in live:
@@ -85,7 +91,8 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, car
     c = cuda_model.card(card) or cuda_model.Card("", 0, cuda_model.DEFAULT_SM)
     plan = rung(plan)
     if plan.placement in SIMULATED_PLACEMENTS:  # the card's share of an offload rung
-        report = simulate_placed(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm).device
+        report = simulate_placed(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm,
+                                 card_bytes=c.total_bytes - c.context_bytes if c.total_bytes else None).device
     elif plan.placement == "zero_offload_params":
         raise ConfigError("zero_offload_params is estimated, not simulated: it has no allocation timeline to export")
     else:

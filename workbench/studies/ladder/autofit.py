@@ -22,9 +22,9 @@ prediction's own measured error, not a fixed guess, for the figure that is compa
   it were checked, else the worst overall;
 - on CUDA the budget caps the allocator's reserved peak, so the margin adds how far the reserved
   prediction fell below a real card's at worst for the setup's placement (on the card, in the
-  gpu-check records under data/measured/; `validation.reserved_shortfall`).
-Each setup gets its own margin (ZeRO-Offload's reserved peak was missed by more than the device
-rungs'). On a real out-of-memory error `run_with_step_down` tries the next setup that fits, still
+  gpu-check records under data/measured/, re-predicted with this checkout's code where
+  `repredicted.json` is beside them; `validation.reserved_shortfall`).
+Each setup gets its own margin (each library allocates its own way). On a real out-of-memory error `run_with_step_down` tries the next setup that fits, still
 at the same effective batch.
 """
 
