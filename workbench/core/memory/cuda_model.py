@@ -439,13 +439,13 @@ class AllocatorReport:
     allocated_peak_bytes: int  # max of the allocator's allocated bytes (rounded blocks)
     reserved_peak_bytes: int  # max of its segments' bytes
     segments: int
-    by_category_at_peak: dict[str, int]  # rounded allocated bytes per category at the allocated peak
+    by_category_at_peak: dict[str, int]  # rounded allocated bytes per category at the (steady) allocated peak
     steady_allocated_peak_bytes: int  # the same peaks over the last simulated step only
     steady_reserved_peak_bytes: int
 
 
 def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
-           outside: tuple[str, ...] = ()) -> AllocatorReport:
+           outside: tuple[str, ...] = (), limit: int | None = None) -> AllocatorReport:
     """Replay a timeline of (serial, nbytes) allocations, (serial, -1) frees and (0, EMPTY_CACHE)
     empty_cache calls through the allocator.
 
@@ -453,8 +453,10 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     `steady_from`: the event index the last step starts at (its peaks are reported separately).
     `outside`: categories allocated outside torch's allocator (a paged optimizer's state lives in
     CUDA managed memory, cudaMallocManaged): left out of the replay, as max_memory_allocated does.
+    `limit`: a cap on reserved bytes (a card's memory, set_per_process_memory_fraction): cached
+    segments are given back before it is passed; torch.OutOfMemoryError where that is not enough.
     """
-    a = CachingAllocator()
+    a = CachingAllocator(limit)
     live: dict[int, _Block] = {}
     cat = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "temporaries", "workspace"), 0)
     best, steady_alloc, steady_res = dict(cat), 0, 0
@@ -469,7 +471,7 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
         elif n >= 0:
             b = live[serial] = a.malloc(n)
             cat[roles.get(serial, "temporaries")] += b.size
-            if a.allocated >= a.peak_allocated:
+            if i >= steady_from and a.allocated >= steady_alloc:  # the categories at the peak reported
                 best = dict(cat)
         else:
             b = live.pop(serial, None)
@@ -480,3 +482,23 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
         if i >= steady_from:
             steady_alloc, steady_res = max(steady_alloc, a.allocated), max(steady_res, a.reserved)
     return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, best, steady_alloc, steady_res)
+
+
+def least_reserved(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = (), *,
+                   upper: int) -> int:
+    """The smallest cap on reserved bytes (to 2 MiB) under which the timeline replays without an
+    out-of-memory error: what the step needs from a card, where `upper` (the uncapped reserved peak,
+    what a large card shows) also counts the cached blocks the allocator gives back under pressure.
+    Found by bisection: a cap that suffices almost always leaves a larger one sufficing too."""
+    def runs(cap: int) -> bool:
+        try:
+            replay(events, roles, extra_allocs, outside=outside, limit=cap)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    lo, hi = 0, -(-upper // ROUND_LARGE)  # in 2 MiB units: hi runs (nothing was ever given back)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if runs(mid * ROUND_LARGE) else (mid, hi)
+    return hi * ROUND_LARGE

@@ -78,7 +78,8 @@ class Prediction:
     device: str = "cpu"
     # CUDA only (device="cuda"): the allocator model's figures (modelled) and the card
     allocated_peak_bytes: int = 0  # max_memory_allocated: rounded blocks + cuBLAS workspaces
-    reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments
+    reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments (on a card with room)
+    needed_reserved_bytes: int = 0  # the least reserved cap the step runs under (cached blocks given back)
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
     card: str = ""
@@ -94,10 +95,14 @@ class Prediction:
     @property
     def fit_bytes(self) -> int:
         """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the
-        allocator's reserved peak, which a budget caps (set_per_process_memory_fraction; paged state
-        is managed memory, outside it); on the CPU the live bytes, which the CPU budget counts."""
+        allocator's reserved bytes, which a budget caps (a card's memory or
+        set_per_process_memory_fraction; paged state is managed memory, outside it): the least cap
+        the step runs under, since the allocator gives cached blocks back before it runs out (the
+        reserved peak, what a card with room shows, can be higher); on the CPU the live bytes,
+        which the CPU budget counts."""
         if self.device == "cuda" and self.reserved_peak_bytes:
-            return self.reserved_peak_bytes  # paged state is outside the allocator's figures already
+            # paged state is outside the allocator's figures already
+            return self.needed_reserved_bytes or self.reserved_peak_bytes
         return self.peak_bytes - self.pageable_bytes
 
     @property
@@ -122,7 +127,8 @@ class Prediction:
             "where": self.where, "predict_seconds": self.seconds, "note": self.note,
             **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
             "device": self.device, "allocated_peak_bytes": self.allocated_peak_bytes,
-            "reserved_peak_bytes": self.reserved_peak_bytes, "context_bytes": self.context_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes, "needed_reserved_bytes": self.needed_reserved_bytes,
+            "context_bytes": self.context_bytes,
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
             "fits": self.fits, "headroom_bytes": self.headroom_bytes,
         }
@@ -284,11 +290,14 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
         last = report.steps - 1
         steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
-        alloc = cuda_model.replay(report.timeline, report.timeline_roles,
-                                  (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces, steady_from=steady_from,
-                                  outside=("optimizer_state",) if pageable else ())
+        workspaces = (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces
+        outside = ("optimizer_state",) if pageable else ()
+        alloc = cuda_model.replay(report.timeline, report.timeline_roles, workspaces, steady_from=steady_from,
+                                  outside=outside)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
+                    needed_reserved_bytes=cuda_model.least_reserved(report.timeline, report.timeline_roles, workspaces,
+                                                                    outside, upper=alloc.reserved_peak_bytes),
                     allocated_breakdown=alloc.by_category_at_peak,
                     context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES))
     return Prediction(

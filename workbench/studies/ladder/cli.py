@@ -164,7 +164,9 @@ def _estimate(args) -> int:
         out = {
             "model": args.model, "batch": args.batch, "seq": args.seq, "budget_bytes": budget, "device": args.device,
             "labels": {"peak_bytes": "simulated (live tensor bytes)", "allocated_peak_bytes": "modelled (allocator)",
-                       "reserved_peak_bytes": "modelled (allocator)", "nvidia_smi_bytes": "modelled (reserved + context)"},
+                       "reserved_peak_bytes": "modelled (allocator, on a card with room)",
+                       "needed_reserved_bytes": "modelled (allocator, the least cap it runs under: what fits compares)",
+                       "nvidia_smi_bytes": "modelled (reserved + context)"},
             "predictions": [
                 {**{k: v for k, v in p.row().items() if k != "model"},
                  "breakdown_bytes": p.breakdown, "peak_bytes": p.peak_bytes,
@@ -193,7 +195,9 @@ def _estimate(args) -> int:
                 print(f"  {c:<16} {b / MiB:>14,.1f} MiB {p.allocated_breakdown.get(c, 0) / MiB:>18,.1f} MiB")
             print(f"  {'cuBLAS workspace':<16} {'':>18} {p.allocated_breakdown.get('workspace', 0) / MiB:>18,.1f} MiB")
             print(f"  allocated peak   {p.allocated_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_allocated)")
-            print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved)")
+            print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved on a card with room)")
+            print(f"  reserved needed  {p.needed_reserved_bytes / MiB:>12,.1f} MiB  modelled (the least cap it runs under: "
+                  "cached blocks given back; what fits compares)")
             print(f"  CUDA context     {p.context_bytes / MiB:>12,.1f} MiB  modelled (per-card constant)")
             print(f"  nvidia-smi       {p.nvidia_smi_bytes / MiB:>12,.1f} MiB  modelled (reserved + context)")
             print(f"  attention kernel {', '.join(f'{k} x{n}' for k, n in p.kernels.items()) or 'none'}  simulated")
