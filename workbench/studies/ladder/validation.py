@@ -201,14 +201,17 @@ def litgpt_peaks(row: Published, config=None, sm: int | None = None) -> dict:
     report = simulate_litgpt_lora(config or litgpt_config(row.litgpt), row.precision, batch=row.batch, seq=row.seq,
                                   sm=sm or card.sm, quantize=row.quantize)
     alloc = cuda_model.replay(report.timeline, report.timeline_roles, card.cublas_workspaces, steady_from=0)
+    need = cuda_model.least_reserved(report.timeline, report.timeline_roles, card.cublas_workspaces,
+                                     upper=alloc.reserved_peak_bytes)
     return {"allocated": alloc.steady_allocated_peak_bytes, "reserved": alloc.steady_reserved_peak_bytes,
-            "live": report.peak_bytes, "where": f"{report.peak.phase} ({report.peak.op})",
+            "needed": need, "live": report.peak_bytes, "where": f"{report.peak.phase} ({report.peak.op})",
             "kernels": ",".join(f"{k}x{n}" for k, n in (report.kernels or {}).items())}
 
 
 def fits_card(peaks: dict, card) -> bool:
-    """Fits: the allocator's reserved peak and the CUDA context within the card."""
-    return peaks["reserved"] + card.context_bytes <= card.total_bytes
+    """Fits: the reserved bytes the step needs (the least cap its replay runs under) and the CUDA
+    context within the card."""
+    return peaks["needed"] + card.context_bytes <= card.total_bytes
 
 
 def validate_row(row: Published) -> dict:
@@ -298,14 +301,12 @@ def write_margins(results: list[dict], path: str | Path = MARGINS_FILE) -> Path:
                                     "written": now(), "git_commit": git_commit()})
 
 
-# The reserved peak is what a CUDA budget caps, so auto-fit compares it with the card; its error is
-# the allocator model's on top of the bytes'. No published reserved peak with complete settings was
+# A CUDA budget caps reserved bytes, so auto-fit compares them with the card; their error is the
+# allocator model's on top of the bytes'. No published reserved peak with complete settings was
 # found: the reserved error comes from this project's own card records (`make gpu-check` summaries,
 # committed under data/measured/<card>-<date>/), per placement, since each library allocates
-# differently (DeepSpeed's reduce bucket, accelerate's host layers).
+# differently (DeepSpeed's reduce bucket and flattening, accelerate's host layers).
 CARD_RECORDS = ROOT / "data" / "measured"
-
-
 REPREDICTED = "repredicted.json"  # beside a record's summary.json: the current prediction against it
 # the ladder check's settings where a record does not state them: records written before they were
 # (the H200's of 2026-11-22, at b73d754) ran gpu-check's defaults of that commit
