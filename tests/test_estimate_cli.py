@@ -137,3 +137,24 @@ def test_a_setup_from_flags_on_a_card(tiny_config, capsys):
     assert out["labels"]["reserved_peak_bytes"].startswith("modelled")
     assert main(args[:-3] + ["--device", "cpu"]) == 0  # the same setup as a CPU step: live bytes only
     assert "on cpu: predicted peak" in capsys.readouterr().out
+
+
+def test_the_fits_column_keeps_the_predictions_measured_margin(tiny_config, capsys):
+    from workbench.studies.ladder.autofit import prediction_margin
+
+    base = ["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "bf16_true", "--json"]
+    assert main(base) == 0
+    (p,) = json.loads(capsys.readouterr().out)["predictions"]
+    margin = prediction_margin(RUNGS["bf16_true"], device="cuda")[0]
+    assert margin > 0
+    need = p["needed_reserved_bytes"]
+    assert need == p["fit_bytes"] <= p["reserved_peak_bytes"]
+    between = need * (1 + margin / 2) / 2**20  # fits without the margin, not with it
+    assert main(base + ["--budget-mib", f"{between:.3f}"]) == 0
+    (p,) = json.loads(capsys.readouterr().out)["predictions"]
+    assert p["fits"] is False and p["margin"] == pytest.approx(margin)
+    assert main(base + ["--budget-mib", f"{need * (1 + margin) / 2**20 + 1:.3f}"]) == 0
+    assert json.loads(capsys.readouterr().out)["predictions"][0]["fits"] is True
+    assert main(base[:-1] + ["--rung", "all", "--budget-mib", f"{between:.3f}"]) == 0
+    table = capsys.readouterr().out
+    assert "fits (with margin)" in table and f"no ({margin:.1%})" in table

@@ -29,7 +29,7 @@ from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TR
 from workbench.core.memory.predict import predict
 from workbench.core.memory.snapshot import dump, predicted_snapshot
 from workbench.core.models import ModelNotFoundError
-from workbench.studies.ladder.autofit import search
+from workbench.studies.ladder.autofit import prediction_margin, search
 from workbench.studies.ladder.rungs import auto_fit
 
 
@@ -155,6 +155,13 @@ def _estimate(args) -> int:
     else:
         preds = {n: predict(config, n, **kw) for n in names}
     budget = int(args.budget_mib * MiB) if args.budget_mib else None
+    plans = {plan.name: plan} if plan is not None else {n: RUNGS[n] for n in names}
+
+    def fits(p) -> tuple[bool, float]:
+        """Within the budget with the prediction's measured margin, as auto-fit judges it."""
+        margin = prediction_margin(plans[p.rung], device=p.device)[0]
+        return (p.fit_bytes if p.device == "cuda" else p.peak_bytes) * (1 + margin) <= budget, margin
+
     choice = None
     if args.auto_fit:
 
@@ -173,7 +180,8 @@ def _estimate(args) -> int:
                  "allocated_breakdown_bytes": p.allocated_breakdown, "kernels": p.kernels,
                  "host_breakdown_bytes": p.host_breakdown, "placement": p.placement,
                  "fits_card": p.fits,
-                 "fits": None if budget is None else p.fit_bytes <= budget}
+                 "fits": None if budget is None else fits(p)[0],
+                 "margin": None if budget is None else fits(p)[1]}
                 for p in preds.values()
             ],
         }
@@ -212,20 +220,23 @@ def _estimate(args) -> int:
         if p.note:
             print(f"  note: {p.note}")
         if budget:
-            print(f"  fits {args.budget_mib:.0f} MiB: {'yes' if p.fit_bytes <= budget else 'no'}")
+            ok, margin = fits(p)
+            print(f"  fits {args.budget_mib:.0f} MiB with the prediction's measured margin ({margin:.1%}): "
+                  f"{'yes' if ok else 'no'}")
         return 0
     cuda = args.device == "cuda"
     head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{c[:10]:>10}" for c in p_cats())
     if cuda:
         head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
-    print(head + ("   fits" if budget else ""))
+    print(head + ("   fits (with margin)" if budget else ""))
     for p in preds.values():
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
             f"{p.breakdown.get(c, 0) / MiB:>10,.1f}" for c in p_cats())
         if cuda:
             line += "".join(f" {v / MiB:>10,.1f}" for v in (p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes))
         if budget:
-            line += f"   {'yes' if p.fit_bytes <= budget else 'no'}"
+            ok, margin = fits(p)
+            line += f"   {'yes' if ok else 'no'} ({margin:.1%})"
         print(line)
     if cuda:
         print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
