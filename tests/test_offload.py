@@ -120,6 +120,32 @@ def test_host_updates_start_during_backward():
     eng.close()
 
 
+def test_a_transfer_span_starts_when_the_copies_could_not_when_the_job_was_picked_up():
+    """The copy job can be picked up before backward has produced the gradient (on CUDA, hooks fire
+    when kernels are enqueued); that wait is not the link's time. The copier says when the copies
+    could start (CUDA: an event after the copy stream's wait for the gradient) and the "to host"
+    span starts there. Played on the CPU by a copier that waits 30 ms before its copies start."""
+    import time
+
+    base = tiny_qwen()
+    eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0)
+    real = eng.copier.to_host
+
+    def late(grad, ready, dst):
+        time.sleep(0.03)  # backward has not produced the gradient yet
+        started = eng.clock.host_mark()
+        real(grad, ready, dst)
+        return started
+
+    eng.copier.to_host = late
+    for b in batches(512, 2):
+        eng.step(b)
+    eng.finish()
+    spans = [e["end_ms"] - e["start_ms"] for e in eng.events if e["activity"] == "to host"]
+    assert spans and max(spans) < 30, spans  # without the start mark each would include the 30 ms
+    eng.close()
+
+
 def test_parity_holds_when_layers_move_between_sides():
     """k changes every iteration: masters and Adam state migrate with the layers."""
     base, data = tiny_gpt2(), batches(100, 5)

@@ -115,10 +115,13 @@ class Copier:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def to_host(self, grad: torch.Tensor, ready, dst: torch.Tensor) -> None:
+    def to_host(self, grad: torch.Tensor, ready, dst: torch.Tensor):
         """Copy a device gradient into a pageable fp32 host buffer, chunk by chunk through the
         gradient ring (upcast on the host). Returns when `dst` holds the whole gradient. Up to
-        n_chunks copies are in flight at once; each chunk is drained into `dst` as it lands."""
+        n_chunks copies are in flight at once; each chunk is drained into `dst` as it lands.
+        Returns when the copies could start (CUDA: an event on the copy stream once the gradient
+        is ready, so a transfer's span leaves out the wait for backward to produce it; the CPU:
+        None, the gradient is ready when the hook runs)."""
         out, ring = dst.view(-1), self.grads
         if not self.cuda:
             src = grad.detach().reshape(-1)
@@ -127,10 +130,12 @@ class Copier:
                 ring.chunks[i][: b - a].copy_(src[a:b])
                 out[a:b].copy_(ring.chunks[i][: b - a])
                 ring.release(i)
-            return
+            return None
         inflight = []
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(ready)  # the gradient was produced on the compute stream
+            started = torch.cuda.Event(enable_timing=True)  # completes once `ready` has
+            started.record(self.d2h)
             src = grad.detach().reshape(-1)  # (a copy, if any, runs on this stream: after `ready`)
             for a, b in ring.spans(src.numel()):
                 if len(inflight) == ring.n_chunks:
@@ -142,6 +147,7 @@ class Copier:
                 inflight.append((i, a, b, ev))
         while inflight:
             self._drain(inflight.pop(0), out)
+        return started
 
     def _drain(self, item, out: torch.Tensor) -> None:
         i, a, b, ev = item

@@ -353,11 +353,14 @@ class SplitEngine:
 
     @torch.no_grad()
     def _to_host(self, it: _Iter, s: _Slot, grad: torch.Tensor, ready) -> None:
-        """Copy thread: the gradient into the pageable fp32 buffer, through the gradient ring."""
-        t0 = self.clock.host_mark()
-        self.copier.to_host(grad, ready, s.host_grad)
+        """Copy thread: the gradient into the pageable fp32 buffer, through the gradient ring. The
+        transfer's span starts when the copies could (the job may be picked up before backward has
+        produced the gradient: that wait is not the link's time) and ends when the host holds it."""
+        picked_up = self.clock.host_mark()
+        started = self.copier.to_host(grad, ready, s.host_grad)
         del grad  # the device's gradient memory can go now
-        self._event(it, "to host", s.name, t0, self.clock.host_mark(), s.numel, s.numel * self.dtype.itemsize)
+        self._event(it, "to host", s.name, picked_up if started is None else started, self.clock.host_mark(),
+                    s.numel, s.numel * self.dtype.itemsize)
 
     @torch.no_grad()
     def _host_update(self, it: _Iter, s: _Slot, copied: Future) -> None:
