@@ -18,7 +18,10 @@ with one more fact per storage: its *place*, the card ("device") or host memory 
   autocast is CUDA's, so the host layers compute in their weights' dtype (fp32), with the CPU's
   attention kernel and dropout (a CUDA-modelled prediction suspends CUDA's choices inside them).
 - DeepSpeed ZeRO-2 with `offload_optimizer` (deepspeed 0.19, runtime/zero/stage_1_and_2.py): the
-  weights become bf16 on the card (engine `_configure_distributed_model`); the fp32 master, its
+  weights become bf16 on the card (engine `_configure_distributed_model`) and then one flat buffer,
+  made on the card when there is room for it beside them (their own blocks are freed into the
+  cache) or through host memory after an `empty_cache` when there is not (`flatten_on_accelerator`,
+  `ZeroOffloadStep._flatten`); the fp32 master, its
   gradient partition, the AdamW moments and a bf16 staging copy are in host memory (`__init__`,
   `initialize_optimizer_states`), with one largest-parameter buffer on each side
   (`temp_grad_buffer_for_cpu_offload` / `_for_gpu_offload`). In backward, `setup_buckets` allocates
@@ -29,8 +32,8 @@ with one more fact per storage: its *place*, the card ("device") or host memory 
   copied to the host partition (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`). The step is
   DeepSpeedCPUAdam: in place, in host memory, then fp32 -> bf16 staging -> the card's weights.
 
-What is not replayed is said where it is skipped: the world-size-1 all-reduce (no copy), the flat
-buffer's alignment padding (at most a few elements per parameter), and, with gradient
+What is not replayed is said where it is skipped: the world-size-1 all-reduce (no copy), NCCL's
+own device memory (outside the allocator; it lowers the free memory DeepSpeed sees), and, with gradient
 accumulation, DeepSpeed's host-side accumulation through the card's largest-parameter buffer
 (preallocated, so it adds no allocation). ZeRO-3 with offloaded parameters is not simulated: its
 parameter fetching depends on a trace of module order and reuse distances (predict.py estimates it).
