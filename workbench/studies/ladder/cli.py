@@ -180,8 +180,7 @@ def _estimate(args) -> int:
                  "allocated_breakdown_bytes": p.allocated_breakdown, "kernels": p.kernels,
                  "host_breakdown_bytes": p.host_breakdown, "placement": p.placement,
                  "fits_card": p.fits,
-                 "fits": None if budget is None else fits(p)[0],
-                 "margin": None if budget is None else fits(p)[1]}
+                 **dict(zip(("fits", "margin"), fits(p) if budget else (None, None)))}
                 for p in preds.values()
             ],
         }

@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from workbench.core.common import PROJECT_ROOT
+from workbench.core.common import MiB, PROJECT_ROOT
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryAccounting, MemoryReport
@@ -311,7 +311,6 @@ REPREDICTED = "repredicted.json"  # beside a record's summary.json: the current 
 # the ladder check's settings where a record does not state them: records written before they were
 # (the H200's of 2026-11-22, at b73d754) ran gpu-check's defaults of that commit
 GPU_CHECK_DEFAULTS = {"model": "data/configs/qwen2-0.5b.json", "batch": 1, "seq": 512}
-MiB = 2**20
 
 
 def _read_record(path: Path) -> dict:
