@@ -224,12 +224,57 @@ def test_only_runs_the_named_checks(tmp_path):
     assert ran == ["environment", "trace"]
 
 
-def test_study3_adds_its_split_check_after_the_workbench_checks():
+def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
     from workbench.studies.split import gpu_check as split_check
 
+    from workbench.studies.ladder import gpu_cap
+
     found = gc.checks()
-    assert list(found) == ["environment", "ladder", "strategies", "trace", "split", "notebooks", "monitor"]
-    assert found["split"] is split_check.check_split
+    assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "split", "notebooks", "monitor"]
+    assert found["split"] is split_check.check_split and found["cap"] is gpu_cap.check_cap
+
+
+def test_the_cap_bisection_finds_the_least_cap_a_run_trains_under():
+    from workbench.studies.ladder.gpu_cap import STEP, bisect_cap
+
+    MiB = 2**20
+    for true_least in (3004 * MiB + 5, 3100 * MiB, 3300 * MiB):  # what the card needs (a stand-in trial)
+        calls = []
+
+        def runs(cap, true_least=true_least):
+            calls.append(cap)
+            return cap >= true_least
+
+        least, tried = bisect_cap(runs, lo=2937 * MiB, hi=3316 * MiB)
+        assert least >= true_least > least - STEP and least % STEP == 0  # the least multiple of the step
+        assert [c for c, _ in tried] == calls and all(ok == (c >= true_least) for c, ok in tried)
+        assert len(calls) <= 5  # (3316 - 2937) / 16 MiB: 24 steps, halved each trial
+    # nothing below the uncapped reserved peak ran: that peak (rounded up to the step) is the answer
+    least, tried = bisect_cap(lambda cap: False, lo=2937 * MiB, hi=3316 * MiB)
+    assert least == -(-3316 * MiB // STEP) * STEP and tried and not any(ok for _, ok in tried)
+
+
+def test_cap_rows_compare_the_need_less_the_workspaces_and_judge_it_by_the_target():
+    from workbench.studies.ladder.gpu_cap import TARGET_PCT, cap_row, cap_verdict
+
+    MiB = 2**20
+    ws = 64 * MiB  # the process held them in every capped run
+    ok = cap_row("zero_offload", predicted_needed=4244 * MiB, workspaces=ws, predicted_reserved=5060 * MiB,
+                 least=4192 * MiB, uncapped={"reserved_mib": 5200.0}, tried=[(4192 * MiB, True), (4176 * MiB, False)])
+    assert ok["predicted_needed_mib"] == 4180.0 and ok["measured_least_cap_mib"] == 4192.0
+    assert ok["error_pct"] == round(100 * (4180 - 4192) / 4192, 2) and ok["passed"]
+    assert ok["trials"] == [{"cap_mib": 4192.0, "ran": True}, {"cap_mib": 4176.0, "ran": False}]
+    off = cap_row("bf16_true_lora", predicted_needed=3004 * MiB, workspaces=ws, predicted_reserved=3174 * MiB,
+                  least=3200 * MiB, uncapped={}, tried=[])
+    assert off["error_pct"] < -TARGET_PCT and not off["passed"]
+    failed = cap_row("bf16_true_lora", predicted_needed=3004 * MiB, workspaces=ws, predicted_reserved=3174 * MiB,
+                     least=None, uncapped={}, tried=[], reason="deepspeed failed")
+    assert failed["status"] == "not measured" and not failed["passed"]
+    assert cap_verdict([ok])["status"] == "pass"
+    v = cap_verdict([ok, off, failed])
+    assert v["status"] == "fail" and len(v["failures"]) == 2 and "deepspeed failed" in v["failures"][0]
+    assert "| zero_offload | 4180.0 | 4192.0 |" in v["report"]
+    assert cap_verdict([])["status"] == "fail"  # nothing measured is no pass
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the real check (make gpu-check)")
@@ -362,3 +407,47 @@ def test_monitor_check_runs_here_and_judges_its_rows(tmp_path):
     v = gp.monitor_verdict(fake, "cuda:0")
     assert v["status"] == "fail" and v["failures"] == ["monitor rows without nvml_used_mib"] and v["target_met"]
     assert gp.monitor_verdict({**fake, "rows": [{**rows[0], "nvml_used_mib": 900.0}]}, "cuda:0")["status"] == "pass"
+
+
+def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monkeypatch):
+    """check_cap's CUDA layer, played on the CPU: torch.cuda's calls and the rung's run are stand-ins
+    (a run trains when the cap above what is held covers what the rung needs)."""
+    import types
+
+    from tests.conftest import tiny_config
+    from workbench.studies.ladder import gpu_cap
+
+    MiB, total, held = 2**20, 1000 * 2**20 * 1024, 100 * 2**20
+    need = {"bf16_true_lora": 700 * MiB + 3, "zero_offload": 900 * MiB}
+    fractions, runs = [], []
+
+    def measure(name, load, blocks, **kw):
+        assert kw["counted"] is False and kw["steps"] == gpu_cap.TRIAL_STEPS
+        cap = fractions[-1] * total - held if fractions and fractions[-1] < 1.0 else None
+        runs.append((name, cap))
+        if cap is not None and cap < need[name]:
+            return {"status": "oom", "reason": "CUDA out of memory"}
+        return {"status": "ok", "cuda_max_allocated_bytes": held + need[name] - 50 * MiB,
+                "cuda_max_reserved_bytes": held + need[name] + 300 * MiB}
+
+    for attr, fn in dict(
+            get_device_properties=lambda d: types.SimpleNamespace(name="NVIDIA H200", total_memory=total, major=9, minor=0),
+            memory_reserved=lambda d: held, memory_allocated=lambda d: held - 10 * MiB, empty_cache=lambda: None,
+            set_per_process_memory_fraction=lambda f, d: fractions.append(f)).items():
+        monkeypatch.setattr(torch.cuda, attr, fn)
+    monkeypatch.setattr(gpu_cap, "measure", measure)
+    blocks = torch.zeros((4, 32), dtype=torch.long)
+    monkeypatch.setattr(gpu_cap, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None, blocks, ""))
+    opts = types.SimpleNamespace(model="x", tiny=True, batch=1, seq=32, device="cuda", extra={})
+    result = gpu_cap.check_cap(opts)
+    rows = {r["rung"]: r for r in result["rows"]}
+    assert set(rows) == set(gpu_cap.CAP_RUNGS) and all(r["status"] == "ok" for r in rows.values()), result
+    for name, r in rows.items():
+        least = r["measured_least_cap_mib"] * MiB
+        assert least >= need[name] > least - gpu_cap.STEP  # found above what the process held
+        assert r["uncapped_reserved_mib"] == (need[name] + 300 * MiB) / MiB  # above what was held
+        assert len(r["trials"]) >= 3
+    # a warm-up and an uncapped run per rung, then capped trials; every cap lifted after its trial
+    assert [c for n, c in runs if n == "zero_offload"][:2] == [None, None]
+    assert fractions and fractions[-1] == 1.0 and all(f == 1.0 for f in fractions[1::2])
+    assert "### Reserved needed" in result["report"]

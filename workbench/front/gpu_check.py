@@ -14,9 +14,9 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   that the strategies run out of memory for real and fall back to the CPU; afterwards
   `torch.cuda.memory_allocated()` must be back where it started;
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
-- any check another part adds (study 3's engine: `workbench/studies/split/gpu_check.py`; the
-  study notebooks executed here and the memory monitor's cost: `workbench/front/gpu_programs.py`);
-  versions and the card's name.
+- any check another part adds (the least reserved cap two rungs train under, beside the prediction's
+  "reserved needed": `studies/ladder/gpu_cap.py`; study 3's engine: `studies/split/gpu_check.py`;
+  the notebooks and the memory monitor's cost: `front/gpu_programs.py`); versions and the card.
 Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
 memory_snapshot.pickle, notebooks/, runs/}. One H200 run is in data/measured/h200-2026-11-22/.
 
@@ -44,6 +44,7 @@ from workbench.core.memory.predict import predict
 from workbench.core.results import atomic_write_json, atomic_write_text, environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
+from workbench.studies.ladder import gpu_cap
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import OFFLOADED, measure
 from workbench.studies.ladder.runner import model_at_hand
@@ -229,7 +230,7 @@ def write_results(out: Path, summary: dict[str, Any]) -> None:
 def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
     """The checks in order: the workbench's own, study 3's (owned by that package), the notebooks."""
     return {"environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
-            "trace": check_trace, **split_gpu_check.gpu_checks(), **gpu_programs.gpu_checks()}
+            "trace": check_trace, **gpu_cap.gpu_checks(), **split_gpu_check.gpu_checks(), **gpu_programs.gpu_checks()}
 
 
 def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any]]] | None = None,

@@ -1,0 +1,145 @@
+"""gpu-check's cap check: the least reserved memory a rung trains under on the card, beside the
+prediction's "reserved needed".
+
+    workbench gpu-check --only cap
+
+A card's memory (or `torch.cuda.set_per_process_memory_fraction`) caps the caching allocator's
+reserved bytes, and before it raises out of memory the allocator gives its wholly free cached
+segments back and retries. So what a card must hold is not the reserved peak a card with room shows
+but the least cap the step trains under; `predict` models it by replaying the step under caps
+(`cuda_model.least_reserved`), and auto-fit's "fits" compares it. This check measures it: for each
+rung in CAP_RUNGS it trains once to warm up (the cuBLAS workspaces are made then, and stay
+allocated), once uncapped, then bisects the cap between that run's allocated and reserved peaks
+(above what the process held before it), each trial a fresh run of the rung under
+`set_per_process_memory_fraction` with the cap counted above what the process already holds. Since the process already holds the workspaces, the prediction compared is
+"reserved needed" less the modelled workspaces.
+
+The bisection and the rows are plain functions, tested on the CPU with a stand-in for a trial
+(tests/test_gpu_check.py); `check_cap` runs on CUDA only.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable
+
+from workbench.core.common import MiB, one_line
+from workbench.core.memory import cuda_model
+from workbench.core.memory.predict import predict
+from workbench.studies.ladder.config import LadderConfig
+from workbench.studies.ladder.rungs import measure
+from workbench.studies.ladder.runner import model_at_hand
+
+# an on-card rung and the one whose cached blocks the card gives back most (DeepSpeed's flattening)
+CAP_RUNGS = ("bf16_true_lora", "zero_offload")
+STEP = 16 * MiB  # the bisection's resolution (0.5% of these rungs' peaks; a trial costs seconds)
+TRIAL_STEPS = 2  # steps per capped run: the second is the steady state
+TARGET_PCT = 5.0  # the issue's target for reserved figures
+
+
+def bisect_cap(runs: Callable[[int], bool], lo: int, hi: int, step: int = STEP) -> tuple[int, list[tuple[int, bool]]]:
+    """The least multiple of `step` above `lo` at which `runs(cap)` is true, given that it is true at
+    `hi` (not tried) and taken as false at `lo`; with every cap tried and whether it ran."""
+    a, b = lo // step, -(-hi // step)
+    tried = []
+    while b - a > 1:
+        mid = (a + b) // 2
+        ok = runs(mid * step)
+        tried.append((mid * step, ok))
+        a, b = (a, mid) if ok else (mid, b)
+    return b * step, tried
+
+
+def cap_row(rung: str, *, predicted_needed: int, workspaces: int, predicted_reserved: int, least: int | None,
+            uncapped: dict[str, Any], tried: list[tuple[int, bool]], reason: str = "") -> dict[str, Any]:
+    """One rung's row (MiB): the prediction's need beside the least cap it trained under."""
+    need = (predicted_needed - workspaces) / MiB
+    measured = None if least is None else least / MiB
+    err = None if measured is None else 100.0 * (need - measured) / measured
+    return {
+        "rung": rung, "status": "ok" if measured is not None else "not measured", "reason": reason,
+        "predicted_needed_mib": round(need, 1), "measured_least_cap_mib": measured,
+        "error_pct": None if err is None else round(err, 2),
+        "predicted_reserved_peak_mib": round((predicted_reserved - workspaces) / MiB, 1),
+        "uncapped_reserved_mib": uncapped.get("reserved_mib"), "uncapped_allocated_mib": uncapped.get("allocated_mib"),
+        "trials": [{"cap_mib": c / MiB, "ran": ok} for c, ok in tried],
+        "passed": err is not None and abs(err) <= TARGET_PCT,
+    }
+
+
+def cap_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    failures = [f"{r['rung']}: {r['reason'] or 'not measured'}" for r in rows if r["status"] != "ok"]
+    failures += [f"{r['rung']}: reserved needed off by {r['error_pct']:+.1f}% of the least cap it trained under"
+                 for r in rows if r["status"] == "ok" and not r["passed"]]
+    return {"status": "pass" if rows and not failures else "fail", "rows": rows, "failures": failures,
+            "report": cap_markdown(rows)}
+
+
+def cap_markdown(rows: list[dict[str, Any]]) -> str:
+    cols = ["rung", "predicted_needed_mib", "measured_least_cap_mib", "error_pct", "predicted_reserved_peak_mib",
+            "uncapped_reserved_mib", "passed"]
+    lines = ["### Reserved needed: predicted beside the least cap each rung trained under (MiB, the cuBLAS "
+             "workspaces left out)", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("-" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the thin layer that measures
+
+def check_cap(opts) -> dict[str, Any]:
+    import torch
+
+    cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
+                       seq_len=opts.seq, steps=TRIAL_STEPS, reference_model="")
+    config, load, blocks, _ = model_at_hand(cfg)
+    dev = torch.device(opts.device)
+    props = torch.cuda.get_device_properties(dev)
+    card = cuda_model.card_of(props.name, props.total_memory, props.major * 10 + props.minor)
+    workspaces = sum(n for _, n in card.cublas_workspaces)
+
+    def held() -> tuple[int, int]:
+        """What the process holds before a run (reserved, allocated): the workspaces, what is left."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(dev), torch.cuda.memory_allocated(dev)
+
+    def run(name: str) -> dict[str, Any]:
+        return measure(name, load, blocks, batch=opts.batch, steps=TRIAL_STEPS, device=dev, counted=False)
+
+    rows = []
+    for name in opts.extra.get("cap_rungs") or CAP_RUNGS:
+        p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda", card=card)
+        row = dict(rung=name, predicted_needed=p.needed_reserved_bytes, workspaces=workspaces,
+                   predicted_reserved=p.reserved_peak_bytes)
+        try:
+            run(name)  # warm-up: the cuBLAS workspaces (one per thread and stream) are made, then stay allocated
+            res0, alloc0 = held()
+            free = run(name)  # uncapped: its peaks above what is held bound the bisection
+            if free.get("status") != "ok":
+                rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=one_line(free.get("reason", "?"))))
+                continue
+            lo, hi = free["cuda_max_allocated_bytes"] - alloc0, free["cuda_max_reserved_bytes"] - res0
+            uncapped = {"reserved_mib": hi / MiB, "allocated_mib": lo / MiB}
+
+            def runs(cap: int) -> bool:
+                res, _ = held()
+                torch.cuda.set_per_process_memory_fraction(min(1.0, (res + cap) / props.total_memory), dev)
+                try:
+                    out = run(name)
+                finally:
+                    torch.cuda.set_per_process_memory_fraction(1.0, dev)
+                if out.get("status") not in ("ok", "oom"):  # a failure other than memory is no answer
+                    raise RuntimeError(out.get("reason") or out.get("status"))
+                return out["status"] == "ok"
+
+            least, tried = bisect_cap(runs, lo, hi)
+            rows.append(cap_row(**row, least=least, uncapped=uncapped, tried=tried))
+        except Exception as e:  # one rung's failure is its row
+            rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=one_line(e)))
+    return cap_verdict(rows)
+
+
+def gpu_checks():
+    """The checks this package adds to `workbench gpu-check` (workbench/front/gpu_check.py runs them)."""
+    return {"cap": check_cap}
