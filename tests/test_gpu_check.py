@@ -235,7 +235,11 @@ def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
 
 
 def test_the_cap_bisection_finds_the_least_cap_a_run_trains_under():
-    from workbench.studies.ladder.gpu_cap import STEP, bisect_cap
+    from workbench.core.memory.cuda_model import least_cap
+    from workbench.studies.ladder.gpu_cap import STEP
+
+    def bisect_cap(runs, lo, hi):
+        return least_cap(runs, lo, hi, STEP)
 
     MiB = 2**20
     for true_least in (3004 * MiB + 5, 3100 * MiB, 3300 * MiB):  # what the card needs (a stand-in trial)

@@ -484,12 +484,25 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, best, steady_alloc, steady_res)
 
 
+def least_cap(runs, lo: int, hi: int, step: int) -> tuple[int, list[tuple[int, bool]]]:
+    """Bisection: the least multiple of `step` above `lo` at which `runs(cap)` is true, given that it
+    is true at `hi` (not tried) and taken as false at `lo`; with every cap tried and whether it ran.
+    A cap that suffices almost always leaves a larger one sufficing too."""
+    a, b = lo // step, -(-hi // step)
+    tried = []
+    while b - a > 1:
+        mid = (a + b) // 2
+        ok = runs(mid * step)
+        tried.append((mid * step, ok))
+        a, b = (a, mid) if ok else (mid, b)
+    return b * step, tried
+
+
 def least_reserved(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = (), *,
                    upper: int) -> int:
     """The smallest cap on reserved bytes (to 2 MiB) under which the timeline replays without an
     out-of-memory error: what the step needs from a card, where `upper` (the uncapped reserved peak,
-    what a large card shows) also counts the cached blocks the allocator gives back under pressure.
-    Found by bisection: a cap that suffices almost always leaves a larger one sufficing too."""
+    what a large card shows) also counts the cached blocks the allocator gives back under pressure."""
     def runs(cap: int) -> bool:
         try:
             replay(events, roles, extra_allocs, outside=outside, limit=cap)
@@ -497,8 +510,4 @@ def least_reserved(events, roles: dict[int, str], extra_allocs=(), outside: tupl
             return False
         return True
 
-    lo, hi = 0, -(-upper // ROUND_LARGE)  # in 2 MiB units: hi runs (nothing was ever given back)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if runs(mid * ROUND_LARGE) else (mid, hi)
-    return hi * ROUND_LARGE
+    return least_cap(runs, 0, upper, ROUND_LARGE)[0]  # upper runs: nothing was ever given back

@@ -11,17 +11,19 @@ but the least cap the step trains under; `predict` models it by replaying the st
 rung in CAP_RUNGS it trains once to warm up (the cuBLAS workspaces are made then, and stay
 allocated), once uncapped, then bisects the cap between that run's allocated and reserved peaks
 (above what the process held before it), each trial a fresh run of the rung under
-`set_per_process_memory_fraction` with the cap counted above what the process already holds. Since the process already holds the workspaces, the prediction compared is
-"reserved needed" less the modelled workspaces.
+`set_per_process_memory_fraction` with the cap counted above what the process already holds. Since
+the process already holds the workspaces, the prediction compared is "reserved needed" less the
+modelled workspaces.
 
-The bisection and the rows are plain functions, tested on the CPU with a stand-in for a trial
-(tests/test_gpu_check.py); `check_cap` runs on CUDA only.
+The bisection (`cuda_model.least_cap`, which the prediction's capped replays use too) and the rows
+are plain functions, tested on the CPU, and the CUDA layer is played there with stand-ins for
+torch.cuda's calls and the rung's run (tests/test_gpu_check.py); `check_cap` measures on CUDA only.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from typing import Any
 
 from workbench.core.common import MiB, one_line
 from workbench.core.memory import cuda_model
@@ -35,19 +37,6 @@ CAP_RUNGS = ("bf16_true_lora", "zero_offload")
 STEP = 16 * MiB  # the bisection's resolution (0.5% of these rungs' peaks; a trial costs seconds)
 TRIAL_STEPS = 2  # steps per capped run: the second is the steady state
 TARGET_PCT = 5.0  # the issue's target for reserved figures
-
-
-def bisect_cap(runs: Callable[[int], bool], lo: int, hi: int, step: int = STEP) -> tuple[int, list[tuple[int, bool]]]:
-    """The least multiple of `step` above `lo` at which `runs(cap)` is true, given that it is true at
-    `hi` (not tried) and taken as false at `lo`; with every cap tried and whether it ran."""
-    a, b = lo // step, -(-hi // step)
-    tried = []
-    while b - a > 1:
-        mid = (a + b) // 2
-        ok = runs(mid * step)
-        tried.append((mid * step, ok))
-        a, b = (a, mid) if ok else (mid, b)
-    return b * step, tried
 
 
 def cap_row(rung: str, *, predicted_needed: int, workspaces: int, predicted_reserved: int, least: int | None,
@@ -133,7 +122,7 @@ def check_cap(opts) -> dict[str, Any]:
                     raise RuntimeError(out.get("reason") or out.get("status"))
                 return out["status"] == "ok"
 
-            least, tried = bisect_cap(runs, lo, hi)
+            least, tried = cuda_model.least_cap(runs, lo, hi, STEP)
             rows.append(cap_row(**row, least=least, uncapped=uncapped, tried=tried))
         except Exception as e:  # one rung's failure is its row
             rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=one_line(e)))
