@@ -313,12 +313,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, "options": options, **left}
 
 
-def card_at_hand(device: str = "cuda"):
-    """CUDA: this card as the prediction's card (cuda_model.card_of: its preset's context, if any)."""
-    import torch
-
-    props = torch.cuda.get_device_properties(device)
-    return cuda_model.card_of(props.name, props.total_memory, props.major * 10 + props.minor)
+card_at_hand = cuda_model.card_at_hand  # CUDA: this card as the prediction's card
 
 
 def check_strategies(opts: Options) -> dict[str, Any]:

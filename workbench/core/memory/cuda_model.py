@@ -126,6 +126,12 @@ def card_of(name: str, total_bytes: int, sm: int) -> Card:
     return Card(name, total_bytes, sm, preset.context_bytes if preset else CONTEXT_BYTES)
 
 
+def card_at_hand(device="cuda") -> Card:
+    """CUDA: this machine's card as a prediction's card (card_of: its preset's context, if any)."""
+    props = torch.cuda.get_device_properties(device)
+    return card_of(props.name, props.total_memory, props.major * 10 + props.minor)
+
+
 # ------------------------------------------------------------------------------------------------
 # attention: the kernel sdp_utils.cpp picks (torch 2.13 rules, default priority flash > efficient > math)
 

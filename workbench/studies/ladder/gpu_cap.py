@@ -25,6 +25,8 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import torch
+
 from workbench.core.common import MiB, one_line
 from workbench.core.memory import cuda_model
 from workbench.core.memory.predict import predict
@@ -77,14 +79,11 @@ def cap_markdown(rows: list[dict[str, Any]]) -> str:
 # CUDA: the thin layer that measures
 
 def check_cap(opts) -> dict[str, Any]:
-    import torch
-
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, steps=TRIAL_STEPS, reference_model="")
     config, load, blocks, _ = model_at_hand(cfg)
     dev = torch.device(opts.device)
-    props = torch.cuda.get_device_properties(dev)
-    card = cuda_model.card_of(props.name, props.total_memory, props.major * 10 + props.minor)
+    card = cuda_model.card_at_hand(dev)
     workspaces = sum(n for _, n in card.cublas_workspaces)
 
     def held() -> tuple[int, int]:
@@ -108,12 +107,14 @@ def check_cap(opts) -> dict[str, Any]:
             if free.get("status") != "ok":
                 rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=one_line(free.get("reason", "?"))))
                 continue
-            lo, hi = free["cuda_max_allocated_bytes"] - alloc0, free["cuda_max_reserved_bytes"] - res0
-            uncapped = {"reserved_mib": hi / MiB, "allocated_mib": lo / MiB}
+            hi = free["cuda_max_reserved_bytes"] - res0
+            uncapped = {"reserved_mib": hi / MiB, "allocated_mib": (free["cuda_max_allocated_bytes"] - alloc0) / MiB}
+            # no cap above what is held can be below this (the held segments' free room counted in)
+            lo = max(0, free["cuda_max_allocated_bytes"] - res0)
 
             def runs(cap: int) -> bool:
                 res, _ = held()
-                torch.cuda.set_per_process_memory_fraction(min(1.0, (res + cap) / props.total_memory), dev)
+                torch.cuda.set_per_process_memory_fraction(min(1.0, (res + cap) / card.total_bytes), dev)
                 try:
                     out = run(name)
                 finally:
