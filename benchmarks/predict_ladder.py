@@ -62,7 +62,7 @@ def main() -> int:
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     if args.cards:
-        from workbench.studies.ladder.validation import CARD_RECORDS, repredict_card_record
+        from workbench.studies.ladder.card_records import CARD_RECORDS, repredict_card_record
 
         for summary in sorted(CARD_RECORDS.glob("*/summary.json")):
             print(f"{summary.parent.name}:")

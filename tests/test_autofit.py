@@ -16,7 +16,7 @@ from workbench.core.config import ConfigError
 from workbench.core.memory.plan import plan_from_flags
 from workbench.studies.ladder import autofit
 from workbench.studies.ladder.autofit import candidates, cost, prediction_margin, run_with_step_down, search
-from workbench.studies.ladder.validation import card_reserved_errors, reserved_shortfall
+from workbench.studies.ladder.card_records import card_reserved_errors, reserved_shortfall
 
 BATCH, SEQ = 8, 64
 

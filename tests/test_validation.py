@@ -9,17 +9,12 @@ import json
 import pytest
 import torch
 
-from tests.conftest import tiny_config
-from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model as cm
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.plan import plan_from_flags
-from workbench.core.memory.predict import predict
 from workbench.studies.ladder import autofit
-from workbench.studies.ladder.validation import (BATCH_SIZE, CARD_RECORDS, CONFIGS, LM_HEAD_CHUNK, PUBLISHED,
-                                                 REPREDICTED, SOURCES, card_reserved_errors, fits_card,
-                                                 litgpt_config, litgpt_peaks, margins, repredict_card_record,
-                                                 reserved_shortfall, simulate_litgpt_lora)
+from workbench.studies.ladder.validation import (BATCH_SIZE, CONFIGS, LM_HEAD_CHUNK, PUBLISHED, SOURCES, fits_card,
+                                                 litgpt_config, litgpt_peaks, margins, simulate_litgpt_lora)
 
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=4, vocab_size=500, padded_vocab_size=512, block_size=512)
@@ -131,115 +126,6 @@ def test_margins_are_the_worst_miss_either_way_and_thin_families_use_the_overall
     assert autofit.prediction_margin(true, path=path)[0] == pytest.approx(0.004)
     margin, why = autofit.prediction_margin(mixed, path=path)  # one bf16-mixed row: no spread
     assert margin == pytest.approx(0.004) and "only 1 bf16-mixed row" in why
-
-
-def _card_record(root, name, rows, gpu="Test card"):
-    (root / name).mkdir(parents=True)
-    (root / name / "summary.json").write_text(json.dumps(
-        {"environment": {"gpu": gpu}, "results": {"ladder": {"rows": rows}}}))
-
-
-def test_on_cuda_the_margin_adds_the_reserved_shortfall_measured_on_a_card_per_placement(tmp_path):
-    def row(rung, err, method="predicted"):
-        return {"rung": rung, "method": method, "error_vs_reserved_pct": err}
-
-    _card_record(tmp_path, "card-a", [row("fp32", -2.0), row("bf16_true", 1.5), row("zero_offload", -12.0),
-                                      row("device_map", 8.0), row("zero_offload_params", -70.0, "estimated"),
-                                      row("qlora", None)])
-    _card_record(tmp_path, "card-b", [row("bf16_true_lora", -3.5)], gpu="Other card")
-    rows = card_reserved_errors(tmp_path)
-    # estimated rows and rows without a reserved prediction are no evidence about the allocator model
-    assert sorted(r["rung"] for r in rows) == ["bf16_true", "bf16_true_lora", "device_map", "fp32", "zero_offload"]
-    pct, why = reserved_shortfall("device", rows)
-    assert pct == 3.5 and "bf16_true_lora on the Other card" in why  # the worst under-prediction, across cards
-    assert reserved_shortfall("zero_offload", rows)[0] == 12.0  # each placement its own
-    assert reserved_shortfall("device_map", rows)[0] == 0.0  # only over-predicted: no margin needed
-    pct, why = reserved_shortfall("cpu", rows)  # never measured: the worst of any placement
-    assert pct == 12.0 and "no cpu rung measured" in why
-    assert reserved_shortfall("device", [])[0] == 0.0
-    _card_record(tmp_path, "card-c", [row("no_such_rung", -1.0)])
-    with pytest.raises(ValueError, match="no_such_rung"):
-        card_reserved_errors(tmp_path)
-
-    # auto-fit's margin: the bytes' error (published rows) plus, on CUDA only, the reserved shortfall
-    (tmp_path / "card-c" / "summary.json").unlink()
-    path = tmp_path / "e.json"
-    path.write_text(json.dumps({"by_precision_pct": {"bf16-true": 0.4}, "rows_by_precision": {"bf16-true": 5},
-                                "overall_pct": 0.4, "min_family_rows": 3}))
-    true = plan_from_flags(precision="bf16-true", optimizer="adamw_torch", trainable="full")
-    assert autofit.prediction_margin(true, path=path, records=tmp_path)[0] == pytest.approx(0.004)
-    m, why = autofit.prediction_margin(true, path=path, device="cuda", records=tmp_path)
-    assert m == pytest.approx(0.004 + 0.035) and "3.5% below" in why
-    zero = dataclasses.replace(true, placement="zero_offload")
-    assert autofit.prediction_margin(zero, path=path, device="cuda", records=tmp_path)[0] == pytest.approx(0.124)
-
-
-def test_a_re_predicted_record_gives_the_current_predictions_error(tmp_path):
-    _card_record(tmp_path, "card-a", [{"rung": "zero_offload", "method": "predicted", "error_vs_reserved_pct": -16.3},
-                                      {"rung": "lora", "method": "predicted", "error_vs_reserved_pct": 0.7}])
-    assert reserved_shortfall("zero_offload", card_reserved_errors(tmp_path))[0] == 16.3
-    (tmp_path / "card-a" / REPREDICTED).write_text(json.dumps({"git_commit": "abc1234", "rows": [
-        {"rung": "zero_offload", "method": "predicted", "error_vs_reserved_pct": -3.9},
-        {"rung": "lora", "method": "predicted", "error_vs_reserved_pct": 0.7}]}))
-    pct, why = reserved_shortfall("zero_offload", card_reserved_errors(tmp_path))
-    assert pct == 3.9 and "re-predicted at abc1234" in why
-
-
-def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_path, monkeypatch):
-    config = tmp_path / "config.json"
-    config.write_text(tiny_config("qwen2").to_json_string())
-    measured = {"status": "ok", "cuda_max_allocated_mib": 10.0, "cuda_max_reserved_mib": 20.0}
-    rows = [{"rung": "bf16", "accounted_peak_mib": 9.0, **measured},  # measured under the live-bytes count
-            {"rung": "lora", "accounted_peak_mib": None, **measured},  # plain
-            {"rung": "zero_offload", "accounted_peak_mib": 9.0, **measured},  # offloaded: always plain
-            {"rung": "fp32", **measured, "status": "oom"}]  # nothing measured: not predicted
-    (tmp_path / "rec").mkdir()
-    (tmp_path / "rec" / "summary.json").write_text(json.dumps(
-        {"environment": {"gpu": "NVIDIA H200", "gpu_total_mib": 143156.0},
-         "results": {"ladder": {"sm": 90, "rows": rows, "options": {"model": str(config), "batch": 1, "seq": 32}}}}))
-    from workbench.studies.ladder import validation
-
-    asked = []
-    monkeypatch.setattr(validation, "predict", lambda *a, **k: asked.append((a[1], k["instrumented"])) or predict(*a, **k))
-    out = json.loads(repredict_card_record(tmp_path / "rec", log=lambda *_: None).read_text())
-    # a rung on the card measured under the count is predicted as the instrumented step; the rest plain
-    assert asked == [("bf16", True), ("lora", False), ("zero_offload", False)]
-    card = cm.card_of("NVIDIA H200", int(143156.0 * 2**20), 90)
-    assert out["card"] == "NVIDIA H200" and [r["rung"] for r in out["rows"]] == ["bf16", "lora", "zero_offload"]
-    for r in out["rows"]:
-        p = predict(str(config), r["rung"], batch=1, seq=32, device="cuda", card=card, instrumented=r["rung"] == "bf16")
-        assert r["counted"] == (r["rung"] == "bf16")
-        assert r["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
-        assert r["error_vs_reserved_pct"] == round(100 * (p.reserved_peak_bytes / 2**20 / 20.0 - 1), 2)
-        assert r["error_vs_allocated_pct"] == round(100 * (p.allocated_peak_bytes / 2**20 / 10.0 - 1), 2)
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "summary.json").write_text(json.dumps({"environment": {}, "results": {}}))
-    with pytest.raises(ConfigError, match="names no card"):
-        repredict_card_record(tmp_path / "bad")
-
-
-def test_the_committed_card_records_give_every_simulated_placement_its_reserved_margin():
-    """The H200 record (2026-11-22), re-predicted with this checkout's code: its reserved misses set
-    the margin auto-fit keeps on CUDA, each within the issue's 5%."""
-    rows = card_reserved_errors()
-    assert {r["placement"] for r in rows} >= {"device", "zero_offload", "device_map"}
-    assert all("re-predicted" in r["record"] for r in rows)
-    for placement in ("device", "zero_offload", "device_map"):
-        assert reserved_shortfall(placement, rows)[0] < 5
-    assert reserved_shortfall("device", rows)[0] > 0  # some on-card rung is under-predicted
-
-
-@pytest.mark.slow
-def test_the_committed_re_prediction_is_what_this_checkout_predicts():
-    """repredicted.json is rewritten by `predict_ladder.py --cards`; a change to the prediction that
-    moves a figure without rewriting it fails here (checked on the rung whose replay is the longest)."""
-    record = CARD_RECORDS / "h200-2026-11-22"
-    again = {r["rung"]: r for r in json.loads((record / REPREDICTED).read_text())["rows"]}
-    env = json.loads((record / "summary.json").read_text())["environment"]
-    card = cm.card_of(env["gpu"], int(env["gpu_total_mib"] * 2**20), 90)
-    p = predict(str(CONFIGS / "qwen2-0.5b.json"), "zero_offload", batch=1, seq=512, device="cuda", card=card)
-    assert again["zero_offload"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
-    assert again["zero_offload"]["predicted_allocated_mib"] == round(p.allocated_peak_bytes / 2**20, 1)
 
 
 QLORA = {(r.litgpt, r.quantize): r for r in PUBLISHED if r.quantize}

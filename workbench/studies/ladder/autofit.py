@@ -23,7 +23,7 @@ prediction's own measured error, not a fixed guess, for the figure that is compa
 - on CUDA the budget caps the allocator's reserved peak, so the margin adds how far the reserved
   prediction fell below a real card's at worst for the setup's placement (on the card, in the
   gpu-check records under data/measured/, re-predicted with this checkout's code where
-  `repredicted.json` is beside them; `validation.reserved_shortfall`).
+  `repredicted.json` is beside them; `card_records.reserved_shortfall`).
 Each setup gets its own margin (each library allocates its own way). On a real out-of-memory error `run_with_step_down` tries the next setup that fits, still
 at the same effective batch.
 """
@@ -42,7 +42,8 @@ from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import predict
-from workbench.studies.ladder.validation import CARD_RECORDS, MARGINS_FILE, card_reserved_errors, reserved_shortfall
+from workbench.studies.ladder.card_records import CARD_RECORDS, card_reserved_errors, reserved_shortfall
+from workbench.studies.ladder.validation import MARGINS_FILE
 
 # Prior cost of a step on a GPU relative to the user's setup (lower is faster); each factor states
 # its reason. They order setups; they are not a speed prediction.

@@ -20,7 +20,6 @@ answer. The inputs are the published settings only: nothing here is fitted to th
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +27,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from workbench.core.common import MiB, PROJECT_ROOT
-from workbench.core.config import ConfigError
+from workbench.core.common import PROJECT_ROOT
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import fakeify
-from workbench.core.memory.plan import RUNGS, plan_from_flags
+from workbench.core.memory.plan import plan_from_flags
 from workbench.core.memory.predict import predict
 from workbench.core.results import atomic_write_csv, atomic_write_json, git_commit, now
 from workbench.studies.ladder.bnb_041 import quantize_linears
@@ -299,100 +297,3 @@ def write_margins(results: list[dict], path: str | Path = MARGINS_FILE) -> Path:
     return atomic_write_json(path, {**margins(results), "source": "workbench.studies.ladder.validation against "
                                     + "; ".join(sorted({r["source"] for r in results})),
                                     "written": now(), "git_commit": git_commit()})
-
-
-# A CUDA budget caps reserved bytes, so auto-fit compares them with the card; their error is the
-# allocator model's on top of the bytes'. No published reserved peak with complete settings was
-# found: the reserved error comes from this project's own card records (`make gpu-check` summaries,
-# committed under data/measured/<card>-<date>/), per placement, since each library allocates
-# differently (DeepSpeed's reduce bucket and flattening, accelerate's host layers).
-CARD_RECORDS = ROOT / "data" / "measured"
-REPREDICTED = "repredicted.json"  # beside a record's summary.json: the current prediction against it
-# the ladder check's settings where a record does not state them: records written before they were
-# (the H200's of 2026-11-22, at b73d754) ran gpu-check's defaults of that commit
-GPU_CHECK_DEFAULTS = {"model": "data/configs/qwen2-0.5b.json", "batch": 1, "seq": 512}
-
-
-def _read_record(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not a gpu-check summary ({e}); remove it or copy it again") from None
-
-
-def card_reserved_errors(root: str | Path = CARD_RECORDS) -> list[dict]:
-    """Every ladder row of the committed card records whose reserved peak was both predicted
-    (simulated, not estimated) and measured: rung, placement, error in %, card, record. Where a
-    record has been re-predicted (`repredict_card_record`), the current prediction's error is used."""
-    rows = []
-    for path in sorted(Path(root).glob("*/summary.json")):
-        record = _read_record(path)
-        card = record.get("environment", {}).get("gpu", "?")
-        label = path.parent.name
-        ladder = record.get("results", {}).get("ladder", {}).get("rows", [])
-        if (path.parent / REPREDICTED).exists():
-            again = _read_record(path.parent / REPREDICTED)
-            ladder, label = again.get("rows", []), f"{label}, re-predicted at {again.get('git_commit', '?')}"
-        for r in ladder:
-            if r.get("method") != "predicted" or r.get("error_vs_reserved_pct") is None:
-                continue
-            if r["rung"] not in RUNGS:
-                raise ConfigError(f"{path}: rung {r['rung']!r} is not a rung of the ladder; remove the record or "
-                                  "rename the rung in it")
-            rows.append({"rung": r["rung"], "placement": RUNGS[r["rung"]].placement, "card": card,
-                         "error_pct": float(r["error_vs_reserved_pct"]), "record": label})
-    return rows
-
-
-def repredict_card_record(record_dir: str | Path, log=print) -> Path:
-    """Predict again, with this checkout's code, every rung a card record measured (allocated and
-    reserved), with the record's settings and card; write `repredicted.json` beside it. The
-    measured figures are the record's own; only the prediction is new, so a margin read from it is
-    the current prediction's error. A rung measured under the live-bytes count (`--counted`) is
-    predicted as that instrumented step."""
-    record_dir = Path(record_dir)
-    record = _read_record(record_dir / "summary.json")
-    ladder, env = record.get("results", {}).get("ladder", {}), record.get("environment", {})
-    opts = {**GPU_CHECK_DEFAULTS, **ladder.get("options", {})}
-    if not env.get("gpu") or not env.get("gpu_total_mib") or not ladder.get("sm"):
-        raise ConfigError(f"{record_dir}/summary.json names no card (environment.gpu, gpu_total_mib, ladder sm)")
-    card = cuda_model.card_of(env["gpu"], int(env["gpu_total_mib"] * MiB), int(ladder["sm"]))
-    model = opts["model"] if Path(opts["model"]).is_absolute() else str(ROOT / opts["model"])
-    rows = []
-    for r in ladder.get("rows", []):
-        measured_alloc, measured_res = r.get("cuda_max_allocated_mib"), r.get("cuda_max_reserved_mib")
-        if r.get("status") != "ok" or not measured_alloc or not measured_res or r["rung"] not in RUNGS:
-            continue
-        counted = r.get("accounted_peak_mib") is not None and RUNGS[r["rung"]].placement == "device"
-        p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
-                    instrumented=counted)
-        # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
-        alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
-        row = {"rung": r["rung"], "method": p.method, "counted": counted,
-               "predicted_allocated_mib": round(alloc, 1), "cuda_max_allocated_mib": measured_alloc,
-               "error_vs_allocated_pct": round(100 * (alloc / measured_alloc - 1), 2),
-               "predicted_reserved_mib": round(res, 1) if res else None, "cuda_max_reserved_mib": measured_res,
-               "error_vs_reserved_pct": round(100 * (res / measured_res - 1), 2) if res else None,
-               "recorded_error_vs_reserved_pct": r.get("error_vs_reserved_pct")}
-        rows.append(row)
-        log(f"  {r['rung']:<20} {p.method:<10} allocated {alloc:>8.1f} MiB ({row['error_vs_allocated_pct']}%)  "
-            + (f"reserved {res:>8.1f} MiB ({row['error_vs_reserved_pct']}%)" if res else "no reserved figure"))
-    out = record_dir / REPREDICTED
-    atomic_write_json(out, {"record": record_dir.name, "card": card.name, "options": opts, "git_commit": git_commit(),
-                            "written": now(), "rows": rows})
-    return out
-
-
-def reserved_shortfall(placement: str, rows: list[dict]) -> tuple[float, str]:
-    """(the margin the reserved peak needs, in %, and why) for a setup of `placement`: how far below
-    the card's reserved peak the prediction fell at worst (over-predictions need no margin). A
-    placement never measured on a card takes the worst shortfall of any placement."""
-    if not rows:
-        return 0.0, "no reserved peak measured on a card yet"
-    own = [r for r in rows if r["placement"] == placement]
-    pool = own or rows
-    worst = min(pool, key=lambda r: r["error_pct"])
-    pct = max(0.0, -worst["error_pct"])
-    where = (f"{len(own)} {placement} rung(s)" if own else f"no {placement} rung measured, so any of {len(rows)} rungs")
-    return pct, (f"reserved peak {pct:.1f}% below the card's at worst ({where}; {worst['rung']} on the "
-                 f"{worst['card']}, {worst['record']})" if pct else f"reserved peak never below the card's ({where})")
