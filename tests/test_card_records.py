@@ -13,7 +13,7 @@ from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model as cm
 from workbench.core.memory.plan import plan_from_flags
 from workbench.core.memory.predict import predict
-from workbench.studies.ladder import autofit
+from workbench.studies.ladder import autofit, card_records
 from workbench.studies.ladder.card_records import (CARD_RECORDS, REPREDICTED, card_reserved_errors,
                                                    repredict_card_record, reserved_shortfall)
 from workbench.studies.ladder.validation import CONFIGS
@@ -83,8 +83,6 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
     (tmp_path / "rec" / "summary.json").write_text(json.dumps(
         {"environment": {"gpu": "NVIDIA H200", "gpu_total_mib": 143156.0},
          "results": {"ladder": {"sm": 90, "rows": rows, "options": {"model": str(config), "batch": 1, "seq": 32}}}}))
-    from workbench.studies.ladder import card_records
-
     asked = []
     monkeypatch.setattr(card_records, "predict", lambda *a, **k: asked.append((a[1], k["instrumented"])) or predict(*a, **k))
     out = json.loads(repredict_card_record(tmp_path / "rec", log=lambda *_: None).read_text())

@@ -238,9 +238,6 @@ def test_the_cap_bisection_finds_the_least_cap_a_run_trains_under():
     from workbench.core.memory.cuda_model import least_cap
     from workbench.studies.ladder.gpu_cap import STEP
 
-    def bisect_cap(runs, lo, hi):
-        return least_cap(runs, lo, hi, STEP)
-
     MiB = 2**20
     for true_least in (3004 * MiB + 5, 3100 * MiB, 3300 * MiB):  # what the card needs (a stand-in trial)
         calls = []
@@ -249,12 +246,12 @@ def test_the_cap_bisection_finds_the_least_cap_a_run_trains_under():
             calls.append(cap)
             return cap >= true_least
 
-        least, tried = bisect_cap(runs, lo=2937 * MiB, hi=3316 * MiB)
+        least, tried = least_cap(runs, 2937 * MiB, 3316 * MiB, STEP)
         assert least >= true_least > least - STEP and least % STEP == 0  # the least multiple of the step
         assert [c for c, _ in tried] == calls and all(ok == (c >= true_least) for c, ok in tried)
         assert len(calls) <= 5  # (3316 - 2937) / 16 MiB: 24 steps, halved each trial
     # nothing below the uncapped reserved peak ran: that peak (rounded up to the step) is the answer
-    least, tried = bisect_cap(lambda cap: False, lo=2937 * MiB, hi=3316 * MiB)
+    least, tried = least_cap(lambda cap: False, 2937 * MiB, 3316 * MiB, STEP)
     assert least == -(-3316 * MiB // STEP) * STEP and tried and not any(ok for _, ok in tried)
 
 
