@@ -35,8 +35,9 @@ with one more fact per storage: its *place*, the card ("device") or host memory 
 What is not replayed is said where it is skipped: the world-size-1 all-reduce (no copy), NCCL's
 own device memory (outside the allocator; it lowers the free memory DeepSpeed sees), and, with gradient
 accumulation, DeepSpeed's host-side accumulation through the card's largest-parameter buffer
-(preallocated, so it adds no allocation). ZeRO-3 with offloaded parameters is not simulated: its
-parameter fetching depends on a trace of module order and reuse distances (predict.py estimates it).
+(preallocated, so it adds no allocation).
+- DeepSpeed ZeRO-3 with the parameters offloaded as well: workbench.core.memory.zero3 (DeepSpeed's own
+  parameter coordinator and module hooks decide which weights are gathered on the card when).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting, move, move_output
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer
+from workbench.core.memory.zero3 import ZeroParamOffloadStep, deepspeed_stage3, stage3_settings
 from workbench.core.training import train
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py), which the ladder's zero_config keeps
@@ -276,7 +278,7 @@ class PlacedReport:
     kernels: dict[str, int] = field(default_factory=dict)
 
 
-SIMULATED_PLACEMENTS = ("device_map", "zero_offload")
+SIMULATED_PLACEMENTS = ("device_map", "zero_offload", "zero_offload_params")
 
 
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -291,7 +293,7 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
                     target: str = "cpu", sm: int | None = None, gpu_share: float = DEVICE_MAP_GPU_SHARE,
                     reduce_bucket_size: int = REDUCE_BUCKET_SIZE, instrumented: bool = False,
-                    card_bytes: int | None = None) -> PlacedReport:
+                    card_bytes: int | None = None, zero_settings: dict[str, Any] | None = None) -> PlacedReport:
     """Simulate `steps` training steps of an offload rung over fake tensors, each storage at its place.
 
     `target`: "cuda" makes the step take CUDA's choices (workbench.core.memory.cuda_model); the
@@ -306,7 +308,8 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
         raise ValueError(f"{plan.placement} is not simulated by placement (only {', '.join(SIMULATED_PLACEMENTS)})")
     check_step(config, seq, steps)
     cpu = torch.device("cpu")
-    zero = plan.placement == "zero_offload"
+    zero = plan.placement in ("zero_offload", "zero_offload_params")
+    zero3 = plan.placement == "zero_offload_params"
     model = apply_trainable(build_meta_model(config), plan.compose(plan.name, plan.help, placement="device"))
     summary: dict[str, Any] = {}
     if zero:
@@ -326,15 +329,23 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
     if not zero:
         # where params span the card and the host, torch.optim.AdamW() picks the single-tensor loop
         optimizer = make_plan_optimizer(model, plan, settings, cpu, target=cpu if plan.optimizer == "adamw_torch" else target)
-    with unpacked_for_fake_inputs(), step.fake_mode, PlacedAccounting(cpu, stub_scalars=True, timeline=True,
-                                                                          plain_engine=not instrumented) as acc:
+    with (unpacked_for_fake_inputs(), step.fake_mode, contextlib.ExitStack() as stack,
+          PlacedAccounting(cpu, stub_scalars=True, timeline=True, plain_engine=not instrumented) as acc):
         if dmap is not None:
             handles = dispatch_like_accelerate(model, dmap, acc)
         else:
             acc.preset(model_tensors(model), DEVICE)
         acc.watch(model)
         acc.alias(step.twins)
-        if zero:
+        if zero3:
+            zero_config = stage3_settings(reduce_bucket_size, **(zero_settings or {}))
+            stack.enter_context(deepspeed_stage3(zero_config))
+            optimizer = ZeroParamOffloadStep(model, acc, zero_config=zero_config,
+                                             grad_accum=settings.grad_accum)
+            summary = {"reduce_bucket_elements": int(reduce_bucket_size), "offloaded_parameters": len(optimizer.all_params),
+                       "trained_parameters": sum(p.ds_numel for p in optimizer.params),
+                       "persistent_parameters": len(optimizer.persistent), "reduces": optimizer.reduces}
+        elif zero:
             optimizer = ZeroOffloadStep(model, acc, reduce_bucket_size=reduce_bucket_size, dtype=plan.half_dtype or torch.bfloat16,
                                         card_bytes=card_bytes)
             summary = {"reduce_bucket_elements": int(reduce_bucket_size), "offloaded_parameters": sum(p.numel() for p in optimizer.params),

@@ -25,9 +25,10 @@ Workarounds, all measured (FIELD_NOTES.md):
 The offload rungs accelerate `device_map` and DeepSpeed ZeRO-2 with the optimizer offloaded are
 simulated with each tensor at its place, the card or host memory, as the library places and copies
 it (workbench.core.memory.offload): the device peak is the card's, `host_bytes` the host's.
-ZeRO-3 with offloaded parameters, and fp16 autocast for a CPU target, cannot be simulated here:
-their figures are *estimated* from a simulated rung plus the library's own numbers, and the result
-says so (`method="estimated"` and a `note` with the formula).
+So is ZeRO-3 with the parameters offloaded as well: DeepSpeed's own parameter coordinator decides
+which weights are on the card at each module (workbench.core.memory.zero3). fp16 autocast for a CPU
+target cannot be simulated here: its figures are *estimated* from the bf16 simulation, and the result
+says so (`method="estimated"` and a `note`).
 
 `device="cpu"` (the default) predicts a CPU step, exactly. `device="cuda"` makes the simulated step
 take CUDA's choices (attention kernel, dropout masks, autocast lists, optimizer; simulated) and
@@ -46,9 +47,8 @@ from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
-from workbench.core.memory.baselines import deepspeed_estimates
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
-from workbench.core.memory.meta import build_meta_model, model_config, model_label, weights_bytes
+from workbench.core.memory.meta import build_meta_model, model_config, model_label
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.models import check_seq_len
@@ -169,35 +169,14 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     return report
 
 
-def _act_temp_peak(report: MemoryReport) -> int:
-    """The most bytes activations + temporaries held together in forward or backward."""
-    return max((p.by_category["activations"] + p.by_category["temporaries"]
-                for (s, ph), p in report.phase_peaks.items() if ph in ("forward", "backward")), default=0)
-
-
 def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: str = "cpu",
               sm: int | None = None, instrumented: bool = False) -> tuple[MemoryReport, dict[str, Any]]:
-    """Figures for rungs that cannot be simulated here, from a simulated rung + library numbers."""
+    """Figures for rungs that cannot be simulated here (fp16 autocast for a CPU target), from a simulated rung."""
     if plan.precision == "fp16" and plan.placement == "device":
         base = simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps,
                         instrumented=instrumented)
         return base, {"note": "estimated: the bf16 simulation (same 2-byte activations); fp16 autocast needs "
                               "CUDA, which a CPU-only torch cannot simulate; the GradScaler adds a few bytes"}
-    base = simulate(config, plan.compose(plan.name, plan.help, placement="device"), batch=batch, seq=seq, steps=steps,
-                    target=target, sm=sm, instrumented=instrumented)
-    act = _act_temp_peak(base)
-    n, fp32_bytes, largest = weights_bytes(config)
-
-    ds = deepspeed_estimates(n, largest)
-    if plan.placement == "zero_offload_params":
-        gpu = ds["zero3_offload_params_gpu_bytes"]
-        return base, {"peak": gpu + act, "host": ds["zero3_offload_params_cpu_bytes"], "parts": {"weights": gpu, "activations": act},
-                      "note": "estimated: DeepSpeed's ZeRO-3 param+optimizer offload estimate (the largest layer "
-                              "gathered on the GPU) + the simulated activations and temporaries of bf16_ckpt; a lower "
-                              "bound: DeepSpeed's parameter coordinator releases a gathered parameter only when its next "
-                              "use in the recorded trace is more than stage3_max_reuse_distance (1e9 elements) away, "
-                              "so a model of well under 1e9 parameters keeps most of them on the card, and ZeRO-3's "
-                              "reduce bucket is not counted"}
     raise ValueError(f"{plan.placement} is simulated, not estimated (workbench.core.memory.offload)")
 
 
@@ -205,6 +184,11 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
     if plan.placement == "device_map":
         return (f"accelerate infer_auto_device_map put {summary['modules_on_device']} of "
                 f"{summary['modules_on_device'] + summary['modules_on_host']} modules on the card, the rest train on the host")
+    if plan.placement == "zero_offload_params":
+        return (f"DeepSpeed ZeRO-3: the {summary['offloaded_parameters']} weights in host memory, each gathered to the card "
+                f"as DeepSpeed's parameter coordinator fetches and releases it ({summary['persistent_parameters']} small ones "
+                f"kept after the first step); a {summary['reduce_bucket_elements']:,}-element reduce bucket on the card; "
+                f"fp32 master, gradients and AdamW state of {summary['trained_parameters']:,} parameters on the host")
     return (f"DeepSpeed ZeRO-2: bf16 weights and a {summary['reduce_bucket_elements']:,}-element reduce bucket on the "
             f"card; fp32 master, gradients and AdamW state of {summary['offloaded_parameters']:,} parameters on the host; "
             f"weights flattened {'on the card (their old blocks stay cached)' if summary['flattened_on'] == 'device' else 'on the host (no room on the card)'}")
@@ -259,7 +243,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         placement = _placement_text(plan, placed.summary)
         note = (f"simulated placement: {placement}; host memory {host / MiB:,.0f} MiB at its own peak"
                 + ("; estimated: fp16 autocast needs CUDA, bf16 simulated instead" if as_bf16 else ""))
-    elif (plan.precision == "fp16" and not simulated_fp16) or plan.placement == "zero_offload_params":
+    elif plan.precision == "fp16" and not simulated_fp16:
         report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps, target=device, sm=sm,
                                 instrumented=instrumented)
         method, note = "estimated", est["note"]

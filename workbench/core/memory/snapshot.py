@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.memory import cuda_model
-from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import EMPTY_CACHE, MemoryReport
 from workbench.core.memory.cuda_model import CachingAllocator
 from workbench.core.memory.meta import model_config
@@ -93,8 +92,6 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, car
     if plan.placement in SIMULATED_PLACEMENTS:  # the card's share of an offload rung
         report = simulate_placed(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm,
                                  card_bytes=c.total_bytes - c.context_bytes if c.total_bytes else None).device
-    elif plan.placement == "zero_offload_params":
-        raise ConfigError("zero_offload_params is estimated, not simulated: it has no allocation timeline to export")
     else:
         report = simulate(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)
     return snapshot_from_report(report, c.cublas_workspaces)

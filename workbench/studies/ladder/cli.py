@@ -239,8 +239,8 @@ def _estimate(args) -> int:
         print(line)
     if cuda:
         print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
-              "smi: reserved + the CUDA context (modelled); device_map and zero_offload: the card's share "
-              "(simulated placement, host memory in the note); zero_offload_params: estimated, no allocator figures")
+              "smi: reserved + the CUDA context (modelled); device_map, zero_offload and zero_offload_params: the "
+              "card's share (simulated placement, host memory in the note)")
     notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note]
     if notes:
         print("notes:\n" + "\n".join(notes))
