@@ -188,31 +188,37 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
             os.environ.setdefault(k, v)
         if plan.grad_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                          config=zero_config(plan, settings))
+        # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the rest of the process
+        # (memory_efficient_linear); it is put back below, so that later rungs run torch's own
+        linear = torch.nn.functional.linear
+        try:
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                              config=zero_config(plan, settings))
 
-        sampler = BlockSampler(len(blocks), settings.seed)  # the same batches as the training loop
-        for step in range(steps):
-            t0 = time.perf_counter()
-            idx = sampler.take(settings.micro_batch * settings.grad_accum)
-            total = 0.0
-            for micro in idx.split(settings.micro_batch):
-                b = blocks[micro].to(engine.device)
-                loss = engine(input_ids=b, labels=b).loss
-                engine.backward(loss)
-                engine.step()
-                total += float(loss) / settings.grad_accum
-            dt = time.perf_counter() - t0
-            row = {**extra, "step": step + 1, "loss": total, "step_ms": dt * 1e3,
-                   "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / dt,
-                   "mem_mib": torch.cuda.memory_allocated(device) / 2**20}
-            rows.append(row)
-            for sink in sinks:
-                sink(row)
-        loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
-        if hasattr(engine, "destroy"):
-            engine.destroy()
-        del engine
+            sampler = BlockSampler(len(blocks), settings.seed)  # the same batches as the training loop
+            for step in range(steps):
+                t0 = time.perf_counter()
+                idx = sampler.take(settings.micro_batch * settings.grad_accum)
+                total = 0.0
+                for micro in idx.split(settings.micro_batch):
+                    b = blocks[micro].to(engine.device)
+                    loss = engine(input_ids=b, labels=b).loss
+                    engine.backward(loss)
+                    engine.step()
+                    total += float(loss) / settings.grad_accum
+                dt = time.perf_counter() - t0
+                row = {**extra, "step": step + 1, "loss": total, "step_ms": dt * 1e3,
+                       "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / dt,
+                       "mem_mib": torch.cuda.memory_allocated(device) / 2**20}
+                rows.append(row)
+                for sink in sinks:
+                    sink(row)
+            loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
+            if hasattr(engine, "destroy"):
+                engine.destroy()
+            del engine
+        finally:
+            torch.nn.functional.linear = linear
     timed = [r for r in rows if r["step"] > 1] or rows
     step_ms = sorted(r["step_ms"] for r in timed)[len(timed) // 2]
     out = {"status": "ok", "reason": "", "measured_by": "cuda allocator",
