@@ -168,6 +168,24 @@ def test_allocator_reuses_splits_and_merges():
     assert a.allocated == 0 and a.reserved == 34 * MiB  # reserved memory stays cached
 
 
+def test_a_freed_block_is_reused_only_on_its_own_stream():
+    a = cm.CachingAllocator()
+    side = a.malloc(30 * MiB, stream=1)
+    a.free(side)  # cached for stream 1
+    main = a.malloc(30 * MiB)  # the default stream cannot take it: a segment of its own
+    assert a.reserved == 60 * MiB and a.segments == 2
+    again = a.malloc(30 * MiB, stream=1)  # stream 1 takes its own block back
+    assert again is side and a.reserved == 60 * MiB
+    a.free(main)
+    a.free(again)
+    a.release_cached()  # empty_cache gives back every stream's free segments
+    assert a.reserved == 0
+    events = [(1, 30 * MiB), (1, -1), (2, 30 * MiB), (2, -1)]
+    assert cm.replay(events, {}).reserved_peak_bytes == 30 * MiB
+    assert cm.replay(events, {}, streams={1: 1}).reserved_peak_bytes == 60 * MiB
+    assert cm.least_reserved(events, {}, upper=60 * MiB, streams={1: 1}) == 30 * MiB  # the cache is given back under a cap
+
+
 # ------------------------------------------------------------------------------------------------
 # the prediction
 

@@ -139,3 +139,25 @@ def test_the_peak_is_the_gradient_epilogue_of_the_embedding_buffer_by_buffer(acc
     assert peak.by_category["gradients"] == 2 * bucket  # the bucket; the rest are temporaries of the reduce
     host = r.host.peak.by_category  # flat bf16 weights + fp32 master; fp32 gradient + bf16 partitions; Adam
     assert host["weights"] >= 2 * n + 4 * n and host["gradients"] == 4 * n + 2 * n and host["optimizer_state"] == 8 * n
+
+
+def test_gathers_and_reduces_run_on_deepspeeds_side_streams_whose_cache_the_card_keeps_apart():
+    """DeepSpeed's coordinator gathers on its allgather stream and the optimizer reduces on its own;
+    the caching allocator reuses a freed block only on the stream it was made on, so the reserved
+    peak is higher than one stream's replay of the same allocations."""
+    from workbench.core.memory import cuda_model as cm
+
+    r = simulate_placed(tiny_config("qwen2"), RUNGS["zero_offload_params"], batch=BATCH, seq=SEQ, target="cuda",
+                        reduce_bucket_size=BUCKET, zero_settings=SETTINGS)
+    d = r.device
+    sizes = dict(e for e in d.timeline if e[1] >= 0)
+    on = {s: {serial for serial, st in d.timeline_streams.items() if st == s} for s in (zero3.ALLGATHER_STREAM, zero3.REDUCE_STREAM)}
+    assert on[zero3.ALLGATHER_STREAM] and on[zero3.REDUCE_STREAM] and set(d.timeline_streams.values()) == set(on)
+    assert {d.timeline_roles[s] for s in on[zero3.ALLGATHER_STREAM]} == {"weights"}  # the gathered parameters
+    assert {d.timeline_roles[s] for s in on[zero3.REDUCE_STREAM]} == {"temporaries"}  # concatenations, copies, norms
+    embedding = 128 * 32
+    assert 8 * embedding in {sizes[s] for s in on[zero3.REDUCE_STREAM]}  # the embedding gradient's fp64 norm copy
+    apart = cm.replay(d.timeline, d.timeline_roles, streams=d.timeline_streams)
+    together = cm.replay(d.timeline, d.timeline_roles)
+    assert apart.allocated_peak_bytes == together.allocated_peak_bytes
+    assert apart.reserved_peak_bytes > together.reserved_peak_bytes

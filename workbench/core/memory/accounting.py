@@ -97,6 +97,7 @@ class MemoryReport:
     kernels: dict[str, int] | None = None  # CUDA-modelled runs: the attention kernels used
     timeline_ops: list[str] | None = None  # the phase and op of each timeline event
     sums: list[tuple[bool, tuple[int, ...]]] = field(default_factory=list)  # autograd's gradient sums (in place, shape)
+    timeline_streams: dict[int, int] | None = None  # the stream of each allocation off the default one (placed runs)
 
     @property
     def peak_bytes(self) -> int:

@@ -332,9 +332,13 @@ class _Block:
 
 
 class CachingAllocator:
-    """One stream, no empty_cache: best-fit among cached blocks (smallest size, then lowest
-    address), split when the rest is >= 512 B (small pool) or > 1 MiB (large pool), freed blocks
-    merge with free neighbours; without a limit, reserved memory only grows.
+    """Best-fit among cached blocks (smallest size, then lowest address), split when the rest is
+    >= 512 B (small pool) or > 1 MiB (large pool), freed blocks merge with free neighbours; without
+    a limit or an empty_cache, reserved memory only grows. Each segment belongs to the stream its
+    first allocation ran on, and a freed block is reused only by allocations on that stream ("Once
+    freed, blocks can be re-allocated on the same stream, but not on any other stream",
+    CUDACachingAllocator.cpp); `stream` names one (0: the default stream). Streams are assumed in
+    step: a block freed after use on another stream (record_stream) is reused as soon as it is free.
 
     Used online too (malloc(n) -> block, free(block), .allocated, .reserved): with `limit` (bytes,
     what set_per_process_memory_fraction allows) a malloc that needs a new segment past the limit
@@ -343,7 +347,7 @@ class CachingAllocator:
 
     def __init__(self, limit: int | None = None):
         self.limit = limit
-        self._pools = {True: [], False: []}  # small?: sorted (size, seg, offset, id, block) of free blocks
+        self._pools: dict[tuple, list] = {}  # (small?, stream): sorted (size, seg, offset, id, block) of free blocks
         self._ids = itertools.count()
         self._segs = itertools.count()
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
@@ -353,19 +357,19 @@ class CachingAllocator:
         self.new_segment = 0  # bytes of the segment the last malloc had to cudaMalloc (0: none)
         self._next_addr = 0x7F0000000000
 
-    def _insert(self, b, small):
-        bisect.insort(self._pools[small], (b.size, b.seg, b.offset, b.id, b))
+    def _insert(self, b, pool_key):
+        bisect.insort(self._pools.setdefault(pool_key, []), (b.size, b.seg, b.offset, b.id, b))
 
-    def _remove(self, b, small):
-        pool = self._pools[small]
+    def _remove(self, b, pool_key):
+        pool = self._pools[pool_key]
         i = bisect.bisect_left(pool, (b.size, b.seg, b.offset, b.id))
         assert pool[i][4] is b
         pool.pop(i)
 
-    def malloc(self, nbytes: int) -> _Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self._pools[small]
+        pool = self._pools.setdefault((small, stream), [])
         i = bisect.bisect_left(pool, (size,))
         self.new_segment = 0
         if i < len(pool):
@@ -379,7 +383,7 @@ class CachingAllocator:
                     f"CUDA out of memory (modelled caching allocator): tried to allocate {size / MiB:.2f} MiB "
                     f"(a new {seg / MiB:.0f} MiB segment); {self.reserved / MiB:.1f} MiB reserved, "
                     f"{self.allocated / MiB:.1f} MiB allocated, limit {self.limit / MiB:.1f} MiB")
-            b = _Block((small, next(self._segs)), 0, seg, next(self._ids))
+            b = _Block((small, stream, next(self._segs)), 0, seg, next(self._ids))
             self.bases[b.seg], self.heads[b.seg] = self._next_addr, b
             self._next_addr += seg
             self.new_segment = seg
@@ -393,19 +397,19 @@ class CachingAllocator:
             if b.next is not None:
                 b.next.prev = r
             b.next, b.size = r, size
-            self._insert(r, small)
+            self._insert(r, b.seg[:2])
         b.free = False
         self.allocated += b.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return b
 
     def free(self, b: _Block) -> None:
-        small = b.seg[0]
+        pool_key = b.seg[:2]
         self.allocated -= b.size
         b.free = True
         for nb in (b.prev, b.next):
             if nb is not None and nb.free:
-                self._remove(nb, small)
+                self._remove(nb, pool_key)
                 if nb is b.prev:
                     b.offset, b.prev = nb.offset, nb.prev
                     if nb.prev is not None:
@@ -417,13 +421,13 @@ class CachingAllocator:
                     if nb.next is not None:
                         nb.next.prev = b
                 b.size += nb.size
-        self._insert(b, small)
+        self._insert(b, pool_key)
 
     def release_cached(self) -> None:
         """Give back every segment that is one free block (release_cached_blocks, empty_cache)."""
         for seg, head in list(self.heads.items()):
             if head.free and head.next is None:
-                self._remove(head, seg[0])
+                self._remove(head, seg[:2])
                 del self.heads[seg], self.bases[seg]
                 self.reserved -= head.size
 
@@ -451,7 +455,7 @@ class AllocatorReport:
 
 
 def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
-           outside: tuple[str, ...] = (), limit: int | None = None) -> AllocatorReport:
+           outside: tuple[str, ...] = (), limit: int | None = None, streams: dict[int, int] | None = None) -> AllocatorReport:
     """Replay a timeline of (serial, nbytes) allocations, (serial, -1) frees and (0, EMPTY_CACHE)
     empty_cache calls through the allocator.
 
@@ -461,8 +465,10 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     CUDA managed memory, cudaMallocManaged): left out of the replay, as max_memory_allocated does.
     `limit`: a cap on reserved bytes (a card's memory, set_per_process_memory_fraction): cached
     segments are given back before it is passed; torch.OutOfMemoryError where that is not enough.
+    `streams`: the stream of each allocation not made on the default one (serial -> stream).
     """
     a = CachingAllocator(limit)
+    streams = streams or {}
     live: dict[int, _Block] = {}
     cat = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "temporaries", "workspace"), 0)
     best, steady_alloc, steady_res = dict(cat), 0, 0
@@ -475,7 +481,7 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
         if n == EMPTY_CACHE:
             a.release_cached()
         elif n >= 0:
-            b = live[serial] = a.malloc(n)
+            b = live[serial] = a.malloc(n, streams.get(serial, 0))
             cat[roles.get(serial, "temporaries")] += b.size
             if i >= steady_from and a.allocated >= steady_alloc:  # the categories at the peak reported
                 best = dict(cat)
@@ -505,13 +511,13 @@ def least_cap(runs, lo: int, hi: int, step: int) -> tuple[int, list[tuple[int, b
 
 
 def least_reserved(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = (), *,
-                   upper: int) -> int:
+                   upper: int, streams: dict[int, int] | None = None) -> int:
     """The smallest cap on reserved bytes (to 2 MiB) under which the timeline replays without an
     out-of-memory error: what the step needs from a card, where `upper` (the uncapped reserved peak,
     what a large card shows) also counts the cached blocks the allocator gives back under pressure."""
     def runs(cap: int) -> bool:
         try:
-            replay(events, roles, extra_allocs, outside=outside, limit=cap)
+            replay(events, roles, extra_allocs, outside=outside, limit=cap, streams=streams)
         except torch.OutOfMemoryError:
             return False
         return True

@@ -49,6 +49,8 @@ class PlacedAccounting(MemoryAccounting):
         self._forced: str | None = None
         self._placing: str | None = None
         self._call: tuple | None = None
+        self.stream = 0  # the stream the library allocates on (0: the default; see on_stream)
+        self.serial_stream: dict[int, int] = {}
 
     # -- where things are -------------------------------------------------------------------
     def place_of(self, t: Any) -> str | None:
@@ -85,6 +87,16 @@ class PlacedAccounting(MemoryAccounting):
         finally:
             self._forced = before
 
+    @contextlib.contextmanager
+    def on_stream(self, stream: int):
+        """Every storage made inside is allocated on `stream` (a library's side stream, whose freed
+        blocks the card's caching allocator keeps for that stream alone)."""
+        before, self.stream = self.stream, stream
+        try:
+            yield
+        finally:
+            self.stream = before
+
     # -- counting -----------------------------------------------------------------------------
     def _add(self, st, role: str | None = None) -> bool:
         key = id(st)
@@ -95,6 +107,8 @@ class PlacedAccounting(MemoryAccounting):
         serial = self._serial.get(key)
         if serial is not None:
             self.serial_place[serial] = self.where[key]
+            if self.stream:
+                self.serial_stream[serial] = self.stream
         return added
 
     def _count(self, key: int, role: str, nbytes: int) -> None:
@@ -179,6 +193,7 @@ class PlacedAccounting(MemoryAccounting):
             r.timeline_steps = [full.timeline_steps[i] for i in keep]
             r.timeline_ops = [full.timeline_ops[i] for i in keep]
             r.timeline_roles = {s: role for s, role in full.timeline_roles.items() if self.serial_place.get(s) == place}
+            r.timeline_streams = {s: st for s, st in self.serial_stream.items() if self.serial_place.get(s) == place}
         return r
 
 

@@ -277,11 +277,12 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         workspaces = (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces
         outside = ("optimizer_state",) if pageable else ()
         alloc = cuda_model.replay(report.timeline, report.timeline_roles, workspaces, steady_from=steady_from,
-                                  outside=outside)
+                                  outside=outside, streams=report.timeline_streams)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
                     needed_reserved_bytes=cuda_model.least_reserved(report.timeline, report.timeline_roles, workspaces,
-                                                                    outside, upper=alloc.reserved_peak_bytes),
+                                                                    outside, upper=alloc.reserved_peak_bytes,
+                                                                    streams=report.timeline_streams),
                     allocated_breakdown=alloc.by_category_at_peak,
                     context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES))
     return Prediction(

@@ -30,22 +30,25 @@ from workbench.core.memory.predict import simulate
 
 
 def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any]:
-    """The `_dump_snapshot` dict of an accounted run's timeline (device 0, one stream)."""
+    """The `_dump_snapshot` dict of an accounted run's timeline (device 0; the default stream, and
+    a library's side streams where the report names them: `timeline_streams`)."""
     if report.timeline is None:
         raise ValueError("this report has no timeline: account the step with MemoryAccounting(timeline=True)")
     a = CachingAllocator()
     trace: list[dict[str, Any]] = []
     live: dict[Any, tuple] = {}
     frames_of: dict[Any, list] = {}
+    streams = report.timeline_streams or {}
 
     def alloc(key, nbytes, frames):
-        b = a.malloc(nbytes)
+        stream = streams.get(key, 0)
+        b = a.malloc(nbytes, stream)
         if a.new_segment:
-            trace.append({"action": "segment_alloc", "addr": a.bases[b.seg], "size": a.new_segment, "stream": 0,
+            trace.append({"action": "segment_alloc", "addr": a.bases[b.seg], "size": a.new_segment, "stream": stream,
                           "frames": frames})
         live[key] = b
         frames_of[key] = frames
-        trace.append({"action": "alloc", "addr": a.address(b), "size": b.size, "stream": 0, "frames": frames})
+        trace.append({"action": "alloc", "addr": a.address(b), "size": b.size, "stream": stream, "frames": frames})
 
     for i, (name, nbytes) in enumerate(extra_allocs):
         alloc(("extra", i), nbytes, [{"filename": "workspace", "line": 0, "name": name}])
@@ -55,7 +58,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
             before = [(seg, base, total) for seg, base, total, _ in a.segment_blocks()]
             a.release_cached()
             kept = {seg for seg, *_ in a.segment_blocks()}
-            trace.extend({"action": "segment_free", "addr": base, "size": total, "stream": 0, "frames": []}
+            trace.extend({"action": "segment_free", "addr": base, "size": total, "stream": seg[1], "frames": []}
                          for seg, base, total in before if seg not in kept)
         elif nbytes >= 0:
             frames = [{"filename": roles.get(serial, "temporaries"), "line": step + 1, "name": op or "setup"}]
@@ -63,7 +66,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         elif serial in live:
             b = live.pop(serial)
             for action in ("free_requested", "free_completed"):
-                trace.append({"action": action, "addr": a.address(b), "size": b.size, "stream": 0,
+                trace.append({"action": action, "addr": a.address(b), "size": b.size, "stream": b.seg[1],
                               "frames": frames_of[serial]})
             a.free(b)
     frames_by_block = {id(b): frames_of[k] for k, b in live.items()}
@@ -75,7 +78,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
             out_blocks.append({"address": base + b.offset, "size": b.size, "requested_size": b.size if active else 0,
                                "state": "active_allocated" if active else "inactive",
                                "frames": frames_by_block.get(id(b), [])})
-        segments.append({"device": 0, "address": base, "total_size": total, "stream": 0,
+        segments.append({"device": 0, "address": base, "total_size": total, "stream": seg[1],
                          "segment_type": "small" if seg[0] else "large",
                          "allocated_size": sum(x["size"] for x in out_blocks if x["state"] == "active_allocated"),
                          "active_size": sum(x["size"] for x in out_blocks if x["state"] == "active_allocated"),

@@ -56,6 +56,10 @@ from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting
 
 # stage3.py `_constant_buffered_norm2`: a gradient's norm is taken in fp64 chunks of this many elements
 NORM_CHUNK = 250_000_000
+# DeepSpeed's side streams (overlap_comm, on by default for stage 3): the coordinator gathers on its
+# allgather stream (partitioned_param_coordinator.py `__all_gather_params_`), the optimizer reduces
+# and partitions gradients on its reduce_and_partition_stream (stage3.py); the rest runs on the default
+ALLGATHER_STREAM, REDUCE_STREAM = 1, 2
 
 
 def stage3_settings(reduce_bucket_size: int | None = None, **overrides: Any) -> Any:
@@ -205,11 +209,13 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
         with self.acc.placing(DEVICE):
             p.data = torch.empty(0, dtype=self.dtype)  # free_param
 
-    def _gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False) -> _Gathered:
+    def _gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False, *,
+                          stream: int = ALLGATHER_STREAM) -> _Gathered:
+        """The coordinator's gather (on the allgather stream); `stream` 0: a blocking `all_gather`."""
         params = list(params)
         for p in params:
             p.ds_status = self.status.INFLIGHT
-            with self.acc.placing(DEVICE):  # ds_tensor.data.to(device).view(ds_shape)
+            with self.acc.placing(DEVICE), self.acc.on_stream(stream):  # ds_tensor.data.to(device).view(ds_shape)
                 p.data = torch.empty(p.ds_shape, dtype=self.dtype)
             self.acc.set_role([p.data], "weights")
         return _Gathered(params, self.status.AVAILABLE)
@@ -217,7 +223,7 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
     def _all_gather(self, p: torch.nn.Parameter, param_list=None, **kwargs: Any) -> None:
         params = [q for q in (param_list or [p]) if q.ds_status == self.status.NOT_AVAILABLE]
         if params:
-            self._gather_coalesced(params).wait()
+            self._gather_coalesced(params, stream=0).wait()
 
     def _partition(self, p: torch.nn.Parameter, param_list=None, hierarchy: int = 0, has_been_updated: bool = False,
                    free_data: bool = True) -> None:
@@ -243,10 +249,14 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
         del grad
 
     def _reduce(self) -> None:
-        """`__reduce_and_partition_ipg_grads` at world size 1: reduce_scatter_coalesced's flat copy,
-        then `partition_grads` parameter by parameter in ds_id order."""
+        """`__reduce_and_partition_ipg_grads` at world size 1, on the reduce stream:
+        reduce_scatter_coalesced's flat copy, then `partition_grads` parameter by parameter in ds_id order."""
         if not self.in_bucket:
             return
+        with self.acc.on_stream(REDUCE_STREAM):
+            self._reduce_and_partition()
+
+    def _reduce_and_partition(self) -> None:
         items = sorted(self.in_bucket, key=lambda x: x[0].ds_id)
         self.in_bucket, self.elements = [], 0
         grads = [g for _, g in items]
