@@ -44,6 +44,11 @@ def test_every_candidate_keeps_the_effective_batch_and_the_setup_is_among_them()
     base = cost(setup)
     assert cost(setup.__class__(**{**setup.__dict__, "precision": "bf16"})) < base
     assert cost(setup.__class__(**{**setup.__dict__, "grad_checkpointing": True})) > base
+    # the offload placements are searched too, ZeRO-3 (weights on the host as well) as the last resort
+    zero = {p.placement: cost(p) for p in plans if p.placement != "device" and p.accum == 1
+            and (p.precision, p.grad_checkpointing) == (setup.precision, setup.grad_checkpointing)}
+    assert set(zero) == {"zero_offload", "zero_offload_params"} and base < zero["zero_offload"] < zero["zero_offload_params"]
+    assert all(p.optimizer == setup.optimizer for p in plans if p.placement != "device")  # DeepSpeed's own Adam
 
 
 def test_the_margin_is_the_predictions_measured_error(tmp_path):

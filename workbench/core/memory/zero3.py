@@ -195,7 +195,7 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
     def _describe(self, p: torch.nn.Parameter, ds_id: int) -> None:
         """The attributes zero.Init gives a parameter, with this simulation's gather and release."""
         n = p.numel()
-        p.ds_id, p.ds_numel, p.ds_shape, p.ds_persist = ds_id, n, tuple(p.shape), False
+        p.ds_id, p.ds_numel, p.ds_shape, p.ds_persist, p.ds_dtype = ds_id, n, tuple(p.shape), False, p.dtype
         p.ds_status, p.ds_active_sub_modules = self.status.NOT_AVAILABLE, set()
         p.ds_tensor = types.SimpleNamespace(ds_numel=n, final_location=None)
         p.ds_secondary_tensor, p.nvme_swapper, p.is_external_param = None, None, False
@@ -207,7 +207,7 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
 
     def _free(self, p: torch.nn.Parameter) -> None:
         with self.acc.placing(DEVICE):
-            p.data = torch.empty(0, dtype=self.dtype)  # free_param
+            p.data = torch.empty(0, dtype=p.ds_dtype)  # free_param
 
     def _gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False, *,
                           stream: int = ALLGATHER_STREAM) -> _Gathered:
@@ -216,7 +216,7 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
         for p in params:
             p.ds_status = self.status.INFLIGHT
             with self.acc.placing(DEVICE), self.acc.on_stream(stream):  # ds_tensor.data.to(device).view(ds_shape)
-                p.data = torch.empty(p.ds_shape, dtype=self.dtype)
+                p.data = torch.empty(p.ds_shape, dtype=p.ds_dtype)
             self.acc.set_role([p.data], "weights")
         return _Gathered(params, self.status.AVAILABLE)
 

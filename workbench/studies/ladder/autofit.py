@@ -55,6 +55,8 @@ COSTS = {
     "optimizer": {"adamw": 1.0, "adamw_torch": 1.0, "adamw8bit": 1.02, "paged_adamw8bit": 1.04},
     # the update is a few % of a step; 8-bit adds (de)quantisation, paging adds host transfers (assumption)
     "zero_offload": 1.5,  # the optimizer step on the host over PCIe (assumption; ZeRO-Offload overlaps part of it)
+    "zero_offload_params": 3.0,  # that, and every weight copied to the card in forward, recompute and backward
+    # (ZeRO-3 prefetches to overlap them; assumption: the slowest placement, tried last)
     "lora": 0.7,  # no weight gradients: backward 2N instead of 4N of 6N FLOPs (ranked after same-training setups)
 }
 PRECISION_FAMILY = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16_true": "bf16-true", "fp16_true": "fp16-true",
@@ -87,7 +89,7 @@ def cost(plan: Plan) -> float:
     c = COSTS["precision"][plan.precision] * COSTS["optimizer"][plan.optimizer]
     c *= COSTS["checkpointing"] if plan.grad_checkpointing else 1.0
     c *= 1 + COSTS["accumulation_step"] * (plan.accum - 1)
-    c *= COSTS["zero_offload"] if plan.placement == "zero_offload" else 1.0
+    c *= COSTS.get(plan.placement, 1.0) if plan.placement in ("zero_offload", "zero_offload_params") else 1.0
     c *= COSTS["lora"] if plan.trainable in ("lora", "qlora") else 1.0
     return c
 
@@ -99,7 +101,8 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False) -> list[Pla
                                 *(("bf16_true",) if setup.precision == "bf16" else ())])
     optimizers = dict.fromkeys([setup.optimizer, "adamw8bit", "paged_adamw8bit"])
     trainables = dict.fromkeys([setup.trainable, *(("lora",) if allow_lora and setup.trainable == "full" else ())])
-    placements = dict.fromkeys([setup.placement, "zero_offload"] if setup.placement == "device" else [setup.placement])
+    placements = dict.fromkeys([setup.placement, "zero_offload", "zero_offload_params"] if setup.placement == "device"
+                               else [setup.placement])
     out = []
     for micro in [m for m in range(batch, 0, -1) if batch % m == 0]:
         for precision in precisions:
@@ -107,12 +110,12 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False) -> list[Pla
                 for optimizer in optimizers:
                     for trainable in trainables:
                         for placement in placements:
-                            if placement == "zero_offload" and optimizer != setup.optimizer:
+                            if placement.startswith("zero_") and optimizer != setup.optimizer:
                                 continue  # the host runs DeepSpeed's own Adam: no 8-bit state to choose
                             name = (f"{PRECISION_FAMILY[precision]}, {optimizer}, {trainable}"
                                     + (", checkpointing" if ckpt else "") + f", micro-batch {micro}"
                                     + (f" x {batch // micro}" if micro != batch else "")
-                                    + (", ZeRO-Offload" if placement == "zero_offload" else ""))
+                                    + {"zero_offload": ", ZeRO-Offload", "zero_offload_params": ", ZeRO-3 offload"}.get(placement, ""))
                             out.append(dataclasses.replace(
                                 setup, name=name, help=name, precision=precision, grad_checkpointing=ckpt,
                                 accum=batch // micro, optimizer=optimizer, trainable=trainable, placement=placement))
