@@ -169,15 +169,13 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     return report
 
 
-def _estimate(config, plan: Plan, *, batch: int, seq: int, steps: int, target: str = "cpu",
-              sm: int | None = None, instrumented: bool = False) -> tuple[MemoryReport, dict[str, Any]]:
-    """Figures for rungs that cannot be simulated here (fp16 autocast for a CPU target), from a simulated rung."""
-    if plan.precision == "fp16" and plan.placement == "device":
-        base = simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps,
-                        instrumented=instrumented)
-        return base, {"note": "estimated: the bf16 simulation (same 2-byte activations); fp16 autocast needs "
-                              "CUDA, which a CPU-only torch cannot simulate; the GradScaler adds a few bytes"}
-    raise ValueError(f"{plan.placement} is simulated, not estimated (workbench.core.memory.offload)")
+def _estimate_fp16(config, plan: Plan, *, batch: int, seq: int, steps: int, instrumented: bool = False) -> MemoryReport:
+    """fp16 autocast for a CPU target cannot be simulated (the CPU's autocast has no fp16 with a
+    GradScaler): the bf16 simulation stands in, with the same 2-byte activations."""
+    if plan.placement != "device":
+        raise ValueError(f"{plan.placement} is simulated, not estimated (workbench.core.memory.offload)")
+    return simulate(config, plan.compose(plan.name, plan.help, precision="bf16"), batch=batch, seq=seq, steps=steps,
+                    instrumented=instrumented)
 
 
 def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
@@ -244,13 +242,11 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         note = (f"simulated placement: {placement}; host memory {host / MiB:,.0f} MiB at its own peak"
                 + ("; estimated: fp16 autocast needs CUDA, bf16 simulated instead" if as_bf16 else ""))
     elif plan.precision == "fp16" and not simulated_fp16:
-        report, est = _estimate(config, plan, batch=batch, seq=seq, steps=steps, target=device, sm=sm,
-                                instrumented=instrumented)
-        method, note = "estimated", est["note"]
-        peak = est.get("peak", report.steady_peak_bytes)
-        breakdown = {c: est["parts"].get(c, 0) for c in CATEGORIES} if "parts" in est else report.breakdown()
-        host = est.get("host", 0)
-        where = "not simulated" if "parts" in est else report.where()
+        report = _estimate_fp16(config, plan, batch=batch, seq=seq, steps=steps, instrumented=instrumented)
+        method = "estimated"
+        note = ("estimated: the bf16 simulation (same 2-byte activations); fp16 autocast needs CUDA, which a "
+                "CPU-only torch cannot simulate; the GradScaler adds a few bytes")
+        peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
     else:
         report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm,
                           instrumented=instrumented)
