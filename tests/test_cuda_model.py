@@ -184,6 +184,12 @@ def test_a_freed_block_is_reused_only_on_its_own_stream():
     assert cm.replay(events, {}).reserved_peak_bytes == 30 * MiB
     assert cm.replay(events, {}, streams={1: 1}).reserved_peak_bytes == 60 * MiB
     assert cm.least_reserved(events, {}, upper=60 * MiB, streams={1: 1}) == 30 * MiB  # the cache is given back under a cap
+    assert cm.replay(events, {}, streams={1: 1}).reserved_by_stream == {0: 30 * MiB, 1: 30 * MiB}
+    # the card's side: torch.cuda.memory_snapshot()'s segments, by stream handle, named where known
+    snap = [{"stream": 0, "total_size": 2 * MiB}, {"stream": 94021, "total_size": 20 * MiB},
+            {"stream": 94021, "total_size": 12 * MiB}, {"stream": 77, "total_size": 2 * MiB}]
+    assert cm.reserved_by_stream(snap, {0: "default", 94021: "reduce"}) == {"default": 2 * MiB, "reduce": 32 * MiB,
+                                                                             77: 2 * MiB}
 
 
 # ------------------------------------------------------------------------------------------------

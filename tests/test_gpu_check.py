@@ -82,6 +82,12 @@ def test_a_cuda_prediction_is_judged_by_its_allocator_figures_not_its_live_bytes
     assert r["predicted_reserved_mib"] == 1150 and r["error_vs_reserved_pct"] == pytest.approx(100 * -50 / 1200)
     # what nvidia-smi would show beside NVML, and what NVML saw outside the allocator (context, kernels)
     assert r["predicted_nvidia_smi_mib"] == 1650 and r["outside_allocator_mib"] == 1400
+    assert r["predicted_reserved_by_stream_mib"] is None and r["cuda_reserved_by_stream_mib"] is None
+    # ZeRO-3: each side stream's cache, predicted beside the card's (memory_snapshot's segments by stream)
+    z3 = gc.rung_row("zero_offload_params", {**cuda, "reserved_by_stream_bytes": {"default": 600 * MiB, "reduce": 550 * MiB}},
+                     _measured(1000, 1200, reserved_by_stream_bytes={"default": 620 * MiB, "reduce": 580 * MiB}), {})
+    assert z3["predicted_reserved_by_stream_mib"] == {"default": 600, "reduce": 550}
+    assert z3["cuda_reserved_by_stream_mib"] == {"default": 620, "reduce": 580}
 
 
 def test_a_failed_prediction_is_its_rungs_failure_with_the_measurement_kept():

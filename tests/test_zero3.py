@@ -13,15 +13,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import transformers as T
 
 from tests.conftest import tiny_config
 from tests.zero3_trace import recording
+from workbench.core.memory import cuda_model as cm
 from workbench.core.memory import zero3
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.offload import simulate_placed
 from workbench.core.memory.plan import RUNGS
+from workbench.core.memory.predict import predict
 
 SEQ, BATCH = 32, 2
 # small enough for a tiny model to exercise every rule: persistent norms and biases, prefetch, the
@@ -92,8 +96,6 @@ def _simulated(accum: int) -> tuple[list, list]:
         init(self, model, *args, **kwargs)
 
     plan = RUNGS["zero_offload_params"].compose("z3", "", accum=accum)
-    from unittest import mock
-
     with mock.patch.object(zero3.ZeroParamOffloadStep, "__init__", keep), recording(lambda: made[0], events):
         r = simulate_placed(tiny_config("qwen2"), plan, batch=BATCH * accum, seq=SEQ, reduce_bucket_size=BUCKET,
                             zero_settings=SETTINGS)
@@ -122,8 +124,6 @@ def test_the_peak_is_the_gradient_epilogue_of_the_embedding_buffer_by_buffer(acc
     embedding first (ds_id 0) and still gathered (its input needs no gradient, so its post-backward
     hook never fires): the bucket, the concatenated gradients, the embedding, its gradient partition
     copied back to the card and that copy in fp64 for the norm, only at the accumulation boundary."""
-    import transformers as T
-
     config = T.Qwen2Config(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     bucket = 400_000
@@ -145,8 +145,6 @@ def test_gathers_and_reduces_run_on_deepspeeds_side_streams_whose_cache_the_card
     """DeepSpeed's coordinator gathers on its allgather stream and the optimizer reduces on its own;
     the caching allocator reuses a freed block only on the stream it was made on, so the reserved
     peak is higher than one stream's replay of the same allocations."""
-    from workbench.core.memory import cuda_model as cm
-
     r = simulate_placed(tiny_config("qwen2"), RUNGS["zero_offload_params"], batch=BATCH, seq=SEQ, target="cuda",
                         reduce_bucket_size=BUCKET, zero_settings=SETTINGS)
     d = r.device
@@ -161,3 +159,8 @@ def test_gathers_and_reduces_run_on_deepspeeds_side_streams_whose_cache_the_card
     together = cm.replay(d.timeline, d.timeline_roles)
     assert apart.allocated_peak_bytes == together.allocated_peak_bytes
     assert apart.reserved_peak_bytes > together.reserved_peak_bytes
+    # and the prediction names each stream's cache, for the card's memory_snapshot to be compared with
+    p = predict(tiny_config("qwen2"), "zero_offload_params", batch=BATCH, seq=SEQ, device="cuda")
+    assert set(p.reserved_by_stream_bytes) == {"default", "allgather", "reduce"}
+    assert sum(p.reserved_by_stream_bytes.values()) == p.reserved_peak_bytes  # reserved only grows: the end is the peak
+    assert predict(tiny_config("qwen2"), "zero_offload", batch=BATCH, seq=SEQ, device="cuda").reserved_by_stream_bytes == {}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -452,6 +452,7 @@ class AllocatorReport:
     by_category_at_peak: dict[str, int]  # rounded allocated bytes per category at the (steady) allocated peak
     steady_allocated_peak_bytes: int  # the same peaks over the last simulated step only
     steady_reserved_peak_bytes: int
+    reserved_by_stream: dict[int, int] = field(default_factory=dict)  # segments' bytes per stream, at the end
 
 
 def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
@@ -493,7 +494,18 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
             a.free(b)
         if i >= steady_from:
             steady_alloc, steady_res = max(steady_alloc, a.allocated), max(steady_res, a.reserved)
-    return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, best, steady_alloc, steady_res)
+    return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, best, steady_alloc, steady_res,
+                           reserved_by_stream([{"stream": seg[1], "total_size": total} for seg, _, total, _ in a.segment_blocks()]))
+
+
+def reserved_by_stream(segments, names: dict[int, str] | None = None) -> dict:
+    """Reserved bytes per stream from segments as `torch.cuda.memory_snapshot()` lists them (each
+    with "stream" and "total_size"); `names`: stream -> a name for it (others keep their handle)."""
+    out: dict = {}
+    for seg in segments:
+        key = (names or {}).get(seg["stream"], seg["stream"])
+        out[key] = out.get(key, 0) + seg["total_size"]
+    return out
 
 
 def least_cap(runs, lo: int, hi: int, step: int) -> tuple[int, list[tuple[int, bool]]]:

@@ -51,6 +51,7 @@ from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
+from workbench.core.memory.zero3 import STREAM_NAMES
 from workbench.core.models import check_seq_len
 from workbench.core.training import train
 
@@ -82,6 +83,7 @@ class Prediction:
     needed_reserved_bytes: int = 0  # the least reserved cap the step runs under (cached blocks given back)
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
+    reserved_by_stream_bytes: dict[str, int] = field(default_factory=dict)  # a library's side streams: each one's cache
     card: str = ""
     card_bytes: int = 0
     kernels: dict[str, int] = field(default_factory=dict)  # attention kernels the step used
@@ -131,6 +133,7 @@ class Prediction:
             "context_bytes": self.context_bytes,
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
             "fits": self.fits, "headroom_bytes": self.headroom_bytes,
+            "reserved_by_stream_bytes": self.reserved_by_stream_bytes,
         }
 
 
@@ -280,6 +283,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                                                                     outside, upper=alloc.reserved_peak_bytes,
                                                                     streams=report.timeline_streams),
                     allocated_breakdown=alloc.by_category_at_peak,
+                    reserved_by_stream_bytes=({STREAM_NAMES.get(k, k): v for k, v in alloc.reserved_by_stream.items()}
+                                              if report.timeline_streams else {}),
                     context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES))
     return Prediction(
         rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),

@@ -60,6 +60,7 @@ NORM_CHUNK = 250_000_000
 # allgather stream (partitioned_param_coordinator.py `__all_gather_params_`), the optimizer reduces
 # and partitions gradients on its reduce_and_partition_stream (stage3.py); the rest runs on the default
 ALLGATHER_STREAM, REDUCE_STREAM = 1, 2
+STREAM_NAMES = {0: "default", ALLGATHER_STREAM: "allgather", REDUCE_STREAM: "reduce"}
 
 
 def stage3_settings(reduce_bucket_size: int | None = None, **overrides: Any) -> Any:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from workbench.core.config import ConfigError
+from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
@@ -155,6 +156,19 @@ def zero_config(plan: Plan, settings: TrainSettings) -> dict[str, Any]:
     }
 
 
+def _deepspeed_streams(engine) -> dict[int, str]:
+    """The CUDA stream handles of a DeepSpeed engine's side streams, named as the ZeRO-3 simulation
+    names them (workbench.core.memory.zero3.STREAM_NAMES); the default stream's handle is 0."""
+    names = {0: "default"}
+    opt = engine.optimizer
+    offload = getattr(opt, "parameter_offload", None)
+    for stream, name in ((getattr(opt, "reduce_and_partition_stream", None), "reduce"),
+                         (getattr(offload, "_DeepSpeedZeRoOffload__allgather_stream", None), "allgather")):
+        if stream is not None and getattr(stream, "cuda_stream", 0):
+            names[stream.cuda_stream] = name
+    return names
+
+
 def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: torch.Tensor, *, batch: int,
                       steps: int, device: torch.device, lr: float, sinks: tuple = ()) -> dict[str, Any]:
     """CUDA only. Train `plan` with its own mechanism and report the allocator's peaks.
@@ -173,6 +187,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
     torch.cuda.reset_peak_memory_stats(device)
     rows: list[dict[str, Any]] = []
     extra = {"rung": plan.name}
+    by_stream: dict = {}  # ZeRO: the card's reserved bytes per stream at the end (its side streams' caches)
     if plan.placement == "device_map":
         from accelerate import dispatch_model
 
@@ -214,6 +229,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
                 for sink in sinks:
                     sink(row)
             loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
+            by_stream = cuda_model.reserved_by_stream(torch.cuda.memory_snapshot(), _deepspeed_streams(engine))
             if hasattr(engine, "destroy"):
                 engine.destroy()
             del engine
@@ -225,7 +241,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
            "measured_peak_bytes": torch.cuda.max_memory_allocated(device),
            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
-           "measured_where": placed, "step_ms": step_ms,
+           "measured_where": placed, "step_ms": step_ms, "reserved_by_stream_bytes": by_stream,
            "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / (step_ms / 1e3), "loss_after": loss}
     del model
     return out
