@@ -57,7 +57,7 @@ from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting, move, move_output
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer
-from workbench.core.memory.zero3 import ZeroParamOffloadStep, deepspeed_stage3, stage3_settings
+from workbench.core.memory.zero3 import ZeroParamOffloadStep, cpu_adam_in_place, deepspeed_stage3, stage3_settings
 from workbench.core.training import train
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py), which the ladder's zero_config keeps
@@ -248,11 +248,8 @@ class ZeroOffloadStep(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        m, g, s = self.master, self.master.grad, self.state[self.master]
-        # DeepSpeedCPUAdam: one fused C++ loop over the host partition, in place, no temporaries
-        s["exp_avg"].mul_(0.9).add_(g)
-        s["exp_avg_sq"].mul_(0.999).addcmul_(g, g)
-        m.addcdiv_(s["exp_avg"], s["exp_avg_sq"], value=-1e-5)
+        m = self.master
+        cpu_adam_in_place(m, self.state[m])
         self.staging.copy_(m)  # fp32 -> bf16 in host memory
         for p in self.params:  # ... -> the card's weights
             p.data.reshape(-1).copy_(self.staging.narrow(0, self.offset[p], p.numel()))

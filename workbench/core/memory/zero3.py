@@ -96,6 +96,15 @@ def deepspeed_stage3(zero_config: Any):
         yield
 
 
+def cpu_adam_in_place(master: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    """DeepSpeedCPUAdam's update of the host's fp32 partition, as its memory goes: one fused C++
+    loop, in place, no temporaries (ZeRO-2 and ZeRO-3 offload both run it)."""
+    g = master.grad
+    state["exp_avg"].mul_(0.9).add_(g)
+    state["exp_avg_sq"].mul_(0.999).addcmul_(g, g)
+    master.addcdiv_(state["exp_avg"], state["exp_avg_sq"], value=-1e-5)
+
+
 class _Gathered:
     """deepspeed's NoGatherCoalescedHandle: the copy exists from the gather's issue; `wait` marks
     the parameters available (the first call only)."""
@@ -302,15 +311,12 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self.offload.get_param_coordinator().release_and_reset_all(self.model)  # _partition_all_parameters
-        m, g = self.master, self.master.grad
-        if m not in self.state or not self.state[m]:
+        m = self.master
+        if not self.state[m]:
             with self.acc.placing(HOST):  # DeepSpeedCPUAdam's moments, made at the first step
                 self.state[m] = {"exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
             self.acc.set_role(list(self.state[m].values()), "optimizer_state")
-        s = self.state[m]
-        s["exp_avg"].mul_(0.9).add_(g)  # one fused C++ loop over the host partition, in place
-        s["exp_avg_sq"].mul_(0.999).addcmul_(g, g)
-        m.addcdiv_(s["exp_avg"], s["exp_avg_sq"], value=-1e-5)
+        cpu_adam_in_place(m, self.state[m])
         for p in self.params:  # fp32 -> the bf16 partitions in pinned host memory
             self.host_flat.narrow(0, self.flat_offset[p], p.ds_numel).copy_(m.narrow(0, self.offset[p], p.ds_numel))
         self.norms.clear()
