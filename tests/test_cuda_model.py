@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from workbench.core.config import ConfigError
+from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model as cm
 from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags
 from workbench.core.memory.predict import predict
@@ -138,14 +139,14 @@ def test_foreach_adamw_holds_more_in_the_optimizer_step(tmp_path):
 # the caching allocator
 
 def test_rounding_and_segment_sizes():
-    assert cm.round_size(1) == 512 and cm.round_size(512) == 512 and cm.round_size(513) == 1024
-    assert cm.segment_size(512) == 2 * MiB and cm.segment_size(MiB) == 2 * MiB
-    assert cm.segment_size(MiB + 512) == 20 * MiB and cm.segment_size(10 * MiB - 512) == 20 * MiB
-    assert cm.segment_size(10 * MiB) == 10 * MiB and cm.segment_size(11 * MiB) == 12 * MiB
+    assert allocator.round_size(1) == 512 and allocator.round_size(512) == 512 and allocator.round_size(513) == 1024
+    assert allocator.segment_size(512) == 2 * MiB and allocator.segment_size(MiB) == 2 * MiB
+    assert allocator.segment_size(MiB + 512) == 20 * MiB and allocator.segment_size(10 * MiB - 512) == 20 * MiB
+    assert allocator.segment_size(10 * MiB) == 10 * MiB and allocator.segment_size(11 * MiB) == 12 * MiB
 
 
 def test_allocator_reuses_splits_and_merges():
-    a = cm.CachingAllocator()
+    a = allocator.CachingAllocator()
     x = a.malloc(100)
     assert (a.allocated, a.reserved) == (512, 2 * MiB)
     y = a.malloc(1000)  # split from the same small segment
@@ -169,7 +170,7 @@ def test_allocator_reuses_splits_and_merges():
 
 
 def test_a_freed_block_is_reused_only_on_its_own_stream():
-    a = cm.CachingAllocator()
+    a = allocator.CachingAllocator()
     side = a.malloc(30 * MiB, stream=1)
     a.free(side)  # cached for stream 1
     main = a.malloc(30 * MiB)  # the default stream cannot take it: a segment of its own
@@ -181,14 +182,14 @@ def test_a_freed_block_is_reused_only_on_its_own_stream():
     a.release_cached()  # empty_cache gives back every stream's free segments
     assert a.reserved == 0
     events = [(1, 30 * MiB), (1, -1), (2, 30 * MiB), (2, -1)]
-    assert cm.replay(events, {}).reserved_peak_bytes == 30 * MiB
-    assert cm.replay(events, {}, streams={1: 1}).reserved_peak_bytes == 60 * MiB
-    assert cm.least_reserved(events, {}, upper=60 * MiB, streams={1: 1}) == 30 * MiB  # the cache is given back under a cap
-    assert cm.replay(events, {}, streams={1: 1}).reserved_by_stream == {0: 30 * MiB, 1: 30 * MiB}
+    assert allocator.replay(events, {}).reserved_peak_bytes == 30 * MiB
+    assert allocator.replay(events, {}, streams={1: 1}).reserved_peak_bytes == 60 * MiB
+    assert allocator.least_reserved(events, {}, upper=60 * MiB, streams={1: 1}) == 30 * MiB  # the cache is given back under a cap
+    assert allocator.replay(events, {}, streams={1: 1}).reserved_by_stream == {0: 30 * MiB, 1: 30 * MiB}
     # the card's side: torch.cuda.memory_snapshot()'s segments, by stream handle, named where known
     snap = [{"stream": 0, "total_size": 2 * MiB}, {"stream": 94021, "total_size": 20 * MiB},
             {"stream": 94021, "total_size": 12 * MiB}, {"stream": 77, "total_size": 2 * MiB}]
-    assert cm.reserved_by_stream(snap, {0: "default", 94021: "reduce"}) == {"default": 2 * MiB, "reduce": 32 * MiB,
+    assert allocator.reserved_by_stream(snap, {0: "default", 94021: "reduce"}) == {"default": 2 * MiB, "reduce": 32 * MiB,
                                                                              77: 2 * MiB}
 
 
@@ -322,7 +323,7 @@ def test_an_empty_cache_in_the_timeline_gives_back_the_wholly_free_segments(tmp_
     big, small = 30 * MiB, 512
     cached = [(1, big), (2, small), (1, -1), (3, big)]
     emptied = [(1, big), (2, small), (1, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (3, big)]
-    kept, given_back = cm.replay(cached, {}), cm.replay(emptied, {})
+    kept, given_back = allocator.replay(cached, {}), allocator.replay(emptied, {})
     # without it the second 30 MiB reuses the cached block; with it that segment went back to the
     # card, so the second needs a new one (the small segment holds a live block: it stays)
     assert kept.segments == 2 and given_back.segments == 3
@@ -340,15 +341,15 @@ def test_the_least_reserved_cap_counts_the_cached_blocks_the_allocator_gives_bac
     retries (release_cached_blocks): the reserved peak of a card with room is not what the step needs."""
     big, bigger, small = 30 * MiB, 40 * MiB, 512
     events = [(1, big), (2, small), (1, -1), (3, bigger)]
-    assert cm.replay(events, {}).reserved_peak_bytes == big + 2 * MiB + bigger  # nothing presses: all kept
-    need = cm.least_reserved(events, {}, upper=big + 2 * MiB + bigger)
+    assert allocator.replay(events, {}).reserved_peak_bytes == big + 2 * MiB + bigger  # nothing presses: all kept
+    need = allocator.least_reserved(events, {}, upper=big + 2 * MiB + bigger)
     assert need == 2 * MiB + bigger  # the 30 MiB segment is given back for the 40 MiB one
-    cm.replay(events, {}, limit=need)
+    allocator.replay(events, {}, limit=need)
     with pytest.raises(torch.OutOfMemoryError):
-        cm.replay(events, {}, limit=need - 2 * MiB)
+        allocator.replay(events, {}, limit=need - 2 * MiB)
     # a block still live keeps its segment: the 30 MiB stays when it is not freed before
     held = [(1, big), (2, small), (3, bigger)]
-    assert cm.least_reserved(held, {}, upper=big + 2 * MiB + bigger) == big + 2 * MiB + bigger
+    assert allocator.least_reserved(held, {}, upper=big + 2 * MiB + bigger) == big + 2 * MiB + bigger
 
 
 def test_a_prediction_needs_less_than_its_reserved_peak_where_the_cache_holds_freed_weights():

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from workbench.core.memory.allocator import least_cap
 from workbench.core.memory.plan import RUNGS
 from workbench.front import gpu_check as gc
+from workbench.studies.ladder.gpu_cap import STEP
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,9 +243,6 @@ def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
 
 
 def test_the_cap_bisection_finds_the_least_cap_a_run_trains_under():
-    from workbench.core.memory.cuda_model import least_cap
-    from workbench.studies.ladder.gpu_cap import STEP
-
     MiB = 2**20
     for true_least in (3004 * MiB + 5, 3100 * MiB, 3300 * MiB):  # what the card needs (a stand-in trial)
         calls = []

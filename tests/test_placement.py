@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_config
+from workbench.core.memory import allocator
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.offload import dispatch_like_accelerate, infer_device_map, simulate_placed
 from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting
@@ -152,7 +153,6 @@ def test_zero2_offload_with_a_bucket_smaller_than_the_model_reduces_as_it_goes(l
 def test_zero2_flattens_the_weights_where_deepspeed_does_and_the_card_keeps_their_old_blocks():
     import transformers as T
 
-    from workbench.core.memory import cuda_model
     from workbench.core.memory.accounting import EMPTY_CACHE
 
     # weights large enough to take segments of their own (the 16 MiB embedding, 2 MiB projections)
@@ -176,7 +176,7 @@ def test_zero2_flattens_the_weights_where_deepspeed_does_and_the_card_keeps_thei
         events = r.device.timeline
         if setup_only:
             events = events[:next(i for i, op in enumerate(r.device.timeline_ops) if op.startswith("forward"))]
-        return cuda_model.replay(events, r.device.timeline_roles)
+        return allocator.replay(events, r.device.timeline_roles)
 
     # flattened on the card, both copies of the weights were on it at once; on the host, never
     assert replay(roomy, True).reserved_peak_bytes >= 2 * (2 * n) > replay(tight, True).reserved_peak_bytes

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from workbench.core.memory import cuda_model as cm
+from workbench.core.memory import allocator
 from workbench.core.memory.budget import device_budget
 
 MiB = 2**20
@@ -69,7 +69,7 @@ def test_the_played_figures_equal_the_offline_replay():
             opt.step()
             opt.zero_grad()
             fragment(then_mib=1)
-    report = cm.replay(b.live.events, {})
+    report = allocator.replay(b.live.events, {})
     assert report.allocated_peak_bytes == b.peak_mib * MiB
     assert report.reserved_peak_bytes == b.peak_reserved_mib * MiB
     assert b.peak_reserved_mib > b.peak_mib >= b.live.peak_mib

@@ -20,7 +20,7 @@ import transformers as T
 
 from tests.conftest import tiny_config
 from tests.zero3_trace import recording
-from workbench.core.memory import cuda_model as cm
+from workbench.core.memory import allocator
 from workbench.core.memory import zero3
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.offload import simulate_placed
@@ -155,8 +155,8 @@ def test_gathers_and_reduces_run_on_deepspeeds_side_streams_whose_cache_the_card
     assert {d.timeline_roles[s] for s in on[zero3.REDUCE_STREAM]} == {"temporaries"}  # concatenations, copies, norms
     embedding = 128 * 32
     assert 8 * embedding in {sizes[s] for s in on[zero3.REDUCE_STREAM]}  # the embedding gradient's fp64 norm copy
-    apart = cm.replay(d.timeline, d.timeline_roles, streams=d.timeline_streams)
-    together = cm.replay(d.timeline, d.timeline_roles)
+    apart = allocator.replay(d.timeline, d.timeline_roles, streams=d.timeline_streams)
+    together = allocator.replay(d.timeline, d.timeline_roles)
     assert apart.allocated_peak_bytes == together.allocated_peak_bytes
     assert apart.reserved_peak_bytes > together.reserved_peak_bytes
     # and the prediction names each stream's cache, for the card's memory_snapshot to be compared with

@@ -7,7 +7,8 @@
     plan        what changes about a step: the Plan, the named rungs, building a plan
     meta        a model without its weights: config, meta-device modules, parameter counts
     predict     the accounting over fake tensors: any config, any plan, no GPU
-    cuda_model  what CUDA does differently (kernels, dropout masks, autocast, caching allocator)
+    cuda_model  what CUDA does differently (kernels, dropout masks, autocast) and the cards
+    allocator   the CUDA caching allocator, modelled: allocated and reserved peaks of a timeline
     snapshot    the predicted or measured step as a PyTorch memory-visualizer snapshot
     baselines   accelerate's and DeepSpeed's estimators, called from the libraries
 

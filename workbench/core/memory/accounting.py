@@ -147,7 +147,7 @@ class MemoryAccounting(LiveBytes):
         self.sums: list[tuple[bool, tuple[int, ...]]] = []  # autograd's gradient sums: (in place, shape)
         # With `timeline`, every allocation (serial, nbytes) and free (serial, -1) in order, the
         # step each happened in, and each storage's role when it died (the CUDA allocator model
-        # replays it: workbench.core.memory.cuda_model.replay).
+        # replays it: workbench.core.memory.allocator.replay).
         self.timeline: list[tuple[int, int]] | None = [] if timeline else None
         self.timeline_steps: list[int] = []
         self.timeline_ops: list[str] = []  # the op that made each allocation ("" for frees)

@@ -15,7 +15,7 @@ The two budgets do not cap the same thing. CUDA's caps the caching allocator's *
 cached, fragmentation): a card OOMs with fewer live bytes than its size. The default CPU budget
 caps *live* tensor bytes, so a played 8 GB card fits more than a real one. With
 `allocator="cuda"` the CPU budget plays the card's allocator too: every storage LiveBytes sees
-is malloc'd from (and freed to) the modelled allocator (cuda_model.CachingAllocator, modelled,
+is malloc'd from (and freed to) the modelled allocator (allocator.CachingAllocator, modelled,
 one stream), the budget caps its reserved bytes, and the budget reports `peak_mib` (allocated,
 rounded, as max_memory_allocated) and `peak_reserved_mib` (as max_memory_reserved).
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.core.memory.cuda_model import CachingAllocator
+from workbench.core.memory.allocator import CachingAllocator
 from workbench.core.memory.live_bytes import LiveBytes, MiB
 
 ALLOCATORS = ("live", "cuda")
@@ -37,7 +37,7 @@ class PlayedCudaAllocator(LiveBytes):
     """LiveBytes that feeds each storage to the caching-allocator model; the budget caps the
     model's reserved bytes (OutOfMemoryError from the model), not the live bytes.
     `events`: set to a list to record (serial, nbytes) mallocs and (serial, -1) frees, the
-    timeline `cuda_model.replay` takes."""
+    timeline `allocator.replay` takes."""
 
     def __init__(self, device: str | torch.device = "cpu", budget_bytes: int | None = None):
         super().__init__(device)

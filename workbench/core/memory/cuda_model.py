@@ -20,22 +20,17 @@ cannot run CUDA kernels, not even fake ones: autograd cannot make a CUDA leaf's 
   Ops only the CPU's fp32 list names (fft, linalg, quantile, ...) are not reverted;
 - optimizer: `adamw_torch` is built with foreach=True (torch's default for CUDA tensors).
 
-Then the allocator (modelled): `CachingAllocator` replays the step's allocation timeline through
-the rules of c10/cuda/CUDACachingAllocator.cpp (constants in c10/core/AllocatorConfig.h) and gives
-the allocated peak (rounded block sizes, what `max_memory_allocated` reports) and the reserved
-peak (segments, `max_memory_reserved`). nvidia-smi adds the CUDA context (a per-card constant,
-modelled) to the reserved figure; the cuBLAS workspaces are allocations inside it.
-
-Why one module over 400 lines: the kernel choices, autocast lists and the caching allocator are
-the CUDA side of one simulated step, applied together by `cuda_step()`.
+Then the allocator (modelled, workbench.core.memory.allocator): the step's allocation timeline
+replayed through the rules of c10/cuda/CUDACachingAllocator.cpp gives the allocated peak (rounded
+block sizes, what `max_memory_allocated` reports) and the reserved peak (segments,
+`max_memory_reserved`). nvidia-smi adds the CUDA context (a per-card constant, modelled) to the
+reserved figure; the cuBLAS workspaces (`Card.cublas_workspaces`) are allocations inside it.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -43,7 +38,6 @@ from torch.overrides import TorchFunctionMode
 from workbench.core import training
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
-from workbench.core.memory.accounting import EMPTY_CACHE
 
 GiB = 2**30
 
@@ -298,240 +292,3 @@ def cuda_step(sm: int = DEFAULT_SM):
     finally:
         training.autocast = original
         modeling_utils.checkpoint = checkpoint
-
-
-# ------------------------------------------------------------------------------------------------
-# the caching allocator (modelled): c10/cuda/CUDACachingAllocator.cpp, default configuration
-
-MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple of 512 bytes
-SMALL_SIZE = 1 * MiB  # kSmallSize: requests up to 1 MiB come from the small pool
-SMALL_BUFFER = 2 * MiB  # kSmallBuffer: small-pool segments
-LARGE_BUFFER = 20 * MiB  # kLargeBuffer: segments for 1-10 MiB requests
-MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
-ROUND_LARGE = 2 * MiB  # kRoundLarge: larger requests get their own segment rounded to 2 MiB
-
-
-def round_size(n: int) -> int:
-    return MIN_BLOCK if n < MIN_BLOCK else MIN_BLOCK * ((n + MIN_BLOCK - 1) // MIN_BLOCK)
-
-
-def segment_size(n: int) -> int:
-    """cudaMalloc size for a rounded request that no cached block can serve (get_allocation_size)."""
-    if n <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if n < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * ((n + ROUND_LARGE - 1) // ROUND_LARGE)
-
-
-class _Block:
-    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "id")
-
-    def __init__(self, seg, offset, size, bid):
-        self.seg, self.offset, self.size, self.free, self.prev, self.next, self.id = seg, offset, size, True, None, None, bid
-
-
-class CachingAllocator:
-    """Best-fit among cached blocks (smallest size, then lowest address), split when the rest is
-    >= 512 B (small pool) or > 1 MiB (large pool), freed blocks merge with free neighbours; without
-    a limit or an empty_cache, reserved memory only grows. Each segment belongs to the stream its
-    first allocation ran on, and a freed block is reused only by allocations on that stream ("Once
-    freed, blocks can be re-allocated on the same stream, but not on any other stream",
-    CUDACachingAllocator.cpp); `stream` names one (0: the default stream). Streams are assumed in
-    step: a block freed after use on another stream (record_stream) is reused as soon as it is free.
-
-    Used online too (malloc(n) -> block, free(block), .allocated, .reserved): with `limit` (bytes,
-    what set_per_process_memory_fraction allows) a malloc that needs a new segment past the limit
-    first releases the wholly free cached segments (release_cached_blocks; with the default
-    max_split_size, release_available_cached_blocks does nothing), then raises OutOfMemoryError."""
-
-    def __init__(self, limit: int | None = None):
-        self.limit = limit
-        self._pools: dict[tuple, list] = {}  # (small?, stream): sorted (size, seg, offset, id, block) of free blocks
-        self._ids = itertools.count()
-        self._segs = itertools.count()
-        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
-        self.segments = 0
-        self.bases: dict[tuple, int] = {}  # segment -> its (modelled) device address
-        self.heads: dict[tuple, _Block] = {}  # segment -> its first block
-        self.new_segment = 0  # bytes of the segment the last malloc had to cudaMalloc (0: none)
-        self._next_addr = 0x7F0000000000
-
-    def _insert(self, b, pool_key):
-        bisect.insort(self._pools.setdefault(pool_key, []), (b.size, b.seg, b.offset, b.id, b))
-
-    def _remove(self, b, pool_key):
-        pool = self._pools[pool_key]
-        i = bisect.bisect_left(pool, (b.size, b.seg, b.offset, b.id))
-        assert pool[i][4] is b
-        pool.pop(i)
-
-    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
-        size = round_size(nbytes)
-        small = size <= SMALL_SIZE
-        pool = self._pools.setdefault((small, stream), [])
-        i = bisect.bisect_left(pool, (size,))
-        self.new_segment = 0
-        if i < len(pool):
-            b = pool.pop(i)[4]
-        else:
-            seg = segment_size(size)
-            if self.limit is not None and self.reserved + seg > self.limit:
-                self.release_cached()
-            if self.limit is not None and self.reserved + seg > self.limit:
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory (modelled caching allocator): tried to allocate {size / MiB:.2f} MiB "
-                    f"(a new {seg / MiB:.0f} MiB segment); {self.reserved / MiB:.1f} MiB reserved, "
-                    f"{self.allocated / MiB:.1f} MiB allocated, limit {self.limit / MiB:.1f} MiB")
-            b = _Block((small, stream, next(self._segs)), 0, seg, next(self._ids))
-            self.bases[b.seg], self.heads[b.seg] = self._next_addr, b
-            self._next_addr += seg
-            self.new_segment = seg
-            self.reserved += seg
-            self.segments += 1
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
-        rest = b.size - size
-        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):
-            r = _Block(b.seg, b.offset + size, rest, next(self._ids))
-            r.prev, r.next = b, b.next
-            if b.next is not None:
-                b.next.prev = r
-            b.next, b.size = r, size
-            self._insert(r, b.seg[:2])
-        b.free = False
-        self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        return b
-
-    def free(self, b: _Block) -> None:
-        pool_key = b.seg[:2]
-        self.allocated -= b.size
-        b.free = True
-        for nb in (b.prev, b.next):
-            if nb is not None and nb.free:
-                self._remove(nb, pool_key)
-                if nb is b.prev:
-                    b.offset, b.prev = nb.offset, nb.prev
-                    if nb.prev is not None:
-                        nb.prev.next = b
-                    else:
-                        self.heads[b.seg] = b
-                else:
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
-                b.size += nb.size
-        self._insert(b, pool_key)
-
-    def release_cached(self) -> None:
-        """Give back every segment that is one free block (release_cached_blocks, empty_cache)."""
-        for seg, head in list(self.heads.items()):
-            if head.free and head.next is None:
-                self._remove(head, seg[:2])
-                del self.heads[seg], self.bases[seg]
-                self.reserved -= head.size
-
-    def address(self, b: _Block) -> int:
-        return self.bases[b.seg] + b.offset
-
-    def segment_blocks(self):
-        """(segment key, base address, size, [blocks in address order]) for every segment."""
-        for seg, head in self.heads.items():
-            blocks, b = [], head
-            while b is not None:
-                blocks.append(b)
-                b = b.next
-            yield seg, self.bases[seg], sum(x.size for x in blocks), blocks
-
-
-@dataclass
-class AllocatorReport:
-    allocated_peak_bytes: int  # max of the allocator's allocated bytes (rounded blocks)
-    reserved_peak_bytes: int  # max of its segments' bytes
-    segments: int
-    by_category_at_peak: dict[str, int]  # rounded allocated bytes per category at the (steady) allocated peak
-    steady_allocated_peak_bytes: int  # the same peaks over the last simulated step only
-    steady_reserved_peak_bytes: int
-    reserved_by_stream: dict[int, int] = field(default_factory=dict)  # segments' bytes per stream, at the end
-
-
-def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
-           outside: tuple[str, ...] = (), limit: int | None = None, streams: dict[int, int] | None = None) -> AllocatorReport:
-    """Replay a timeline of (serial, nbytes) allocations, (serial, -1) frees and (0, EMPTY_CACHE)
-    empty_cache calls through the allocator.
-
-    `extra_allocs`: (name, nbytes) made before the step (cuBLAS workspaces) and never freed.
-    `steady_from`: the event index the last step starts at (its peaks are reported separately).
-    `outside`: categories allocated outside torch's allocator (a paged optimizer's state lives in
-    CUDA managed memory, cudaMallocManaged): left out of the replay, as max_memory_allocated does.
-    `limit`: a cap on reserved bytes (a card's memory, set_per_process_memory_fraction): cached
-    segments are given back before it is passed; torch.OutOfMemoryError where that is not enough.
-    `streams`: the stream of each allocation not made on the default one (serial -> stream).
-    """
-    a = CachingAllocator(limit)
-    streams = streams or {}
-    live: dict[int, _Block] = {}
-    cat = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "temporaries", "workspace"), 0)
-    best, steady_alloc, steady_res = dict(cat), 0, 0
-    for name, n in extra_allocs:
-        b = a.malloc(n)
-        cat["workspace"] += b.size
-    for i, (serial, n) in enumerate(events):
-        if outside and roles.get(serial, "temporaries") in outside:
-            continue
-        if n == EMPTY_CACHE:
-            a.release_cached()
-        elif n >= 0:
-            b = live[serial] = a.malloc(n, streams.get(serial, 0))
-            cat[roles.get(serial, "temporaries")] += b.size
-            if i >= steady_from and a.allocated >= steady_alloc:  # the categories at the peak reported
-                best = dict(cat)
-        else:
-            b = live.pop(serial, None)
-            if b is None:
-                continue
-            cat[roles.get(serial, "temporaries")] -= b.size
-            a.free(b)
-        if i >= steady_from:
-            steady_alloc, steady_res = max(steady_alloc, a.allocated), max(steady_res, a.reserved)
-    return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, best, steady_alloc, steady_res,
-                           reserved_by_stream([{"stream": seg[1], "total_size": total} for seg, _, total, _ in a.segment_blocks()]))
-
-
-def reserved_by_stream(segments, names: dict[int, str] | None = None) -> dict:
-    """Reserved bytes per stream from segments as `torch.cuda.memory_snapshot()` lists them (each
-    with "stream" and "total_size"); `names`: stream -> a name for it (others keep their handle)."""
-    out: dict = {}
-    for seg in segments:
-        key = (names or {}).get(seg["stream"], seg["stream"])
-        out[key] = out.get(key, 0) + seg["total_size"]
-    return out
-
-
-def least_cap(runs, lo: int, hi: int, step: int) -> tuple[int, list[tuple[int, bool]]]:
-    """Bisection: the least multiple of `step` above `lo` at which `runs(cap)` is true, given that it
-    is true at `hi` (not tried) and taken as false at `lo`; with every cap tried and whether it ran.
-    A cap that suffices almost always leaves a larger one sufficing too."""
-    a, b = lo // step, -(-hi // step)
-    tried = []
-    while b - a > 1:
-        mid = (a + b) // 2
-        ok = runs(mid * step)
-        tried.append((mid * step, ok))
-        a, b = (a, mid) if ok else (mid, b)
-    return b * step, tried
-
-
-def least_reserved(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = (), *,
-                   upper: int, streams: dict[int, int] | None = None) -> int:
-    """The smallest cap on reserved bytes (to 2 MiB) under which the timeline replays without an
-    out-of-memory error: what the step needs from a card, where `upper` (the uncapped reserved peak,
-    what a large card shows) also counts the cached blocks the allocator gives back under pressure."""
-    def runs(cap: int) -> bool:
-        try:
-            replay(events, roles, extra_allocs, outside=outside, limit=cap, streams=streams)
-        except torch.OutOfMemoryError:
-            return False
-        return True
-
-    return least_cap(runs, 0, upper, ROUND_LARGE)[0]  # upper runs: nothing was ever given back

@@ -45,6 +45,7 @@ import torch
 
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
+from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
@@ -275,11 +276,11 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
         workspaces = (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces
         outside = ("optimizer_state",) if pageable else ()
-        alloc = cuda_model.replay(report.timeline, report.timeline_roles, workspaces, steady_from=steady_from,
+        alloc = allocator.replay(report.timeline, report.timeline_roles, workspaces, steady_from=steady_from,
                                   outside=outside, streams=report.timeline_streams)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
-                    needed_reserved_bytes=cuda_model.least_reserved(report.timeline, report.timeline_roles, workspaces,
+                    needed_reserved_bytes=allocator.least_reserved(report.timeline, report.timeline_roles, workspaces,
                                                                     outside, upper=alloc.reserved_peak_bytes,
                                                                     streams=report.timeline_streams),
                     allocated_breakdown=alloc.by_category_at_peak,

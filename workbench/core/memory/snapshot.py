@@ -7,7 +7,7 @@
 The file is what `torch.cuda.memory._dump_snapshot` writes (a pickled dict with `segments` and
 `device_traces`; torch/cuda/_memory_viz.py reads it, and so does the web viewer). Every allocation
 and free of the accounted step is replayed through the caching-allocator model
-(workbench.core.memory.cuda_model.CachingAllocator), which gives each block its segment and address;
+(workbench.core.memory.allocator.CachingAllocator), which gives each block its segment and address;
 each event's frame names the phase, the aten op and the category (weights, gradients, ...).
 The addresses are the model's, not a card's. A measured CPU step exports the same
 (`snapshot_from_report` of a `MemoryAccounting(..., timeline=True)` report): its tensors were real,
@@ -20,9 +20,10 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import EMPTY_CACHE, MemoryReport
-from workbench.core.memory.cuda_model import CachingAllocator
+from workbench.core.memory.allocator import CachingAllocator
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import rung
@@ -84,7 +85,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
                          "active_size": sum(x["size"] for x in out_blocks if x["state"] == "active_allocated"),
                          "requested_size": sum(x["requested_size"] for x in out_blocks), "blocks": out_blocks})
     return {"segments": segments, "device_traces": [trace],
-            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "note": "modelled by workbench.core.memory.cuda_model"}}
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "note": "modelled by workbench.core.memory.allocator"}}
 
 
 def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, card=None) -> dict[str, Any]:

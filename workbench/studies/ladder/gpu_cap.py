@@ -7,7 +7,7 @@ A card's memory (or `torch.cuda.set_per_process_memory_fraction`) caps the cachi
 reserved bytes, and before it raises out of memory the allocator gives its wholly free cached
 segments back and retries. So what a card must hold is not the reserved peak a card with room shows
 but the least cap the step trains under; `predict` models it by replaying the step under caps
-(`cuda_model.least_reserved`), and auto-fit's "fits" compares it. This check measures it: for each
+(`allocator.least_reserved`), and auto-fit's "fits" compares it. This check measures it: for each
 rung in CAP_RUNGS it trains once to warm up (the cuBLAS workspaces are made then, and stay
 allocated), once uncapped, then bisects the cap between that run's allocated and reserved peaks
 (above what the process held before it), each trial a fresh run of the rung under
@@ -15,7 +15,7 @@ allocated), once uncapped, then bisects the cap between that run's allocated and
 the process already holds the workspaces, the prediction compared is "reserved needed" less the
 modelled workspaces.
 
-The bisection (`cuda_model.least_cap`, which the prediction's capped replays use too) and the rows
+The bisection (`allocator.least_cap`, which the prediction's capped replays use too) and the rows
 are plain functions, tested on the CPU, and the CUDA layer is played there with stand-ins for
 torch.cuda's calls and the rung's run (tests/test_gpu_check.py); `check_cap` measures on CUDA only.
 """
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from workbench.core.common import MiB, one_line
+from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.predict import predict
 from workbench.studies.ladder.config import LadderConfig
@@ -123,7 +124,7 @@ def check_cap(opts) -> dict[str, Any]:
                     raise RuntimeError(out.get("reason") or out.get("status"))
                 return out["status"] == "ok"
 
-            least, tried = cuda_model.least_cap(runs, lo, hi, STEP)
+            least, tried = allocator.least_cap(runs, lo, hi, STEP)
             rows.append(cap_row(**row, least=least, uncapped=uncapped, tried=tried))
         except Exception as e:  # one rung's failure is its row
             rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=one_line(e)))

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.core.memory import cuda_model
+from workbench.core.memory import allocator
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
@@ -229,7 +229,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
                 for sink in sinks:
                     sink(row)
             loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
-            by_stream = cuda_model.reserved_by_stream(torch.cuda.memory_snapshot(), _deepspeed_streams(engine))
+            by_stream = allocator.reserved_by_stream(torch.cuda.memory_snapshot(), _deepspeed_streams(engine))
             if hasattr(engine, "destroy"):
                 engine.destroy()
             del engine

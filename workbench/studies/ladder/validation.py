@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from workbench.core.common import PROJECT_ROOT
+from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import fakeify
@@ -198,8 +199,8 @@ def litgpt_peaks(row: Published, config=None, sm: int | None = None) -> dict:
     card = cuda_model.card(row.card)
     report = simulate_litgpt_lora(config or litgpt_config(row.litgpt), row.precision, batch=row.batch, seq=row.seq,
                                   sm=sm or card.sm, quantize=row.quantize)
-    alloc = cuda_model.replay(report.timeline, report.timeline_roles, card.cublas_workspaces, steady_from=0)
-    need = cuda_model.least_reserved(report.timeline, report.timeline_roles, card.cublas_workspaces,
+    alloc = allocator.replay(report.timeline, report.timeline_roles, card.cublas_workspaces, steady_from=0)
+    need = allocator.least_reserved(report.timeline, report.timeline_roles, card.cublas_workspaces,
                                      upper=alloc.reserved_peak_bytes)
     return {"allocated": alloc.steady_allocated_peak_bytes, "reserved": alloc.steady_reserved_peak_bytes,
             "needed": need, "live": report.peak_bytes, "where": f"{report.peak.phase} ({report.peak.op})",
