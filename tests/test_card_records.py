@@ -82,16 +82,18 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
     (tmp_path / "rec").mkdir()
     (tmp_path / "rec" / "summary.json").write_text(json.dumps(
         {"environment": {"gpu": "NVIDIA H200", "gpu_total_mib": 143156.0},
-         "results": {"ladder": {"sm": 90, "rows": rows, "options": {"model": str(config), "batch": 1, "seq": 32}}}}))
+         "results": {"ladder": {"sm": 90, "rows": rows, "options": {"model": str(config), "batch": 1, "seq": 32, "steps": 4}}}}))
     asked = []
-    monkeypatch.setattr(card_records, "predict", lambda *a, **k: asked.append((a[1], k["instrumented"])) or predict(*a, **k))
+    monkeypatch.setattr(card_records, "predict", lambda *a, **k: asked.append((a[1], k["instrumented"], k["replay_steps"])) or predict(*a, **k))
     out = json.loads(repredict_card_record(tmp_path / "rec", log=lambda *_: None).read_text())
-    # a rung on the card measured under the count is predicted as the instrumented step; the rest plain
-    assert asked == [("bf16", True), ("lora", False), ("zero_offload", False)]
+    # a rung on the card measured under the count is predicted as the instrumented step; the rest plain;
+    # the allocator replays as many steps as the card ran
+    assert asked == [("bf16", True, 4), ("lora", False, 4), ("zero_offload", False, 4)]
     card = cm.card_of("NVIDIA H200", int(143156.0 * 2**20), 90)
     assert out["card"] == "NVIDIA H200" and [r["rung"] for r in out["rows"]] == ["bf16", "lora", "zero_offload"]
     for r in out["rows"]:
-        p = predict(str(config), r["rung"], batch=1, seq=32, device="cuda", card=card, instrumented=r["rung"] == "bf16")
+        p = predict(str(config), r["rung"], batch=1, seq=32, device="cuda", card=card, instrumented=r["rung"] == "bf16",
+                    replay_steps=4)
         assert r["counted"] == (r["rung"] == "bf16")
         assert r["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
         assert r["error_vs_reserved_pct"] == round(100 * (p.reserved_peak_bytes / 2**20 / 20.0 - 1), 2)
@@ -121,6 +123,7 @@ def test_the_committed_re_prediction_is_what_this_checkout_predicts():
     again = {r["rung"]: r for r in json.loads((record / REPREDICTED).read_text())["rows"]}
     env = json.loads((record / "summary.json").read_text())["environment"]
     card = cm.card_of(env["gpu"], int(env["gpu_total_mib"] * 2**20), 90)
-    p = predict(str(CONFIGS / "qwen2-0.5b.json"), "zero_offload", batch=1, seq=512, device="cuda", card=card)
+    p = predict(str(CONFIGS / "qwen2-0.5b.json"), "zero_offload", batch=1, seq=512, device="cuda", card=card,
+                replay_steps=3)  # the record's steps
     assert again["zero_offload"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
     assert again["zero_offload"]["predicted_allocated_mib"] == round(p.allocated_peak_bytes / 2**20, 1)

@@ -291,7 +291,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless
             # --counted measures the device rungs under the live-bytes count
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
-                        card=here, instrumented=opts.counted and name not in OFFLOADED).row()
+                        card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps).row()
         except Exception as e:
             p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -171,19 +172,67 @@ class CachingAllocator:
             yield seg, self.bases[seg], sum(x.size for x in blocks), blocks
 
 
+STEADY = "steady"  # replay(until=STEADY): repeat the last step until the allocator's state repeats
+MAX_STEPS = 64  # at most this many steps in all, steady or not
+
+
 @dataclass
 class AllocatorReport:
     allocated_peak_bytes: int  # max of the allocator's allocated bytes (rounded blocks)
     reserved_peak_bytes: int  # max of its segments' bytes
     segments: int
     by_category_at_peak: dict[str, int]  # rounded allocated bytes per category at the (steady) allocated peak
-    steady_allocated_peak_bytes: int  # the same peaks over the last simulated step only
+    steady_allocated_peak_bytes: int  # the same peaks from `steady_from` on (the last step, and any repeated)
     steady_reserved_peak_bytes: int
     reserved_by_stream: dict[int, int] = field(default_factory=dict)  # segments' bytes per stream, at the end
+    replayed_steps: int = 0  # training steps replayed (0: the timeline as given, not counted in steps)
+    steady: bool | None = None  # until=STEADY: whether the state repeated within MAX_STEPS (None: not asked)
+
+
+@dataclass(frozen=True)
+class StepTemplate:
+    """One training step as allocations and frees relative to the step before it, to be repeated:
+    ("a", j) makes the step's j-th allocation, ("f", j, 0) frees it, ("f", j, 1) frees the j-th
+    allocation of the step before, ("e",) is an empty_cache."""
+
+    ops: tuple
+    sizes: tuple[int, ...]
+    roles: tuple[str, ...]
+    streams: tuple[int, ...]
+    serials: tuple[tuple[int, ...], tuple[int, ...]]  # (the step before's, this step's) allocations
+
+    @classmethod
+    def of(cls, events, steps_of, roles: dict[int, str], streams: dict[int, int], step: int) -> StepTemplate | None:
+        """Step `step` of a timeline, relative to step `step - 1`; None where it cannot be repeated:
+        the two steps do not allocate the same sizes on the same streams in the same order, or
+        `step` frees something made before the step before it."""
+        size = {serial: n for serial, n in events if n >= 0}
+        prev = [serial for (serial, n), k in zip(events, steps_of) if k == step - 1 and n >= 0]
+        mine = [(serial, n) for (serial, n), k in zip(events, steps_of) if k == step]
+        cur = [serial for serial, n in mine if n >= 0]
+        if not cur or [(size[x], streams.get(x, 0)) for x in prev] != [(size[x], streams.get(x, 0)) for x in cur]:
+            return None
+        at_prev, at_cur = {x: j for j, x in enumerate(prev)}, {x: j for j, x in enumerate(cur)}
+        ops = []
+        for serial, n in mine:
+            if n == EMPTY_CACHE:
+                ops.append(("e",))
+            elif n >= 0:
+                ops.append(("a", at_cur[serial]))
+            elif serial in at_cur:
+                ops.append(("f", at_cur[serial], 0))
+            elif serial in at_prev:
+                ops.append(("f", at_prev[serial], 1))
+            elif serial in size:
+                return None  # frees what an earlier step made: the steps differ
+        return cls(tuple(ops), tuple(size[x] for x in cur), tuple(roles.get(x, "temporaries") for x in cur),
+                   tuple(streams.get(x, 0) for x in cur), (tuple(prev), tuple(cur)))
 
 
 def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
-           outside: tuple[str, ...] = (), limit: int | None = None, streams: dict[int, int] | None = None) -> AllocatorReport:
+           outside: tuple[str, ...] = (), limit: int | None = None, streams: dict[int, int] | None = None, *,
+           steps_of: list[int] | None = None, simulated_steps: int = 0, until: int | str | None = None,
+           max_steps: int = MAX_STEPS) -> AllocatorReport:
     """Replay a timeline of (serial, nbytes) allocations, (serial, -1) frees and (0, EMPTY_CACHE)
     empty_cache calls through the allocator.
 
@@ -194,35 +243,99 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     `limit`: a cap on reserved bytes (a card's memory, set_per_process_memory_fraction): cached
     segments are given back before it is passed; torch.OutOfMemoryError where that is not enough.
     `streams`: the stream of each allocation not made on the default one (serial -> stream).
+    `steps_of` (the training step of each event, `simulated_steps` of them) and `until`: None
+    replays the timeline as given; n replays n training steps (the simulated ones, cut after step
+    n or with the last one repeated); STEADY repeats the last simulated step until the allocator's
+    state at the end of a step is the state at the end of the step before (each segment, each
+    block's size and which allocation of which step holds it), from where every step replays the
+    same; at most `max_steps` in all (`steady` says whether it got there).
     """
     a = CachingAllocator(limit)
     streams = streams or {}
-    live: dict[int, _Block] = {}
+    live: dict = {}  # key -> its block
+    role_of: dict = {}  # key -> its category
     cat = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "temporaries", "workspace"), 0)
-    best, steady_alloc, steady_res = dict(cat), 0, 0
+    state = {"best": dict(cat), "alloc": 0, "res": 0}
     for name, n in extra_allocs:
         b = a.malloc(n)
         cat["workspace"] += b.size
-    for i, (serial, n) in enumerate(events):
-        if outside and roles.get(serial, "temporaries") in outside:
-            continue
+
+    def act(key, n, role, stream, steady):
         if n == EMPTY_CACHE:
             a.release_cached()
+        elif outside and role in outside:
+            return None
         elif n >= 0:
-            b = live[serial] = a.malloc(n, streams.get(serial, 0))
-            cat[roles.get(serial, "temporaries")] += b.size
-            if i >= steady_from and a.allocated >= steady_alloc:  # the categories at the peak reported
-                best = dict(cat)
+            b = live[key] = a.malloc(n, stream)
+            role_of[key] = role
+            cat[role] += b.size
+            if steady and a.allocated >= state["alloc"]:  # the categories at the peak reported
+                state["best"] = dict(cat)
         else:
-            b = live.pop(serial, None)
+            b = live.pop(key, None)
             if b is None:
-                continue
-            cat[roles.get(serial, "temporaries")] -= b.size
+                return None
+            cat[role_of.pop(key)] -= b.size
             a.free(b)
-        if i >= steady_from:
-            steady_alloc, steady_res = max(steady_alloc, a.allocated), max(steady_res, a.reserved)
-    return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, best, steady_alloc, steady_res,
-                           reserved_by_stream([{"stream": seg[1], "total_size": total} for seg, _, total, _ in a.segment_blocks()]))
+        if steady:
+            state["alloc"], state["res"] = max(state["alloc"], a.allocated), max(state["res"], a.reserved)
+        return None if n < 0 else live[key]
+
+    body, template, replayed, steady = events, None, 0, None
+    if until is not None and steps_of is not None and simulated_steps:
+        stop = simulated_steps if until == STEADY else min(int(until), simulated_steps)
+        body = events[:next((i for i, k in enumerate(steps_of) if k >= stop), len(events))]
+        replayed = stop
+        if (until == STEADY or int(until) > simulated_steps) and simulated_steps >= 2:
+            template = StepTemplate.of(events, steps_of, roles, streams, simulated_steps - 1)
+        steady = False if until == STEADY else None
+    owner: dict[int, Any] = {}  # id(block) -> (step, j) for the repeated step's allocations, else the serial
+    if template:
+        made = {x: (simulated_steps - 2 + age, j) for age in (0, 1) for j, x in enumerate(template.serials[age])}
+    for i, (serial, n) in enumerate(body):
+        b = act(serial, n, roles.get(serial, "temporaries"), streams.get(serial, 0), i >= steady_from)
+        if template and b is not None:
+            owner[id(b)] = made.get(serial, serial)
+
+    def signature(step):
+        return tuple((base, seg[:2], total, tuple((b.size, None if b.free else _relative(owner.get(id(b)), step))
+                                                   for b in blocks))
+                     for seg, base, total, blocks in sorted(a.segment_blocks(), key=lambda s: s[1]))
+
+    if template:
+        keys = [list(template.serials[0]), list(template.serials[1])]
+        seen = {signature(replayed - 1)}
+        while replayed < max_steps and (until == STEADY or replayed < int(until)):
+            step, keys[0], keys[1] = replayed, keys[1], [None] * len(template.sizes)
+            for op in template.ops:
+                if op[0] == "e":
+                    act(None, EMPTY_CACHE, "", 0, True)
+                elif op[0] == "a":
+                    j = op[1]
+                    keys[1][j] = (step, j)
+                    b = act((step, j), template.sizes[j], template.roles[j], template.streams[j], True)
+                    if b is not None:
+                        owner[id(b)] = (step, j)
+                else:
+                    key = keys[1 - op[2]][op[1]]
+                    act(key, -1, "", 0, True)
+            replayed += 1
+            if until == STEADY:
+                now = signature(step)
+                if now in seen:  # a state seen before: every later step repeats the steps since
+                    steady = True
+                    break
+                seen.add(now)
+    return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, state["best"], state["alloc"], state["res"],
+                           reserved_by_stream([{"stream": seg[1], "total_size": total}
+                                               for seg, _, total, _ in a.segment_blocks()]),
+                           replayed_steps=replayed, steady=steady)
+
+
+def _relative(tag, step):
+    """A block's holder as the state signature sees it: (how many steps ago, j) for the repeated
+    step's allocations, so one step's state can equal the next's; a serial (weights, state) as is."""
+    return (step - tag[0], tag[1]) if isinstance(tag, tuple) else tag
 
 
 def reserved_by_stream(segments, names: dict[int, str] | None = None) -> dict:
@@ -250,13 +363,14 @@ def least_cap(runs, lo: int, hi: int, step: int) -> tuple[int, list[tuple[int, b
 
 
 def least_reserved(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = (), *,
-                   upper: int, streams: dict[int, int] | None = None) -> int:
+                   upper: int, streams: dict[int, int] | None = None, **steps) -> int:
     """The smallest cap on reserved bytes (to 2 MiB) under which the timeline replays without an
     out-of-memory error: what the step needs from a card, where `upper` (the uncapped reserved peak,
-    what a large card shows) also counts the cached blocks the allocator gives back under pressure."""
+    what a large card shows) also counts the cached blocks the allocator gives back under pressure.
+    `steps`: replay's steps_of, simulated_steps and until (how many steps the cap must hold for)."""
     def runs(cap: int) -> bool:
         try:
-            replay(events, roles, extra_allocs, outside=outside, limit=cap, streams=streams)
+            replay(events, roles, extra_allocs, outside=outside, limit=cap, streams=streams, **steps)
         except torch.OutOfMemoryError:
             return False
         return True

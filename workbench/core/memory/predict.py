@@ -56,6 +56,8 @@ from workbench.core.memory.zero3 import STREAM_NAMES
 from workbench.core.models import check_seq_len
 from workbench.core.training import train
 
+CUDA_STEPS = 3  # steps simulated for a CUDA target: the allocator model repeats the third relative to the second
+
 
 @dataclass
 class Prediction:
@@ -85,6 +87,8 @@ class Prediction:
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
     reserved_by_stream_bytes: dict[str, int] = field(default_factory=dict)  # a library's side streams: each one's cache
+    replayed_steps: int = 0  # training steps the allocator replayed (the last simulated one repeated)
+    steady: bool | None = None  # whether the allocator's state repeated within them (None: a set number asked)
     card: str = ""
     card_bytes: int = 0
     kernels: dict[str, int] = field(default_factory=dict)  # attention kernels the step used
@@ -135,6 +139,7 @@ class Prediction:
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
             "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "reserved_by_stream_bytes": self.reserved_by_stream_bytes,
+            "replayed_steps": self.replayed_steps, "steady": self.steady,
         }
 
 
@@ -196,9 +201,9 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
             f"weights flattened {'on the card (their old blocks stay cached)' if summary['flattened_on'] == 'device' else 'on the host (no room on the card)'}")
 
 
-def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int = 2,
+def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int | None = None,
             n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
-            instrumented: bool = False) -> Prediction:
+            instrumented: bool = False, replay_steps: int | None = None) -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
@@ -207,7 +212,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     "cuda" (CUDA's choices simulated, its allocator and context modelled). `card`: a preset name or
     GiB (workbench.core.memory.cuda_model.CARDS) to say whether it fits. `instrumented`: predict the
     step as the workbench's own live-bytes count runs it (to compare with that count, see `simulate`);
-    default: the plain step. Raises ConfigError for an
+    default: the plain step. `steps`: training steps simulated (default 2 on the CPU, where the
+    second is the steady state; 3 for CUDA, whose allocator model repeats the third relative to the
+    second). `replay_steps` (CUDA): how many steps the allocator replays, for comparing with a run of
+    that many; default: until its cache is steady (the reserved peak of a long run). Raises ConfigError for an
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
@@ -222,6 +230,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if the_card is not None and device != "cuda":
         raise ConfigError("--card describes a CUDA card; use it with --device cuda")
     sm = the_card.sm if the_card else cuda_model.DEFAULT_SM
+    steps = steps or (CUDA_STEPS if device == "cuda" else 2)
     config = model_config(model, spec)
     check_seq_len(config, seq, model_label(config))
     t0 = time.perf_counter()
@@ -272,21 +281,26 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                           f"--trainable qlora, or an offload rung")
     cuda: dict[str, Any] = {}
     if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
-        last = report.steps - 1
+        last = min(replay_steps or report.steps, report.steps) - 1  # the last step replayed as simulated
         steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
         workspaces = (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces
         outside = ("optimizer_state",) if pageable else ()
+        run = dict(steps_of=report.timeline_steps, simulated_steps=report.steps, until=replay_steps or allocator.STEADY)
         alloc = allocator.replay(report.timeline, report.timeline_roles, workspaces, steady_from=steady_from,
-                                  outside=outside, streams=report.timeline_streams)
+                                 outside=outside, streams=report.timeline_streams, **run)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
                     needed_reserved_bytes=allocator.least_reserved(report.timeline, report.timeline_roles, workspaces,
                                                                     outside, upper=alloc.reserved_peak_bytes,
-                                                                    streams=report.timeline_streams),
+                                                                    streams=report.timeline_streams, **run),
                     allocated_breakdown=alloc.by_category_at_peak,
                     reserved_by_stream_bytes=({STREAM_NAMES.get(k, k): v for k, v in alloc.reserved_by_stream.items()}
                                               if report.timeline_streams else {}),
-                    context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES))
+                    context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES),
+                    replayed_steps=alloc.replayed_steps, steady=alloc.steady)
+        if alloc.steady is False:
+            note = (note + "; " if note else "") + (f"the allocator's cache was still changing after {alloc.replayed_steps} "
+                                                    "replayed steps: the reserved figures are those steps' peaks")
     return Prediction(
         rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),
         breakdown=breakdown, where=where, method=method, note=note, seconds=time.perf_counter() - t0,

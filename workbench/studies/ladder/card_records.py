@@ -32,7 +32,8 @@ CARD_RECORDS = PROJECT_ROOT / "data" / "measured"
 REPREDICTED = "repredicted.json"  # beside a record's summary.json: the current prediction against it
 # the ladder check's settings where a record does not state them: records written before they were
 # (the H200's of 2026-11-22, at b73d754) ran gpu-check's defaults of that commit
-GPU_CHECK_DEFAULTS = {"model": "data/configs/qwen2-0.5b.json", "batch": 1, "seq": 512}
+# gpu-check's options where a record predates their being written down (b73d754 measured 3 steps per rung)
+GPU_CHECK_DEFAULTS = {"model": "data/configs/qwen2-0.5b.json", "batch": 1, "seq": 512, "steps": 3}
 
 
 def _read_record(path: Path) -> dict:
@@ -87,7 +88,7 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
             continue
         counted = r.get("accounted_peak_mib") is not None and RUNGS[r["rung"]].placement == "device"
         p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
-                    instrumented=counted)
+                    instrumented=counted, replay_steps=opts["steps"])  # the allocator replays the steps the card ran
         # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
         alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
         row = {"rung": r["rung"], "method": p.method, "counted": counted,

@@ -64,7 +64,9 @@ def register(sub) -> None:
                    "accumulation steps (default: the whole batch)")
     p.add_argument("--card", default=None, help="a card (e.g. 'RTX 4060 Ti 8GB', 'A100 80GB') or its GiB: "
                    "fits or not, with the headroom (with --device cuda)")
-    p.add_argument("--steps", type=int, default=2, help="steps to simulate; the last is reported (>= 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps to simulate, >= 2 (default: 2 on the CPU; 3 for CUDA, where the allocator model repeats "
+                        "the last step until its cache is steady, which needs two like steps)")
     p.add_argument("--budget-mib", type=float, default=None, help="device budget in MiB: say whether it fits")
     p.add_argument("--auto-fit", action="store_true", help="pick the fastest rung predicted to fit --budget-mib")
     p.add_argument("--search", action="store_true",
@@ -112,7 +114,7 @@ def _check(args) -> list[str]:
     for name in ("batch", "seq"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    if args.steps < 2:
+    if args.steps is not None and args.steps < 2:
         raise ConfigError(f"--steps must be at least 2 (the steady state starts at step 2), got {args.steps}")
     if args.budget_mib is not None and not args.budget_mib > 0:
         raise ConfigError(f"--budget-mib must be a positive number of MiB, got {args.budget_mib}")
@@ -145,7 +147,7 @@ def _estimate(args) -> int:
 
         if args.device != "cuda":
             raise ConfigError("--snapshot models the CUDA allocator: use it with --device cuda")
-        path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq, steps=args.steps,
+        path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq, steps=args.steps or 2,
                                        card=args.card), args.snapshot)
         print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
     if args.search:
@@ -205,6 +207,10 @@ def _estimate(args) -> int:
             print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved on a card with room)")
             print(f"  reserved needed  {p.needed_reserved_bytes / MiB:>12,.1f} MiB  modelled (the least cap it runs under: "
                   "cached blocks given back; what fits compares)")
+            if p.replayed_steps:
+                print(f"  allocator        {p.replayed_steps} steps replayed, "
+                      + ("until its cache repeated (a long run's peaks)" if p.steady else
+                         "its cache still changing (peaks of those steps)" if p.steady is False else "as asked"))
             print(f"  CUDA context     {p.context_bytes / MiB:>12,.1f} MiB  modelled (per-card constant)")
             print(f"  nvidia-smi       {p.nvidia_smi_bytes / MiB:>12,.1f} MiB  modelled (reserved + context)")
             print(f"  attention kernel {', '.join(f'{k} x{n}' for k, n in p.kernels.items()) or 'none'}  simulated")

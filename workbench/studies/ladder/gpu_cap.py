@@ -38,7 +38,7 @@ from workbench.studies.ladder.runner import model_at_hand
 # an on-card rung and the one whose cached blocks the card gives back most (DeepSpeed's flattening)
 CAP_RUNGS = ("bf16_true_lora", "zero_offload")
 STEP = 16 * MiB  # the bisection's resolution (0.5% of these rungs' peaks; a trial costs seconds)
-TRIAL_STEPS = 2  # steps per capped run: the second is the steady state
+TRIAL_STEPS = 2  # steps per capped run (the prediction replays as many: predict(replay_steps=...))
 TARGET_PCT = 5.0  # the issue's target for reserved figures
 
 
@@ -98,7 +98,8 @@ def check_cap(opts) -> dict[str, Any]:
 
     rows = []
     for name in opts.extra.get("cap_rungs") or CAP_RUNGS:
-        p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda", card=card)
+        p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda", card=card,
+                    replay_steps=TRIAL_STEPS)  # the cap a run of that many steps needs
         row = dict(rung=name, predicted_needed=p.needed_reserved_bytes, workspaces=workspaces,
                    predicted_reserved=p.reserved_peak_bytes)
         try:

@@ -1,0 +1,95 @@
+"""The allocator model over a long run: the last simulated step repeated until the cache is steady.
+
+    .venv/bin/python -m pytest tests/test_allocator.py -q        # about half a minute
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import tiny_config
+from workbench.core.memory import allocator
+from workbench.core.memory.accounting import EMPTY_CACHE
+from workbench.core.memory.plan import rung
+from workbench.core.memory.predict import predict, simulate
+
+MiB = 2**20
+
+
+def steps_timeline(steps: int, *, keep_each_step: bool, free_last_kept: bool = False):
+    """A synthetic training loop: weights (12 MiB), then per step a 4 MiB and a 6 MiB temporary and
+    a 12 MiB tensor the step keeps (a loss kept on the card, say): either kept forever (a list that
+    grows) or freed by the next step (`free_last_kept`)."""
+    events, steps_of, serial = [(1, 12 * MiB)], [0], 1
+    kept_before = None
+    for step in range(steps):
+        a, b, kept = serial + 1, serial + 2, serial + 3
+        serial += 3
+        ops = [(a, 4 * MiB), (b, 6 * MiB), (a, -1)]
+        if keep_each_step:
+            ops.append((kept, 12 * MiB))
+            if free_last_kept and kept_before is not None:
+                ops.append((kept_before, -1))
+            kept_before = kept
+        ops.append((b, -1))
+        events += ops
+        steps_of += [step] * len(ops)
+    return events, steps_of
+
+
+def test_a_step_that_keeps_a_tensor_for_good_never_settles_and_one_that_frees_it_does():
+    events, steps_of = steps_timeline(3, keep_each_step=True)
+    leak = allocator.replay(events, {}, steps_of=steps_of, simulated_steps=3, until=allocator.STEADY, max_steps=20)
+    assert leak.steady is False and leak.replayed_steps == 20
+    # one 12 MiB segment per step kept, the weights' own, and the 20 MiB one the temporaries share
+    assert leak.reserved_peak_bytes == 12 * MiB + 20 * MiB + 20 * 12 * MiB
+    events, steps_of = steps_timeline(3, keep_each_step=True, free_last_kept=True)
+    fine = allocator.replay(events, {}, steps_of=steps_of, simulated_steps=3, until=allocator.STEADY, max_steps=20)
+    assert fine.steady is True and fine.replayed_steps < 20
+    assert fine.reserved_peak_bytes == 12 * MiB + 20 * MiB + 2 * 12 * MiB  # this step's kept and the last one's
+    # a set number of steps: that many, cut or repeated
+    assert allocator.replay(events, {}, steps_of=steps_of, simulated_steps=3, until=5).replayed_steps == 5
+    two = allocator.replay(events, {}, steps_of=steps_of, simulated_steps=3, until=1)
+    assert (two.replayed_steps, two.reserved_peak_bytes) == (1, 12 * MiB + 20 * MiB + 12 * MiB)
+
+
+def test_a_step_that_does_not_repeat_the_one_before_is_not_repeated():
+    events, steps_of = steps_timeline(3, keep_each_step=False)
+    events, steps_of = events + [(99, 30 * MiB), (99, -1)], steps_of + [2, 2]  # step 2 allocates more than step 1
+    assert allocator.StepTemplate.of(events, steps_of, {}, {}, 2) is None
+    r = allocator.replay(events, {}, steps_of=steps_of, simulated_steps=3, until=allocator.STEADY)
+    assert (r.replayed_steps, r.steady) == (3, False)  # the simulated steps only, and said
+    events, steps_of = steps_timeline(3, keep_each_step=False)
+    events, steps_of = events + [(1, -1)], steps_of + [2]  # step 2 frees the weights, made before step 1
+    assert allocator.StepTemplate.of(events, steps_of, {}, {}, 2) is None
+    events, steps_of = steps_timeline(3, keep_each_step=False)
+    events.insert(len(events) - 1, (0, EMPTY_CACHE))
+    steps_of.insert(len(steps_of) - 1, 2)
+    assert ("e",) in allocator.StepTemplate.of(events, steps_of, {}, {}, 2).ops
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16_true_lora"])
+def test_repeating_the_last_simulated_step_replays_what_simulating_more_steps_gives(name):
+    """Six steps simulated over fake tensors against three simulated and repeated: at every step
+    the same peaks, segments and per-stream cache."""
+    config = tiny_config("qwen2")
+    six = simulate(config, rung(name), batch=2, seq=32, steps=6, target="cuda", sm=90)
+    three = simulate(config, rung(name), batch=2, seq=32, steps=3, target="cuda", sm=90)
+    for k in range(2, 7):
+        want = allocator.replay(six.timeline, six.timeline_roles, steps_of=six.timeline_steps, simulated_steps=6, until=k)
+        got = allocator.replay(three.timeline, three.timeline_roles, steps_of=three.timeline_steps, simulated_steps=3,
+                               until=k)
+        assert got.replayed_steps == want.replayed_steps == k
+        assert (got.allocated_peak_bytes, got.reserved_peak_bytes, got.segments, got.reserved_by_stream) == (
+            want.allocated_peak_bytes, want.reserved_peak_bytes, want.segments, want.reserved_by_stream), k
+
+
+def test_a_cuda_prediction_replays_until_the_cache_is_steady_or_as_many_steps_as_asked():
+    config = tiny_config("qwen2")
+    p = predict(config, "fp32", batch=2, seq=32, device="cuda", card="RTX 4090 24GB")
+    assert p.steady is True and p.replayed_steps >= 3 and "still changing" not in p.note
+    q = predict(config, "fp32", batch=2, seq=32, device="cuda", card="RTX 4090 24GB", replay_steps=2)
+    assert (q.replayed_steps, q.steady) == (2, None)
+    assert q.reserved_peak_bytes <= p.reserved_peak_bytes  # reserved never shrinks without empty_cache
+    short = predict(config, "fp32", batch=2, seq=32, steps=2, device="cuda")  # no two like steps to repeat
+    assert short.steady is False and "still changing after 2" in short.note
