@@ -91,5 +91,8 @@ def test_a_cuda_prediction_replays_until_the_cache_is_steady_or_as_many_steps_as
     q = predict(config, "fp32", batch=2, seq=32, device="cuda", card="RTX 4090 24GB", replay_steps=2)
     assert (q.replayed_steps, q.steady) == (2, None)
     assert q.reserved_peak_bytes <= p.reserved_peak_bytes  # reserved never shrinks without empty_cache
+    # the segments it ends with (what a card's memory_snapshot lists) add up to that reserved peak
+    assert sum(float(size) * n for size, n in p.segment_sizes.items()) * MiB == p.reserved_peak_bytes
+    assert p.row()["segment_sizes"] == p.segment_sizes and "20" in p.segment_sizes
     short = predict(config, "fp32", batch=2, seq=32, steps=2, device="cuda")  # no two like steps to repeat
     assert short.steady is False and "still changing after 2" in short.note

@@ -17,7 +17,7 @@ from workbench.core.config import ConfigError
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model as cm
 from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags
-from workbench.core.memory.predict import predict
+from workbench.core.memory.predict import CUDA_STEPS, predict
 
 MiB = 2**20
 TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
@@ -201,7 +201,7 @@ def test_cuda_prediction_has_allocated_reserved_and_nvidia_smi(tmp_path):
     path.write_text(json.dumps(TINY))
     p = predict(str(path), "bf16", batch=2, seq=64, device="cuda", card="RTX 3060 12GB")
     ws = 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)  # two cuBLAS handles on sm_86
-    assert p.kernels == {"flash": 2 * TINY["num_hidden_layers"]}
+    assert p.kernels == {"flash": CUDA_STEPS * TINY["num_hidden_layers"]}  # one per layer and simulated step
     assert p.allocated_peak_bytes >= p.peak_bytes + ws
     assert p.reserved_peak_bytes >= p.allocated_peak_bytes and p.reserved_peak_bytes % (2 * MiB) == 0
     assert p.nvidia_smi_bytes == p.reserved_peak_bytes + cm.CONTEXT_BYTES

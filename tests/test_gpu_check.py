@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from workbench.core.memory import allocator
 from workbench.core.memory.allocator import least_cap
 from workbench.core.memory.plan import RUNGS
 from workbench.front import gpu_check as gc
@@ -90,6 +91,25 @@ def test_a_cuda_prediction_is_judged_by_its_allocator_figures_not_its_live_bytes
                      _measured(1000, 1200, reserved_by_stream_bytes={"default": 620 * MiB, "reduce": 580 * MiB}), {})
     assert z3["predicted_reserved_by_stream_mib"] == {"default": 600, "reduce": 550}
     assert z3["cuda_reserved_by_stream_mib"] == {"default": 620, "reduce": 580}
+    assert r["segment_difference"] is None  # no segments on either side: nothing to say
+
+
+def test_a_reserved_miss_is_shown_by_segment_size():
+    """The card's segments (memory_snapshot) beside the replay's: a reserved miss, by what made it."""
+    snapshot = [{"total_size": 2 * MiB, "stream": 0}] * 3 + [{"total_size": 20 * MiB, "stream": 0}] * 5 + [
+        {"total_size": 520 * MiB, "stream": 0}, {"total_size": 12 * MiB, "stream": 7}]
+    measured = allocator.segment_sizes(snapshot)
+    assert measured == {"2": 3, "12": 1, "20": 5, "520": 1} and list(measured) == ["2", "12", "20", "520"]
+    predicted = {"2": 3, "12": 1, "20": 2}  # three 20 MiB segments and the 520 MiB one fewer: 580 MiB short
+    cuda = {**_pred(900), "allocated_peak_bytes": 1000 * MiB, "reserved_peak_bytes": 1150 * MiB, "segment_sizes": predicted}
+    r = gc.rung_row("fp32", cuda, _measured(1000, 1730, segment_sizes=measured), {})
+    assert r["predicted_segment_sizes"] == predicted and r["cuda_segment_sizes"] == measured
+    assert r["segment_difference"] == ("segments predicted 6 (58 MiB), measured 10 (638 MiB); "
+                                       "predicted less measured: -1 x 520 MiB, -3 x 20 MiB")
+    assert allocator.segment_difference(measured, measured).endswith("the same sizes")
+    summary = {"status": "fail", "seconds": 1.0, "within_time_limit": True, "environment": {}, "checks": {},
+               "results": {"ladder": {"rows": [r]}}}
+    assert "- fp32: segments predicted 6 (58 MiB)" in gc.report_markdown(summary)
 
 
 def test_a_failed_prediction_is_its_rungs_failure_with_the_measurement_kept():

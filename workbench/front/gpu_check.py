@@ -8,8 +8,8 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   config, random tokens), its CUDA-modelled prediction for the card at hand (`memory.predict(...,
   device="cuda", card=card_at_hand())`: allocated, reserved, nvidia-smi) beside
   `torch.cuda.max_memory_allocated`, `max_memory_reserved` and NVML's used memory, with the errors
-  in percent (the plain step, as a user's training runs it; `--counted`: the device rungs under
-  the live-bytes count, as on 2026-11-22); a rung whose prediction or run fails is that rung's row;
+  in percent and the segments by size beside the replay's (where a reserved miss lies); the plain step
+  as a user's training runs it (`--counted`: under the live-bytes count); a failing rung is its row;
 - strategies: study 1 under a real CUDA budget (`set_per_process_memory_fraction`) small enough
   that the strategies run out of memory for real and fall back to the CPU; afterwards
   `torch.cuda.memory_allocated()` must be back where it started;
@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from workbench.core.common import MiB, one_line
 from workbench.core.config import ConfigError
+from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
@@ -124,7 +125,9 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         "step_ms": measured.get("step_ms"),  # and, where a library has side streams, each one's cache in MiB
         **{f"{k}_reserved_by_stream_mib": {s: b / MiB for s, b in (d.get("reserved_by_stream_bytes") or {}).items()} or None
            for k, d in (("predicted", prediction), ("cuda", measured))},
+        **{f"{k}_segment_sizes": d.get("segment_sizes") or None for k, d in (("predicted", prediction), ("cuda", measured))},
     }
+    row["segment_difference"] = allocator.segment_difference(row["predicted_segment_sizes"], row["cuda_segment_sizes"])
     if row["status"] != "ok":
         row["passed"] = None  # judged by ladder_verdict: an error on a GPU is a failure, an OOM is a result
     else:
@@ -207,6 +210,7 @@ def report_markdown(summary: dict[str, Any]) -> str:
         lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in ladder["rows"]]
         lines += ["", "The CUDA budget caps the allocator's reserved memory (fragmentation and caching "
                       "included); the CPU budget counts live tensor bytes."]
+        lines += [f"- {r['rung']}: {r['segment_difference']}" for r in ladder["rows"] if r.get("segment_difference")]
     s1 = summary["results"].get("strategies", {})
     if s1.get("runs"):
         lines += ["", f"### Study 1 under a {s1.get('budget_mib')} MiB CUDA budget", ""]

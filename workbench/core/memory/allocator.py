@@ -185,6 +185,7 @@ class AllocatorReport:
     steady_allocated_peak_bytes: int  # the same peaks from `steady_from` on (the last step, and any repeated)
     steady_reserved_peak_bytes: int
     reserved_by_stream: dict[int, int] = field(default_factory=dict)  # segments' bytes per stream, at the end
+    segment_sizes: dict[str, int] = field(default_factory=dict)  # segments at the end: size in MiB -> how many
     replayed_steps: int = 0  # training steps replayed (0: the timeline as given, not counted in steps)
     steady: bool | None = None  # until=STEADY: whether the state repeated within MAX_STEPS (None: not asked)
 
@@ -326,10 +327,9 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
                     steady = True
                     break
                 seen.add(now)
+    segments = [{"stream": seg[1], "total_size": total} for seg, _, total, _ in a.segment_blocks()]
     return AllocatorReport(a.peak_allocated, a.peak_reserved, a.segments, state["best"], state["alloc"], state["res"],
-                           reserved_by_stream([{"stream": seg[1], "total_size": total}
-                                               for seg, _, total, _ in a.segment_blocks()]),
-                           replayed_steps=replayed, steady=steady)
+                           reserved_by_stream(segments), segment_sizes(segments), replayed_steps=replayed, steady=steady)
 
 
 def _relative(tag, step):
@@ -346,6 +346,33 @@ def reserved_by_stream(segments, names: dict[int, str] | None = None) -> dict:
         key = (names or {}).get(seg["stream"], seg["stream"])
         out[key] = out.get(key, 0) + seg["total_size"]
     return out
+
+
+def segment_sizes(segments) -> dict[str, int]:
+    """{segment size in MiB: how many} from segments as `torch.cuda.memory_snapshot()` lists them
+    (each with "total_size"): the reserved bytes by what made them, 2 MiB for small tensors, 20 MiB
+    for 1-10 MiB ones, a tensor's own size above. Keys are strings (JSON), in ascending size."""
+    out: dict[float, int] = {}
+    for seg in segments:
+        size = seg["total_size"] / MiB
+        out[size] = out.get(size, 0) + 1
+    return {f"{k:g}": out[k] for k in sorted(out)}
+
+
+def segment_difference(predicted: dict[str, int] | None, measured: dict[str, int] | None, top: int = 4) -> str | None:
+    """One line: where a reserved miss lies, by segment size (predicted less measured), the sizes
+    whose bytes differ most first; sizes in MiB as `segment_sizes` gives them (None if one is missing)."""
+    if not predicted or not measured:
+        return None
+    def total(d):
+        return sum(float(k) * n for k, n in d.items())
+
+    diff = {k: predicted.get(k, 0) - measured.get(k, 0) for k in {*predicted, *measured}}
+    worst = sorted((k for k, n in diff.items() if n), key=lambda k: -abs(diff[k]) * float(k))[:top]
+    head = (f"segments predicted {sum(predicted.values())} ({total(predicted):,.0f} MiB), "
+            f"measured {sum(measured.values())} ({total(measured):,.0f} MiB)")
+    return head + ("; the same sizes" if not worst else
+                   "; predicted less measured: " + ", ".join(f"{diff[k]:+d} x {k} MiB" for k in worst))
 
 
 def least_cap(runs, lo: int, hi: int, step: int) -> tuple[int, list[tuple[int, bool]]]:

@@ -87,6 +87,7 @@ class Prediction:
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
     reserved_by_stream_bytes: dict[str, int] = field(default_factory=dict)  # a library's side streams: each one's cache
+    segment_sizes: dict[str, int] = field(default_factory=dict)  # the allocator's segments at the end: MiB -> count
     replayed_steps: int = 0  # training steps the allocator replayed (the last simulated one repeated)
     steady: bool | None = None  # whether the allocator's state repeated within them (None: a set number asked)
     card: str = ""
@@ -139,7 +140,7 @@ class Prediction:
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
             "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "reserved_by_stream_bytes": self.reserved_by_stream_bytes,
-            "replayed_steps": self.replayed_steps, "steady": self.steady,
+            "replayed_steps": self.replayed_steps, "steady": self.steady, "segment_sizes": self.segment_sizes,
         }
 
 
@@ -297,7 +298,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                     reserved_by_stream_bytes=({STREAM_NAMES.get(k, k): v for k, v in alloc.reserved_by_stream.items()}
                                               if report.timeline_streams else {}),
                     context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES),
-                    replayed_steps=alloc.replayed_steps, steady=alloc.steady)
+                    replayed_steps=alloc.replayed_steps, steady=alloc.steady, segment_sizes=alloc.segment_sizes)
         if alloc.steady is False:
             note = (note + "; " if note else "") + (f"the allocator's cache was still changing after {alloc.replayed_steps} "
                                                     "replayed steps: the reserved figures are those steps' peaks")
