@@ -94,7 +94,7 @@ def main() -> int:
     best_fixed = max(("k=0", "k=1"), key=med.get)
     ratio = med["adaptive"] / med[best_fixed]
     k_last = [r["k_last"] for r in got["adaptive"]]
-    print(f"  median tokens/s: " + ", ".join(f"{n} {v:,.0f}" for n, v in med.items())
+    print("  median tokens/s: " + ", ".join(f"{n} {v:,.0f}" for n, v in med.items())
           + f"; adaptive settled at k = {', '.join(f'{k:.2f}' for k in k_last)}; "
           f"{ratio:.3f}x the faster fixed k ({best_fixed}); load average {os.getloadavg()[0]:.2f}")
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio,

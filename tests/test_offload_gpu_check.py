@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 from workbench.studies.split import gpu_check as sg
 
