@@ -8,7 +8,8 @@
 
 What it counts: for each rung, the wall time of one `workbench.core.memory.predict.predict` call on
 the Qwen2-0.5B config (data/configs/qwen2-0.5b.json) at batch 1 x seq 512: building the model on
-the meta device, applying the rung, and simulating two training steps over fake tensors (for
+the meta device, applying the rung, and simulating its training steps over fake tensors (two on the
+CPU; three for CUDA, whose allocator replay then repeats the last until its cache is steady; for
 estimated rungs: the simulation they start from plus the library estimate). One warm-up
 prediction (imports, first-call caches) runs first and is not counted. Target: under 30 s each
 for the 0.5B config, under 60 s for a 7B one (`--model data/configs/qwen2-7b.json`). `--device
@@ -42,7 +43,7 @@ from workbench.core.memory.predict import predict  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 
 NAME = "predict_ladder"
-VERSION = 2  # bump when the method changes (2: --device, a 7B target)
+VERSION = 3  # bump when the method changes (2: --device, a 7B target; 3: CUDA simulates 3 steps, replays until steady)
 TARGET_S = 30.0
 TARGET_7B_S = 60.0
 
