@@ -14,8 +14,8 @@ A training run is many steps, and the cache carries what each step left: the res
 steps need not be the run's. Every step after the first allocates the same sizes in the same order,
 so `replay(..., until="steady")` repeats the last simulated step (`StepTemplate`: each allocation
 and free of that step, relative to the step before) until the allocator's state at the end of a step
-is the state at the end of the step before: from there every step replays the same, and the peaks
-are the run's, however long it is.
+is one it was in at the end of an earlier step: from there the steps since repeat for ever, so the
+peaks are the run's, however long it is.
 """
 
 from __future__ import annotations
@@ -247,9 +247,9 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     `steps_of` (the training step of each event, `simulated_steps` of them) and `until`: None
     replays the timeline as given; n replays n training steps (the simulated ones, cut after step
     n or with the last one repeated); STEADY repeats the last simulated step until the allocator's
-    state at the end of a step is the state at the end of the step before (each segment, each
-    block's size and which allocation of which step holds it), from where every step replays the
-    same; at most `max_steps` in all (`steady` says whether it got there).
+    state at the end of a step (each segment, each block's size and which allocation of how many
+    steps ago holds it) is one it was in at the end of an earlier step, from where the steps since
+    repeat for ever; at most `max_steps` in all (`steady` says whether it got there).
     """
     a = CachingAllocator(limit)
     streams = streams or {}
