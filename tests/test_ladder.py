@@ -14,7 +14,7 @@ import torch
 
 from workbench.core.config import ConfigError
 from workbench.core.memory.monitor import MemoryMonitor
-from workbench.core.memory.plan import RUNGS
+from workbench.core.memory.plan import RUNGS, quantize_4bit
 from workbench.core.models import TINY_SPEC, load_model
 from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down
 from workbench.studies.ladder.rungs import auto_fit, measure
@@ -208,6 +208,37 @@ def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch)
         lin.weight = torch.nn.Parameter(lin.weight.detach().as_subclass(_PretendCuda), requires_grad=False)
     quantize_4bit(model, torch.float32, skip=())
     assert asked == [torch.device("cuda", 0)] * 2
+
+
+def test_quantize_4bit_on_the_meta_device_quantizes_each_shape_once_and_each_layer_gets_its_own_copy(monkeypatch):
+    """A prediction's QLoRA model: zeros quantized once per shape, each layer its own bytes."""
+    import bitsandbytes as bnb
+
+    shapes = []
+    real = bnb.nn.Params4bit._quantize
+    monkeypatch.setattr(bnb.nn.Params4bit, "_quantize", lambda self, device: shapes.append(tuple(self.shape))
+                        or real(self, device))
+
+    def four_layers(device):
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64), torch.nn.Linear(64, 128),
+                                   torch.nn.Linear(128, 64)).to(device)
+
+    meta = four_layers("meta")
+    assert quantize_4bit(meta, torch.float32, skip=()) == 4
+    assert shapes == [(128, 64), (64, 128)]  # two shapes, two quantizations
+    cpu = four_layers("cpu")
+    for lin in cpu:
+        torch.nn.init.zeros_(lin.weight)
+    quantize_4bit(cpu, torch.float32, skip=())
+    states = [(q.weight, q.weight.quant_state) for q in meta]
+    for tensors in ([w for w, _ in states], [s.absmax for _, s in states], [s.state2.absmax for _, s in states]):
+        assert len({t.data_ptr() for t in tensors}) == 4  # no layer shares another's storage
+    for q, ref in zip(meta, cpu):  # the same bytes as quantizing each layer's zeros
+        assert q.quant_state is q.weight.quant_state and q.weight.bnb_quantized
+        assert torch.equal(q.weight, ref.weight) and q.weight.dtype == ref.weight.dtype
+        assert torch.equal(q.weight.quant_state.absmax, ref.weight.quant_state.absmax)
+        assert torch.equal(q.weight.quant_state.state2.absmax, ref.weight.quant_state.state2.absmax)
+        assert q.weight.quant_state.shape == ref.weight.quant_state.shape
 
 
 @pytest.mark.parametrize("name", ["device_map", "zero_offload", "zero_offload_params"])
