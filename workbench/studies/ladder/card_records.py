@@ -31,8 +31,7 @@ from workbench.core.results import atomic_write_json, git_commit, now
 CARD_RECORDS = PROJECT_ROOT / "data" / "measured"
 REPREDICTED = "repredicted.json"  # beside a record's summary.json: the current prediction against it
 # the ladder check's settings where a record does not state them: records written before they were
-# (the H200's of 2026-11-22, at b73d754) ran gpu-check's defaults of that commit
-# gpu-check's options where a record predates their being written down (b73d754 measured 3 steps per rung)
+# (the H200's of 2026-11-22, at b73d754) ran gpu-check's defaults of that commit (3 steps per rung)
 GPU_CHECK_DEFAULTS = {"model": "data/configs/qwen2-0.5b.json", "batch": 1, "seq": 512, "steps": 3}
 
 
