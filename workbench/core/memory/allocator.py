@@ -4,18 +4,13 @@
     report = replay(timeline, roles, workspaces, steps_of=steps, until="steady")
     report.allocated_peak_bytes, report.reserved_peak_bytes, report.replayed_steps, report.steady
 
-`CachingAllocator` follows the rules of c10/cuda/CUDACachingAllocator.cpp (constants in
-c10/core/AllocatorConfig.h) in its default configuration; `replay` runs a simulated step's
-allocation timeline through it (the prediction, workbench.core.memory.predict), `least_reserved`
-finds the least cap on reserved bytes a timeline runs under (what a card needs), and the played CPU
-budget (workbench.core.memory.budget) and the memory snapshot export use the allocator online.
-
-A training run is many steps, and the cache carries what each step left: the reserved peak of two
-steps need not be the run's. Every step after the first allocates the same sizes in the same order,
-so `replay(..., until="steady")` repeats the last simulated step (`StepTemplate`: each allocation
-and free of that step, relative to the step before) until the allocator's state at the end of a step
-is one it was in at the end of an earlier step: from there the steps since repeat for ever, so the
-peaks are the run's, however long it is.
+`CachingAllocator` follows c10/cuda/CUDACachingAllocator.cpp in its default configuration;
+`replay` runs a simulated step's allocation timeline through it, `least_reserved` finds the least
+cap on reserved bytes it runs under (what a card needs); the played CPU budget and the snapshot
+export use the allocator online. The cache carries what each step left, so the reserved peak of
+two steps need not be a run's: `until="steady"` repeats the last simulated step (`StepTemplate`,
+relative to the step before) until the allocator is in a state it was in at the end of an earlier
+step, from where the steps since repeat for ever.
 """
 
 from __future__ import annotations
