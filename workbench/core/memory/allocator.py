@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -48,10 +47,11 @@ def segment_size(n: int) -> int:
 
 
 class _Block:
-    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "id")
+    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "id", "tag")  # tag: who holds it (replay's)
 
     def __init__(self, seg, offset, size, bid):
         self.seg, self.offset, self.size, self.free, self.prev, self.next, self.id = seg, offset, size, True, None, None, bid
+        self.tag = None
 
 
 class CachingAllocator:
@@ -285,16 +285,15 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
         if (until == STEADY or int(until) > simulated_steps) and simulated_steps >= 2:
             template = StepTemplate.of(events, steps_of, roles, streams, simulated_steps - 1)
         steady = False if until == STEADY else None
-    owner: dict[int, Any] = {}  # id(block) -> (step, j) for the repeated step's allocations, else the serial
-    if template:
+    if template:  # each block's holder: (step, j) for the repeated step's allocations, else the serial
         made = {x: (simulated_steps - 2 + age, j) for age in (0, 1) for j, x in enumerate(template.serials[age])}
     for i, (serial, n) in enumerate(body):
         b = act(serial, n, roles.get(serial, "temporaries"), streams.get(serial, 0), i >= steady_from)
         if template and b is not None:
-            owner[id(b)] = made.get(serial, serial)
+            b.tag = made.get(serial, serial)
 
     def signature(step):
-        return tuple((base, seg[:2], total, tuple((b.size, None if b.free else _relative(owner.get(id(b)), step))
+        return tuple((base, seg[:2], total, tuple((b.size, None if b.free else _relative(b.tag, step))
                                                    for b in blocks))
                      for seg, base, total, blocks in sorted(a.segment_blocks(), key=lambda s: s[1]))
 
@@ -311,7 +310,7 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
                     keys[1][j] = (step, j)
                     b = act((step, j), template.sizes[j], template.roles[j], template.streams[j], True)
                     if b is not None:
-                        owner[id(b)] = (step, j)
+                        b.tag = (step, j)
                 else:
                     key = keys[1 - op[2]][op[1]]
                     act(key, -1, "", 0, True)
