@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from workbench.core.config import ConfigError
-from workbench.core.memory import allocator
+from workbench.core.memory import allocator, segments
 from workbench.core.memory import cuda_model as cm
 from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags
 from workbench.core.memory.predict import CUDA_STEPS, predict
@@ -189,7 +189,7 @@ def test_a_freed_block_is_reused_only_on_its_own_stream():
     # the card's side: torch.cuda.memory_snapshot()'s segments, by stream handle, named where known
     snap = [{"stream": 0, "total_size": 2 * MiB}, {"stream": 94021, "total_size": 20 * MiB},
             {"stream": 94021, "total_size": 12 * MiB}, {"stream": 77, "total_size": 2 * MiB}]
-    assert allocator.reserved_by_stream(snap, {0: "default", 94021: "reduce"}) == {"default": 2 * MiB, "reduce": 32 * MiB,
+    assert segments.reserved_by_stream(snap, {0: "default", 94021: "reduce"}) == {"default": 2 * MiB, "reduce": 32 * MiB,
                                                                              77: 2 * MiB}
 
 

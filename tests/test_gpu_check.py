@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.core.memory import allocator
+from workbench.core.memory import segments
 from workbench.core.memory.allocator import least_cap
 from workbench.core.memory.plan import RUNGS
 from workbench.front import gpu_check as gc
+from workbench.front import gpu_report as gr
 from workbench.studies.ladder.gpu_cap import STEP
 
 MiB = 2**20
@@ -54,40 +55,40 @@ def _pred(peak_mib, fit_mib=None):
 
 
 def test_error_pct():
-    assert gc.error_pct(110, 100) == pytest.approx(10.0)
-    assert gc.error_pct(90, 100) == pytest.approx(-10.0)
-    assert gc.error_pct(None, 100) is None and gc.error_pct(1, 0) is None and gc.error_pct(1, None) is None
+    assert gr.error_pct(110, 100) == pytest.approx(10.0)
+    assert gr.error_pct(90, 100) == pytest.approx(-10.0)
+    assert gr.error_pct(None, 100) is None and gr.error_pct(1, 0) is None and gr.error_pct(1, None) is None
 
 
 def test_rung_row_puts_the_prediction_beside_the_card():
     nvml = {"nvml_used_peak_mib": 2000.0, "nvml_used_before_mib": 500.0}
-    r = gc.rung_row("bf16", _pred(1000, 1100), _measured(950, 1200, step_ms=12.0), nvml)
+    r = gr.rung_row("bf16", _pred(1000, 1100), _measured(950, 1200, step_ms=12.0), nvml)
     assert r["predicted_allocated_mib"] == 1000 and r["cuda_max_allocated_mib"] == 950 and r["cuda_max_reserved_mib"] == 1200
     assert r["error_vs_allocated_pct"] == pytest.approx(100 * 50 / 950)
     assert r["error_vs_reserved_pct"] == pytest.approx(100 * -100 / 1200)
     assert r["nvml_used_peak_mib"] == 2000 and r["nvml_used_delta_mib"] == 1500 and r["passed"] is True
     # Off by more than the allocated threshold: fails, and the verdict says which rung and by how much.
-    bad = gc.rung_row("fp32", _pred(1000), _measured(800, 1000), {})
+    bad = gr.rung_row("fp32", _pred(1000), _measured(800, 1000), {})
     assert bad["error_vs_allocated_pct"] == pytest.approx(25.0) and bad["passed"] is False
     assert bad["nvml_used_peak_mib"] is None and bad["nvml_used_delta_mib"] is None
     # Reserved far from the modelled reserved figure fails too.
-    assert gc.rung_row("fp32", _pred(1000, 1000), _measured(1000, 2000), {})["passed"] is False
+    assert gr.rung_row("fp32", _pred(1000, 1000), _measured(1000, 2000), {})["passed"] is False
     # A rung that did not run has no verdict of its own.
-    nm = gc.rung_row("zero_offload", _pred(500), {"status": "not measured", "reason": "deepspeed failed"}, {})
+    nm = gr.rung_row("zero_offload", _pred(500), {"status": "not measured", "reason": "deepspeed failed"}, {})
     assert nm["passed"] is None and nm["cuda_max_allocated_mib"] is None and nm["error_vs_allocated_pct"] is None
 
 
 def test_a_cuda_prediction_is_judged_by_its_allocator_figures_not_its_live_bytes():
     cuda = {**_pred(900), "allocated_peak_bytes": 1000 * MiB, "reserved_peak_bytes": 1150 * MiB,
             "nvidia_smi_bytes": 1650 * MiB}
-    r = gc.rung_row("bf16", cuda, _measured(1000, 1200), {"nvml_used_peak_mib": 2600.0, "nvml_used_before_mib": 500.0})
+    r = gr.rung_row("bf16", cuda, _measured(1000, 1200), {"nvml_used_peak_mib": 2600.0, "nvml_used_before_mib": 500.0})
     assert r["predicted_allocated_mib"] == 1000 and r["error_vs_allocated_pct"] == 0.0
     assert r["predicted_reserved_mib"] == 1150 and r["error_vs_reserved_pct"] == pytest.approx(100 * -50 / 1200)
     # what nvidia-smi would show beside NVML, and what NVML saw outside the allocator (context, kernels)
     assert r["predicted_nvidia_smi_mib"] == 1650 and r["outside_allocator_mib"] == 1400
     assert r["predicted_reserved_by_stream_mib"] is None and r["cuda_reserved_by_stream_mib"] is None
     # ZeRO-3: each side stream's cache, predicted beside the card's (memory_snapshot's segments by stream)
-    z3 = gc.rung_row("zero_offload_params", {**cuda, "reserved_by_stream_bytes": {"default": 600 * MiB, "reduce": 550 * MiB}},
+    z3 = gr.rung_row("zero_offload_params", {**cuda, "reserved_by_stream_bytes": {"default": 600 * MiB, "reduce": 550 * MiB}},
                      _measured(1000, 1200, reserved_by_stream_bytes={"default": 620 * MiB, "reduce": 580 * MiB}), {})
     assert z3["predicted_reserved_by_stream_mib"] == {"default": 600, "reduce": 550}
     assert z3["cuda_reserved_by_stream_mib"] == {"default": 620, "reduce": 580}
@@ -98,24 +99,24 @@ def test_a_reserved_miss_is_shown_by_segment_size():
     """The card's segments (memory_snapshot) beside the replay's: a reserved miss, by what made it."""
     snapshot = [{"total_size": 2 * MiB, "stream": 0}] * 3 + [{"total_size": 20 * MiB, "stream": 0}] * 5 + [
         {"total_size": 520 * MiB, "stream": 0}, {"total_size": 12 * MiB, "stream": 7}]
-    measured = allocator.segment_sizes(snapshot)
+    measured = segments.segment_sizes(snapshot)
     assert measured == {"2": 3, "12": 1, "20": 5, "520": 1} and list(measured) == ["2", "12", "20", "520"]
     predicted = {"2": 3, "12": 1, "20": 2}  # three 20 MiB segments and the 520 MiB one fewer: 580 MiB short
     cuda = {**_pred(900), "allocated_peak_bytes": 1000 * MiB, "reserved_peak_bytes": 1150 * MiB, "segment_sizes": predicted}
-    r = gc.rung_row("fp32", cuda, _measured(1000, 1730, segment_sizes=measured), {})
+    r = gr.rung_row("fp32", cuda, _measured(1000, 1730, segment_sizes=measured), {})
     assert r["predicted_segment_sizes"] == predicted and r["cuda_segment_sizes"] == measured
     assert r["segment_difference"] == ("segments predicted 6 (58 MiB), measured 10 (638 MiB); "
                                        "predicted less measured: -1 x 520 MiB, -3 x 20 MiB")
-    assert allocator.segment_difference(measured, measured).endswith("the same sizes")
+    assert segments.segment_difference(measured, measured).endswith("the same sizes")
     summary = {"status": "fail", "seconds": 1.0, "within_time_limit": True, "environment": {}, "checks": {},
                "results": {"ladder": {"rows": [r]}}}
-    assert "- fp32: segments predicted 6 (58 MiB)" in gc.report_markdown(summary)
+    assert "- fp32: segments predicted 6 (58 MiB)" in gr.report_markdown(summary)
 
 
 def test_a_failed_prediction_is_its_rungs_failure_with_the_measurement_kept():
-    r = gc.rung_row("qlora", {"error": "TypeError: dispatch failed"}, _measured(2000, 2300), {})
+    r = gr.rung_row("qlora", {"error": "TypeError: dispatch failed"}, _measured(2000, 2300), {})
     assert r["cuda_max_allocated_mib"] == 2000 and r["predicted_allocated_mib"] is None
-    v = gc.ladder_verdict([r, gc.rung_row("bf16", _pred(100), _measured(98, 110), {})])
+    v = gr.ladder_verdict([r, gr.rung_row("bf16", _pred(100), _measured(98, 110), {})])
     assert v["status"] == "fail" and v["failures"] == ["qlora: the prediction failed: TypeError: dispatch failed"]
 
 
@@ -165,17 +166,17 @@ def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypat
 
 
 def test_ladder_verdict():
-    good = [gc.rung_row("bf16", _pred(100), _measured(98, 110), {}),
-            gc.rung_row("fp32", _pred(200), {"status": "oom", "reason": "CUDA out of memory"}, {})]
-    v = gc.ladder_verdict(good)
+    good = [gr.rung_row("bf16", _pred(100), _measured(98, 110), {}),
+            gr.rung_row("fp32", _pred(200), {"status": "oom", "reason": "CUDA out of memory"}, {})]
+    v = gr.ladder_verdict(good)
     assert v["status"] == "pass" and v["failures"] == []  # an OOM on the card is a result
-    bad = good + [gc.rung_row("fp16", _pred(100), _measured(50, 60), {}),
-                  gc.rung_row("device_map", _pred(100), {"status": "not measured", "reason": "no accelerate"}, {})]
-    v = gc.ladder_verdict(bad)
+    bad = good + [gr.rung_row("fp16", _pred(100), _measured(50, 60), {}),
+                  gr.rung_row("device_map", _pred(100), {"status": "not measured", "reason": "no accelerate"}, {})]
+    v = gr.ladder_verdict(bad)
     assert v["status"] == "fail" and len(v["failures"]) == 2
     assert v["failures"][0].startswith("fp16: prediction off by +100.0%")
     assert v["failures"][1] == "device_map: not measured: no accelerate"
-    assert gc.ladder_verdict([])["status"] == "fail"
+    assert gr.ladder_verdict([])["status"] == "fail"
 
 
 def _run(strategy, *history):
@@ -186,29 +187,29 @@ def _run(strategy, *history):
 
 def test_study1_verdict_needs_a_real_fallback_and_nothing_left_on_the_gpu():
     runs = [_run("full", ("cuda@2", "oom"), ("cpu", "ok")), _run("adapter", ("cuda@2", "ok"))]
-    v = gc.study1_verdict(runs, 1024, 1024)
+    v = gr.study1_verdict(runs, 1024, 1024)
     assert v["status"] == "pass" and v["fell_back"] == ["full"]
-    v = gc.study1_verdict(runs, 1024, 1024 + 512)
+    v = gr.study1_verdict(runs, 1024, 1024 + 512)
     assert v["status"] == "fail" and v["failures"] == ["512 bytes left allocated on the GPU after study 1"]
-    v = gc.study1_verdict([_run("adapter", ("cuda@2", "ok"))], 0, 0)
+    v = gr.study1_verdict([_run("adapter", ("cuda@2", "ok"))], 0, 0)
     assert v["status"] == "fail" and "no strategy ran out" in v["failures"][0]
     # An OOM that never reached the CPU is not a fallback either.
-    assert gc.study1_verdict([_run("full", ("cuda@2", "oom"), ("cpu", "oom"))], 0, 0)["status"] == "fail"
+    assert gr.study1_verdict([_run("full", ("cuda@2", "oom"), ("cpu", "oom"))], 0, 0)["status"] == "fail"
 
 
 def _fake_checks(ladder_rows):
     return {
         "environment": lambda o: {"status": "pass", "env": {"gpu": "Fake H0", "gpu_total_mib": 81920.0,
                                                             "torch": "2.13.0", "cuda": "12.8"}},
-        "ladder": lambda o: gc.ladder_verdict(ladder_rows),
-        "strategies": lambda o: {**gc.study1_verdict([_run("full", ("cuda@2", "oom"), ("cpu", "ok"))], 0, 0),
+        "ladder": lambda o: gr.ladder_verdict(ladder_rows),
+        "strategies": lambda o: {**gr.study1_verdict([_run("full", ("cuda@2", "oom"), ("cpu", "ok"))], 0, 0),
                                  "budget_mib": 2.0},
         "trace": lambda o: (_ for _ in ()).throw(RuntimeError("profiler broke")),
     }
 
 
 def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_path):
-    rows = [gc.rung_row("bf16", _pred(100), _measured(98, 110), {"nvml_used_peak_mib": 900.0,
+    rows = [gr.rung_row("bf16", _pred(100), _measured(98, 110), {"nvml_used_peak_mib": 900.0,
                                                                    "nvml_used_before_mib": 700.0})]
     said = []
     summary = gc.run_checks(gc.Options(out=tmp_path), _fake_checks(rows), say=said.append)
@@ -217,7 +218,7 @@ def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_p
     assert len(said) == 4 and said[-1].startswith("gpu-check trace: error")
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["environment"]["gpu"] == "Fake H0" and saved["results"]["ladder"]["rows"][0]["rung"] == "bf16"
-    assert saved["thresholds"] == gc.THRESHOLDS and saved["within_time_limit"] is True
+    assert saved["thresholds"] == gr.THRESHOLDS and saved["within_time_limit"] is True
     report = (tmp_path / "report.md").read_text()
     assert "## GPU check: fail" in report and "Fake H0" in report
     assert "| bf16 | ok | predicted | 100.0 | 98.0 | 2.0 |" in report
@@ -230,7 +231,7 @@ def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_p
 
 
 def test_summary_is_on_disk_after_each_check_so_a_killed_run_keeps_what_came_before(tmp_path):
-    rows = [gc.rung_row("bf16", _pred(100), _measured(98, 110), {})]
+    rows = [gr.rung_row("bf16", _pred(100), _measured(98, 110), {})]
     found = {k: v for k, v in _fake_checks(rows).items() if k in ("environment", "ladder")}
 
     def killed(opts):  # what a lease ending or a timeout does mid-check: not an Exception

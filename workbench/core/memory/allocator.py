@@ -23,6 +23,7 @@ import torch
 
 from workbench.core.common import MiB
 from workbench.core.memory.accounting import EMPTY_CACHE
+from workbench.core.memory.segments import reserved_by_stream, segment_sizes
 
 
 MIN_BLOCK = 512  # kMinBlockSize: every size rounds up to a multiple of 512 bytes
@@ -330,43 +331,6 @@ def _relative(tag, step):
     """A block's holder as the state signature sees it: (how many steps ago, j) for the repeated
     step's allocations, so one step's state can equal the next's; a serial (weights, state) as is."""
     return (step - tag[0], tag[1]) if isinstance(tag, tuple) else tag
-
-
-def reserved_by_stream(segments, names: dict[int, str] | None = None) -> dict:
-    """Reserved bytes per stream from segments as `torch.cuda.memory_snapshot()` lists them (each
-    with "stream" and "total_size"); `names`: stream -> a name for it (others keep their handle)."""
-    out: dict = {}
-    for seg in segments:
-        key = (names or {}).get(seg["stream"], seg["stream"])
-        out[key] = out.get(key, 0) + seg["total_size"]
-    return out
-
-
-def segment_sizes(segments) -> dict[str, int]:
-    """{segment size in MiB: how many} from segments as `torch.cuda.memory_snapshot()` lists them
-    (each with "total_size"): the reserved bytes by what made them, 2 MiB for small tensors, 20 MiB
-    for 1-10 MiB ones, a tensor's own size above. Keys are strings (JSON), in ascending size."""
-    out: dict[float, int] = {}
-    for seg in segments:
-        size = seg["total_size"] / MiB
-        out[size] = out.get(size, 0) + 1
-    return {f"{k:g}": out[k] for k in sorted(out)}
-
-
-def segment_difference(predicted: dict[str, int] | None, measured: dict[str, int] | None, top: int = 4) -> str | None:
-    """One line: where a reserved miss lies, by segment size (predicted less measured), the sizes
-    whose bytes differ most first; sizes in MiB as `segment_sizes` gives them (None if one is missing)."""
-    if not predicted or not measured:
-        return None
-    def total(d):
-        return sum(float(k) * n for k, n in d.items())
-
-    diff = {k: predicted.get(k, 0) - measured.get(k, 0) for k in {*predicted, *measured}}
-    worst = sorted((k for k, n in diff.items() if n), key=lambda k: -abs(diff[k]) * float(k))[:top]
-    head = (f"segments predicted {sum(predicted.values())} ({total(predicted):,.0f} MiB), "
-            f"measured {sum(measured.values())} ({total(measured):,.0f} MiB)")
-    return head + ("; the same sizes" if not worst else
-                   "; predicted less measured: " + ", ".join(f"{diff[k]:+d} x {k} MiB" for k in worst))
 
 
 def least_cap(runs, lo: int, hi: int, step: int) -> tuple[int, list[tuple[int, bool]]]:

@@ -23,11 +23,11 @@ from typing import Any, Callable
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.core.memory import allocator
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.memory.predict import predict
+from workbench.core.memory.segments import reserved_by_stream, segment_sizes
 from workbench.core.training import BlockSampler, TrainSettings, train
 from workbench.studies.ladder.autofit import prediction_margin
 
@@ -127,7 +127,7 @@ def measure(
         out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(run_on)
         out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(run_on)
         # the segments (none given back during the steps: the reserved peak's), beside the replay's
-        out["segment_sizes"] = allocator.segment_sizes(torch.cuda.memory_snapshot())
+        out["segment_sizes"] = segment_sizes(torch.cuda.memory_snapshot())
     return out
 
 
@@ -198,7 +198,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
 
         result = train(model, blocks, settings, device=device, sinks=[rows.append, *sinks], extra=extra)
         loss, placed = result.final_loss, f"{sum(d != 'cpu' for d in dmap.values())}/{len(dmap)} modules on the GPU"
-        segments = torch.cuda.memory_snapshot()
+        snapshot = torch.cuda.memory_snapshot()
     else:
         import deepspeed
 
@@ -232,8 +232,8 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
                 for sink in sinks:
                     sink(row)
             loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
-            segments = torch.cuda.memory_snapshot()
-            by_stream = allocator.reserved_by_stream(segments, _deepspeed_streams(engine))
+            snapshot = torch.cuda.memory_snapshot()
+            by_stream = reserved_by_stream(snapshot, _deepspeed_streams(engine))
             if hasattr(engine, "destroy"):
                 engine.destroy()
             del engine
@@ -246,7 +246,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
            "measured_where": placed, "step_ms": step_ms, "reserved_by_stream_bytes": by_stream,
-           "segment_sizes": allocator.segment_sizes(segments),
+           "segment_sizes": segment_sizes(snapshot),
            "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / (step_ms / 1e3), "loss_after": loss}
     del model
     return out

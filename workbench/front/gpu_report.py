@@ -1,0 +1,169 @@
+"""`workbench gpu-check`'s rows, verdicts, summary and report: pure functions of what the card
+measured and what was predicted, tested on the CPU with fabricated measurements
+(tests/test_gpu_check.py). `front/gpu_check.py` runs the checks that feed them.
+
+    row = rung_row("fp32", prediction.row(), measure(...), nvml)   # prediction beside the card
+    write_results(out, summarize(results, env, seconds))           # summary.json, report.md
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from workbench.core.common import MiB
+from workbench.core.memory.segments import segment_difference
+from workbench.core.results import atomic_write_json, atomic_write_text
+
+# A prediction passes when it is within this share of the allocator's peak (allocated); reserved
+# is shown beside it (the allocator rounds and caches, so reserved >= allocated) and checked
+# loosely. Memory predicted for CUDA models CUDA's kernels and allocator (DESIGN.md section 3).
+THRESHOLDS = {"allocated_pct": 15.0, "reserved_pct": 35.0}
+TIME_LIMIT_S = 600  # the whole check should fit in ten minutes
+
+
+def error_pct(predicted: float | None, measured: float | None) -> float | None:
+    """(predicted - measured) / measured in percent; None when either is missing or measured is 0."""
+    if predicted is None or measured is None or not measured:
+        return None
+    return 100.0 * (predicted - measured) / measured
+
+
+def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nvml: dict[str, float],
+             thresholds: dict[str, float] = THRESHOLDS) -> dict[str, Any]:
+    """One rung: prediction beside what the card measured, errors in percent, pass/fail.
+
+    `prediction`: a CUDA-modelled Prediction.row() (allocated_peak_bytes, reserved_peak_bytes,
+    nvidia_smi_bytes; a CPU one's predicted_peak_bytes and fit_bytes stand in), or {"error": ...}.
+    `measured`: ladder.measure()'s row (status, cuda_max_allocated_bytes, cuda_max_reserved_bytes, measured_peak_bytes).
+    `nvml`: {"nvml_used_peak_mib", "nvml_used_before_mib"} from the monitor (may be empty).
+    """
+    def mib(b):
+        return None if b is None else b / MiB
+
+    alloc, reserved = mib(measured.get("cuda_max_allocated_bytes")), mib(measured.get("cuda_max_reserved_bytes"))
+    # a CUDA-modelled prediction has the allocator's two figures; a CPU one only its live bytes
+    pred = mib(prediction.get("allocated_peak_bytes") or prediction.get("predicted_peak_bytes"))
+    fit = mib(prediction.get("reserved_peak_bytes") or prediction.get("fit_bytes"))
+    row = {
+        "rung": name, "status": measured.get("status", "error"), "reason": measured.get("reason", ""),
+        "method": prediction.get("method"), "prediction_error": prediction.get("error"),
+        "predicted_allocated_mib": pred, "predicted_reserved_mib": fit,
+        "cuda_max_allocated_mib": alloc, "cuda_max_reserved_mib": reserved,
+        "accounted_peak_mib": (None if measured.get("measured_by") == "cuda allocator"
+                               else mib(measured.get("measured_peak_bytes"))),
+        "predicted_nvidia_smi_mib": mib(prediction.get("nvidia_smi_bytes") or None),
+        "nvml_used_peak_mib": nvml.get("nvml_used_peak_mib"),
+        "outside_allocator_mib": (nvml["nvml_used_peak_mib"] - reserved
+                                  if "nvml_used_peak_mib" in nvml and reserved is not None else None),
+        "nvml_used_delta_mib": (nvml["nvml_used_peak_mib"] - nvml["nvml_used_before_mib"]
+                                if {"nvml_used_peak_mib", "nvml_used_before_mib"} <= set(nvml) else None),
+        "error_vs_allocated_pct": error_pct(pred, alloc), "error_vs_reserved_pct": error_pct(fit, reserved),
+        "step_ms": measured.get("step_ms"),  # and, where a library has side streams, each one's cache in MiB
+        **{f"{k}_reserved_by_stream_mib": {s: b / MiB for s, b in (d.get("reserved_by_stream_bytes") or {}).items()} or None
+           for k, d in (("predicted", prediction), ("cuda", measured))},
+        **{f"{k}_segment_sizes": d.get("segment_sizes") or None for k, d in (("predicted", prediction), ("cuda", measured))},
+    }
+    row["segment_difference"] = segment_difference(row["predicted_segment_sizes"], row["cuda_segment_sizes"])
+    if row["status"] != "ok":
+        row["passed"] = None  # judged by ladder_verdict: an error on a GPU is a failure, an OOM is a result
+    else:
+        ea, er = row["error_vs_allocated_pct"], row["error_vs_reserved_pct"]
+        row["passed"] = (ea is not None and abs(ea) <= thresholds["allocated_pct"]
+                         and (er is None or abs(er) <= thresholds["reserved_pct"]))
+    return row
+
+
+def ladder_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """pass when every rung ran (or ran out of memory for real) and every measured one is within
+    the thresholds; the failures say which rung and why."""
+    failures = []
+    for r in rows:
+        if r.get("prediction_error"):
+            failures.append(f"{r['rung']}: the prediction failed: {r['prediction_error']}")
+        elif r["status"] == "ok" and not r["passed"]:
+            failures.append(f"{r['rung']}: prediction off by {r['error_vs_allocated_pct']:+.1f}% of allocated"
+                            if r["error_vs_allocated_pct"] is not None else f"{r['rung']}: no allocator figure")
+        elif r["status"] not in ("ok", "oom"):
+            failures.append(f"{r['rung']}: {r['status']}: {r['reason']}")
+    return {"status": "pass" if rows and not failures else "fail", "failures": failures, "rows": rows}
+
+
+def study1_verdict(runs: list[dict[str, Any]], allocated_before: int, allocated_after: int) -> dict[str, Any]:
+    """pass when at least one strategy ran out of CUDA memory for real and then finished on the
+    CPU, and nothing is left allocated on the GPU afterwards."""
+    fell_back = []
+    for r in runs:
+        history = r["history"] if isinstance(r["history"], list) else json.loads(r["history"] or "[]")
+        cuda_oom = any(h["attempt"].startswith("cuda") and h["result"] == "oom" for h in history)
+        cpu_ok = any(h["attempt"].startswith("cpu") and h["result"] == "ok" for h in history)
+        if cuda_oom and cpu_ok:
+            fell_back.append(r["strategy"])
+    failures = []
+    if not fell_back:
+        failures.append("no strategy ran out of CUDA memory and fell back to the CPU")
+    if allocated_after != allocated_before:
+        failures.append(f"{allocated_after - allocated_before} bytes left allocated on the GPU after study 1")
+    return {"status": "fail" if failures else "pass", "failures": failures, "fell_back": fell_back,
+            "allocated_before_bytes": allocated_before, "allocated_after_bytes": allocated_after,
+            "runs": [{k: r.get(k) for k in ("strategy", "status", "device_history", "peak_mem_mib")} for r in runs]}
+
+
+def summarize(results: dict[str, dict[str, Any]], env: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The summary.json: every check's result, the overall status, versions and the card."""
+    statuses = {name: r.get("status", "error") for name, r in results.items()}
+    ok = bool(statuses) and all(s in ("pass", "not provided") for s in statuses.values())
+    return {"status": "pass" if ok else "fail", "checks": statuses, "results": results, "environment": env,
+            "seconds": seconds, "within_time_limit": seconds <= TIME_LIMIT_S, "thresholds": THRESHOLDS}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    return str(v)
+
+
+def report_markdown(summary: dict[str, Any]) -> str:
+    """The report section: the verdicts, the ladder table (prediction beside the card), study 1."""
+    env = summary["environment"]
+    lines = [f"## GPU check: {summary['status']}", "",
+             f"Card: {env.get('gpu', '?')} ({env.get('gpu_total_mib', 0):.0f} MiB), torch {env.get('torch')}, "
+             f"CUDA {env.get('cuda')}, {summary['seconds']:.0f} s"
+             + ("" if summary["within_time_limit"] else f" (over the {TIME_LIMIT_S} s limit)") + ".", ""]
+    lines += [f"- {name}: {status}" for name, status in summary["checks"].items()]
+    ladder = summary["results"].get("ladder", {})
+    if ladder.get("rows"):
+        cols = ["rung", "status", "method", "predicted_allocated_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",
+                "predicted_reserved_mib", "cuda_max_reserved_mib", "error_vs_reserved_pct",
+                "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "passed"]
+        lines += ["", "### Ladder: predicted beside measured on the card (MiB; error = (predicted - measured) / measured)",
+                  "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in ladder["rows"]]
+        lines += ["", "The CUDA budget caps the allocator's reserved memory (fragmentation and caching "
+                      "included); the CPU budget counts live tensor bytes."]
+        lines += [f"- {r['rung']}: {r['segment_difference']}" for r in ladder["rows"] if r.get("segment_difference")]
+    s1 = summary["results"].get("strategies", {})
+    if s1.get("runs"):
+        lines += ["", f"### Study 1 under a {s1.get('budget_mib')} MiB CUDA budget", ""]
+        lines += [f"- {r['strategy']}: {r['status']} ({r['device_history']})" for r in s1["runs"]]
+        lines += [f"- left allocated on the GPU afterwards: "
+                  f"{s1['allocated_after_bytes'] - s1['allocated_before_bytes']} bytes"]
+    # a check that brings its own section (study 3's split check) has it printed as it is
+    for name, r in summary["results"].items():
+        if isinstance(r.get("report"), str) and r["report"].strip():
+            lines += ["", r["report"].strip()]
+    failures = [f"{n}: {f}" for n, r in summary["results"].items() for f in r.get("failures", [])]
+    failures += [f"{n}: {r['error']}" for n, r in summary["results"].items() if r.get("error")]
+    if failures:
+        lines += ["", "### What failed", ""] + [f"- {f}" for f in failures]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, summary: dict[str, Any]) -> None:
+    atomic_write_json(out / "summary.json", summary)
+    atomic_write_text(out / "report.md", report_markdown(summary))
