@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.conftest import tiny_config
 from workbench.core.memory import allocator
@@ -148,3 +149,24 @@ def test_a_cuda_prediction_replays_until_the_cache_is_steady_or_as_many_steps_as
     assert p.row()["segment_sizes"] == p.segment_sizes and "20" in p.segment_sizes
     short = predict(config, "fp32", batch=2, seq=32, steps=2, device="cuda")  # no two like steps to repeat
     assert short.steady is False and "still changing after 2" in short.note
+
+
+def test_the_least_reserved_cap_is_the_least_cap_a_replay_runs_under():
+    """least_reserved (a bisection from the bytes live at once up to the uncapped peak) against
+    every 2 MiB cap tried in turn from zero, over random loops replayed until steady."""
+    def runs(events, steps_of, cap):
+        try:
+            allocator.replay(events, {}, steps_of=steps_of, simulated_steps=3, until=allocator.STEADY, limit=cap)
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    for seed in range(8):
+        events, steps_of = random_loop(random.Random(seed))
+        upper = allocator.replay(events, {}, steps_of=steps_of, simulated_steps=3,
+                                 until=allocator.STEADY).reserved_peak_bytes
+        scanned = next(cap for cap in range(0, upper + 1, 2 * MiB) if runs(events, steps_of, cap))
+        lower = allocator.live_rounded_peak(events, {})
+        assert lower <= scanned <= upper
+        assert allocator.least_reserved(events, {}, upper=upper, steps_of=steps_of, simulated_steps=3,
+                                        until=allocator.STEADY) == scanned, seed

@@ -280,9 +280,7 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
 
     body, template, replayed, steady = events, None, 0, None
     if until is not None and steps_of is not None and simulated_steps:
-        stop = simulated_steps if until == STEADY else min(int(until), simulated_steps)
-        body = events[:next((i for i, k in enumerate(steps_of) if k >= stop), len(events))]
-        replayed = stop
+        body, replayed = _replayed(events, steps_of, simulated_steps, until)
         if (until == STEADY or int(until) > simulated_steps) and simulated_steps >= 2:
             template = StepTemplate.of(events, steps_of, roles, streams, simulated_steps - 1)
         steady = False if until == STEADY else None
@@ -327,6 +325,31 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
                            reserved_by_stream(segments), segment_sizes(segments), replayed_steps=replayed, steady=steady)
 
 
+def _replayed(events, steps_of, simulated_steps: int, until: int | str | None) -> tuple[list, int]:
+    """The simulated events a replay of `until` steps runs (all, or cut after step n), and how many
+    simulated steps they are."""
+    if until is None or steps_of is None or not simulated_steps:
+        return events, 0
+    stop = simulated_steps if until == STEADY else min(int(until), simulated_steps)
+    return events[:next((i for i, k in enumerate(steps_of) if k >= stop), len(events))], stop
+
+
+def live_rounded_peak(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = ()) -> int:
+    """The most bytes live at once, each allocation rounded as the allocator rounds it: a lower
+    bound of its allocated (and so reserved) bytes under any cap, whatever it caches or splits."""
+    live, peak, now = {}, 0, sum(round_size(n) for _, n in extra_allocs)
+    for serial, n in events:
+        if n == EMPTY_CACHE or (outside and roles.get(serial, "temporaries") in outside):
+            continue
+        if n >= 0:
+            live[serial] = round_size(n)
+            now += live[serial]
+            peak = max(peak, now)
+        else:
+            now -= live.pop(serial, 0)
+    return max(peak, now)
+
+
 def _relative(tag, step):
     """A block's holder as the state signature sees it: (how many steps ago, j) for the repeated
     step's allocations, so one step's state can equal the next's; a serial (weights, state) as is."""
@@ -360,4 +383,7 @@ def least_reserved(events, roles: dict[int, str], extra_allocs=(), outside: tupl
             return False
         return True
 
-    return least_cap(runs, 0, upper, ROUND_LARGE)[0]  # upper runs: nothing was ever given back
+    # no cap below the bytes live at once in the simulated steps runs (nor below those of a longer run)
+    body = _replayed(events, steps.get("steps_of"), steps.get("simulated_steps", 0), steps.get("until"))[0]
+    lower = live_rounded_peak(body, roles, extra_allocs, outside) - 1
+    return least_cap(runs, max(0, lower), upper, ROUND_LARGE)[0]  # upper runs: nothing was ever given back
