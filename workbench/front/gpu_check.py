@@ -80,7 +80,8 @@ def gpu_rungs(rungs: dict) -> tuple[str, ...]:
 
 
 def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
-    """The checks in order: the workbench's own, study 3's (owned by that package), the notebooks."""
+    """The checks in order: the workbench's own, study 3's (owned by that package), the notebooks.
+    A module that adds checks defines gpu_checks() -> {name: fn(options) -> result dict}."""
     return {"environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
             "trace": check_trace, **gpu_cap.gpu_checks(), **split_gpu_check.gpu_checks(), **gpu_programs.gpu_checks()}
 
