@@ -337,7 +337,8 @@ def _replayed(events, steps_of, simulated_steps: int, until: int | str | None) -
 def live_rounded_peak(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = ()) -> int:
     """The most bytes live at once, each allocation rounded as the allocator rounds it: a lower
     bound of its allocated (and so reserved) bytes under any cap, whatever it caches or splits."""
-    live, peak, now = {}, 0, sum(round_size(n) for _, n in extra_allocs)
+    live, now = {}, sum(round_size(n) for _, n in extra_allocs)
+    peak = now
     for serial, n in events:
         if n == EMPTY_CACHE or (outside and roles.get(serial, "temporaries") in outside):
             continue
@@ -347,7 +348,7 @@ def live_rounded_peak(events, roles: dict[int, str], extra_allocs=(), outside: t
             peak = max(peak, now)
         else:
             now -= live.pop(serial, 0)
-    return max(peak, now)
+    return peak
 
 
 def _relative(tag, step):
