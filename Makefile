@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-10)
 
-.PHONY: setup reproduce reproduce-quick test browser clean-cache gpu-check
+.PHONY: setup reproduce reproduce-quick test browser clean-cache gpu-check card-bundle
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ test: setup browser
 # Every GPU path on this card in minutes (results/gpu_check/); without CUDA: one line, exit 0.
 gpu-check: setup
 	@$(BIN)/workbench gpu-check
+
+# What a lent GPU machine lacks for gpu-check, packed for it to carry: .whl/site.tar.xz (tools/card_bundle.py)
+card-bundle: setup
+	$(BIN)/python tools/card_bundle.py
 
 clean-cache:
 	rm -rf .cache

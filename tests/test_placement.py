@@ -266,7 +266,8 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
     root = Path(__file__).resolve().parent.parent
     bucket = 100_000
     proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INVENTORY, str(bucket)], cwd=root, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, (str(root), os.environ.get("PYTHONPATH"))))})
     assert proc.returncode == 0, proc.stderr[-2000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
     if "unavailable" in ds:

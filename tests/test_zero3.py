@@ -78,7 +78,8 @@ print(json.dumps({"events": events, "reduces": reduces, "linear": torch.nn.funct
 def _real_zero3(accum: int) -> dict:
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-c", _REAL_ZERO3, json.dumps(SETTINGS), str(BUCKET), str(accum)], cwd=root,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, (str(root), os.environ.get("PYTHONPATH"))))})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
     if "unavailable" in ds:

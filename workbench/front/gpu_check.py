@@ -119,7 +119,7 @@ def check_environment(opts: Options) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     env.update(gpu=props.name, gpu_total_mib=props.total_memory / MiB, cuda=torch.version.cuda,
                capability=f"{props.major}.{props.minor}")
-    for lib in ("accelerate", "bitsandbytes", "deepspeed", "pynvml"):
+    for lib in ("accelerate", "bitsandbytes", "deepspeed", "torchao", "papermill", "pynvml"):
         try:
             env[lib] = getattr(importlib.import_module(lib), "__version__", "installed")
         except Exception as e:  # a missing library is a finding, not a crash
