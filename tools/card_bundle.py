@@ -123,24 +123,27 @@ def prune(site: Path, cuda: str) -> int:
     doomed = [p for p in (site / "bitsandbytes").glob("libbitsandbytes_*.so") if p.name not in keep]
     doomed += list(site.rglob("__pycache__"))
     for p in doomed:
-        size = sum(f.stat().st_size for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-        removed += size
+        removed += sum(f.stat().st_size for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
     return removed
 
 
 def build(out: Path, python: str, cuda: str) -> Path:
     names = carried(project_roots() + list(EXTRA), image_packages(), python)
-    specs = []
-    for n in names:
-        if n in EXTRA and n not in {norm(d.metadata["Name"]) for d in md.distributions()}:
-            specs.append(EXTRA[n])  # not installed here (torchao): its pinned version
-        else:
-            specs.append(f"{n}=={md.version(n)}")
-    print(f"carrying {len(specs)} distributions for CPython {python}, CUDA {cuda}: {' '.join(specs)}")
+    here = {norm(d.metadata["Name"]) for d in md.distributions()}
+    # each at the version installed here; one not installed here at its pin (torchao), else the
+    # newest (a requirement only the card's Python has)
+    specs = [f"{n}=={md.version(n)}" if n in here else EXTRA.get(n, n) for n in names]
+    if unpinned := [n for n in names if n not in here and n not in EXTRA]:
+        print(f"not installed here, carried at their newest: {' '.join(unpinned)}", flush=True)
+    print(f"carrying {len(specs)} distributions for CPython {python}, CUDA {cuda}: {' '.join(specs)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         wheels, site = Path(tmp) / "wheels", Path(tmp) / "site"
         source_built = [s for s in specs if s.startswith("deepspeed==")]  # DeepSpeed ships no wheel
+        print("building DeepSpeed's wheel, downloading the others ...", flush=True)
         for s in source_built:
             _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), s)
         _pip("download", "--no-deps", *_target_options(python), "-d", str(wheels),
@@ -148,6 +151,7 @@ def build(out: Path, python: str, cuda: str) -> Path:
         _pip("install", "--no-deps", "--no-index", "--no-compile", *_target_options(python), "--target", str(site),
              *map(str, sorted(wheels.glob("*.whl"))))
         saved = prune(site, cuda)
+        print("compressing (xz, about a minute) ...", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = out.with_name(out.name + ".partial")
         with tarfile.open(partial, "w:xz") as tar:
