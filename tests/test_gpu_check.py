@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -261,6 +262,10 @@ def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
     found = gc.checks()
     assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "split", "notebooks", "monitor"]
     assert found["split"] is split_check.check_split and found["cap"] is gpu_cap.check_cap
+    sub = argparse.ArgumentParser().add_subparsers()
+    gc.register(sub)
+    only = next(a for a in sub.choices["gpu-check"]._actions if a.dest == "only")
+    assert all(name in only.help for name in list(found)[1:])  # --only's help names every check
 
 
 def test_the_cap_bisection_finds_the_least_cap_a_run_trains_under():

@@ -223,7 +223,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=Options.steps, help="steps per rung (the first is warm-up)")
     p.add_argument("--quick", action="store_true", help="the tiny embedded base instead of --model (seconds)")
     p.add_argument("--counted", action="store_true", help="measure the device rungs under the live-bytes count")
-    p.add_argument("--only", default="", help="comma-separated checks to run (ladder, strategies, trace, split, notebooks, monitor)")
+    names = ", ".join(n for n in checks() if n != "environment")  # the environment is always read
+    p.add_argument("--only", default="", help=f"comma-separated checks to run ({names})")
     p.set_defaults(func=_main)
 
 
