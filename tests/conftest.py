@@ -37,6 +37,12 @@ def results_dir(tmp_path, monkeypatch):
     return d
 
 
+def subprocess_env(root: Path) -> dict[str, str]:
+    """This environment for a `python -c` child that imports the project from `root`, with any
+    PYTHONPATH already set kept after it (packages on PYTHONPATH, as a lent card's bundle puts them)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+
+
 def tiny_config(arch: str):
     """Tiny random configs of the five architectures study 1 must handle."""
     import transformers as T

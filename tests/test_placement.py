@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import tiny_config
+from tests.conftest import subprocess_env, tiny_config
 from workbench.core.memory import allocator
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.offload import dispatch_like_accelerate, infer_device_map, simulate_placed
@@ -258,7 +258,6 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -266,8 +265,7 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
     root = Path(__file__).resolve().parent.parent
     bucket = 100_000
     proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INVENTORY, str(bucket)], cwd=root, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              filter(None, (str(root), os.environ.get("PYTHONPATH"))))})
+                          text=True, timeout=600, env=subprocess_env(root))
     assert proc.returncode == 0, proc.stderr[-2000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
     if "unavailable" in ds:

@@ -9,7 +9,6 @@ device, and that the gradients are reduced in the same buckets.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from unittest import mock
 import pytest
 import transformers as T
 
-from tests.conftest import tiny_config
+from tests.conftest import subprocess_env, tiny_config
 from tests.zero3_trace import recording
 from workbench.core.memory import allocator
 from workbench.core.memory import zero3
@@ -78,8 +77,7 @@ print(json.dumps({"events": events, "reduces": reduces, "linear": torch.nn.funct
 def _real_zero3(accum: int) -> dict:
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-c", _REAL_ZERO3, json.dumps(SETTINGS), str(BUCKET), str(accum)], cwd=root,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              filter(None, (str(root), os.environ.get("PYTHONPATH"))))})
+                          capture_output=True, text=True, timeout=600, env=subprocess_env(root))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
     if "unavailable" in ds:
