@@ -23,7 +23,8 @@ prediction's own measured error, not a fixed guess, for the figure that is compa
 - on CUDA the budget caps the allocator's reserved peak, so the margin adds how far the reserved
   prediction fell below a real card's at worst for the setup's placement (on the card, in the
   gpu-check records under data/measured/, re-predicted with this checkout's code where
-  `repredicted.json` is beside them; `card_records.reserved_shortfall`).
+  `repredicted.json` is beside them, and in the published reserved peaks the validation wrote
+  beside the bytes' margins; `card_records.reserved_shortfall`).
 Each setup gets its own margin (each library allocates its own way). On a real out-of-memory error `run_with_step_down` tries the next setup that fits, still
 at the same effective batch.
 """
@@ -81,7 +82,8 @@ def prediction_margin(plan: Plan, path=MARGINS_FILE, *, device: str = "cpu", rec
         pct, why = data["overall_pct"], f"worst error of any validation row ({data['overall_pct']:.1f}%; {thin})"
     if torch.device(device).type != "cuda":
         return pct / 100, why
-    short, short_why = reserved_shortfall(plan.placement, card_reserved_errors(records))
+    # the card records' reserved peaks and the published ones (written beside the margins by the validation)
+    short, short_why = reserved_shortfall(plan.placement, card_reserved_errors(records) + data.get("reserved_rows", []))
     return (pct + short) / 100, f"{why} + {short_why}"
 
 

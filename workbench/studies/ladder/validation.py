@@ -36,6 +36,7 @@ from workbench.core.memory.plan import plan_from_flags
 from workbench.core.memory.predict import predict
 from workbench.core.results import atomic_write_csv, atomic_write_json, git_commit, now
 from workbench.studies.ladder.bnb_041 import quantize_linears
+from workbench.studies.ladder.validation_trainer import TRAINER_RUNS, trainer_table
 
 ROOT = PROJECT_ROOT
 CONFIGS = ROOT / "data" / "configs"
@@ -249,8 +250,10 @@ def validate_row(row: Published) -> dict:
     }
 
 
-def validation_table(rows=PUBLISHED, out: str | Path | None = None, log=print) -> list[dict]:
-    """Every published row predicted; written atomically to `out` (CSV) when given."""
+def validation_table(rows=PUBLISHED, out: str | Path | None = None, log=print, trainer_runs=TRAINER_RUNS) -> list[dict]:
+    """Every published row predicted (LitGPT's allocated peaks, then optimum-benchmark's Trainer runs:
+    allocated and reserved, workbench.studies.ladder.validation_trainer); written atomically to `out`
+    (CSV) when given."""
     results = []
     for r in rows:
         res = validate_row(r)
@@ -265,6 +268,7 @@ def validation_table(rows=PUBLISHED, out: str | Path | None = None, log=print) -
                 f"{res['published_gb']:>6.2f}  predicted {res['predicted_gb']:>7.3f} ({res['error_pct']:+5.1f}%)  "
                 f"{hf}  [{res['predict_seconds']:.0f} s]")
         results.append(res)
+    results += trainer_table(trainer_runs, log=log)
     if out is not None:
         atomic_write_csv(out, pd.DataFrame(results))
     return results
@@ -279,9 +283,13 @@ MIN_FAMILY_ROWS = 3  # fewer rows of a precision than this are no spread: such a
 
 
 def margins(results: list[dict]) -> dict:
-    """The worst error (in %, either direction) per precision family among `results`, and overall:
-    the margin a prediction of that kind needs on the cards it was checked against."""
+    """The worst error (in %, either direction) of the allocated peaks per precision family among
+    `results`, and overall: the margin a prediction of that kind needs on the cards it was checked
+    against. The published reserved peaks are kept as rows (`reserved_rows`) beside the card
+    records' (autofit adds the worst shortfall of a setup's placement: card_records.reserved_shortfall)."""
     scored = [r for r in results if not pd.isna(r.get("error_pct"))]  # runs published as out of memory have none
+    reserved = [r for r in scored if r["measures"].startswith("max_memory_reserved")]
+    scored = [r for r in scored if not r["measures"].startswith("max_memory_reserved")]
     worst: dict[str, float] = {}
     count: dict[str, int] = {}
     for r in scored:
@@ -290,7 +298,10 @@ def margins(results: list[dict]) -> dict:
         count[family] = count.get(family, 0) + 1
     return {"by_precision_pct": worst, "rows_by_precision": count, "overall_pct": max(worst.values(), default=0.0),
             "rows": sum(count.values()), "min_family_rows": MIN_FAMILY_ROWS,
-            "measures": sorted({r["measures"] for r in scored})}
+            "measures": sorted({r["measures"] for r in scored}),
+            "reserved_rows": [{"rung": f"{r['model']}: {r['setup']}", "placement": "device", "card": r["card"],
+                               "error_pct": float(r["error_pct"]), "record": r["source"].split(":")[0] + " (published)"}
+                              for r in reserved]}
 
 
 def write_margins(results: list[dict], path: str | Path = MARGINS_FILE) -> Path:
