@@ -24,10 +24,11 @@ from workbench.core.memory.predict import predict
 from workbench.core.results import atomic_write_json, git_commit, now
 
 # A CUDA budget caps reserved bytes, so auto-fit compares them with the card; their error is the
-# allocator model's on top of the bytes'. No published reserved peak with complete settings was
-# found: the reserved error comes from this project's own card records (`make gpu-check` summaries,
-# committed under data/measured/<card>-<date>/), per placement, since each library allocates
-# differently (DeepSpeed's reduce bucket and flattening, accelerate's host layers).
+# allocator model's on top of the bytes'. The reserved error comes from this project's own card
+# records (`make gpu-check` summaries, committed under data/measured/<card>-<date>/), per placement,
+# since each library allocates differently (DeepSpeed's reduce bucket and flattening, accelerate's
+# host layers), and from the published reserved peaks of one on-card program (GPT-2's Trainer runs,
+# workbench.studies.ladder.validation_trainer), which autofit adds to these rows.
 CARD_RECORDS = PROJECT_ROOT / "data" / "measured"
 REPREDICTED = "repredicted.json"  # beside a record's summary.json: the current prediction against it
 # the ladder check's settings where a record does not state them: records written before they were
