@@ -5,10 +5,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+
 import pytest
 
 from workbench.cli import main
 from workbench.front.commands import parse_assignments
+from workbench.front.notebooks import STUDIES
 from workbench.front.sweep_points import points_from_options
 
 
@@ -38,3 +43,22 @@ def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_
     assert code == 0 and "fp32" in out and "predicted_peak (MiB)" in out
     assert "- Predicted peaks of 2 rung(s) measured here" in out
     assert (results_dir / "ladder" / "runs.csv").exists()
+
+
+def test_json_is_all_that_reaches_stdout(tiny_base, results_dir, capfd, monkeypatch):
+    """`--json`: whatever is printed while the study runs (here a line on descriptor 1, as a library's
+    log handler or C code writes) goes to stderr; stdout is the runs table alone."""
+    ladder = STUDIES["02_ladder"]
+    real_run = ladder.run
+
+    def noisy_run(*args, **kw):
+        os.write(1, b"noise\n")
+        return real_run(*args, **kw)
+
+    monkeypatch.setitem(STUDIES, "02_ladder", dataclasses.replace(ladder, run=noisy_run))
+    code = main(["ladder", "--quick", "rungs=[fp32, cpu]", "breakdown_rung=fp32", "reference_model=''", "autofit=false",
+                 "steps=2", "micro_batch=2", "seq_len=32", "--json"])
+    out, err = capfd.readouterr()
+    rows = json.loads(out)
+    assert "noise" in err
+    assert code == 0 and sorted(r["rung"] for r in rows) == ["cpu", "fp32"]

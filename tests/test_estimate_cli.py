@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,53 @@ def test_json_output_has_the_peak_in_bytes(tiny_config, capsys):
     # weights: the tiny model's fp32 parameters (tied embedding once) + the rotary buffer
     n = 512 * 64 + 2 * (64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
     assert n * 4 <= p["breakdown_bytes"]["weights"] <= n * 4 + 1024
+
+
+
+def test_json_is_all_that_reaches_stdout(tiny_config):
+    """The real entry point in a fresh process, on the ZeRO-3 rung: DeepSpeed's first `get_accelerator`
+    prints a warning through a handler bound to stdout at import; `--json | jq` must still read JSON."""
+    cmd = [sys.executable, "-m", "workbench", "estimate", "--model", tiny_config, "--batch", "2", "--seq", "32",
+           "--rung", "zero_offload_params", "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)  # the whole of stdout
+    assert [p["rung"] for p in out["predictions"]] == ["zero_offload_params"]
+    assert "accelerator" in run.stderr  # the warning was printed, and went to stderr
+
+
+def test_json_stdout_whatever_writes_there_meanwhile(tiny_config, capfd, monkeypatch):
+    """Python's print, a log handler bound to the stdout object, and a write to descriptor 1, made
+    while the prediction runs, all land on stderr; stdout is the JSON alone."""
+    import logging
+
+    from workbench.studies.ladder import cli as estimate_cli
+
+    # bound now to a stream on descriptor 1, as a library's handler binds the process's sys.stdout at
+    # import (pytest's own sys.stdout here writes to its capture file, not descriptor 1)
+    fd1 = open(1, "w", closefd=False)
+    handler = logging.StreamHandler(fd1)
+    log = logging.getLogger("test-json-stdout")
+    log.addHandler(handler)
+    real_predict = estimate_cli.predict
+
+    def noisy_predict(*args, **kw):
+        print("print-noise")
+        log.warning("handler-noise")
+        os.write(1, b"fd-noise\n")
+        return real_predict(*args, **kw)
+
+    monkeypatch.setattr(estimate_cli, "predict", noisy_predict)
+    try:
+        assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "fp32",
+                     "--device", "cpu", "--json"]) == 0
+    finally:
+        log.removeHandler(handler)
+        fd1.close()
+    out, err = capfd.readouterr()
+    assert json.loads(out)["predictions"][0]["rung"] == "fp32"
+    for noise in ("print-noise", "handler-noise", "fd-noise"):
+        assert noise in err and noise not in out
 
 
 def test_table_and_auto_fit(tiny_config, capsys):

@@ -6,12 +6,15 @@
     PROJECT_ROOT the checkout (data/, notebooks/, results/ and .cache/ live beside workbench/)
     environ      os.environ with some values for a while (subprocesses started meanwhile inherit them)
     one_line     an exception as one line: its type and its message's first line
+    stdout_to_stderr  standard output sent to standard error for a while (a `--json` command's
+                 work: its stdout carries the JSON alone)
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -41,3 +44,32 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     """'TypeName: first line of the message' (at most `limit` characters of the message)."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(enabled: bool = True) -> Iterator[None]:
+    """While it lasts, what is written to standard output goes to standard error: Python's `print`,
+    a library's log handler bound to `sys.stdout` at import (DeepSpeed prints its accelerator
+    warning that way) and C code writing to file descriptor 1. A `--json` command does its work
+    inside it and prints the JSON after, so `... --json | jq` reads JSON only."""
+    if not enabled:
+        yield
+        return
+    streams = [s for s in (sys.stdout, sys.__stdout__) if s is not None]
+    for s in streams:
+        s.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 (a closed stdout): Python's stdout is still redirected
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        for s in streams:
+            with contextlib.suppress(ValueError, OSError):
+                s.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)

@@ -19,6 +19,7 @@ import json
 
 import pandas as pd
 
+from workbench.core.common import stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.front.notebooks import STUDIES, StudyNotebook
 from workbench.front.sweep_points import parse_value
@@ -58,7 +59,8 @@ def main(args) -> int:
         print(seed_verdict()["text"])
         return 0
     cfg = nb.config.from_dict({**(nb.quick if args.quick else {}), **parse_assignments(args.assignments)})
-    result = nb.run(cfg)
+    with stdout_to_stderr(args.json):  # with --json, stdout carries the runs table alone
+        result = nb.run(cfg)
     if args.json:
         print(result.runs.to_json(orient="records", indent=1))
     else:

@@ -27,7 +27,7 @@ from workbench.core.memory.allocator import CachingAllocator
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import rung
-from workbench.core.memory.predict import simulate
+from workbench.core.memory.predict import CUDA_STEPS, simulate
 
 
 def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any]:
@@ -88,8 +88,9 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
             "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "note": "modelled by workbench.core.memory.allocator"}}
 
 
-def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = 2, card=None) -> dict[str, Any]:
-    """Simulate `plan` for a CUDA card and return its snapshot (cuBLAS workspaces included)."""
+def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = CUDA_STEPS, card=None) -> dict[str, Any]:
+    """Simulate `plan` for a CUDA card (the steps `predict` simulates for one) and return its snapshot
+    (cuBLAS workspaces included)."""
 
     c = cuda_model.card(card) or cuda_model.Card("", 0, cuda_model.DEFAULT_SM)
     plan = rung(plan)

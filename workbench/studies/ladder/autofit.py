@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
 
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
@@ -152,13 +154,15 @@ class SetupChoice:
 
 def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, device: str = "cuda",
            card: str | float | None = None, allow_lora: bool = False, margin: float | None = None,
-           margin_source: str = "given", keep: int = 3, runnable: Callable[[Plan], bool] | None = None) -> SetupChoice:
+           margin_source: str = "given", keep: int = 3, runnable: Callable[[Plan], bool] | None = None,
+           progress: bool = False) -> SetupChoice:
     """The fastest setup (by the prior cost) predicted to fit `budget_mib` with its margin
     (`prediction_margin` for each setup on `device`, or `margin` for all when given).
 
     Predicts candidates cheapest first until one fits, then `keep` - 1 more that fit (the
     step-down order for a real out-of-memory error). `runnable`: only candidates it accepts are
-    searched (a study running on this machine leaves out what cannot run here)."""
+    searched (a study running on this machine leaves out what cannot run here). `progress`: a bar on
+    standard error, one tick per setup predicted (each a simulated step: seconds to a minute)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
     if not budget_mib > 0:
@@ -169,7 +173,9 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora) if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup))
-    for plan in ranked:
+    bar = tqdm(ranked, desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr)
+    for plan in bar:
+        bar.set_postfix_str(plan.name)
         t0 = time.perf_counter()
         m, src = margin_of(plan)
         p = predict(model, plan, batch=batch, seq=seq, device=device, card=card)
@@ -185,6 +191,7 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                 choice.plan, choice.margin, choice.margin_source = plan, m, src
             if len(choice.fitting) >= keep:
                 break
+    bar.close()
     return choice
 
 

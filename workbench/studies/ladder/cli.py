@@ -20,13 +20,15 @@ import argparse
 import json
 import sys
 
-from workbench.core.common import MiB
+from tqdm import tqdm
+
+from workbench.core.common import MiB, stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import CATEGORIES
 from workbench.core.memory.cuda_model import card as cuda_card
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES, plan_from_flags
-from workbench.core.memory.predict import predict
+from workbench.core.memory.predict import CUDA_STEPS, predict
 from workbench.core.memory.snapshot import dump, predicted_snapshot
 from workbench.core.models import ModelNotFoundError
 from workbench.studies.ladder.autofit import prediction_margin, search
@@ -135,27 +137,33 @@ def _estimate(args) -> int:
     plan = _plan(args) if not rung_given or args.rung is None else None
     if rung_given and any(getattr(args, f) is not None for f in _FLAGS):
         _plan(args)  # names the clash
-    try:
-        config = model_config(args.model)
-    except ModelNotFoundError as e:
-        print(f"workbench estimate: {e}", file=sys.stderr)
-        return 2
-    kw = dict(batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, card=args.card)
-    if args.snapshot:
-        if plan is None and len(names) != 1:
-            raise ConfigError("--snapshot writes one setup's timeline: give one --rung or a setup from flags")
-
-        if args.device != "cuda":
-            raise ConfigError("--snapshot models the CUDA allocator: use it with --device cuda")
-        path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq, steps=args.steps or 2,
-                                       card=args.card), args.snapshot)
-        print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
+    with stdout_to_stderr(args.json):  # stdout carries the JSON alone (DeepSpeed prints a warning there)
+        try:
+            config = model_config(args.model)
+        except ModelNotFoundError as e:
+            print(f"workbench estimate: {e}", file=sys.stderr)
+            return 2
+        kw = dict(batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, card=args.card)
+        if args.snapshot:
+            if plan is None and len(names) != 1:
+                raise ConfigError("--snapshot writes one setup's timeline: give one --rung or a setup from flags")
+            if args.device != "cuda":
+                raise ConfigError("--snapshot models the CUDA allocator: use it with --device cuda")
+            path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq,
+                                           steps=args.steps or CUDA_STEPS, card=args.card), args.snapshot)
+            print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
     if args.search:
         return _search(args, config, plan or RUNGS[names[0]])
-    if plan is not None:
-        preds = {plan.name: predict(config, plan, **kw)}
-    else:
-        preds = {n: predict(config, n, **kw) for n in names}
+    with stdout_to_stderr(args.json):
+        if plan is not None:
+            preds = {plan.name: predict(config, plan, **kw)}
+        else:  # each rung is a simulated step or more: 10-60 s for a 0.5B model here
+            preds = {n: predict(config, n, **kw)
+                     for n in tqdm(names, desc="estimate", unit="rung", disable=len(names) < 2, file=sys.stderr)}
+        choice = None
+        if args.auto_fit:
+            choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
+                              device=args.device)
     budget = int(args.budget_mib * MiB) if args.budget_mib else None
     plans = {plan.name: plan} if plan is not None else {n: RUNGS[n] for n in names}
 
@@ -164,11 +172,6 @@ def _estimate(args) -> int:
         margin = prediction_margin(plans[p.rung], device=p.device)[0]
         return (p.fit_bytes if p.device == "cuda" else p.peak_bytes) * (1 + margin) <= budget, margin
 
-    choice = None
-    if args.auto_fit:
-
-        choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
-                          device=args.device)
     if args.json:
         out = {
             "model": args.model, "batch": args.batch, "seq": args.seq, "budget_bytes": budget, "device": args.device,
@@ -265,8 +268,9 @@ def _search(args, config, setup) -> int:
     if budget_mib is None:
         c = cuda_card(args.card)
         budget_mib = (c.total_bytes - c.context_bytes) / MiB  # what the card leaves after the CUDA context
-    choice = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
-                    allow_lora=args.allow_lora)
+    with stdout_to_stderr(args.json):
+        choice = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
+                        allow_lora=args.allow_lora, progress=True)
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch, "seq": args.seq, "budget_mib": budget_mib,
                           "chosen": choice.plan.name if choice.plan else None, "micro_batch": choice.micro_batch,
