@@ -121,15 +121,11 @@ def test_a_failed_prediction_is_its_rungs_failure_with_the_measurement_kept():
     assert v["status"] == "fail" and v["failures"] == ["qlora: the prediction failed: TypeError: dispatch failed"]
 
 
-@pytest.mark.parametrize("counted", [False, True])
-def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypatch, tmp_path, counted):
-    """Plain by default (no dispatch mode: the step a user's training runs); --counted measures the
-    device rungs under the live-bytes count, which makes autograd sum gradients out of place, so
-    their prediction must be the instrumented one; an offload rung always runs plain."""
+def _fake_card(monkeypatch, calls: list, measure_takes_s: float = 0.0) -> None:
+    """check_ladder's CUDA layer replaced: predictions and measurements recorded in `calls`."""
     import contextlib
+    import time
     import types
-
-    calls = []
 
     def fake_predict(config, name, **kw):
         calls.append(("predict", name, kw["instrumented"]))
@@ -138,6 +134,7 @@ def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypat
 
     def fake_measure(name, load, blocks, **kw):
         calls.append(("measure", name, kw["counted"]))
+        time.sleep(measure_takes_s)
         plain = not kw["counted"] or name in gc.OFFLOADED  # measure_offloaded reads the allocator
         return _measured(100, 110, **({"measured_by": "cuda allocator"} if plain else {}))
 
@@ -158,6 +155,15 @@ def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypat
     for f in ("empty_cache", "synchronize"):
         monkeypatch.setattr(torch.cuda, f, lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypatch, tmp_path, counted):
+    """Plain by default (no dispatch mode: the step a user's training runs); --counted measures the
+    device rungs under the live-bytes count, which makes autograd sum gradients out of place, so
+    their prediction must be the instrumented one; an offload rung always runs plain."""
+    calls = []
+    _fake_card(monkeypatch, calls)
     out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "device_map"), counted=counted))
     assert calls == [("predict", "bf16", counted), ("measure", "bf16", counted),
                      ("predict", "device_map", False), ("measure", "device_map", counted)]
@@ -245,6 +251,45 @@ def test_summary_is_on_disk_after_each_check_so_a_killed_run_keeps_what_came_bef
     assert saved["checks"] == {"environment": "pass", "ladder": "pass"}
     assert saved["results"]["ladder"]["rows"][0]["rung"] == "bf16"
     assert "| bf16 | ok |" in (tmp_path / "report.md").read_text()
+
+
+def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monkeypatch, tmp_path):
+    """A lent card's call ends at a hard limit: what began before the budget ran out finishes and is
+    kept; what had not begun is 'not run' (a failure, never a pass), in the summary and the report."""
+    import time
+
+    ran = []
+
+    def slow(o):
+        ran.append("ladder")
+        time.sleep(1.0)
+        return {"status": "pass"}
+
+    found = {"environment": lambda o: {"status": "pass", "gpu": "Fake H0"}, "ladder": slow,
+             "trace": lambda o: ran.append("trace") or {"status": "pass"}}
+    summary = gc.run_checks(gc.Options(out=tmp_path, deadline_at=time.perf_counter() + 0.5), found, say=lambda s: None)
+    assert ran == ["ladder"]
+    assert summary["checks"] == {"environment": "pass", "ladder": "pass", "trace": "not run"}
+    assert summary["status"] == "fail" and "- trace: not run" in (tmp_path / "report.md").read_text()
+    # the environment is read even when the budget is spent before anything began
+    summary = gc.run_checks(gc.Options(out=tmp_path, deadline_at=time.perf_counter() - 1), found, say=lambda s: None)
+    assert summary["checks"] == {"environment": "pass", "ladder": "not run", "trace": "not run"}
+    # inside the ladder: the rung that began finishes, the next one is a 'not run' row
+    calls = []
+    _fake_card(monkeypatch, calls, measure_takes_s=1.0)
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "device_map"),
+                                     deadline_at=time.perf_counter() + 0.5))
+    assert calls == [("predict", "bf16", False), ("measure", "bf16", False)]
+    assert [r["status"] for r in out["rows"]] == ["ok", "not run"]
+    assert out["status"] == "fail" and out["failures"][0].startswith("device_map: not run: the time budget")
+
+
+def test_a_time_budget_that_is_not_positive_is_one_line(capsys):
+    from workbench.cli import main
+
+    assert main(["gpu-check", "--time-budget", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--time-budget must be a positive number of seconds" in err and "\n" not in err
 
 
 def test_only_runs_the_named_checks(tmp_path):

@@ -1,6 +1,7 @@
 """Does every GPU path of the workbench work on this card, and how close are the predictions?
 
     make gpu-check                      # or: workbench gpu-check [--quick] [--only ladder,trace]
+    workbench gpu-check --time-budget 480   # under a hard limit: what has not begun by then is 'not run'
     workbench gpu-check --model data/configs/qwen2-0.5b.json --batch 1 --seq 512
 
 Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in minutes:
@@ -69,6 +70,15 @@ class Options:
     counted: bool = False  # the device rungs under the live-bytes count (as on 2026-11-22), not plain
     device: str = "cuda"
     extra: dict[str, Any] = field(default_factory=dict)
+    # time.perf_counter() after which no check and no ladder rung starts (--time-budget): a lent card's
+    # call that ends at a hard limit keeps every finished check and says which did not run
+    deadline_at: float | None = None
+
+    def out_of_time(self) -> bool:
+        return self.deadline_at is not None and time.perf_counter() > self.deadline_at
+
+
+NOT_RUN = {"status": "not run", "reason": "the time budget (--time-budget) was spent before it began"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -98,7 +108,7 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
             continue
         t = time.perf_counter()
         try:
-            results[name] = fn(opts)
+            results[name] = dict(NOT_RUN) if name != "environment" and opts.out_of_time() else fn(opts)
         except Exception as e:
             results[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
         results[name]["seconds"] = time.perf_counter() - t
@@ -137,6 +147,9 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     here = card_at_hand(opts.device)
     rows, tracebacks = [], {}
     for name in opts.rungs or gpu_rungs(RUNGS):
+        if opts.out_of_time():
+            rows.append(rung_row(name, {}, dict(NOT_RUN), {}))
+            continue
         # one rung's failure (its prediction or its run) is that rung's row, not the end of the check
         try:
             # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless
@@ -225,20 +238,26 @@ def register(sub) -> None:
     p.add_argument("--counted", action="store_true", help="measure the device rungs under the live-bytes count")
     names = ", ".join(n for n in checks() if n != "environment")  # the environment is always read
     p.add_argument("--only", default="", help=f"comma-separated checks to run ({names})")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no check and no ladder rung after this many seconds (they are reported 'not run'); "
+                        "leave room for the longest one (a rung: up to a minute) under a hard limit")
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
     import torch
 
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise ConfigError(f"--time-budget must be a positive number of seconds, got {args.time_budget:g}")
     if not torch.cuda.is_available():
         print(NO_GPU_LINE)
         return 0
 
     out = Path(args.out) if args.out else results_root() / "gpu_check"
+    deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
                    seq=64 if args.quick else args.seq, steps=args.steps, counted=args.counted,
-                   extra={"only": tuple(s for s in args.only.split(",") if s)})
+                   extra={"only": tuple(s for s in args.only.split(",") if s)}, deadline_at=deadline)
     found = checks()
     unknown = [n for n in opts.extra["only"] if n not in found]
     if unknown:
