@@ -173,25 +173,24 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora) if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup))
-    bar = tqdm(ranked, desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr)
-    for plan in bar:
-        bar.set_postfix_str(plan.name)
-        t0 = time.perf_counter()
-        m, src = margin_of(plan)
-        p = predict(model, plan, batch=batch, seq=seq, device=device, card=card)
-        need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
-        fits = need * (1 + m) <= budget
-        choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan), 3), "method": p.method,
-                             "need_mib": need / MiB, "margin": m, "with_margin_mib": need * (1 + m) / MiB,
-                             "fits": fits, "changes_what_trains": plan.trainable != setup.trainable,
-                             "predict_seconds": round(time.perf_counter() - t0, 1)})
-        if fits:
-            choice.fitting.append(plan)
-            if choice.plan is None:
-                choice.plan, choice.margin, choice.margin_source = plan, m, src
-            if len(choice.fitting) >= keep:
-                break
-    bar.close()
+    with tqdm(ranked, desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
+        for plan in bar:
+            bar.set_postfix_str(plan.name)
+            t0 = time.perf_counter()
+            m, src = margin_of(plan)
+            p = predict(model, plan, batch=batch, seq=seq, device=device, card=card)
+            need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
+            fits = need * (1 + m) <= budget
+            choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan), 3), "method": p.method,
+                                 "need_mib": need / MiB, "margin": m, "with_margin_mib": need * (1 + m) / MiB,
+                                 "fits": fits, "changes_what_trains": plan.trainable != setup.trainable,
+                                 "predict_seconds": round(time.perf_counter() - t0, 1)})
+            if fits:
+                choice.fitting.append(plan)
+                if choice.plan is None:
+                    choice.plan, choice.margin, choice.margin_source = plan, m, src
+                if len(choice.fitting) >= keep:
+                    break
     return choice
 
 
