@@ -152,10 +152,15 @@ def _estimate(args) -> int:
             path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq,
                                            steps=args.steps or CUDA_STEPS, card=args.card), args.snapshot)
             print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
-    if args.search:
-        return _search(args, config, plan or RUNGS[names[0]])
-    with stdout_to_stderr(args.json):
-        if plan is not None:
+        if args.search:
+            budget_mib = args.budget_mib
+            if budget_mib is None:
+                c = cuda_card(args.card)
+                budget_mib = (c.total_bytes - c.context_bytes) / MiB  # what the card leaves after the CUDA context
+            setup = plan or RUNGS[names[0]]
+            found = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
+                           allow_lora=args.allow_lora, progress=True)
+        elif plan is not None:
             preds = {plan.name: predict(config, plan, **kw)}
         else:  # each rung is a simulated step or more: 10-60 s for a 0.5B model here
             preds = {n: predict(config, n, **kw)
@@ -164,6 +169,8 @@ def _estimate(args) -> int:
         if args.auto_fit:
             choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
                               device=args.device)
+    if args.search:
+        return _print_search(args, found, budget_mib, setup)
     budget = int(args.budget_mib * MiB) if args.budget_mib else None
     plans = {plan.name: plan} if plan is not None else {n: RUNGS[n] for n in names}
 
@@ -262,15 +269,8 @@ def _estimate(args) -> int:
     return 0
 
 
-def _search(args, config, setup) -> int:
-    """`--search`: the joint auto-fit (workbench.studies.ladder.autofit), printed with its reasons."""
-    budget_mib = args.budget_mib
-    if budget_mib is None:
-        c = cuda_card(args.card)
-        budget_mib = (c.total_bytes - c.context_bytes) / MiB  # what the card leaves after the CUDA context
-    with stdout_to_stderr(args.json):
-        choice = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
-                        allow_lora=args.allow_lora, progress=True)
+def _print_search(args, choice, budget_mib: float, setup) -> int:
+    """`--search`'s result (the joint auto-fit, workbench.studies.ladder.autofit) with its reasons."""
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch, "seq": args.seq, "budget_mib": budget_mib,
                           "chosen": choice.plan.name if choice.plan else None, "micro_batch": choice.micro_batch,
