@@ -372,12 +372,21 @@ def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, 
     assert str(results_root()) == "/somewhere/else" and reuse_finished_runs()
 
 
-def test_only_rejects_an_unknown_check(monkeypatch, capsys):
+@pytest.mark.parametrize("args, error", [
+    (["--only", "ladder,tracee"], "--only: unknown check tracee"),
+    (["--steps", "1"], "--steps must be at least 2 (the first step is warm-up), got 1"),
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--seq", "-4"], "--seq must be at least 1, got -4"),
+    (["--model", "data/configs/qwen2-0.5.json"], "'data/configs/qwen2-0.5.json': no such file or directory"),
+])
+def test_a_bad_argument_is_one_line_even_without_a_gpu(args, error, monkeypatch, capsys):
+    """A command prepared here for a lent card's one call must fail here, not on the card."""
     from workbench.cli import main
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the no-GPU line, before any CUDA call
-    assert main(["gpu-check", "--only", "ladder,tracee"]) == 2
-    assert "unknown check tracee" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["gpu-check", *args]) == 2
+    out = capsys.readouterr()
+    assert error in out.err and "\n" not in out.err.strip() and gc.NO_GPU_LINE not in out.out
 
 
 def test_a_check_that_brings_its_own_report_section_has_it_in_the_report(tmp_path):

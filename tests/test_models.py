@@ -1,4 +1,5 @@
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -61,6 +62,20 @@ def test_local_directory_and_config_file(tiny_base, tmp_path):
     bad.write_text(json.dumps({"hello": 1}))
     with pytest.raises(ModelNotFoundError, match="not a model config"):
         load_config(str(bad))
+
+
+@pytest.mark.parametrize("name", ["nope.json", "./nope", "data/configs/nope-0.5b", "~/no-such-model-here"])
+def test_a_missing_path_is_said_at_once_without_asking_the_hub(name, monkeypatch):
+    import transformers
+
+    def hub(*a, **k):
+        raise AssertionError("asked the hub for a local path")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    for load in (load_config, load_model):
+        with pytest.raises(ModelNotFoundError, match=rf"'{re.escape(name)}': no such file or directory") as e:
+            load(name)
+        assert "\n" not in str(e.value)
 
 
 def test_missing_model_names_the_model_and_the_fix(tmp_path):

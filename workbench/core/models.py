@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
@@ -267,7 +268,24 @@ def resolve_model_path(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
         raise ModelNotFoundError("model must be 'embedded', a Hugging Face model id or a local directory")
     if name == EMBEDDED:
         return str(ensure_embedded_base(spec))
+    if not Path(name).expanduser().exists() and _names_a_path(name):
+        raise ModelNotFoundError(
+            f"model {name!r}: no such file or directory, and not a Hugging Face model id. Fix: check the "
+            f"path (a config.json, or a folder with config.json and *.safetensors), or pass a hub id such "
+            f"as 'Qwen/Qwen2-0.5B', or model='embedded'.")
     return name
+
+
+def _names_a_path(name: str) -> bool:
+    """`name` can only be a local path (a *.json file, or what no hub id can look like: ./x, /x, ~/x,
+    a/b/c), so when it does not exist there is nothing to ask the hub for (which retries for ~30 s)."""
+    if name.endswith(".json"):
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
 
 
 def load_model(

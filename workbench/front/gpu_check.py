@@ -42,6 +42,7 @@ from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
+from workbench.core.models import load_config
 from workbench.core.results import environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
@@ -137,13 +138,17 @@ def check_environment(opts: Options) -> dict[str, Any]:
     return {"status": "pass", "env": env}
 
 
+def ladder_config(opts: Options) -> LadderConfig:
+    """The ladder check's study config (it checks the batch, sequence length and steps)."""
+    return LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
+                        seq_len=opts.seq, steps=opts.steps, reference_model="")
+
+
 def check_ladder(opts: Options) -> dict[str, Any]:
     """CUDA: every GPU rung measured on the card beside its prediction."""
     import torch
 
-    cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
-                       seq_len=opts.seq, steps=opts.steps, reference_model="")
-    config, load, blocks, _ = model_at_hand(cfg)
+    config, load, blocks, _ = model_at_hand(ladder_config(opts))
     here = card_at_hand(opts.device)
     rows, tracebacks = [], {}
     for name in opts.rungs or gpu_rungs(RUNGS):
@@ -244,15 +249,15 @@ def register(sub) -> None:
     p.set_defaults(func=_main)
 
 
-def _main(args) -> int:
-    import torch
-
+def _options(args) -> Options:
+    """The run's options, every argument checked (a one-line ConfigError) before anything needs CUDA:
+    a command prepared on a machine without a GPU for a lent card's one call fails here, not there."""
     if args.time_budget is not None and not args.time_budget > 0:
         raise ConfigError(f"--time-budget must be a positive number of seconds, got {args.time_budget:g}")
-    if not torch.cuda.is_available():
-        print(NO_GPU_LINE)
-        return 0
-
+    for flag, value, least in (("--batch", args.batch, 1), ("--seq", args.seq, 1), ("--steps", args.steps, 2)):
+        if value < least:
+            raise ConfigError(f"{flag} must be at least {least}{' (the first step is warm-up)' * (flag == '--steps')}, "
+                              f"got {value}")
     out = Path(args.out) if args.out else results_root() / "gpu_check"
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
@@ -262,6 +267,19 @@ def _main(args) -> int:
     unknown = [n for n in opts.extra["only"] if n not in found]
     if unknown:
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
-    summary = run_checks(opts, found)
-    print(f"gpu-check: {summary['status']} in {summary['seconds']:.0f} s; see {out / 'report.md'}")
+    ladder_config(opts)
+    if not args.quick:  # the embedded base (--quick) is built on first use: minutes, not a check
+        load_config(opts.model)
+    return opts
+
+
+def _main(args) -> int:
+    import torch
+
+    opts = _options(args)
+    if not torch.cuda.is_available():
+        print(NO_GPU_LINE)
+        return 0
+    summary = run_checks(opts)
+    print(f"gpu-check: {summary['status']} in {summary['seconds']:.0f} s; see {opts.out / 'report.md'}")
     return 0 if summary["status"] == "pass" else 1
