@@ -5,6 +5,7 @@ set before any workbench import, so notebook kernels started by papermill inheri
 """
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's folder (the tiny base, the results) goes when the session ends."""
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
