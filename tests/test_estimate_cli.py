@@ -130,7 +130,7 @@ def test_a_config_that_is_not_a_model_config(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a model config" in err and "Traceback" not in err
     assert main(["estimate", "--model", str(tmp_path / "missing_dir")]) == 2
-    assert "could not be loaded" in capsys.readouterr().err
+    assert "missing_dir': no such file or directory" in capsys.readouterr().err
 
 
 def test_a_model_that_is_not_a_causal_lm(tmp_path, capsys):
