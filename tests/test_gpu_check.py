@@ -23,7 +23,7 @@ MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_without_cuda_it_says_so_in_one_line_and_exits_0(monkeypatch, capsys):
+def test_without_cuda_it_says_so_in_one_line_and_exits_0(monkeypatch, capsys, tmp_path):
     from workbench.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -31,6 +31,8 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(monkeypatch, capsys):
     out = capsys.readouterr()
     assert out.out.strip().splitlines() == [gc.NO_GPU_LINE] and "GPU" in gc.NO_GPU_LINE
     assert out.err == ""
+    monkeypatch.chdir(tmp_path)  # from anywhere, with the default model (a path inside the checkout)
+    assert main(["gpu-check"]) == 0 and capsys.readouterr().out.strip() == gc.NO_GPU_LINE
 
 
 def test_make_target_runs_the_subcommand_after_setup():

@@ -268,7 +268,9 @@ def _options(args) -> Options:
     if unknown:
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
     ladder_config(opts)
-    if not args.quick:  # the embedded base (--quick) is built on first use: minutes, not a check
+    # A --model given is loaded as a config here; the default is the checkout's own file (relative to
+    # its root, where `make gpu-check` runs), and the embedded base (--quick) takes minutes to build.
+    if not args.quick and args.model != Options.model:
         load_config(opts.model)
     return opts
 
