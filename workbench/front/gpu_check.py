@@ -138,17 +138,13 @@ def check_environment(opts: Options) -> dict[str, Any]:
     return {"status": "pass", "env": env}
 
 
-def ladder_config(opts: Options) -> LadderConfig:
-    """The ladder check's study config (it checks the batch, sequence length and steps)."""
-    return LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
-                        seq_len=opts.seq, steps=opts.steps, reference_model="")
-
-
 def check_ladder(opts: Options) -> dict[str, Any]:
     """CUDA: every GPU rung measured on the card beside its prediction."""
     import torch
 
-    config, load, blocks, _ = model_at_hand(ladder_config(opts))
+    cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
+                       seq_len=opts.seq, steps=opts.steps, reference_model="")
+    config, load, blocks, _ = model_at_hand(cfg)
     here = card_at_hand(opts.device)
     rows, tracebacks = [], {}
     for name in opts.rungs or gpu_rungs(RUNGS):
@@ -254,10 +250,10 @@ def _options(args) -> Options:
     a command prepared on a machine without a GPU for a lent card's one call fails here, not there."""
     if args.time_budget is not None and not args.time_budget > 0:
         raise ConfigError(f"--time-budget must be a positive number of seconds, got {args.time_budget:g}")
-    for flag, value, least in (("--batch", args.batch, 1), ("--seq", args.seq, 1), ("--steps", args.steps, 2)):
+    for flag, value, least, why in (("--batch", args.batch, 1, ""), ("--seq", args.seq, 1, ""),
+                                    ("--steps", args.steps, 2, " (the first step is warm-up)")):
         if value < least:
-            raise ConfigError(f"{flag} must be at least {least}{' (the first step is warm-up)' * (flag == '--steps')}, "
-                              f"got {value}")
+            raise ConfigError(f"{flag} must be at least {least}{why}, got {value}")
     out = Path(args.out) if args.out else results_root() / "gpu_check"
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
@@ -267,7 +263,6 @@ def _options(args) -> Options:
     unknown = [n for n in opts.extra["only"] if n not in found]
     if unknown:
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
-    ladder_config(opts)
     # A --model given is loaded as a config here; the default is the checkout's own file (relative to
     # its root, where `make gpu-check` runs), and the embedded base (--quick) takes minutes to build.
     if not args.quick and args.model != Options.model:
