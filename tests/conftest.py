@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
-_SESSION_DIR = Path(tempfile.mkdtemp(prefix="workbench-tests-"))
-os.environ.setdefault("WORKBENCH_CACHE", str(_SESSION_DIR / "cache"))
-os.environ["WORKBENCH_RESULTS"] = str(_SESSION_DIR / "results")
+# A process that imports this file under a test session's (a Dask worker unpickling a test's
+# function) shares that session's folder and keeps the environment it was given.
+_SESSION_ENV = "WORKBENCH_TEST_SESSION_DIR"
+_OWNER = _SESSION_ENV not in os.environ
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="workbench-tests-") if _OWNER else os.environ[_SESSION_ENV])
+if _OWNER:
+    os.environ[_SESSION_ENV] = str(_SESSION_DIR)
+    os.environ.setdefault("WORKBENCH_CACHE", str(_SESSION_DIR / "cache"))
+    os.environ["WORKBENCH_RESULTS"] = str(_SESSION_DIR / "results")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may wait on the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -23,8 +29,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The session's folder (the tiny base, the results) goes when the session ends."""
-    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+    """The session's folder (the tiny base, the results) goes when the session that made it ends."""
+    if _OWNER:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
