@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-# A process that imports this file under a test session's (a Dask worker unpickling a test's
-# function) shares that session's folder and keeps the environment it was given.
+# A second import of this file (as `tests.conftest`, which some modules import by that name, or in a
+# child process a test starts) shares the session's folder and keeps the environment it was given.
 _SESSION_ENV = "WORKBENCH_TEST_SESSION_DIR"
 _OWNER = _SESSION_ENV not in os.environ
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="workbench-tests-") if _OWNER else os.environ[_SESSION_ENV])
