@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
 from workbench.core.data import SPLIT_VERSION, corpus_blocks, source_corpus, target_corpus, unigram_perplexity
+from workbench.core.hub import hub_options, names_a_path, not_found_message
 from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
 EMBEDDED = "embedded"
@@ -268,24 +268,12 @@ def resolve_model_path(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
         raise ModelNotFoundError("model must be 'embedded', a Hugging Face model id or a local directory")
     if name == EMBEDDED:
         return str(ensure_embedded_base(spec))
-    if not Path(name).expanduser().exists() and _names_a_path(name):
+    if not Path(name).expanduser().exists() and names_a_path(name):
         raise ModelNotFoundError(
             f"model {name!r}: no such file or directory, and not a Hugging Face model id. Fix: check the "
             f"path (a config.json, or a folder with config.json and *.safetensors), or pass a hub id such "
             f"as 'Qwen/Qwen2-0.5B', or model='embedded'.")
     return name
-
-
-def _names_a_path(name: str) -> bool:
-    """`name` can only be a local path (a *.json file, or what no hub id can look like: ./x, /x, ~/x,
-    a/b/c), so when it does not exist there is nothing to ask the hub for (which retries for ~30 s)."""
-    if name.endswith(".json"):
-        return True
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return True
-    return False
 
 
 def load_model(
@@ -304,18 +292,19 @@ def load_model(
     path = resolve_model_path(name, spec)
     local = Path(path).expanduser()
     if local.is_dir() and not (local / "config.json").is_file():
-        raise ModelNotFoundError(_not_found_message(name, FileNotFoundError(f"no config.json in {local}")))
+        raise ModelNotFoundError(not_found_message(name, FileNotFoundError(f"no config.json in {local}")))
     check_causal_lm(load_config(name, trust_remote_code=trust_remote_code, spec=spec), name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **hub_options(path))
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=dtype or torch.float32,
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
+            **hub_options(path, model=True),
         )
     except (OSError, ValueError) as e:
-        raise ModelNotFoundError(_not_found_message(name, e)) from e
+        raise ModelNotFoundError(not_found_message(name, e)) from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
@@ -340,20 +329,8 @@ def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpe
     else:
         path = resolve_model_path(name, spec)
         try:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub_options(path))
         except (OSError, ValueError) as e:
-            raise ModelNotFoundError(_not_found_message(name, e)) from e
+            raise ModelNotFoundError(not_found_message(name, e)) from e
     check_causal_lm(config, name)
     return config
-
-
-def _not_found_message(name: str, err: Exception) -> str:
-    if Path(name).expanduser().exists():
-        return (f"model {name!r}: the folder exists but holds no loadable model "
-                f"(needs config.json, tokenizer files and *.safetensors weights): {err}")
-    return (
-        f"model {name!r} is not a local directory and could not be loaded from the Hugging Face hub "
-        f"(this machine may be offline). Fix: pass a local directory that holds the model "
-        f"(config.json, tokenizer, *.safetensors), run where the hub is reachable once so it is "
-        f"cached (HF_HOME), or use model='embedded'."
-    )

@@ -28,10 +28,10 @@ from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks, target_corpu
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import simulate
+from workbench.core.hub import hub_options, not_found_message
 from workbench.core.models import (
     EMBEDDED,
     ModelNotFoundError,
-    _not_found_message,
     check_seq_len,
     embedded_metrics,
     load_config,
@@ -133,7 +133,8 @@ def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
                                bnb_4bit_compute_dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
         path = resolve_model_path(cfg.model, cfg.spec())
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": device},
-                                                     use_safetensors=True, trust_remote_code=cfg.trust_remote_code)
+                                                     use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
+                                                     **hub_options(path, model=True))
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         return model
     model, _ = load_model(cfg.model, device=device, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
@@ -286,11 +287,11 @@ def _tokenizer(cfg: StrategiesConfig):
     from transformers import AutoTokenizer
 
 
+    path = resolve_model_path(cfg.model, cfg.spec())
     try:
-        tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model, cfg.spec()),
-                                            trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **hub_options(path))
     except (OSError, ValueError) as e:
-        raise ModelNotFoundError(_not_found_message(cfg.model, e)) from e
+        raise ModelNotFoundError(not_found_message(cfg.model, e)) from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
