@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,9 @@ from workbench.cli import main
 from workbench.front.commands import parse_assignments
 from workbench.front.notebooks import STUDIES
 from workbench.front.sweep_points import points_from_options
+from tests.conftest import subprocess_env
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_name_value_reads_as_a_sweep_reads_it():
@@ -62,3 +68,18 @@ def test_json_is_all_that_reaches_stdout(tiny_base, results_dir, capfd, monkeypa
     rows = json.loads(out)
     assert "noise" in err
     assert code == 0 and sorted(r["rung"] for r in rows) == ["cpu", "fp32"]
+
+
+def test_the_cli_starts_without_the_notebook_stack_and_charts_still_render_as_plotly_json():
+    """papermill and nbformat (with jsonschema's format grammars) took ~1.7 s of every command's
+    start-up, `--help` included; only a command that runs or writes a notebook loads them now, and
+    the chart default they were loaded for still holds at the first display."""
+    probe = ("import sys, workbench.cli; print(sorted(m for m in ('nbformat', 'papermill', 'jsonschema') "
+             "if m in sys.modules)); import plotly.io as pio; print(pio.renderers.default)")
+    env = {k: v for k, v in subprocess_env(ROOT).items() if k != "PLOTLY_RENDERER"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300,
+                         check=True).stdout.split("\n")
+    assert out[:2] == ["[]", "plotly_mimetype"]
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True,
+                         env={**env, "PLOTLY_RENDERER": "json"}).stdout.split("\n")
+    assert out[1] == "json"  # a user's own choice wins

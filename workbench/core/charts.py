@@ -1,21 +1,29 @@
 """What every chart and table of the workbench shares: plotly's defaults, the loss curve, and
 tables rounded with their units.
 
-The default renderer is `plotly_mimetype`, so an executed notebook stores each chart as JSON data
-(rendered by JupyterLab and Voila) instead of embedding the 5 MB plotly.js bundle per chart; the
-HTML report includes plotly.js once. Each study's charts live in its own figures module
-(workbench/studies/<study>/figures.py) and are built from results tables only.
+The default renderer is `plotly_mimetype` (unless PLOTLY_RENDERER says otherwise), so an executed
+notebook stores each chart as JSON data (rendered by JupyterLab and Voila) instead of embedding the
+5 MB plotly.js bundle per chart; the HTML report includes plotly.js once. Each study's charts live
+in its own figures module (workbench/studies/<study>/figures.py) and are built from results tables
+only.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
-pio.renderers.default = "plotly_mimetype"
+# Through the variable plotly reads when it first loads its renderers (at the first display):
+# setting `pio.renderers.default` here would load them now, and nbformat with them, ~1.7 s of every
+# command's start-up whether it shows a figure or not.
+os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype")
+if "plotly.io._renderers" in sys.modules:  # loaded before this module: set it there as well
+    pio.renderers.default = os.environ["PLOTLY_RENDERER"]
 pio.templates.default = "plotly_white"
 
 

@@ -24,8 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import papermill as pm
-
 from workbench.core.results import results_root
 from workbench.front.notebooks import available
 
@@ -41,6 +39,8 @@ def register(sub) -> None:
 
 def prepare(quick: bool, out: Path | None = None) -> Path:
     """Write each available study notebook, parameters injected, into the dashboard folder."""
+    import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
+
     out = Path(out or results_root() / "dashboard")
     out.mkdir(parents=True, exist_ok=True)
     for nb in available():

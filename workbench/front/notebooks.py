@@ -25,10 +25,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
-
-import nbformat
-import papermill as pm
+from typing import TYPE_CHECKING, Any, Callable
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import Config
@@ -44,6 +41,9 @@ from workbench.studies.strategies import figures as strategies_figures
 from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.runner import load_result as load_strategies
 from workbench.studies.strategies.runner import run_strategies
+
+if TYPE_CHECKING:
+    import nbformat
 
 NOTEBOOK_DIR = PROJECT_ROOT / "notebooks"
 
@@ -152,6 +152,8 @@ def parameters_cell(config: type[Config]) -> str:
 
 def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
     """The generated notebook of one study."""
+    import nbformat  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
+
     fig = nb.figures
     run_keys = getattr(fig, "NOTEBOOK_RUN_KEYS", None)
     live = f"LiveChart(title={fig.NOTEBOOK_RUN_TITLE!r}" + (f", run_keys={run_keys!r})" if run_keys else ")")
@@ -194,6 +196,8 @@ def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
 
 
 def notebook_text(nb: StudyNotebook) -> str:
+    import nbformat
+
     return nbformat.writes(notebook(nb)) + "\n"
 
 
@@ -223,6 +227,8 @@ def run_notebook(
     timeout_s: int | None = None,
 ) -> Path:
     """Execute a notebook with papermill; raises papermill's PapermillExecutionError on failure."""
+    import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
+
     path = Path(notebook)
     if not path.exists():
         path = find(str(notebook)).path

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
-import papermill as pm
 import yaml
 
 from workbench.core.config import ConfigError
@@ -152,6 +151,8 @@ def _study(path: Path):
 
 def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list[Point]]:
     """Validate every point and key it; raise one ConfigError listing all bad points."""
+    import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
+
     path = resolve_notebook(notebook)
     study = _study(path)
     known = None
