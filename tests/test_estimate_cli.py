@@ -102,6 +102,17 @@ def test_table_and_auto_fit(tiny_config, capsys):
     assert fp32.rstrip().endswith(")") and " no (" in fp32  # with the margin it was judged with
 
 
+def test_auto_fit_to_a_card_fits_what_the_card_leaves_after_its_context(tiny_config, capsys):
+    assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--card", "0.6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (head,) = [line for line in out if line.startswith("model ")]
+    assert head.endswith(f"budget {0.6 * 1024 - 500:.0f} MiB")  # a 0.6 GiB card less the modelled 500 MiB context
+    (fp32,) = [line for line in out if line.startswith("fp32 ")]
+    assert " yes (" in fp32  # about 20 MiB reserved on a card that leaves 114
+    (choice,) = [line.split() for line in out if line.startswith("auto-fit: ")]
+    assert choice[1] in RUNGS and choice[1] != "cpu"  # a rung on the card, not the fall-back of nothing fitting
+
+
 def test_help_lists_the_rungs():
     out = subprocess.run([sys.executable, "-m", "workbench.cli", "estimate", "--help"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)
@@ -165,6 +176,9 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
     (["--rung", "bf16", "--precision", "fp32"], "--rung and --precision both describe the setup"),
     (["--batch", "4", "--micro-batch", "3"], "--micro-batch 3 must divide --batch 4"),
+    (["--auto-fit"], "--auto-fit needs --budget-mib or --card"),
+    (["--auto-fit", "--card", "8", "--precision", "bf16-true"], "--auto-fit picks among the named rungs; to search "
+     "from a setup of your own, use --search"),
 ])
 def test_bad_setups_are_one_line_naming_the_fix(tiny_config, capsys, args, message):
     assert main(["estimate", "--model", tiny_config, "--seq", "32", *args]) == 2

@@ -3,6 +3,7 @@
     workbench estimate --model data/configs/qwen2-0.5b.json --batch 1 --seq 512 --rung bf16_ckpt
     workbench estimate --model data/configs/qwen2-0.5b.json --rung all --json
     workbench estimate --model data/configs/qwen2-0.5b.json --auto-fit --budget-mib 6144
+    workbench estimate --model data/configs/qwen2-0.5b.json --auto-fit --card "RTX 4060 Ti 8GB"
     workbench estimate --model data/configs/qwen2-0.5b.json --batch 4 --seq 1024 --precision bf16-true \
         --trainable lora --lora-targets q_proj,v_proj --checkpointing --card "RTX 4060 Ti 8GB"
 
@@ -70,7 +71,8 @@ def register(sub) -> None:
                    help="steps to simulate, >= 2 (default: 2 on the CPU; 3 for CUDA, where the allocator model repeats "
                         "the last step until its cache is steady, which needs two like steps)")
     p.add_argument("--budget-mib", type=float, default=None, help="device budget in MiB: say whether it fits")
-    p.add_argument("--auto-fit", action="store_true", help="pick the fastest rung predicted to fit --budget-mib")
+    p.add_argument("--auto-fit", action="store_true", help="pick the fastest rung predicted to fit --budget-mib or "
+                   "--card")
     p.add_argument("--search", action="store_true",
                    help="from this setup, search micro-batch (same effective batch), checkpointing, precision, "
                         "optimizer and offload for the fastest setup predicted to fit --budget-mib or --card, with "
@@ -120,8 +122,12 @@ def _check(args) -> list[str]:
         raise ConfigError(f"--steps must be at least 2 (the steady state starts at step 2), got {args.steps}")
     if args.budget_mib is not None and not args.budget_mib > 0:
         raise ConfigError(f"--budget-mib must be a positive number of MiB, got {args.budget_mib}")
-    if args.auto_fit and args.budget_mib is None:
-        raise ConfigError("--auto-fit needs --budget-mib")
+    if args.auto_fit and args.budget_mib is None and args.card is None:
+        raise ConfigError("--auto-fit needs --budget-mib or --card (the memory to fit)")
+    if args.auto_fit and any(getattr(args, f) is not None for f in _FLAGS):
+        raise ConfigError("--auto-fit picks among the named rungs; to search from a setup of your own, use --search "
+                          "(it keeps the effective batch and searches micro-batch, checkpointing, precision, "
+                          "optimizer and offload)")
     if args.search and args.budget_mib is None and args.card is None:
         raise ConfigError("--search needs --budget-mib or --card (the memory to fit)")
     if args.search and args.auto_fit:
@@ -152,11 +158,11 @@ def _estimate(args) -> int:
             path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq,
                                            steps=args.steps or CUDA_STEPS, card=args.card), args.snapshot)
             print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
+        if (args.search or args.auto_fit) and args.budget_mib is None:
+            c = cuda_card(args.card)
+            args.budget_mib = (c.total_bytes - c.context_bytes) / MiB  # what the card leaves after the CUDA context
         if args.search:
             budget_mib = args.budget_mib
-            if budget_mib is None:
-                c = cuda_card(args.card)
-                budget_mib = (c.total_bytes - c.context_bytes) / MiB  # what the card leaves after the CUDA context
             setup = plan or RUNGS[names[0]]
             found = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
                            allow_lora=args.allow_lora, progress=True)
