@@ -84,7 +84,8 @@ def test_an_uncached_model_fails_at_once_naming_why_and_the_shipped_config(offli
         assert "\n" not in str(e.value) and "ships" not in str(e.value)
     with pytest.raises(ModelNotFoundError) as e:
         load_config("Qwen/Qwen2-0.5B")
-    assert str(e.value).endswith("its config ships: --model data/configs/qwen2-0.5b.json.")
+    assert str(e.value).endswith("`workbench estimate` needs only its config, which ships: "
+                                 "--model data/configs/qwen2-0.5b.json.")
     assert load_config("data/configs/qwen2-0.5b.json").hidden_size == 896  # and the hint is a path that loads
     assert lookups == ["huggingface.co"]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from workbench.cli import main
 from workbench.core.config import ConfigError
 from workbench.front.notebooks import STUDIES, run_notebook
 
@@ -20,6 +21,13 @@ def test_cli_help_lists_the_main_job():
     assert "reproduce" in out
     out = subprocess.run([BIN / "workbench", "reproduce", "--help"], capture_output=True, text=True, check=True).stdout
     assert "--quick" in out
+
+
+def test_an_unknown_notebook_is_one_line_naming_the_known_ones(results_dir, capsys):
+    assert main(["reproduce", "--quick", "--only", "01_strategies", "04_nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("workbench reproduce: no study notebook '04_nope'; known: 01_strategies, 02_ladder, 03_split")
+    assert not (results_dir / "notebooks").exists()  # nothing ran: the names are checked first
 
 
 def test_reproduce_quick_runs_notebook_01_and_writes_results(tiny_base, results_dir):

@@ -92,7 +92,7 @@ def not_found_message(name: str, err: Exception) -> str:
     else:
         why = "the hub has no such model, or this machine may be offline"
     shipped = shipped_config(name)
-    hint = f" For a memory estimate (config only), its config ships: --model {shipped}." if shipped else ""
+    hint = f" `workbench estimate` needs only its config, which ships: --model {shipped}." if shipped else ""
     return (
         f"model {name!r} is not a local directory and could not be loaded from the Hugging Face hub "
         f"({why}). Fix: pass a local directory that holds the model (config.json, tokenizer, "

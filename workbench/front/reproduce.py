@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 
+from workbench.core.config import ConfigError
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, embedded_metrics, ensure_embedded_base
 from workbench.core.results import atomic_write_json, environment, now, results_root
 from workbench.front.notebooks import available, find, run_notebook
@@ -31,8 +32,10 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-
-    notebooks = [find(n) for n in args.only] if args.only else available()
+    try:
+        notebooks = [find(n) for n in args.only] if args.only else available()
+    except KeyError as e:  # an unknown --only name: one line, before the base is built
+        raise ConfigError(e.args[0]) from e
     root = results_root()
     print(f"workbench reproduce: {len(notebooks)} notebook(s) -> {root}", flush=True)
     # Build (or verify) the embedded base here, where its progress bar is visible.
