@@ -176,6 +176,7 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
     (["--rung", "bf16", "--precision", "fp32"], "--rung and --precision both describe the setup"),
     (["--batch", "4", "--micro-batch", "3"], "--micro-batch 3 must divide --batch 4"),
+    (["--batch", "4", "--micro-batch", "0"], "--micro-batch must be a positive integer, got 0"),
     (["--auto-fit"], "--auto-fit needs --budget-mib or --card"),
     (["--auto-fit", "--card", "8", "--precision", "bf16-true"], "--auto-fit picks among the named rungs; to search "
      "from a setup of your own, use --search"),

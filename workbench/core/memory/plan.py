@@ -289,7 +289,9 @@ def plan_from_flags(*, precision: str = "fp32", optimizer: str = "adamw_torch", 
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank <= 0:
         raise ConfigError(f"--lora-rank must be a positive integer, got {lora_rank!r}")
     micro = batch if micro_batch is None else micro_batch
-    if micro <= 0 or batch % micro:
+    if micro <= 0:
+        raise ConfigError(f"--micro-batch must be a positive integer, got {micro}")
+    if batch % micro:
         raise ConfigError(f"--micro-batch {micro} must divide --batch {batch} (the effective batch stays the same)")
     if lora_targets is not None and trainable not in ("lora", "qlora"):
         raise ConfigError("--lora-targets needs --trainable lora or qlora")
