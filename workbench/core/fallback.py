@@ -47,7 +47,8 @@ class Attempt:
         try:
             torch.device(dev)
         except RuntimeError as e:
-            raise ConfigError(f"attempt {text!r}: {dev!r} is not a device") from e
+            raise ConfigError(f"attempt {text!r}: {dev!r} is not a device; use cpu, cuda or cuda:N, each with "
+                              f"an optional @MiB budget (e.g. cuda@8192)") from e
         if budget:
             try:
                 mib = float(budget)
