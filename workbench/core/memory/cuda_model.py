@@ -62,6 +62,11 @@ class Card:
     context_bytes: int = CONTEXT_BYTES
 
     @property
+    def usable_bytes(self) -> int:
+        """What the card leaves after the CUDA context: the most its allocator can reserve."""
+        return self.total_bytes - self.context_bytes
+
+    @property
     def cublas_workspace_bytes(self) -> int:
         """torch's default cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp,
         parseChosenWorkspaceSize): 32 MiB on sm_90/10x/12x, else 4096 KiB x 2 + 16 KiB x 8."""

@@ -246,7 +246,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         sim = plan.compose(plan.name, plan.help, precision="bf16") if as_bf16 else plan
         placed = simulate_placed(config, sim, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm,
                                  instrumented=instrumented,
-                                 card_bytes=the_card.total_bytes - the_card.context_bytes if the_card else None)
+                                 card_bytes=the_card.usable_bytes if the_card else None)
         report = placed.device
         report.kernels = placed.kernels
         method = "estimated" if as_bf16 else "predicted"

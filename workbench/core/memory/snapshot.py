@@ -96,7 +96,7 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = CUDA_S
     plan = rung(plan)
     if plan.placement in SIMULATED_PLACEMENTS:  # the card's share of an offload rung
         report = simulate_placed(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm,
-                                 card_bytes=c.total_bytes - c.context_bytes if c.total_bytes else None).device
+                                 card_bytes=c.usable_bytes if c.total_bytes else None).device
     else:
         report = simulate(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)
     return snapshot_from_report(report, c.cublas_workspaces)

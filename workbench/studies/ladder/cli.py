@@ -159,8 +159,7 @@ def _estimate(args) -> int:
                                            steps=args.steps or CUDA_STEPS, card=args.card), args.snapshot)
             print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
         if (args.search or args.auto_fit) and args.budget_mib is None:
-            c = cuda_card(args.card)
-            args.budget_mib = (c.total_bytes - c.context_bytes) / MiB  # what the card leaves after the CUDA context
+            args.budget_mib = cuda_card(args.card).usable_bytes / MiB  # what the card leaves after its context
         if args.search:
             budget_mib = args.budget_mib
             setup = plan or RUNGS[names[0]]

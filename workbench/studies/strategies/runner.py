@@ -26,9 +26,9 @@ from workbench.core.claims import study1_comparison
 from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks, target_corpus
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
+from workbench.core.hub import hub_options, not_found_message
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import simulate
-from workbench.core.hub import hub_options, not_found_message
 from workbench.core.models import (
     EMBEDDED,
     ModelNotFoundError,
