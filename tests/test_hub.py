@@ -46,13 +46,13 @@ def offline(tmp_path, monkeypatch):
     # huggingface_hub's own best-effort fetch of its agent registry (once a process, one look-up,
     # errors swallowed) is not a model load: count only what loading a model asks
     monkeypatch.setattr(_detect_agent, "_registry", {}, raising=False)
-    hub._unresolvable.cache_clear()
+    hub._probes.clear()
     cache = tmp_path / "hub-cache"
     cache.mkdir()
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.chdir(ROOT)
     yield cache, lookups
-    hub._unresolvable.cache_clear()
+    hub._probes.clear()
 
 
 def _cache(cache: Path, repo: str, source: Path) -> None:
@@ -94,16 +94,29 @@ def test_the_hub_is_asked_as_usual_when_its_host_resolves_or_a_proxy_is_set(monk
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     for v in hub.PROXY_VARIABLES:
         monkeypatch.delenv(v, raising=False)
-    hub._unresolvable.cache_clear()
+    hub._probes.clear()
     monkeypatch.setattr(hub.socket, "getaddrinfo", lambda *a, **k: [])
     assert hub_options("someone/model") == {}
-    hub._unresolvable.cache_clear()
+    hub._probes.clear()
     monkeypatch.setattr(hub.socket, "getaddrinfo", _no_dns)
     assert hub_options("someone/model") == {"local_files_only": True}
     assert hub_options(str(tmp_path)) == {}  # a local folder is never the hub's business
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")  # the proxy resolves names for us
     assert hub_options("someone/model") == {}
-    hub._unresolvable.cache_clear()
+    hub._probes.clear()
+
+
+def test_a_kernel_that_goes_back_online_finds_the_hub_within_a_minute(monkeypatch):
+    hub._probes.clear()
+    clock = [1000.0]
+    monkeypatch.setattr(hub.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hub.socket, "getaddrinfo", _no_dns)
+    assert hub._unresolvable("huggingface.co")
+    monkeypatch.setattr(hub.socket, "getaddrinfo", lambda *a, **k: [])  # the network is back
+    assert hub._unresolvable("huggingface.co")  # the answer of a moment ago, not asked again
+    clock[0] += hub.PROBE_TTL_S
+    assert not hub._unresolvable("huggingface.co")
+    hub._probes.clear()
 
 
 def test_shipped_configs_are_found_by_hub_id_or_bare_name(monkeypatch, tmp_path):

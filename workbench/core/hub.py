@@ -12,9 +12,9 @@ is answered here at once instead, with the fix in one line.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -25,6 +25,8 @@ from workbench.core.common import PROJECT_ROOT
 
 SHIPPED_CONFIGS = PROJECT_ROOT / "data" / "configs"  # config.json copies of real models, for estimates
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+PROBE_TTL_S = 60.0  # a probe's answer is reused this long: a load asks up to three times, a kernel for hours
+_probes: dict[str, tuple[float, bool]] = {}  # host -> (when probed, unresolvable)
 
 
 def names_a_path(name: str) -> bool:
@@ -57,13 +59,18 @@ def hub_unreachable() -> bool:
     return _unresolvable(urlparse(hub_constants.ENDPOINT).hostname or "")
 
 
-@functools.lru_cache(maxsize=None)
 def _unresolvable(host: str) -> bool:
+    """Looked up at most once a minute, so a notebook kernel that goes back online finds the hub."""
+    now = time.monotonic()
+    if host in _probes and now - _probes[host][0] < PROBE_TTL_S:
+        return _probes[host][1]
     try:
         socket.getaddrinfo(host, 443)
+        down = False
     except OSError:  # socket.gaierror: no network, or no name server answers
-        return True
-    return False
+        down = True
+    _probes[host] = (now, down)
+    return down
 
 
 def shipped_config(name: str) -> str | None:
