@@ -11,6 +11,7 @@ installs both where it can (root, Debian).
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from workbench.front.dashboard import port_in_use
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -185,7 +188,7 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
     pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
     import papermill as pm
 
-    from workbench.front.dashboard import start_voila
+    from workbench.front.dashboard import start_voila, stop_voila
 
     folder = tmp_path / "apps"
     folder.mkdir()
@@ -213,8 +216,9 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
             finally:
                 browser.close()
     finally:
-        stop(voila)
+        stop_voila(voila)
     assert "0.0.0.0" not in (tmp_path / "voila.log").read_text()
+    assert not voila.config_dir.exists()  # the token's private folder went with the server
 
 
 def test_the_dashboard_command_line_carries_no_token(tmp_path):
@@ -223,8 +227,70 @@ def test_the_dashboard_command_line_carries_no_token(tmp_path):
     cmd = voila_command(tmp_path, 8866)
     assert not [a for a in cmd if "token" in a.lower()]
     folder = private_config("secret-0123")
-    assert (folder.stat().st_mode & 0o777) == 0o700 and ((folder / "voila.json").stat().st_mode & 0o777) == 0o600
-    assert "secret-0123" in (folder / "voila.json").read_text()
+    try:
+        assert (folder.stat().st_mode & 0o777) == 0o700 and ((folder / "voila.json").stat().st_mode & 0o777) == 0o600
+        assert "secret-0123" in (folder / "voila.json").read_text()
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_voila_refuses_a_taken_port_instead_of_moving_to_another(tmp_path, server_env):
+    """Voila's own default moves to the next free port; the printed address (and the token a
+    browser sends there) would then reach whatever holds the first one."""
+    from workbench.front.dashboard import start_voila, stop_voila
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # the command refuses it in one line, before preparing anything
+        cmd = subprocess.run([sys.executable, "-m", "workbench.cli", "dashboard", "--quick", "--port", str(port)],
+                             env=server_env, capture_output=True, text=True, timeout=120)
+        assert cmd.returncode == 2 and cmd.stdout == ""
+        assert cmd.stderr.count("\n") == 1 and f"port {port} on 127.0.0.1 is in use" in cmd.stderr
+        assert "pass --port " in cmd.stderr
+        assert not (Path(server_env["WORKBENCH_RESULTS"]) / "dashboard").exists()
+        # and Voila itself, given the taken port (as when another server takes it meanwhile), exits
+        (tmp_path / "apps").mkdir()
+        log = tmp_path / "voila.log"
+        with open(log, "w") as f:
+            voila = start_voila(tmp_path / "apps", port, "t-0123", env=server_env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+            try:
+                assert voila.wait(timeout=90) != 0
+            finally:
+                stop_voila(voila)
+    text = log.read_text()
+    assert "could not be started" in text and "is running at" not in text, text
+    assert not voila.config_dir.exists()
+
+
+def test_a_stopped_dashboard_takes_its_server_and_token_with_it(tmp_path, server_env):
+    """`kill` (SIGTERM) of `workbench dashboard` stops Voila and removes the folder holding the token."""
+    port = free_port()
+    env = {**server_env, "TMPDIR": str(tmp_path)}  # where the private folder is made
+    log = tmp_path / "dashboard.log"
+    cli = start([sys.executable, "-m", "workbench.cli", "dashboard", "--quick", "--port", str(port)], env, log)
+    try:
+        assert wait_http(f"http://127.0.0.1:{port}/", cli, timeout=180) in (200, 302, 403)
+        assert len(list(tmp_path.glob("workbench-voila-*"))) == 1
+        cli.terminate()
+        assert cli.wait(timeout=30) == 143
+    finally:
+        if cli.poll() is None or port_in_use(port):
+            os.killpg(cli.pid, signal.SIGKILL)  # leave no server behind when this fails
+    assert not list(tmp_path.glob("workbench-voila-*")), log.read_text()
+    deadline = time.time() + 10
+    while port_in_use(port) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not port_in_use(port)  # Voila went with it
+
+
+@pytest.mark.parametrize("port", ["0", "70000"])
+def test_a_port_out_of_range_is_a_one_line_error(port, server_env):
+    cmd = subprocess.run([sys.executable, "-m", "workbench.cli", "dashboard", "--port", port],
+                         env=server_env, capture_output=True, text=True, timeout=120)
+    assert cmd.returncode == 2 and cmd.stderr == f"workbench dashboard: --port must be between 1 and 65535, got {port}\n"
 
 
 @pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed (make test installs it as root)")

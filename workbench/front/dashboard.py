@@ -10,7 +10,10 @@ knobs panel at the end re-runs it with other settings. The server binds to 127.0
 for a token (printed with the URL); nothing else on the network can reach it. The token never
 appears on a command line (where `ps` shows it to every user of the machine): it is $WORKBENCH_TOKEN
 or a random one, and reaches Voila through a voila.json readable only by you, in a private folder
-that is Voila's working directory.
+that is Voila's working directory, removed when the server stops. Voila is told not to move to
+another port: a busy port is a one-line error before anything starts, so the printed address is
+always the server's (a browser sent to a moved server's old port would hand the token to whatever
+listens there).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import argparse
 import json
 import os
 import secrets
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from workbench.core.config import ConfigError
 from workbench.core.results import results_root
 from workbench.front.notebooks import available
 
@@ -32,7 +39,7 @@ def register(sub) -> None:
     p = sub.add_parser("dashboard", help="serve the study notebooks as Voila apps on 127.0.0.1 (token required)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny parameters, so each app opens in about a minute")
-    p.add_argument("--port", type=int, default=8866)
+    p.add_argument("--port", type=int, default=8866, help="port on 127.0.0.1 (default 8866); it must be free")
     p.add_argument("--prepare-only", action="store_true", help="write the app notebooks and exit")
     p.set_defaults(func=main)
 
@@ -51,10 +58,32 @@ def prepare(quick: bool, out: Path | None = None) -> Path:
     return out
 
 
+def port_in_use(port: int) -> bool:
+    """Whether 127.0.0.1:`port` cannot be bound (tornado binds with SO_REUSEADDR, so do the same)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_port(port: int) -> None:
+    """A one-line error for a port Voila could not serve on, naming a free one."""
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port must be between 1 and 65535, got {port}")
+    if port_in_use(port):
+        free = next((p for p in range(port + 1, min(port + 50, 65536)) if not port_in_use(p)), None)
+        fix = f"pass --port {free}" if free else "pass another --port"
+        raise ConfigError(f"port {port} on 127.0.0.1 is in use (another dashboard or server?); {fix}")
+
+
 def voila_command(folder: Path, port: int) -> list[str]:
-    """The Voila server's command line: no token on it (see `private_config`)."""
+    """The Voila server's command line: no token on it (see `private_config`), and no moving to
+    another port when `port` is taken (Voila's default tries 50 others)."""
     return [sys.executable, "-m", "voila", str(Path(folder).resolve()), "--no-browser", "--Voila.ip=127.0.0.1",
-            f"--port={port}", "--theme=light"]
+            f"--port={port}", "--Voila.port_retries=0", "--theme=light"]
 
 
 def private_config(token: str) -> Path:
@@ -69,21 +98,53 @@ def private_config(token: str) -> Path:
 
 
 def start_voila(folder: Path, port: int, token: str, **popen_kw) -> subprocess.Popen:
-    """Voila on 127.0.0.1:`port` serving `folder`, asking for `token` (never on a command line)."""
-    return subprocess.Popen(voila_command(folder, port), cwd=private_config(token), **popen_kw)
+    """Voila on 127.0.0.1:`port` serving `folder`, asking for `token` (never on a command line).
+    Stop it with `stop_voila`, which also removes the token's private folder."""
+    config = private_config(token)
+    try:
+        proc = subprocess.Popen(voila_command(folder, port), cwd=config, **popen_kw)
+    except BaseException:
+        shutil.rmtree(config, ignore_errors=True)
+        raise
+    proc.config_dir = config
+    return proc
+
+
+def stop_voila(proc: subprocess.Popen, timeout: float = 10) -> int:
+    """Stop the server (if it still runs) and remove the folder holding its token."""
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        shutil.rmtree(proc.config_dir, ignore_errors=True)
+    return proc.returncode
 
 
 def main(args) -> int:
+    if not args.prepare_only:
+        check_port(args.port)  # before the seconds of preparing
     folder = prepare(args.quick)
     print(f"workbench dashboard: apps written to {folder}", flush=True)
     if args.prepare_only:
         return 0
     token = os.environ.get("WORKBENCH_TOKEN") or secrets.token_urlsafe(16)
+    check_port(args.port)  # again: preparing took seconds
     print(f"open http://127.0.0.1:{args.port}/?token={token}  (Ctrl-C stops the server)", flush=True)
     proc = start_voila(folder, args.port, token)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # `kill`, a closed terminal: stop Voila, remove the token
+        signal.signal(sig, _exit_on)
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait(timeout=10)
         return 130
+    finally:
+        stop_voila(proc)
+
+
+def _exit_on(signum, frame):
+    raise SystemExit(128 + signum)
