@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -88,6 +89,11 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
     chosen = tight.table[-1]
     assert chosen["fits"] and chosen["with_margin_mib"] <= budget < tight.table[0]["with_margin_mib"]
     assert tight.micro_batch * tight.plan.accum == BATCH and "margin" in tight.why
+    # the sentence states its sum with figures close enough to check it (a tiny model's peaks are a few MiB)
+    stated = re.search(r"predicted ([\d.,]+) MiB \+ ([\d.]+)% margin \(.*\) = ([\d.,]+) MiB <= ([\d.,]+) MiB", tight.why)
+    need_s, margin_s, with_s, budget_s = (float(x.replace(",", "")) for x in stated.groups())
+    for shown, true in ((need_s, chosen["need_mib"]), (with_s, chosen["with_margin_mib"]), (budget_s, budget)):
+        assert abs(shown - true) <= max(0.05, 0.005 * true), (shown, true, tight.why)
     assert search(config, setup, batch=BATCH, seq=SEQ, budget_mib=budget, keep=1, margin=0.0).plan.name \
         == ranked[0].name  # without the margin the cheapest would have been taken
 

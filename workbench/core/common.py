@@ -1,6 +1,7 @@
 """Names every layer shares: byte units, the row sink, where the project lives.
 
     MiB, GiB     bytes in a mebibyte and a gibibyte (every memory figure is shown in MiB)
+    mib_text     a MiB figure for a sentence: whole MiB from 100 up, one decimal below
     Sink         a callable that receives one row (a dict) per step or event: live charts,
                  steps.jsonl, the dashboard
     PROJECT_ROOT the checkout (data/, notebooks/, results/ and .cache/ live beside workbench/)
@@ -22,6 +23,12 @@ MiB = 2**20
 GiB = 2**30
 Sink = Callable[[dict[str, Any]], None]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def mib_text(mib: float) -> str:
+    """`mib` rounded for a sentence: whole MiB from 100 up, one decimal below (a tiny model's
+    "2 MiB + 1% = 2 MiB <= 3 MiB" hides the sums it states)."""
+    return f"{mib:,.0f}" if abs(mib) >= 100 else f"{mib:,.1f}"
 
 
 @contextlib.contextmanager

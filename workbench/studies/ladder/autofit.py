@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from workbench.core.common import MiB
+from workbench.core.common import MiB, mib_text
 from workbench.core.config import ConfigError
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import predict
@@ -143,12 +143,12 @@ class SetupChoice:
     @property
     def why(self) -> str:
         if self.plan is None:
-            return (f"nothing fits {self.budget_bytes / MiB:,.0f} MiB with the prediction's margin "
+            return (f"nothing fits {mib_text(self.budget_bytes / MiB)} MiB with the prediction's margin "
                     f"({self.margin:.1%} for the setup as given: {self.margin_source}; {len(self.table)} setups predicted)")
         row = next(r for r in self.table if r["setup"] == self.plan.name)
         faster = [r["setup"] for r in self.table if not r["fits"]]
-        return (f"{self.plan.name}: predicted {row['need_mib']:,.0f} MiB + {self.margin:.1%} margin "
-                f"({self.margin_source}) = {row['with_margin_mib']:,.0f} MiB <= {self.budget_bytes / MiB:,.0f} MiB; "
+        return (f"{self.plan.name}: predicted {mib_text(row['need_mib'])} MiB + {self.margin:.1%} margin "
+                f"({self.margin_source}) = {mib_text(row['with_margin_mib'])} MiB <= {mib_text(self.budget_bytes / MiB)} MiB; "
                 f"{len(faster)} setup(s) expected faster did not fit" + (f" (first: {faster[0]})" if faster else ""))
 
 
@@ -208,5 +208,5 @@ def run_with_step_down(choice: SetupChoice, attempt: Callable[[Plan], Any], *,
             continue
         tries.append({"setup": plan.name, "status": "ok", "error": ""})
         return plan, result, tries
-    raise torch.OutOfMemoryError(f"auto-fit: no setup fits {choice.budget_bytes / MiB:,.0f} MiB "
+    raise torch.OutOfMemoryError(f"auto-fit: no setup fits {mib_text(choice.budget_bytes / MiB)} MiB "
                                  f"(tried: {', '.join(t['setup'] for t in tries) or 'none predicted to fit'})")

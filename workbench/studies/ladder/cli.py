@@ -23,7 +23,7 @@ import sys
 
 from tqdm import tqdm
 
-from workbench.core.common import MiB, stdout_to_stderr
+from workbench.core.common import MiB, mib_text, stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import CATEGORIES
 from workbench.core.memory.cuda_model import card as cuda_card
@@ -207,7 +207,7 @@ def _estimate(args) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"model {args.model}  batch {args.batch} x seq {args.seq}"
-          + (f"  budget {args.budget_mib:.0f} MiB" if budget else ""))
+          + (f"  budget {mib_text(args.budget_mib)} MiB" if budget else ""))
     if len(preds) == 1:
         p = next(iter(preds.values()))
         setup = p.rung if plan is None else f"{p.rung} ({plan.help})"
@@ -241,7 +241,7 @@ def _estimate(args) -> int:
             print(f"  note: {p.note}")
         if budget:
             ok, margin = fits(p)
-            print(f"  fits {args.budget_mib:.0f} MiB with the prediction's measured margin ({margin:.1%}): "
+            print(f"  fits {mib_text(args.budget_mib)} MiB with the prediction's measured margin ({margin:.1%}): "
                   f"{'yes' if ok else 'no'}")
         return 0
     cuda = args.device == "cuda"
@@ -282,7 +282,7 @@ def _print_search(args, choice, budget_mib: float, setup) -> int:
                           "why": choice.why, "margin": choice.margin, "margin_source": choice.margin_source,
                           "step_down": [p.name for p in choice.fitting], "tried": choice.table}, indent=2))
         return 0 if choice.plan else 1
-    print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {budget_mib:,.0f} MiB  "
+    print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {mib_text(budget_mib)} MiB  "
           f"(from {setup.help})")
     print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin':>9}  fits")
     for r in choice.table:
