@@ -488,6 +488,8 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     # an all-GPU 10B run does not fit an 80 GB card: kept as an oom row without a speed
     oom = modelled[modelled["mode"] == "all on accelerator"]
     assert (oom["status"] == "oom").all() and oom["tokens_per_s"].isna().all()
+    every_oom = df[df["status"] == "oom"]  # the published setting's row too: each says what it needs
+    assert len(every_oom) > len(oom) and every_oom["reason"].fillna("").str.match(r"needs \d+ GiB of \d+$").all()
     # real text: every run starts from the same held-out perplexity and improves on it
     assert measured["ppl_before"].nunique() == 1 and (measured["ppl_after"] < measured["ppl_before"]).all()
     assert measured["ppl_after"].round(6).nunique() == 1  # fp32: the same weights, the same perplexity

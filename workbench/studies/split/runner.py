@@ -295,7 +295,7 @@ def modelled_runs(cfg: SplitConfig, host: dict):
                    "host_share_from": "config" if cfg.host_share else "measured here",
                    "status": "ok" if sim["fits"] else "oom"}
             if not sim["fits"]:  # an OOM is a result: keep the row, do not show a speed
-                row["reason"] = f"needs {sim['accel_memory_gib']:.0f} GiB of {m.memory_bytes / 2**30:.0f}"
+                row["reason"] = _oom_reason(sim, m)
             rows.append(row)
             if name == "adaptive":
                 events += [{**e, "source": "modelled", "run": row["run"], "iteration": 0} for e in ev]
@@ -323,7 +323,14 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
                  "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
                  "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
                  "mode": "adaptive", "status": "ok" if sim["fits"] else "oom"}
+    if not sim["fits"]:
+        model_row["reason"] = _oom_reason(sim, m)
     return [claim, model_row], op
+
+
+def _oom_reason(sim: dict, m) -> str:
+    """Why a modelled run does not fit: what it needs of what the accelerator has."""
+    return f"needs {sim['accel_memory_gib']:.0f} GiB of {m.memory_bytes / 2**30:.0f}"
 
 
 # ---------------------------------------------------------------- the entry point
