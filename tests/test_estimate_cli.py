@@ -180,6 +180,7 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--auto-fit"], "--auto-fit needs --budget-mib or --card"),
     (["--auto-fit", "--card", "8", "--precision", "bf16-true"], "--auto-fit picks among the named rungs; to search "
      "from a setup of your own, use --search"),
+    (["--snapshot", "."], "--snapshot . is a folder; name a file in it, e.g. step.pickle"),
 ])
 def test_bad_setups_are_one_line_naming_the_fix(tiny_config, capsys, args, message):
     assert main(["estimate", "--model", tiny_config, "--seq", "32", *args]) == 2

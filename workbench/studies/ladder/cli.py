@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -133,7 +135,17 @@ def _check(args) -> list[str]:
     if args.search and args.auto_fit:
         raise ConfigError("--search and --auto-fit are two searches: pick one (--search keeps the batch and "
                           "searches more than the rungs)")
+    if args.snapshot is not None:  # before the prediction's seconds, not after
+        _check_writable(Path(args.snapshot))
     return list(RUNGS) if (args.rung == "all" or args.auto_fit) else [args.rung] if args.rung else []
+
+
+def _check_writable(path: Path) -> None:
+    if path.is_dir():
+        raise ConfigError(f"--snapshot {path} is a folder; name a file in it, e.g. {path / 'step.pickle'}")
+    folder = next(a for a in (path.parent, *path.parent.parents) if a.exists())  # the deepest that exists
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--snapshot {path}: cannot write there; name a file in a folder you can write")
 
 
 def _estimate(args) -> int:
