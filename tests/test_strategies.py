@@ -77,3 +77,31 @@ def test_unknown_strategy():
     with pytest.raises(ValueError, match="unknown strategy 'frezee'"):
         apply_strategy(fresh("qwen2"), "frezee")
     assert set(STRATEGIES) >= {"adapter", "freeze_lower", "freeze_embeddings", "full", "lora", "bitfit", "qlora"}
+
+
+@pytest.mark.parametrize("layers", [4, 6])
+def test_two_strategies_that_train_the_same_parameters_are_said_to(layers):
+    """With 4 decoder layers, 'the last 2' (adapter) is 'the upper half' (freeze_lower): the study
+    says it has one experiment under two names instead of presenting two results."""
+    import pandas as pd
+
+    from workbench.core.results import StudyResult
+    from workbench.studies.strategies.figures import findings
+
+    config = tiny_config("qwen2")
+    config.num_hidden_layers = layers
+    sels = {}
+    for name in ("adapter", "freeze_lower", "full"):
+        torch.manual_seed(0)
+        _, sels[name] = apply_strategy(AutoModelForCausalLM.from_config(config), name)
+    assert (sels["adapter"].trainable_set == sels["freeze_lower"].trainable_set) == (layers == 4)
+    assert sels["full"].trainable_set != sels["adapter"].trainable_set
+    summary = pd.DataFrame([{**s.as_row(), "ppl_before": 100.0, "ppl_after_mean": 90.0 + i, "improvement_pct_mean": 10.0,
+                             "seeds": 1} for i, s in enumerate(sels.values())])
+    said = [f for f, _ in findings(StudyResult("strategies", runs=pd.DataFrame(), tables={"summary": summary}))]
+    same = [f for f in said if "train the same" in f]
+    if layers == 4:
+        assert same == [f"adapter and freeze_lower train the same {sels['adapter'].trainable_params:,} parameters on "
+                        "this model: one experiment under 2 names, not 2 results."]
+    else:
+        assert same == []

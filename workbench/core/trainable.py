@@ -17,6 +17,7 @@ the head; the selection says so in `notes`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -76,6 +77,7 @@ class Selection:
     trainable_tensors: int
     total_tensors: int
     notes: list[str] = field(default_factory=list)
+    trainable_set: str = ""  # a fingerprint of the trainable parameters' names: equal sets, equal strings
 
     @property
     def trainable_share(self) -> float:
@@ -90,6 +92,7 @@ class Selection:
             "trainable_tensors": self.trainable_tensors,
             "total_tensors": self.total_tensors,
             "notes": "; ".join(self.notes),
+            "trainable_set": self.trainable_set,
         }
 
 
@@ -104,6 +107,7 @@ def n_elements(p: torch.Tensor) -> int:
 def count_selection(model: nn.Module, strategy: str, notes: list[str] | None = None) -> Selection:
     params = _unique_params(model)
     train = [p for p in params if p.requires_grad]
+    names = "\n".join(sorted(n for n, p in model.named_parameters() if p.requires_grad))  # tied weights once
     return Selection(
         strategy,
         sum(n_elements(p) for p in train),
@@ -111,6 +115,7 @@ def count_selection(model: nn.Module, strategy: str, notes: list[str] | None = N
         len(train),
         len(params),
         notes or [],
+        hashlib.sha1(names.encode()).hexdigest()[:12],
     )
 
 

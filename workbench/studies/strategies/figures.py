@@ -86,9 +86,15 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     best = done.iloc[0]
     order = " < ".join(f"{r.strategy} {r.ppl_after_mean:.1f}" for r in done.itertuples())
     out = [(f"Best held-out perplexity: {best['strategy']}, {best['ppl_before']:.1f} -> {best['ppl_after_mean']:.1f} "
-            f"({best['improvement_pct_mean']:.1f}% better; mean of {int(best['seeds'])} seeds). Order: {order}.",
+            f"({best['improvement_pct_mean']:.1f}% better; "
+            + (f"mean of {int(best['seeds'])} seeds" if best["seeds"] != 1 else "1 seed") + f"). Order: {order}.",
             "; ".join(f"{r.strategy} {r.published_improvement_pct:.1f}%" for r in claims.itertuples()
                       if pd.notna(r.published_improvement_pct)) + " better (published, on random weights)")]
+    for _, same in done.groupby("trainable_set", sort=False) if "trainable_set" in done else ():
+        if len(same) > 1:  # on a model with 4 decoder layers, the last 2 are the upper half
+            out.append((f"{' and '.join(same['strategy'])} train the same {int(same['trainable_params'].iloc[0]):,} "
+                        f"parameters on this model: one experiment under {len(same)} names, not {len(same)} results.",
+                        ""))
     fell = result.runs[result.runs["status"] == "fallback"] if "status" in result.runs else pd.DataFrame()
     if len(fell):
         out.append((f"{len(fell)} run(s) ran out of the device budget and finished on the next device: "
