@@ -85,3 +85,16 @@ def test_missing_model_names_the_model_and_the_fix(tmp_path):
     empty.mkdir()
     with pytest.raises(ModelNotFoundError, match="holds no loadable model"):
         load_model(str(empty))
+
+
+def test_a_file_or_folder_that_is_not_a_model_says_which_and_what_it_needs(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("lr: [1e-3]\n")
+    for load in (load_config, load_model):
+        with pytest.raises(ModelNotFoundError, match="is a file but not a model's config.json") as e:
+            load(str(grid))
+        assert "folder exists" not in str(e.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelNotFoundError, match=r"holds no loadable model \(needs a config.json\)"):
+        load_config(str(empty))  # a config is all a prediction needs: no weights asked for

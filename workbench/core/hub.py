@@ -86,11 +86,16 @@ def shipped_config(name: str) -> str | None:
     return None
 
 
-def not_found_message(name: str, err: Exception) -> str:
-    """One line: why `name` could not be loaded, and the fix."""
-    if Path(name).expanduser().exists():
-        return (f"model {name!r}: the folder exists but holds no loadable model "
-                f"(needs config.json, tokenizer files and *.safetensors weights): {err}")
+def not_found_message(name: str, err: Exception,
+                      needs: str = "config.json, tokenizer files and *.safetensors weights") -> str:
+    """One line: why `name` could not be loaded, and the fix. `needs`: what the caller needs of a
+    local folder (a config alone, or a whole model)."""
+    local = Path(name).expanduser()
+    if local.is_file():
+        return (f"model {name!r} is a file but not a model's config.json; pass a config.json (a JSON object with "
+                f"'model_type') or a folder holding {needs}")
+    if local.exists():
+        return f"model {name!r}: the folder exists but holds no loadable model (needs {needs}): {err}"
     if hub_constants.HF_HUB_OFFLINE:
         why = "HF_HUB_OFFLINE is set, and it is not in the local Hugging Face cache"
     elif hub_unreachable():

@@ -331,6 +331,6 @@ def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpe
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub_options(path))
         except (OSError, ValueError) as e:
-            raise ModelNotFoundError(not_found_message(name, e)) from e
+            raise ModelNotFoundError(not_found_message(name, e, needs="a config.json")) from e
     check_causal_lm(config, name)
     return config
