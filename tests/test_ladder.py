@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -16,6 +17,8 @@ from workbench.core.config import ConfigError
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS, quantize_4bit
 from workbench.core.models import TINY_SPEC, load_model
+from workbench.core.results import RERUN_ENV
+from workbench.studies.ladder import runner
 from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down
 from workbench.studies.ladder.rungs import auto_fit, measure
 from workbench.studies.ladder.runner import LadderConfig, run_ladder
@@ -407,3 +410,53 @@ def test_the_default_budget_makes_auto_fit_choose_a_middle_setup_of_the_embedded
     assert joint.plan is not None and joint.plan.placement == "device" and not joint.table[0]["fits"]
     assert joint.plan.accum > 1 and cfg.micro_batch // joint.plan.accum * joint.plan.accum == cfg.micro_batch
     assert "micro-batch 4 x 2" in joint.plan.name
+
+
+def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_path, monkeypatch, tiny_base):
+    """Each rung's row is on disk (rungs.jsonl) when the rung ends: a run that dies keeps them, and
+    the same settings run again measure only what is left; the steps of the rung cut short go."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    monkeypatch.delenv(RERUN_ENV, raising=False)
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32", "bf16_ckpt", "cpu"), breakdown_rung="fp32", micro_batch=2,
+                       seq_len=32, steps=2, autofit=False, reference_model="")
+    real, measured = runner.measure, []
+
+    def dies_at_cpu(name, *args, sinks=(), **kw):
+        if name == "cpu":
+            for sink in sinks:  # a step of the rung being cut short reaches steps.jsonl first
+                sink({"rung": "cpu", "step": 1, "loss": 9.9})
+            raise KeyboardInterrupt
+        measured.append(name)
+        return real(name, *args, sinks=sinks, **kw)
+
+    monkeypatch.setattr(runner, "measure", dies_at_cpu)
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(cfg)
+    run_dir = tmp_path / "ladder" / cfg.run_id()
+    kept = [json.loads(line)["rung"] for line in (run_dir / "rungs.jsonl").read_text().splitlines()]
+    assert kept == ["fp32", "bf16_ckpt"] and measured == ["fp32", "bf16_ckpt"]
+
+    def counts(name, *args, **kw):
+        measured.append(name)
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(runner, "measure", counts)
+    seen = []
+    result = run_ladder(cfg, sinks=[seen.append])
+    assert measured == ["fp32", "bf16_ckpt", "cpu"]  # the finished two were not measured again
+    at_hand = result.runs.set_index("rung")
+    assert (at_hand["status"] == "ok").all() and at_hand.loc["fp32", "measured_peak_bytes"] > 0
+    assert list(result.steps.groupby("rung", sort=False).size().items()) == [("fp32", 2), ("bf16_ckpt", 2), ("cpu", 2)]
+    assert 9.9 not in set(result.steps["loss"])  # the step of the try that died is gone
+    assert {r["rung"] for r in seen if "loss" in r} == {"fp32", "bf16_ckpt", "cpu"}  # the chart gets all three
+    # the reused rows are the rows: run again, nothing is measured and the table is the same
+    again = run_ladder(cfg)
+    assert measured == ["fp32", "bf16_ckpt", "cpu"]
+    pd.testing.assert_frame_equal(again.runs, result.runs)
+    # other weights or another version, or $WORKBENCH_RERUN: measured again
+    monkeypatch.setattr(runner, "__version__", "0.0.0-other")
+    run_ladder(cfg)
+    assert measured[3:] == ["fp32", "bf16_ckpt", "cpu"]
+    monkeypatch.setenv(RERUN_ENV, "1")
+    run_ladder(cfg)
+    assert measured[6:] == ["fp32", "bf16_ckpt", "cpu"]

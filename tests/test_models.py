@@ -14,6 +14,7 @@ from workbench.core.models import (
     ensure_embedded_base,
     load_config,
     load_model,
+    model_fingerprint,
 )
 
 
@@ -98,3 +99,11 @@ def test_a_file_or_folder_that_is_not_a_model_says_which_and_what_it_needs(tmp_p
     empty.mkdir()
     with pytest.raises(ModelNotFoundError, match=r"holds no loadable model \(needs a config.json\)"):
         load_config(str(empty))  # a config is all a prediction needs: no weights asked for
+
+
+def test_a_config_files_fingerprint_follows_its_content(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "gpt2", "n_layer": 2}')
+    first = model_fingerprint(str(path))
+    path.write_text('{"model_type": "gpt2", "n_layer": 4}')  # same name, another model: results not reused
+    assert model_fingerprint(str(path)) != first

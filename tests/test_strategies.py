@@ -1,9 +1,12 @@
+import pandas as pd
 import pytest
 import torch
 from conftest import ARCHS, tiny_config
 from transformers import AutoModelForCausalLM
 
+from workbench.core.results import StudyResult
 from workbench.core.trainable import STRATEGIES, StrategyNotApplicable, apply_strategy, model_parts
+from workbench.studies.strategies.figures import findings
 
 
 def fresh(arch):
@@ -83,11 +86,6 @@ def test_unknown_strategy():
 def test_two_strategies_that_train_the_same_parameters_are_said_to(layers):
     """With 4 decoder layers, 'the last 2' (adapter) is 'the upper half' (freeze_lower): the study
     says it has one experiment under two names instead of presenting two results."""
-    import pandas as pd
-
-    from workbench.core.results import StudyResult
-    from workbench.studies.strategies.figures import findings
-
     config = tiny_config("qwen2")
     config.num_hidden_layers = layers
     sels = {}

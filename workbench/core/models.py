@@ -161,7 +161,8 @@ def ensure_embedded_base(spec: EmbeddedSpec = EmbeddedSpec(), *, progress: bool 
 
 def model_fingerprint(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
     """A key of the weights a run starts from: the embedded base's manifest (every file's SHA-256),
-    a local directory's files (names, sizes, modification times), or a hub id as given."""
+    a local directory's files (names, sizes, modification times), a config.json's content (a model
+    initialised at random from it), or a hub id as given."""
     h = hashlib.sha256()
     if name == EMBEDDED:
         manifest = json.loads((ensure_embedded_base(spec, progress=False) / MANIFEST).read_text())
@@ -171,6 +172,8 @@ def model_fingerprint(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
             if p.is_file():
                 st = p.stat()
                 h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    elif Path(name).expanduser().is_file():
+        h.update(Path(name).expanduser().read_bytes())
     else:
         h.update(name.encode())
     return h.hexdigest()[:16]

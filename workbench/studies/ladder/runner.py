@@ -17,7 +17,10 @@ accumulation, checkpointing, precision, optimizer), and runs it with the budget 
 down to the next setup on a real out-of-memory error and to the CPU last.
 
 Results: results/ladder/<run_id>/{config.json, ladder.csv, baselines.csv, autofit.csv,
-autofit_search.csv, summary.json} and results/ladder/runs.csv. Columns say which figures are `measured`,
+autofit_search.csv, summary.json} and results/ladder/runs.csv. Each rung's row is also appended
+to rungs.jsonl as the rung finishes, so a run that is killed keeps the rungs it finished, and the
+same settings run again go on from there (the rows are reused only with the same model weights
+and workbench version; $WORKBENCH_RERUN=1 measures every rung again). Columns say which figures are `measured`,
 `predicted` or `estimated`; sizes are bytes (`_bytes`) or MiB (`_mib`).
 
 Sinks receive the training rows of every measured rung (`stage` "ladder") and of every auto-fit
@@ -41,8 +44,10 @@ from workbench.core.memory.baselines import baseline_table
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
-from workbench.core.models import load_model
-from workbench.core.results import ResultsWriter, RunDir, StudyResult, read_steps, read_table, results_root
+from workbench import __version__
+from workbench.core.models import load_model, model_fingerprint
+from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, read_steps, read_table,
+                                    results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
 from workbench.studies.ladder.autofit import run_with_step_down, search
 from workbench.studies.ladder.rungs import measure
@@ -124,10 +129,17 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     config, load, blocks, data_note = model_at_hand(cfg)
     budget = int(cfg.budget_mib * MiB)
     rows: list[dict[str, Any]] = []
-    steps_sink = run.steps_sink()
+    inputs = {"model_fingerprint": model_fingerprint(_resolve(cfg.model), cfg.spec()), "workbench_version": __version__}
+    finished = _finished_rungs(run, inputs) if reuse_finished_runs() else {}
+    steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl", fresh=True)
+    for row in finished.values():
+        rungs_sink({"rung": row["rung"], "inputs": inputs, "row": row})
     preds = {}
     for name in cfg.rungs:
         plan = RUNGS[name]
+        if name in finished:
+            rows.append(finished[name])
+            continue
         # the step as the study's own live-bytes count (a dispatch mode) runs it: the figure it is held to
         p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
         preds[name] = p
@@ -148,7 +160,9 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
         else:
             row.update(status="skipped", reason="measure=False")
         rows.append(row)
+        rungs_sink({"rung": name, "inputs": inputs, "row": row})  # flushed: a killed run keeps it
     steps_sink.close()
+    rungs_sink.close()
 
     ref_rows = []
     if cfg.reference_model:
@@ -225,6 +239,34 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     steps = read_steps(run.path / "steps.jsonl") if (run.path / "steps.jsonl").exists() else pd.DataFrame()
     return StudyResult(STUDY, runs=df, steps=steps, tables={k: v for k, v in tables.items() if k != "ladder"},
                        paths={**paths, "run_dir": str(run.path)})
+
+
+def _finished_rungs(run: RunDir, inputs: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The rows of rungs an earlier run with these settings finished (rungs.jsonl), where the
+    weights and the workbench version are the same; a line cut short by a kill is left out."""
+    path = run.path / "rungs.jsonl"
+    done = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("inputs") == inputs and rec.get("rung") in RUNGS:
+            done[rec["rung"]] = rec["row"]
+    return done
+
+
+def _resumed_steps(run: RunDir, finished: dict[str, dict], sinks: list[Sink]) -> JsonlSink:
+    """steps.jsonl started afresh with the steps of the rungs reused (their charts are sent to the
+    sinks again); a rung cut short left steps that are dropped, and it runs again."""
+    path = run.path / "steps.jsonl"
+    kept = read_steps(path) if finished and path.exists() and path.stat().st_size else pd.DataFrame()
+    sink = run.steps_sink()
+    for row in kept[kept["rung"].isin(list(finished))].to_dict("records") if "rung" in kept else ():
+        sink(row)
+        for s in _labelled(sinks, stage="ladder", budget_mib=finished[row["rung"]].get("budget_mib")):
+            s(row)
+    return sink
 
 
 def load_result() -> StudyResult | None:

@@ -293,9 +293,8 @@ def modelled_runs(cfg: SplitConfig, host: dict):
                    "k_balance": balance_k(r, cfg.include_transfer), "k_max_memory": k_mem,
                    "host_rate_from": m.notes["host update"], "compute_from": m.notes["forward/backward"],
                    "host_share_from": "config" if cfg.host_share else "measured here",
-                   "status": "ok" if sim["fits"] else "oom"}
-            if not sim["fits"]:  # an OOM is a result: keep the row, do not show a speed
-                row["reason"] = _oom_reason(sim, m)
+                   "status": "ok" if sim["fits"] else "oom",  # an OOM is a result: a row, without a speed
+                   **({} if sim["fits"] else {"reason": _oom_reason(sim, m)})}
             rows.append(row)
             if name == "adaptive":
                 events += [{**e, "source": "modelled", "run": row["run"], "iteration": 0} for e in ev]
@@ -322,14 +321,12 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
                  "t_backward_s": op["t_backward_s"], "t_update_host_s": op["t_update_host_s"],
                  "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
                  "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
-                 "mode": "adaptive", "status": "ok" if sim["fits"] else "oom"}
-    if not sim["fits"]:
-        model_row["reason"] = _oom_reason(sim, m)
+                 "mode": "adaptive", "status": "ok" if sim["fits"] else "oom",
+                 **({} if sim["fits"] else {"reason": _oom_reason(sim, m)})}
     return [claim, model_row], op
 
 
-def _oom_reason(sim: dict, m) -> str:
-    """Why a modelled run does not fit: what it needs of what the accelerator has."""
+def _oom_reason(sim: dict, m) -> str:  # what a modelled run that does not fit needs, of what there is
     return f"needs {sim['accel_memory_gib']:.0f} GiB of {m.memory_bytes / 2**30:.0f}"
 
 
