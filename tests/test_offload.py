@@ -502,6 +502,7 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     assert (k0.loc[k0["activity"] == "host update", "start_ms"] < bwd_end).any()
     assert len(result.tables["validation"]) >= 3 and result.tables["validation"]["error_pct"].notna().all()
     assert len(result.tables["verdict"]) == 6 and len(result.tables["model_inputs"]) > 10
+    assert not result.tables["model_inputs"]["value"].astype(str).str.contains(r"\bNone\b|\bnan\b").any()
     assert len(seen) == 4 * TINY["steps"] and all("run" in r for r in seen)  # sinks: engine rows
     lanes = set(result.tables["timeline"]["lane"])
     assert {"accelerator", "host", "transfer to host", "transfer to accelerator"} <= lanes

@@ -524,7 +524,9 @@ def model_inputs(host_meas: dict | None = None) -> list[dict]:
     prof = _profiles()
     out = []
     for name, g in prof["gpus"].items():
-        out.append({"input": f"GPU {name}", "value": f"{g['bf16_dense_tflops']} TFLOP/s, {g['hbm_gb_per_s']} GB/s HBM, "
+        compute = (f"{g['bf16_dense_tflops']} TFLOP/s 16-bit dense" if g["bf16_dense_tflops"] is not None
+                   else f"no compute figure: {g.get('note', 'not used')}")  # V100's is fp16: it has no bf16
+        out.append({"input": f"GPU {name}", "value": f"{compute}, {g['hbm_gb_per_s']} GB/s memory, "
                     f"{g['memory_gb']} GB, {g['host_link']}", "source": g["source"]})
     for name, e in prof["mfu"].items():
         out.append({"input": f"MFU {name}", "value": e["value"], "source": e["source"]})
