@@ -15,6 +15,7 @@ from workbench.core.config import ConfigError
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.engine import SplitEngine
+from workbench.studies.split.figures import host_table
 from workbench.studies.split.layers import last_arriving, split_layers
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
@@ -503,6 +504,9 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     assert len(result.tables["validation"]) >= 3 and result.tables["validation"]["error_pct"].notna().all()
     assert len(result.tables["verdict"]) == 6 and len(result.tables["model_inputs"]) > 10
     assert not result.tables["model_inputs"]["value"].astype(str).str.contains(r"\bNone\b|\bnan\b").any()
+    host = host_table(result).set_index("field")["this machine"]  # figures with units, not raw floats
+    assert host["adam_bytes_per_s"].endswith(" GB/s") and host["adam_step_s"].endswith(" ms")
+    assert not host.str.fullmatch(r"[\d.e+-]{8,}").any(), host
     assert len(seen) == 4 * TINY["steps"] and all("run" in r for r in seen)  # sinks: engine rows
     lanes = set(result.tables["timeline"]["lane"])
     assert {"accelerator", "host", "transfer to host", "transfer to accelerator"} <= lanes

@@ -144,8 +144,30 @@ def inputs_table(result: StudyResult) -> pd.DataFrame:
 
 
 def host_table(result: StudyResult) -> pd.DataFrame:
-    """The host Adam rate and Adam-pattern bandwidth measured here (one thread)."""
-    return pd.Series(_facts(result).get("host", {})).to_frame("this machine")
+    """The host Adam rate and Adam-pattern bandwidth measured here (one thread), with units."""
+    host = _facts(result).get("host", {})
+    rows = [{"measure": label, "this machine": fmt(host[key]), "field": key}
+            for key, (label, fmt) in _HOST_FIELDS.items() if host.get(key) is not None]
+    rows += [{"measure": key, "this machine": str(v), "field": key} for key, v in host.items() if key not in _HOST_FIELDS]
+    return pd.DataFrame(rows, columns=["measure", "this machine", "field"])
+
+
+_gbs = lambda v: f"{v / 1e9:,.1f} GB/s"  # noqa: E731
+_HOST_FIELDS = {  # host_and_published.json's "host": what each field is, and its figure with a unit
+    "backend": ("CPU Adam implementation", str),
+    "threads": ("threads", lambda v: f"{int(v)}"),
+    "numel": ("parameters per timed step", lambda v: f"{int(v):,}"),
+    "adam_step_s": ("one Adam step over them", lambda v: f"{v * 1e3:,.1f} ms"),
+    "adam_s_per_param": ("time per parameter", lambda v: f"{v * 1e9:.2f} ns"),
+    "adam_bytes_per_s": ("Adam's bytes moved per second", _gbs),
+    "memory_bytes_per_s": ("Adam-pattern probe (4 reads, 3 writes per element)", _gbs),
+    "per_core_bytes_per_s": ("probe per core", _gbs),
+    "bandwidth_share": ("Adam's share of the probe (at most 1)", lambda v: f"{v:.2f}"),
+    "bandwidth_share_raw": ("the same before clipping", lambda v: f"{v:.2f}"),
+    "probe": ("probe", str),
+    "probe_block": ("probe block", lambda v: f"{int(v):,} elements"),
+    "load_average_1min": ("load average (1 min) while measuring", lambda v: f"{v:.2f}"),
+}
 
 
 def findings(result: StudyResult) -> list[tuple[str, str]]:
