@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -371,6 +372,7 @@ def test_band_intervals_and_verdict():
     # k falls as the sequence grows (backward grows, the host's work does not): one range per setting
     for r in v["verdicts"]:
         assert r["band_holds_k_seed_formula"].count("seq") <= 1
+        assert not re.search(r"seq (\d+)-\1\b", r["band_holds_k_best_simulated"])  # one point: "seq 384"
     by = {(r["host"], r["mfu"]): r for r in v["rows"] if r["seq_len"] == 128}
     for (host, mfu), r in by.items():  # a faster GPU (higher MFU) shortens backward: k can only grow
         hi = by.get((host, max(m for h, m in by if h == host)))

@@ -466,7 +466,7 @@ def seed_verdict(host_meas: dict | None = None) -> dict:
                                                         lo, hi)}
             verdicts.append({
                 "host": host, "mfu": mfu, "alpha_modelled": coarse[0]["alpha_modelled"],
-                **{f"band_holds_{key}": "; ".join(f"seq {a}-{b}" for a, b in v)
+                **{f"band_holds_{key}": "; ".join(f"seq {a}" if a == b else f"seq {a}-{b}" for a, b in v)
                    or f"nowhere in seq {FINE_SEQ[0]}-{FINE_SEQ[-1]}" for key, v in spans.items()},
                 "tflops_modelled_at_band": "; ".join(
                     f"{op['tflops_modelled']:.0f}" for op in coarse if lo <= op["k_seed_formula"] <= hi) or "-",
