@@ -113,6 +113,19 @@ def test_auto_fit_to_a_card_fits_what_the_card_leaves_after_its_context(tiny_con
     assert choice[1] in RUNGS and choice[1] != "cpu"  # a rung on the card, not the fall-back of nothing fitting
 
 
+def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):
+    """`--rung all --card`: a column per rung, fits and headroom, not only for a single setup."""
+    assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "all", "--card", "0.55"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "card: fits, headroom MiB" in next(line for line in out if line.startswith("rung "))
+    rows = {line.split()[0]: line.split() for line in out if line.split() and line.split()[0] in RUNGS}
+    assert set(rows) == set(RUNGS)
+    # tens of MiB reserved + the 500 MiB context fit in 563 MiB; the 500,000,000-element ZeRO bucket does not
+    assert rows["fp32"][-2:][0] == "yes" and float(rows["fp32"][-1]) >= 0
+    assert rows["zero_offload"][-2] == "no" and float(rows["zero_offload"][-1].replace(",", "")) < -900
+    assert any(line.startswith("card: 0.55 GiB card (563 MiB)") for line in out)
+
+
 def test_help_lists_the_rungs():
     out = subprocess.run([sys.executable, "-m", "workbench.cli", "estimate", "--help"], capture_output=True,
                          text=True, cwd=ROOT, timeout=120)

@@ -258,14 +258,19 @@ def _estimate(args) -> int:
         return 0
     cuda = args.device == "cuda"
     head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{c[:10]:>10}" for c in p_cats())
+    on_card = cuda and args.card is not None
     if cuda:
         head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
+    if on_card:
+        head += f"  {'card: fits, headroom MiB':>24}"
     print(head + ("   fits (with margin)" if budget else ""))
     for p in preds.values():
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
             f"{p.breakdown.get(c, 0) / MiB:>10,.1f}" for c in p_cats())
         if cuda:
             line += "".join(f" {v / MiB:>10,.1f}" for v in (p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes))
+        if on_card:
+            line += f"  {'yes' if p.fits else 'no':>13} {p.headroom_bytes / MiB:>+10,.1f}"
         if budget:
             ok, margin = fits(p)
             line += f"   {'yes' if ok else 'no'} ({margin:.1%})"
@@ -274,6 +279,10 @@ def _estimate(args) -> int:
         print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
               "smi: reserved + the CUDA context (modelled); device_map, zero_offload and zero_offload_params: the "
               "card's share (simulated placement, host memory in the note)")
+    if on_card:
+        first = next(iter(preds.values()))
+        print(f"card: {first.card} ({first.card_bytes / MiB:,.0f} MiB) less the CUDA context and the reserved memory "
+              "the step needs (modelled), with no margin; --budget-mib adds the prediction's measured margin")
     notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note]
     if notes:
         print("notes:\n" + "\n".join(notes))
