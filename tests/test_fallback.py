@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.core.fallback import Attempt, default_attempts, run_with_fallback
+from workbench.core.fallback import Attempt, default_attempts, run_with_fallback, unavailable
 from workbench.core.memory.budget import device_budget
 from workbench.core.memory.live_bytes import LiveBytes
+from workbench.studies.split.config import SplitConfig
 
 
 def test_budget_raises_the_same_error_as_cuda_and_releases_memory():
@@ -68,6 +69,37 @@ def test_nothing_fits_is_an_oom_outcome_not_a_crash():
         gc.collect()
         assert outer.current_bytes == start
     assert out.status == "oom" and [h["result"] for h in out.history] == ["oom", "oom"]
+
+
+def test_a_device_this_machine_lacks_is_passed_over_not_a_crash(monkeypatch):
+    """devices=[cuda, cpu] on a machine without a GPU: the CPU runs, and it is not a fallback (nothing
+    ran out of memory); devices=[cuda] alone: a skipped run that says why. It used to be
+    torch's 'Torch not compiled with CUDA enabled' traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = run_with_fallback((Attempt.parse("cuda"), Attempt.parse("cpu")), _job_needing(1))
+    assert out.status == "ok" and str(out.attempt) == "cpu" and out.value == 1.0
+    assert out.history_text() == "cuda: unavailable -> cpu: ok"
+    assert out.history[0]["reason"].startswith("no CUDA device on this machine (torch ")
+    alone = run_with_fallback((Attempt.parse("cuda@4096"),), _job_needing(1))
+    assert alone.status == "skipped" and alone.attempt is None and "no CUDA device" in alone.value["notes"]
+    # a device that is missing, then one that runs out: out of memory, not skipped
+    assert run_with_fallback((Attempt.parse("cuda"), Attempt.parse("cpu@1")), _job_needing(4)).status == "oom"
+    # and after an OOM on a device that exists, a later success is a fallback still
+    out = run_with_fallback((Attempt.parse("cpu@1"), Attempt.parse("cuda"), Attempt.parse("cpu")), _job_needing(2))
+    assert out.status == "fallback" and out.history_text() == "cpu@1: oom in forward -> cuda: unavailable -> cpu: ok"
+
+
+def test_which_devices_are_unavailable_and_the_split_study_says_so_in_one_line(monkeypatch):
+    assert unavailable("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert unavailable("cuda") is None and unavailable("cuda:0") is None
+    assert unavailable("cuda:3") == "cuda:3 does not exist: this machine has 1 GPU(s), cuda:0 first"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^device=cuda: no CUDA device on this machine .*; use device=cpu or "
+                                          r"device=auto$"):
+        SplitConfig(device="cuda").resolved_device()
+    assert SplitConfig(device="auto").resolved_device() == "cpu"
 
 
 def test_other_errors_are_not_swallowed():

@@ -10,8 +10,10 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
 `torch.OutOfMemoryError` at any point of the job (load, forward, backward, optimizer step,
 evaluation) it drops everything the attempt held, records the device, the phase and the error,
 and goes on to the next attempt with a fresh start. Any other error propagates. A pre-flight
-check may skip an attempt whose predicted peak exceeds its budget, and that is recorded too.
-When nothing fits, the outcome has status "oom" instead of raising.
+check may skip an attempt whose predicted peak exceeds its budget, and that is recorded too, and
+so is an attempt on a device this machine does not have ('cuda' without a GPU): the next one runs.
+When nothing fits, the outcome has status "oom" instead of raising; when no device named exists
+here, "skipped".
 """
 
 from __future__ import annotations
@@ -65,6 +67,21 @@ class Attempt:
         return f"{self.device}@{self.budget_mib:g}" + (":cuda" if self.allocator == "cuda" else "")
 
 
+def unavailable(device: str) -> str | None:
+    """Why `device` does not exist on this machine (None: it does)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"{device} is not a device the workbench runs on (cpu, cuda, cuda:N)"
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no GPU"
+        return f"no CUDA device on this machine (torch {torch.__version__}: {why})"
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 first"
+    return None
+
+
 def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
     """GPU (under the budget, if any) then CPU on a GPU machine; else the CPU playing a GPU, then the CPU."""
     if torch.cuda.is_available():
@@ -76,7 +93,7 @@ def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
 
 @dataclass
 class Outcome:
-    status: str  # ok (first attempt), fallback (a later one), oom (none fitted)
+    status: str  # ok (first attempt here), fallback (a later one), oom (none fitted), skipped (no device here)
     attempt: Attempt | None
     value: Any
     history: list[dict] = field(default_factory=list)
@@ -127,7 +144,11 @@ def run_with_fallback(
         if on_event:
             on_event(dict(event))
 
-    for i, attempt in enumerate(attempts):
+    for attempt in attempts:
+        missing = unavailable(attempt.device)
+        if missing is not None:
+            record({"attempt": str(attempt), "result": "unavailable", "phase": None, "reason": missing})
+            continue
         if preflight is not None and attempt.budget_mib is not None:
             predicted = preflight(attempt)
             if predicted is not None and predicted[0] > attempt.budget_mib:
@@ -148,8 +169,11 @@ def run_with_fallback(
             record({"attempt": str(attempt), "result": "oom", "phase": phase.name, "reason": oom})
             continue
         record({"attempt": str(attempt), "result": "ok", "phase": None, "peak_mib": peak})
-        status = "ok" if i == 0 and len(history) == 1 else "fallback"
+        # a device this machine lacks was not fallen back from: nothing ran out of memory there
+        status = "ok" if all(h["result"] == "unavailable" for h in history[:-1]) else "fallback"
         return Outcome(status, attempt, value, history, peak)
+    if all(h["result"] == "unavailable" for h in history):
+        return Outcome("skipped", None, {"notes": "; ".join(h["reason"] for h in history)}, history)
     return Outcome("oom", None, None, history)
 
 

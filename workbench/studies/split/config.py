@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from workbench.core.config import Config, ConfigError, param, setting
+from workbench.core.fallback import unavailable
 from workbench.core.models import TINY_SPEC, EmbeddedSpec
 from workbench.studies.split.perf_model import load_profiles
 
@@ -118,8 +119,13 @@ class SplitConfig(Config):
             raise ConfigError(f"unknown host profile {self.host!r}; known: this-machine, {', '.join(hosts)}")
 
     def resolved_device(self) -> str:
+        """The device to run on: 'auto' picks the GPU where there is one; a device this machine
+        does not have is a one-line error."""
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
+        missing = unavailable(self.device)
+        if missing:
+            raise ConfigError(f"device={self.device}: {missing}; use device=cpu or device=auto")
         return self.device
 
     def spec(self):
