@@ -94,6 +94,12 @@ def test_two_strategies_that_train_the_same_parameters_are_said_to(layers):
         _, sels[name] = apply_strategy(AutoModelForCausalLM.from_config(config), name)
     assert (sels["adapter"].trainable_set == sels["freeze_lower"].trainable_set) == (layers == 4)
     assert sels["full"].trainable_set != sels["adapter"].trainable_set
+    # the same parameters trained over a base of another kind (QLoRA's 4-bit, here bf16) is another experiment
+    torch.manual_seed(0)
+    _, lora = apply_strategy(AutoModelForCausalLM.from_config(config), "lora")
+    torch.manual_seed(0)
+    _, lora_bf16 = apply_strategy(AutoModelForCausalLM.from_config(config).to(torch.bfloat16), "lora")
+    assert lora.trainable_params == lora_bf16.trainable_params and lora.trainable_set != lora_bf16.trainable_set
     summary = pd.DataFrame([{**s.as_row(), "ppl_before": 100.0, "ppl_after_mean": 90.0 + i, "improvement_pct_mean": 10.0,
                              "seeds": 1} for i, s in enumerate(sels.values())])
     said = [f for f, _ in findings(StudyResult("strategies", runs=pd.DataFrame(), tables={"summary": summary}))]

@@ -77,7 +77,7 @@ class Selection:
     trainable_tensors: int
     total_tensors: int
     notes: list[str] = field(default_factory=list)
-    trainable_set: str = ""  # a fingerprint of the trainable parameters' names: equal sets, equal strings
+    trainable_set: str = ""  # a fingerprint of which parameters train and of what every one is: equal, one experiment
 
     @property
     def trainable_share(self) -> float:
@@ -107,7 +107,8 @@ def n_elements(p: torch.Tensor) -> int:
 def count_selection(model: nn.Module, strategy: str, notes: list[str] | None = None) -> Selection:
     params = _unique_params(model)
     train = [p for p in params if p.requires_grad]
-    names = "\n".join(sorted(n for n, p in model.named_parameters() if p.requires_grad))  # tied weights once
+    # what trains, and what the frozen rest is made of (QLoRA's 4-bit base is not LoRA's fp32 one)
+    kinds = "\n".join(sorted(f"{n}:{p.requires_grad}:{p.dtype}:{type(p).__name__}" for n, p in model.named_parameters()))
     return Selection(
         strategy,
         sum(n_elements(p) for p in train),
@@ -115,7 +116,7 @@ def count_selection(model: nn.Module, strategy: str, notes: list[str] | None = N
         len(train),
         len(params),
         notes or [],
-        hashlib.sha1(names.encode()).hexdigest()[:12],
+        hashlib.sha1(kinds.encode()).hexdigest()[:12],
     )
 
 

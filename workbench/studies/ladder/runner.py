@@ -17,11 +17,11 @@ accumulation, checkpointing, precision, optimizer), and runs it with the budget 
 down to the next setup on a real out-of-memory error and to the CPU last.
 
 Results: results/ladder/<run_id>/{config.json, ladder.csv, baselines.csv, autofit.csv,
-autofit_search.csv, summary.json} and results/ladder/runs.csv. Each rung's row is also appended
-to rungs.jsonl as the rung finishes, so a run that is killed keeps the rungs it finished, and the
-same settings run again go on from there (the rows are reused only with the same model weights
-and workbench version; $WORKBENCH_RERUN=1 measures every rung again). Columns say which figures are `measured`,
-`predicted` or `estimated`; sizes are bytes (`_bytes`) or MiB (`_mib`).
+autofit_search.csv, summary.json} and results/ladder/runs.csv. Columns say which figures are
+`measured`, `predicted` or `estimated`; sizes are bytes (`_bytes`) or MiB (`_mib`). Each rung's
+row is also appended to rungs.jsonl as the rung finishes, so a run that is killed keeps the rungs
+it finished, and the same settings run again go on from there (rows are reused only with the
+same model weights and workbench version; $WORKBENCH_RERUN=1 measures every rung again).
 
 Sinks receive the training rows of every measured rung (`stage` "ladder") and of every auto-fit
 attempt (`stage` "auto-fit"), labelled with `rung` and the `budget_mib` to fit, plus one event
@@ -37,6 +37,7 @@ from typing import Any, Iterable
 import pandas as pd
 import torch
 
+from workbench import __version__
 from workbench.core.common import MiB, Sink
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
@@ -44,7 +45,6 @@ from workbench.core.memory.baselines import baseline_table
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
-from workbench import __version__
 from workbench.core.models import load_model, model_fingerprint
 from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, read_steps, read_table,
                                     results_root, reuse_finished_runs)
