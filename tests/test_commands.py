@@ -12,9 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from workbench.cli import main
+from workbench.core.charts import rounded
 from workbench.front.commands import parse_assignments
 from workbench.front.notebooks import STUDIES
 from workbench.front.sweep_points import points_from_options
@@ -83,3 +85,18 @@ def test_the_cli_starts_without_the_notebook_stack_and_charts_still_render_as_pl
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True,
                          env={**env, "PLOTLY_RENDERER": "json"}).stdout.split("\n")
     assert out[1] == "json"  # a user's own choice wins
+
+
+def test_a_figure_column_with_gaps_is_rounded_under_its_unit():
+    """Rows made with None where a run has no figure (a skipped run's peak) give an object column;
+    it is shown in MiB, rounded, like a column without gaps."""
+    df = pd.DataFrame({"strategy": ["full", "lora"], "peak_mem_mib": [None, 21.73099], "note": ["x", None],
+                       "predicted_peak_mib": [None, None], "fits": [True, False],
+                       "trainable_params": [None, 107_072], "device": [None, None]})
+    out = rounded(df)
+    assert list(out.columns) == ["strategy", "peak_mem (MiB)", "note", "predicted_peak (MiB)", "fits",
+                                 "trainable_params", "device"]
+    assert out["device"].tolist() == [None, None]  # text without a value stays text, not NaN
+    assert out["trainable_params"].iloc[1] == 107_072  # a count is not rounded to 3 significant digits
+    assert out["peak_mem (MiB)"].iloc[1] == 21.7 and pd.isna(out["peak_mem (MiB)"].iloc[0])
+    assert out["predicted_peak (MiB)"].isna().all() and out["fits"].tolist() == [True, False]

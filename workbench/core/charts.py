@@ -63,13 +63,28 @@ def _round_sig(x: float, sig: int = 3) -> float:
     return round(x, max(0, sig - 1 - int(math.floor(math.log10(abs(x))))))
 
 
+def _numbers(s: pd.Series) -> pd.Series:
+    """A column of numbers and gaps as floats: rows built with None where a run has no figure make
+    an object column, which would otherwise be shown raw, under its raw name."""
+    if s.dtype != object:
+        return s
+    present = s.dropna()
+    if not len(present):  # all gaps: a figure column if its name has a unit (peak_mem_mib), else text
+        return s.astype(float) if any(str(s.name).endswith(suffix) for suffix, *_ in _UNIT_SUFFIXES) else s
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return s.astype("Int64")  # counts stay whole
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return s.astype(float)
+    return s
+
+
 def rounded(df: pd.DataFrame) -> pd.DataFrame:
     """A copy of `df` for reading: sizes in MiB, shares in %, times in ms or s, speeds in tok/s,
     each with its unit in the header and rounded to one or two decimals; other numbers to three
     significant digits. The results files keep full precision; this is only how they are shown."""
     out = {}
     for col in df.columns:
-        s = df[col]
+        s = _numbers(df[col])
         name = str(col)
         if pd.api.types.is_bool_dtype(s) or not pd.api.types.is_numeric_dtype(s):
             out[name] = s
