@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.front.dashboard import port_in_use
+from workbench.front.dashboard import port_in_use, start_voila, stop_voila
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -188,8 +188,6 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
     pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
     import papermill as pm
 
-    from workbench.front.dashboard import start_voila, stop_voila
-
     folder = tmp_path / "apps"
     folder.mkdir()
     pm.execute_notebook(str(ROOT / "notebooks" / "01_strategies.ipynb"), str(folder / "study1.ipynb"),
@@ -237,8 +235,6 @@ def test_the_dashboard_command_line_carries_no_token(tmp_path):
 def test_voila_refuses_a_taken_port_instead_of_moving_to_another(tmp_path, server_env):
     """Voila's own default moves to the next free port; the printed address (and the token a
     browser sends there) would then reach whatever holds the first one."""
-    from workbench.front.dashboard import start_voila, stop_voila
-
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
