@@ -134,7 +134,6 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl", fresh=True)
     for row in finished.values():
         rungs_sink({"rung": row["rung"], "inputs": inputs, "row": row})
-    preds = {}
     for name in cfg.rungs:
         plan = RUNGS[name]
         if name in finished:
@@ -142,7 +141,6 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
             continue
         # the step as the study's own live-bytes count (a dispatch mode) runs it: the figure it is held to
         p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
-        preds[name] = p
         row = {**p.row(), "model_label": p.model, "model": cfg.model, "role": "at hand",
                "tier": plan.tier, "help": plan.help, "budget_mib": cfg.budget_mib,
                "fits_predicted": p.fit_bytes <= budget, "data": data_note}
