@@ -113,7 +113,8 @@ def test_other_errors_are_not_swallowed():
 def test_attempt_parsing():
     assert Attempt.parse("cuda:1@512") == Attempt("cuda:1", 512.0)
     assert str(Attempt.parse("cpu@48")) == "cpu@48"
-    for bad, fix in (("gpu", "use cpu, cuda or cuda:N"), ("cpu@-1", "must be positive"), ("cpu@lots", "number of MiB")):
+    for bad, fix in (("gpu", "use cpu, cuda or cuda:N"), ("mps", "'mps' is not a device the workbench runs on"),
+                     ("cpu@-1", "must be positive"), ("cpu@lots", "number of MiB")):
         with pytest.raises(ConfigError, match=fix):
             Attempt.parse(bad)
     if not torch.cuda.is_available():

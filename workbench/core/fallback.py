@@ -47,10 +47,12 @@ class Attempt:
                 raise ConfigError(f"attempt {text!r}: ':cuda' models a card's allocator on the CPU; "
                                   f"a real GPU uses its own (drop ':cuda')")
         try:
-            torch.device(dev)
-        except RuntimeError as e:
-            raise ConfigError(f"attempt {text!r}: {dev!r} is not a device; use cpu, cuda or cuda:N, each with "
-                              f"an optional @MiB budget (e.g. cuda@8192)") from e
+            kind = torch.device(dev).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):  # torch knows mps, xpu, meta...: the studies run on these two
+            raise ConfigError(f"attempt {text!r}: {dev!r} is not a device the workbench runs on; use cpu, cuda or "
+                              f"cuda:N, each with an optional @MiB budget (e.g. cuda@8192)")
         if budget:
             try:
                 mib = float(budget)
@@ -69,11 +71,9 @@ class Attempt:
 
 def unavailable(device: str) -> str | None:
     """Why `device` does not exist on this machine (None: it does)."""
-    dev = torch.device(device)
+    dev = torch.device(device)  # cpu or cuda[:N] (Attempt.parse and SplitConfig allow no other)
     if dev.type == "cpu":
         return None
-    if dev.type != "cuda":
-        return f"{device} is not a device the workbench runs on (cpu, cuda, cuda:N)"
     if not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no GPU"
         return f"no CUDA device on this machine (torch {torch.__version__}: {why})"
