@@ -100,3 +100,11 @@ def test_a_figure_column_with_gaps_is_rounded_under_its_unit():
     assert out["trainable_params"].iloc[1] == 107_072  # a count is not rounded to 3 significant digits
     assert out["peak_mem (MiB)"].iloc[1] == 21.7 and pd.isna(out["peak_mem (MiB)"].iloc[0])
     assert out["predicted_peak (MiB)"].isna().all() and out["fits"].tolist() == [True, False]
+
+
+def test_a_small_figure_that_is_not_zero_is_not_shown_as_zero():
+    """A tiny model's 0.023 TFLOP/s read "0.0" in the runs table, as if nothing was computed."""
+    df = pd.DataFrame({"tflops": [0.0229811693, 46.73, 0.0, None], "iteration_ms": [0.0423, 14.236, 0.0, 1.0]})
+    out = rounded(df)
+    assert out["TFLOP/s"].iloc[:3].tolist() == [0.023, 46.7, 0.0] and pd.isna(out["TFLOP/s"].iloc[3])
+    assert out["iteration (ms)"].tolist() == [0.042, 14.2, 0.0, 1.0]

@@ -457,6 +457,9 @@ def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_pat
     monkeypatch.setattr(runner, "__version__", "0.0.0-other")
     run_ladder(cfg)
     assert measured[3:] == ["fp32", "bf16_ckpt", "cpu"]
-    monkeypatch.setenv(RERUN_ENV, "1")
+    monkeypatch.setattr(runner, "code_fingerprint", lambda: "other-code")  # the same version, other code
     run_ladder(cfg)
     assert measured[6:] == ["fp32", "bf16_ckpt", "cpu"]
+    monkeypatch.setenv(RERUN_ENV, "1")
+    run_ladder(cfg)
+    assert measured[9:] == ["fp32", "bf16_ckpt", "cpu"]

@@ -9,6 +9,7 @@ import pytest
 from workbench.core.config import ConfigError
 from workbench.core.data import CorpusError
 from workbench.core.models import ModelNotFoundError
+from workbench.core.results import code_fingerprint
 from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.runner import claims_table, rebuild_runs_table, run_strategies, summarize
 
@@ -81,6 +82,27 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     monkeypatch.undo()
     monkeypatch.setattr(transfer, "__version__", "9.9.9")
     assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
+    monkeypatch.undo()  # the same version with other code (a pull): not the old code's run either
+    monkeypatch.setattr(transfer, "code_fingerprint", lambda: "other-code")
+    assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
+
+
+def test_the_code_key_follows_every_module_by_content(tmp_path):
+    """What keeps a pulled checkout (same version string) from reading back the old code's runs."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code")
+    first = code_fingerprint(pkg)
+    (pkg / "notes.txt").write_text("other notes")
+    assert code_fingerprint.__wrapped__(pkg) == first  # only modules count
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    assert code_fingerprint.__wrapped__(pkg) != first
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "sub" / "b.py").rename(pkg / "b.py")  # the same content elsewhere is other code
+    assert code_fingerprint.__wrapped__(pkg) != first
+    assert len(code_fingerprint()) == 12 and code_fingerprint() == code_fingerprint()
 
 
 @pytest.mark.parametrize("bad, error", [

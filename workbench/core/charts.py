@@ -63,6 +63,13 @@ def _round_sig(x: float, sig: int = 3) -> float:
     return round(x, max(0, sig - 1 - int(math.floor(math.log10(abs(x))))))
 
 
+def _round_fixed(x: float, decimals: int) -> float:
+    """`x` to `decimals` places, but a figure that is not zero is never shown as 0: a tiny model's
+    0.023 TFLOP/s keeps two significant digits instead of reading "0.0"."""
+    r = round(x, decimals)
+    return _round_sig(x, 2) if r == 0 and x != 0 and not pd.isna(x) else r
+
+
 def _numbers(s: pd.Series) -> pd.Series:
     """A column of numbers and gaps as floats: rows built with None where a run has no figure make
     an object column, which would otherwise be shown raw, under its raw name."""
@@ -80,8 +87,9 @@ def _numbers(s: pd.Series) -> pd.Series:
 
 def rounded(df: pd.DataFrame) -> pd.DataFrame:
     """A copy of `df` for reading: sizes in MiB, shares in %, times in ms or s, speeds in tok/s,
-    each with its unit in the header and rounded to one or two decimals; other numbers to three
-    significant digits. The results files keep full precision; this is only how they are shown."""
+    each with its unit in the header and rounded to one or two decimals (two significant digits
+    where that would show a figure that is not zero as 0); other numbers to three significant
+    digits. The results files keep full precision; this is only how they are shown."""
     out = {}
     for col in df.columns:
         s = _numbers(df[col])
@@ -97,7 +105,7 @@ def rounded(df: pd.DataFrame) -> pd.DataFrame:
                     header = name[: -len(suffix)] + unit.strip(" ()")
                 if header in out:  # e.g. x_bytes beside x_mib: keep the first
                     break
-                out[header] = (s.astype(float) * scale).round(decimals)
+                out[header] = (s.astype(float) * scale).map(lambda x, d=decimals: _round_fixed(x, d))
                 break
         else:
             out[name] = s if pd.api.types.is_integer_dtype(s) else s.astype(float).map(_round_sig)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import functools
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -161,6 +163,20 @@ class RunDir:
 
 
 RERUN_ENV = "WORKBENCH_RERUN"
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint(package: Path = PROJECT_ROOT / "workbench") -> str:
+    """A key of the code that made a result: every module of the package, by path and content.
+
+    Part of a finished run's inputs beside the version: a checkout that pulled new code keeps its
+    version string, and a run made by the old code would otherwise be read back as current (its
+    rows without what the new code adds to them, its figures from the old code)."""
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(f"{path.relative_to(package).as_posix()}\0".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def reuse_finished_runs() -> bool:

@@ -199,7 +199,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         setting = f"{r0['model']} at {r0.get('batch', '?')} x {r0.get('seq', '?')}"  # the published table states none
         for r in pub.dropna(subset=["workbench_predicted_mib"]).itertuples():
             out.append((f"{r.strategy}: predicted {r.workbench_predicted_mib:,.0f} MiB for {setting}.",
-                        f"published {r.published_mib:,.0f} MiB"))
+                        f"{r.published_mib:,.0f} MiB"))
     return out or [("Nothing was predicted or measured.", "")]
 
 

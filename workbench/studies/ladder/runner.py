@@ -46,8 +46,8 @@ from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
 from workbench.core.models import load_model, model_fingerprint
-from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, read_steps, read_table,
-                                    results_root, reuse_finished_runs)
+from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, code_fingerprint, read_steps,
+                                    read_table, results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
 from workbench.studies.ladder.autofit import run_with_step_down, search
 from workbench.studies.ladder.rungs import measure
@@ -129,7 +129,8 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     config, load, blocks, data_note = model_at_hand(cfg)
     budget = int(cfg.budget_mib * MiB)
     rows: list[dict[str, Any]] = []
-    inputs = {"model_fingerprint": model_fingerprint(_resolve(cfg.model), cfg.spec()), "workbench_version": __version__}
+    inputs = {"model_fingerprint": model_fingerprint(_resolve(cfg.model), cfg.spec()), "workbench_version": __version__,
+              "workbench_code": code_fingerprint()}
     finished = _finished_rungs(run, inputs) if reuse_finished_runs() else {}
     steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl", fresh=True)
     for row in finished.values():
@@ -241,7 +242,7 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
 
 def _finished_rungs(run: RunDir, inputs: dict[str, str]) -> dict[str, dict[str, Any]]:
     """The rows of rungs an earlier run with these settings finished (rungs.jsonl), where the
-    weights and the workbench version are the same; a line cut short by a kill is left out."""
+    weights, the workbench version and its code are the same; a line cut short by a kill is left out."""
     path = run.path / "rungs.jsonl"
     done = {}
     for line in path.read_text().splitlines() if path.exists() else ():

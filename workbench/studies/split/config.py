@@ -92,7 +92,8 @@ class SplitConfig(Config):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.untimed_steps < self.steps:
-            raise ConfigError(f"untimed_steps must be in [0, steps), got {self.untimed_steps}")
+            raise ConfigError(f"untimed_steps must be in [0, steps): got untimed_steps={self.untimed_steps} with "
+                              f"steps={self.steps} (raise steps or lower untimed_steps)")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if self.max_grad_norm < 0:

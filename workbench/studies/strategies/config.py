@@ -99,7 +99,7 @@ class StrategiesConfig(Config):
 
     def run_id(self, strategy: str, seed: int, inputs: str = "") -> str:
         """The run's folder name: strategy, seed and a key of everything that changes its result:
-        the settings, and `inputs` (see `run_inputs`: corpus content, base weights, version)."""
+        the settings, and `inputs` (see `run_inputs`: corpus content, base weights, version, code)."""
         run_fields = {k: v for k, v in self.science().to_dict().items() if k not in ("strategies", "seeds")}
         blob = json.dumps({"settings": type(self).from_dict(run_fields).hash(), "inputs": inputs}, sort_keys=True)
         return f"{strategy}-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"

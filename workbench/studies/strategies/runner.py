@@ -44,6 +44,7 @@ from workbench.core.results import (
     ResultsWriter,
     RunDir,
     StudyResult,
+    code_fingerprint,
     read_steps,
     read_table,
     results_root,
@@ -86,7 +87,7 @@ def run_inputs(cfg: StrategiesConfig, corpus) -> dict[str, str]:
     """What a run's result depends on beyond its settings: a finished run is reused only when all match."""
     return {"corpus_fingerprint": corpus.fingerprint(),
             "model_fingerprint": model_fingerprint(cfg.model, cfg.spec()),
-            "workbench_version": __version__}
+            "workbench_version": __version__, "workbench_code": code_fingerprint()}
 
 
 # ------------------------------------------------------------------------------------------------
