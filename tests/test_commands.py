@@ -17,7 +17,7 @@ import pytest
 
 from workbench.cli import main
 from workbench.core.charts import rounded
-from workbench.front.commands import parse_assignments
+from workbench.front.commands import parse_assignments, split_long_text
 from workbench.front.notebooks import STUDIES
 from workbench.front.sweep_points import points_from_options
 from tests.conftest import subprocess_env
@@ -108,3 +108,16 @@ def test_a_small_figure_that_is_not_zero_is_not_shown_as_zero():
     out = rounded(df)
     assert out["TFLOP/s"].iloc[:3].tolist() == [0.023, 46.7, 0.0] and pd.isna(out["TFLOP/s"].iloc[3])
     assert out["iteration (ms)"].tolist() == [0.042, 14.2, 0.0, 1.0]
+
+
+def test_long_text_leaves_the_shell_table_and_follows_it_once_per_row_key():
+    """A skipped rung's 150-character reason made every row of the printed ladder table that wide."""
+    why = "zero_offload moves tensors between a GPU and the host; on a machine without a GPU both are the same memory"
+    table = pd.DataFrame({"strategy": ["adapter", "full", "adapter", "full"], "seed": [0, 0, 1, 1],
+                          "status": ["ok", "skipped", "ok", "skipped"], "reason": [None, why, None, why],
+                          "notes": ["trains the last 2 decoder layers, the final norm and the head", ""] * 2})
+    short, lines = split_long_text(table)
+    assert list(short.columns) == ["strategy", "seed", "status"]
+    assert lines == ["reason (by strategy):", f"  full: {why}", "notes (by strategy):",
+                     "  adapter: trains the last 2 decoder layers, the final norm and the head"]
+    assert split_long_text(short) == (short, [])  # nothing long: the table as it was

@@ -38,6 +38,23 @@ def parse_assignments(items: list[str]) -> dict:
     return out
 
 
+def split_long_text(table: pd.DataFrame, width: int = 48) -> tuple[pd.DataFrame, list[str]]:
+    """The runs table for a terminal: a text column with a value longer than `width` (a skipped
+    rung's reason, a strategy's notes) would make every row hundreds of characters wide, so it
+    leaves the table and its texts follow it, once each, under the row's first column."""
+    longest = {c: table[c].map(lambda v: len(v) if isinstance(v, str) else 0).max() for c in table.columns[1:]
+               if not pd.api.types.is_numeric_dtype(table[c])}
+    long = [c for c, n in longest.items() if n > width]
+    if not long:
+        return table, []
+    key, lines = table.columns[0], []
+    for col in long:
+        lines.append(f"{col} (by {key}):")
+        texts = [(k, v) for k, v in zip(table[key], table[col]) if isinstance(v, str) and v.strip()]
+        lines += [f"  {k}: {v}" for k, v in dict.fromkeys(texts)]
+    return table.drop(columns=long), lines
+
+
 def register(sub) -> None:
     for nb in STUDIES.values():
         fields = "\n".join(f"  {n:<22} {h}" for n, h in nb.config.help().items())
@@ -64,8 +81,10 @@ def main(args) -> int:
     if args.json:
         print(result.runs.to_json(orient="records", indent=1))
     else:
+        table, notes = split_long_text(nb.figures.runs_table(result))
         with pd.option_context("display.width", 200, "display.max_rows", 200, "display.max_columns", 30):
-            print(nb.figures.runs_table(result).to_string(index=False))
+            print(table.to_string(index=False))
+        print("\n".join(notes))
         for finding, claim in nb.figures.findings(result):
             print(f"- {finding}" + (f"  [published: {claim}]" if claim else ""))
     return 1 if "status" in result.runs and (result.runs["status"] == "error").all() else 0
