@@ -133,6 +133,9 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     assert main(["sweep", str(NOTEBOOK), "-p", "x=1", "--workers", "2", "--scheduler", "tcp://127.0.0.1:1",
                  "--out", str(out)]) == 2
     assert "--workers and --scheduler" in capsys.readouterr().err
+    for seconds in ("0", "-1", "inf"):  # -1 was taken, and no run was ever timed out
+        assert main(["sweep", str(NOTEBOOK), "-p", "x=1", "--timeout", seconds, "--out", str(out)]) == 2
+        assert "--timeout must be a positive number of seconds" in capsys.readouterr().err
     bad.write_text("x: []\n")
     with pytest.raises(ConfigError, match="x has an empty list"):
         load_grid(bad)

@@ -333,6 +333,8 @@ def main(args) -> int:
         raise ConfigError("--workers and --scheduler: the scheduler's workers run the sweep; give one of them")
     if args.workers is not None and args.workers < 1:
         raise ConfigError("--workers must be at least 1")
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     points = combine(load_grid(args.grid) if args.grid else None,
                      points_from_options([*args.assignments, *args.param]))
     if args.dry_run:
