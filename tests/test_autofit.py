@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
+from workbench.cli import main
 from workbench.core.config import ConfigError
 from workbench.core.memory.plan import plan_from_flags
 from workbench.studies.ladder import autofit
@@ -117,8 +118,6 @@ def test_a_real_oom_steps_down_at_the_same_effective_batch(config):
 
 
 def test_estimate_search_from_the_command_line(config, tmp_path, capsys):
-    from workbench.cli import main
-
     path = tmp_path / "config.json"
     path.write_text(config.to_json_string())
     assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--search"]) == 2

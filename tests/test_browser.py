@@ -22,7 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from workbench.front.dashboard import port_in_use, start_voila, stop_voila
+from workbench.front.dashboard import port_in_use, private_config, start_voila, stop_voila, voila_command
+from workbench.front.notebooks import available
+from workbench.front.report import write_report
+from workbench.studies.ladder.config import LadderConfig
+from workbench.studies.ladder.runner import run_ladder
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -172,7 +176,6 @@ def test_dashboard_prepares_every_study_app(server_env):
                           env=server_env, capture_output=True, text=True, timeout=120)
     assert prep.returncode == 0, prep.stderr
     folder = Path(server_env["WORKBENCH_RESULTS"]) / "dashboard"
-    from workbench.front.notebooks import available
 
     assert sorted(p.name for p in folder.glob("*.ipynb")) == sorted(nb.path.name for nb in available())
     import nbformat
@@ -220,8 +223,6 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
 
 
 def test_the_dashboard_command_line_carries_no_token(tmp_path):
-    from workbench.front.dashboard import private_config, voila_command
-
     cmd = voila_command(tmp_path, 8866)
     assert not [a for a in cmd if "token" in a.lower()]
     folder = private_config("secret-0123")
@@ -292,9 +293,6 @@ def test_a_port_out_of_range_is_a_one_line_error(port, server_env):
 @pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed (make test installs it as root)")
 def test_the_report_opens_in_a_browser_with_what_we_found_first(results_dir, tiny_base):
     pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
-    from workbench.front.report import write_report
-    from workbench.studies.ladder.config import LadderConfig
-    from workbench.studies.ladder.runner import run_ladder
 
     run_ladder(LadderConfig(base_size="tiny", rungs=("fp32", "bf16_ckpt"), breakdown_rung="fp32", micro_batch=2,
                             seq_len=32, steps=2, autofit=False, reference_model=""))

@@ -104,10 +104,13 @@ def test_a_figure_column_with_gaps_is_rounded_under_its_unit():
 
 def test_a_small_figure_that_is_not_zero_is_not_shown_as_zero():
     """A tiny model's 0.023 TFLOP/s read "0.0" in the runs table, as if nothing was computed."""
-    df = pd.DataFrame({"tflops": [0.0229811693, 46.73, 0.0, None], "iteration_ms": [0.0423, 14.236, 0.0, 1.0]})
+    df = pd.DataFrame({"tflops": [0.0229811693, 46.73, 0.0534, None], "iteration_ms": [0.0423, 14.236, 0.0, 1.0],
+                       "accel_idle_share": [0.751, 5.6e-16, -3e-16, 0.00002]})
     out = rounded(df)
-    assert out["TFLOP/s"].iloc[:3].tolist() == [0.023, 46.7, 0.0] and pd.isna(out["TFLOP/s"].iloc[3])
+    assert out["TFLOP/s"].iloc[:3].tolist() == [0.023, 46.7, 0.0534] and pd.isna(out["TFLOP/s"].iloc[3])
     assert out["iteration (ms)"].tolist() == [0.042, 14.2, 0.0, 1.0]
+    # floating-point noise is 0, not 5.6e-14 %, which made the report print the whole column as 7.51e+01
+    assert out["accel_idle (%)"].astype(str).tolist() == ["75.1", "0.0", "0.0", "0.002"]  # no "-0.0"
 
 
 def test_long_text_leaves_the_shell_table_and_follows_it_once_per_row_key():

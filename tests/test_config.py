@@ -3,7 +3,10 @@ from typing import Literal
 
 import pytest
 
-from workbench.core.config import Config, ConfigError, param
+from workbench.core.config import VOCABULARY, Config, ConfigError, param
+from workbench.studies.ladder.config import LadderConfig
+from workbench.studies.split.config import SplitConfig
+from workbench.studies.strategies.config import StrategiesConfig
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,6 @@ def test_non_finite_floats_name_the_parameter():
 
 
 def test_a_subclass_checks_run_after_the_type_checks():
-    from workbench.studies.strategies.runner import StrategiesConfig
-
     with pytest.raises(ConfigError, match="lr: expected a finite number"):
         StrategiesConfig(lr=float("inf"))
     with pytest.raises(ConfigError, match="token_budget must be positive"):
@@ -79,11 +80,6 @@ def test_hash_is_stable_and_sensitive():
 def test_every_study_uses_the_shared_vocabulary():
     """A setting that means the same thing has one name, one type and one help text in every study."""
     from typing import get_type_hints
-
-    from workbench.core.config import VOCABULARY
-    from workbench.studies.ladder.config import LadderConfig
-    from workbench.studies.split.config import SplitConfig
-    from workbench.studies.strategies.config import StrategiesConfig
 
     # names the vocabulary replaced: none of them may come back
     retired = {"tiny", "batch", "batch_size", "iterations", "seq", "warmup", "reference_seq", "reference_batch",

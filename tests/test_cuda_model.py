@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from workbench.core.config import ConfigError
-from workbench.core.memory import allocator, segments
-from workbench.core.memory import cuda_model as cm
-from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags
-from workbench.core.memory.predict import CUDA_STEPS, predict
+from workbench.core.memory import allocator, cuda_model as cm, segments
+from workbench.core.memory.accounting import (EMPTY_CACHE, EMPTY_CACHE_SERIAL, MemoryAccounting, MemoryReport, PeakSnapshot)
+from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags, rung
+from workbench.core.memory.predict import CUDA_STEPS, predict, simulate
+from workbench.core.memory.snapshot import dump, predicted_snapshot, snapshot_from_report
+from workbench.core.training import train
 
 MiB = 2**20
 TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
@@ -275,8 +277,6 @@ def test_predicted_snapshot_replays_to_the_allocator_figures(tmp_path):
 
     from torch.cuda import _memory_viz
 
-    from workbench.core.memory.snapshot import dump, predicted_snapshot
-
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))
     snap = pickle.loads(dump(predicted_snapshot(str(path), "bf16", batch=2, seq=64), tmp_path / "s.pickle").read_bytes())
@@ -292,12 +292,6 @@ def test_predicted_snapshot_replays_to_the_allocator_figures(tmp_path):
 
 def test_a_measured_cpu_step_exports_the_same_snapshot(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from workbench.core.memory.accounting import MemoryAccounting
-    from workbench.core.memory.plan import rung
-    from workbench.core.memory.predict import simulate
-    from workbench.core.memory.snapshot import snapshot_from_report
-    from workbench.core.training import train
 
     config = Qwen2Config(**{k: v for k, v in TINY.items() if k not in ("model_type", "architectures")})
     torch.manual_seed(0)
@@ -325,9 +319,6 @@ def test_a_real_card_takes_its_presets_measured_context_and_its_own_size():
 
 
 def test_an_empty_cache_in_the_timeline_gives_back_the_wholly_free_segments(tmp_path):
-    from workbench.core.memory.accounting import EMPTY_CACHE, EMPTY_CACHE_SERIAL, MemoryReport, PeakSnapshot
-    from workbench.core.memory.snapshot import snapshot_from_report
-
     big, small = 30 * MiB, 512
     cached = [(1, big), (2, small), (1, -1), (3, big)]
     emptied = [(1, big), (2, small), (1, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (3, big)]

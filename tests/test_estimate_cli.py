@@ -15,6 +15,8 @@ import pytest
 
 from workbench.cli import main
 from workbench.core.memory.plan import RUNGS
+from workbench.studies.ladder import cli as estimate_cli
+from workbench.studies.ladder.autofit import prediction_margin
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
@@ -58,8 +60,6 @@ def test_json_stdout_whatever_writes_there_meanwhile(tiny_config, capfd, monkeyp
     """Python's print, a log handler bound to the stdout object, and a write to descriptor 1, made
     while the prediction runs, all land on stderr; stdout is the JSON alone."""
     import logging
-
-    from workbench.studies.ladder import cli as estimate_cli
 
     # bound now to a stream on descriptor 1, as a library's handler binds the process's sys.stdout at
     # import (pytest's own sys.stdout here writes to its capture file, not descriptor 1)
@@ -217,8 +217,6 @@ def test_a_setup_from_flags_on_a_card(tiny_config, capsys):
 
 
 def test_the_fits_column_keeps_the_predictions_measured_margin(tiny_config, capsys):
-    from workbench.studies.ladder.autofit import prediction_margin
-
     base = ["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "bf16_true", "--json"]
     assert main(base) == 0
     (p,) = json.loads(capsys.readouterr().out)["predictions"]

@@ -151,8 +151,6 @@ def test_a_cuda_budget_collects_garbage_before_its_peak_starts_and_names_the_car
 
     from torch.cuda._utils import _get_device_index
 
-    from workbench.core.memory.budget import device_budget
-
     calls = []
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc.collect") or 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -12,20 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from workbench.cli import main
 from workbench.core.memory import segments
 from workbench.core.memory.allocator import least_cap
+from workbench.core.memory.monitor import overhead
 from workbench.core.memory.plan import RUNGS
-from workbench.front import gpu_check as gc
-from workbench.front import gpu_report as gr
-from workbench.studies.ladder.gpu_cap import STEP
+from workbench.core.results import RERUN_ENV, results_root, results_under, reuse_finished_runs
+from workbench.front import gpu_check as gc, gpu_programs as gn, gpu_programs as gp, gpu_report as gr
+from workbench.front.notebooks import STUDIES
+from workbench.studies.ladder import gpu_cap
+from workbench.studies.ladder.gpu_cap import STEP, TARGET_PCT, cap_row, cap_verdict
+from workbench.studies.split import gpu_check as split_check
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(monkeypatch, capsys, tmp_path):
-    from workbench.cli import main
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["gpu-check"]) == 0
     out = capsys.readouterr()
@@ -287,8 +290,6 @@ def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monke
 
 
 def test_a_time_budget_that_is_not_positive_is_one_line(capsys):
-    from workbench.cli import main
-
     assert main(["gpu-check", "--time-budget", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--time-budget must be a positive number of seconds" in err and "\n" not in err
@@ -302,10 +303,6 @@ def test_only_runs_the_named_checks(tmp_path):
 
 
 def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
-    from workbench.studies.split import gpu_check as split_check
-
-    from workbench.studies.ladder import gpu_cap
-
     found = gc.checks()
     assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "split", "notebooks", "monitor"]
     assert found["split"] is split_check.check_split and found["cap"] is gpu_cap.check_cap
@@ -334,8 +331,6 @@ def test_the_cap_bisection_finds_the_least_cap_a_run_trains_under():
 
 
 def test_cap_rows_compare_the_need_less_the_workspaces_and_judge_it_by_the_target():
-    from workbench.studies.ladder.gpu_cap import TARGET_PCT, cap_row, cap_verdict
-
     MiB = 2**20
     ws = 64 * MiB  # the process held them in every capped run
     ok = cap_row("zero_offload", predicted_needed=4244 * MiB, workspaces=ws, predicted_reserved=5060 * MiB,
@@ -365,8 +360,6 @@ def test_gpu_check_on_this_card(tmp_path):
 
 
 def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, monkeypatch):
-    from workbench.core.results import RERUN_ENV, results_root, results_under, reuse_finished_runs
-
     monkeypatch.setenv("WORKBENCH_RESULTS", "/somewhere/else")
     monkeypatch.delenv(RERUN_ENV, raising=False)
     with results_under(tmp_path / "runs"):
@@ -383,7 +376,6 @@ def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, 
 ])
 def test_a_bad_argument_is_one_line_even_without_a_gpu(args, error, monkeypatch, capsys):
     """A command prepared here for a lent card's one call must fail here, not on the card."""
-    from workbench.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["gpu-check", *args]) == 2
@@ -406,8 +398,6 @@ def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
     """Executes nothing: writes the executed notebook and appends the runs.csv rows a study would."""
     import pandas as pd
 
-    from workbench.core.results import results_root
-
     def execute(path, params, out, timeout_s=None):
         study = Path(path).stem.split("_", 1)[1]
         calls.append({"notebook": Path(path).stem, "params": params, "out": Path(out), "root": results_root()})
@@ -426,9 +416,6 @@ def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
 
 
 def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_reads_where_they_trained(tmp_path):
-    from workbench.front import gpu_programs as gn
-    from workbench.front.notebooks import STUDIES
-
     calls = []
     recorded = {"strategies": "cuda@13 oom -> cpu ok", "split": "this machine (cuda)"}
     r = gn.check_notebooks(gc.Options(out=tmp_path), execute=_stand_in(recorded, calls))
@@ -445,8 +432,6 @@ def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_read
 
 
 def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_notebook_that_raised(tmp_path):
-    from workbench.front import gpu_programs as gn
-
     # an earlier check's run on the card is in runs.csv already: only the rows this run adds count
     (tmp_path / "runs" / "split").mkdir(parents=True)
     (tmp_path / "runs" / "split" / "runs.csv").write_text("study,source,hardware\nsplit,measured,this machine (cuda)\n")
@@ -466,8 +451,6 @@ def test_monitor_overhead_alternates_the_order_and_divides_the_totals():
     import threading
     import time
 
-    from workbench.core.memory.monitor import overhead
-
     seen = []
 
     def run():  # slower while the monitor's thread is alive: the ratio must show it
@@ -482,8 +465,6 @@ def test_monitor_overhead_alternates_the_order_and_divides_the_totals():
 
 
 def test_monitor_check_runs_here_and_judges_its_rows(tmp_path):
-    from workbench.front import gpu_programs as gp
-
     r = gp.check_monitor(gc.Options(out=tmp_path, device="cpu"), rounds=1, steps=2)
     assert r["status"] == "pass", r["failures"]
     assert r["peaks_mib"]["rss_mib"] > 50 and r["overhead_ratio"] > 0
@@ -503,7 +484,6 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     import types
 
     from tests.conftest import tiny_config
-    from workbench.studies.ladder import gpu_cap
 
     MiB, total, held = 2**20, 1000 * 2**20 * 1024, 100 * 2**20
     need = {"bf16_true_lora": 700 * MiB + 3, "zero_offload": 900 * MiB}

@@ -13,15 +13,23 @@ import pandas as pd
 import pytest
 import torch
 
+from workbench.core import training
 from workbench.core.config import ConfigError
-from workbench.core.memory.monitor import MemoryMonitor
+from workbench.core.data import corpus_blocks, target_corpus
+from workbench.core.memory import monitor
+from workbench.core.memory.live_bytes import LiveBytes
+from workbench.core.memory.monitor import MemoryMonitor, step_memory
+from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, device_map_max_memory
 from workbench.core.memory.plan import RUNGS, quantize_4bit
-from workbench.core.models import TINY_SPEC, load_model
+from workbench.core.models import TINY_SPEC, EmbeddedSpec, load_model
 from workbench.core.results import RERUN_ENV
+from workbench.core.training import TrainSettings, train
+from workbench.studies.ladder import rungs as ladder
 from workbench.studies.ladder import runner
-from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down
-from workbench.studies.ladder.rungs import auto_fit, measure
-from workbench.studies.ladder.runner import LadderConfig, run_ladder
+from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down, search
+from workbench.studies.ladder.figures import BUDGET_NOTE, report_section
+from workbench.studies.ladder.rungs import auto_fit, measure, zero_config
+from workbench.studies.ladder.runner import CPU_MARGIN, LadderConfig, load_result, run_ladder
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,6 @@ def test_run_ladder_predicts_measures_and_explains(env):
 
 def test_auto_fit_steps_down_on_a_real_oom(env):
     model, tok = load_model("embedded", spec=TINY_SPEC)
-    from workbench.core.data import corpus_blocks, target_corpus
 
     blocks, _ = corpus_blocks(tok, target_corpus(), 64)
     rungs = ("fp32", "bf16_ckpt", "lora")
@@ -139,8 +146,6 @@ def test_config_and_budget_errors():
 
 
 def test_monitor_rows_go_to_sinks_and_a_missing_driver_is_one_line(capsys):
-    from workbench.core.memory.live_bytes import LiveBytes
-
     got = []
     with LiveBytes("cpu") as live, MemoryMonitor("cpu", interval_s=0.01, sinks=[got.append], live=live, nvml=True) as mon:
         x = torch.ones(1 << 20)  # 4 MiB live
@@ -177,8 +182,6 @@ def _tiny_linear_model(device):
 def test_quantize_4bit_leaves_the_weights_on_the_models_device(device):
     import bitsandbytes as bnb
 
-    from workbench.core.memory.plan import quantize_4bit
-
     model = _tiny_linear_model(device)
     x = torch.randn(3, 64, device=device)
     assert quantize_4bit(model, torch.float32, skip=()) == 2
@@ -194,8 +197,6 @@ def test_quantize_4bit_leaves_the_weights_on_the_models_device(device):
 def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch):
     """On a GPU the layer's weight says cuda: quantization must be asked for there, not on the CPU."""
     import bitsandbytes as bnb
-
-    from workbench.core.memory.plan import quantize_4bit
 
     asked = []
     real = bnb.nn.Params4bit._quantize
@@ -248,8 +249,6 @@ def test_quantize_4bit_on_the_meta_device_quantizes_each_shape_once_and_each_lay
 def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypatch):
     """On a (pretend) CUDA device these rungs go through their own mechanism; where it cannot run
     they are `not measured` with the reason, never bf16_ckpt's figure under their name."""
-    import workbench.core.training as training
-    import workbench.studies.ladder.rungs as ladder
 
     def plain(*a, **k):
         raise AssertionError("trained as plain bf16")
@@ -285,9 +284,6 @@ def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypa
 
 
 def test_zero_and_device_map_settings():
-    from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, device_map_max_memory
-    from workbench.studies.ladder.rungs import zero_config
-
     s2 = zero_config(RUNGS["zero_offload"], RUNGS["zero_offload"].settings(8, 3))
     s3 = zero_config(RUNGS["zero_offload_params"], RUNGS["zero_offload_params"].settings(8, 3))
     # the reduce bucket the simulation replays is the one the measured run is given
@@ -324,8 +320,6 @@ def _fake_cuda_memory(monkeypatch):
 
 
 def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
-    from workbench.core.memory.monitor import step_memory
-
     assert step_memory("cpu") is None
     _fake_cuda_memory(monkeypatch)
     cols = step_memory("cuda:0")()
@@ -335,9 +329,6 @@ def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
 
 def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypatch):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    import workbench.core.memory.monitor as monitor
-    from workbench.core.training import TrainSettings, train
 
     def model():
         torch.manual_seed(0)
@@ -360,9 +351,6 @@ def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypat
 
 
 def test_the_report_says_what_a_budget_caps_on_each_device(env):
-    from workbench.studies.ladder.figures import BUDGET_NOTE, report_section
-    from workbench.studies.ladder.runner import load_result
-
     run_ladder(LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32,
                             steps=2, measure=False, autofit=False, reference_model=""))
     parts = report_section(load_result())
@@ -372,9 +360,6 @@ def test_the_report_says_what_a_budget_caps_on_each_device(env):
 
 
 def test_reference_device_is_validated_and_the_pure_bf16_rungs_are_in_the_study():
-    from workbench.core.config import ConfigError
-    from workbench.studies.ladder.runner import LadderConfig
-
     with pytest.raises(ConfigError, match="reference_device must be cpu or cuda"):
         LadderConfig(reference_device="tpu")
     assert LadderConfig().reference_device == "cpu"  # study 2's default stays the exact CPU prediction
@@ -388,8 +373,6 @@ def test_the_default_budget_makes_auto_fit_choose_a_middle_setup_of_the_embedded
     is built from its spec (its trained tokenizer has exactly spec.vocab_size tokens), no weights needed."""
     from transformers import Qwen2Config
 
-    from workbench.core.models import EmbeddedSpec
-
     spec, cfg = EmbeddedSpec(), LadderConfig()
     config = Qwen2Config(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                          intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
@@ -401,8 +384,6 @@ def test_the_default_budget_makes_auto_fit_choose_a_middle_setup_of_the_embedded
     fits = {r["rung"]: r["fits"] for r in choice.table}
     assert choice.rung == "bf16_ckpt"
     assert not fits["fp32"] and not fits["bf16_true"] and fits["lora"] and fits["cpu"]
-    from workbench.studies.ladder.autofit import search
-    from workbench.studies.ladder.runner import CPU_MARGIN
 
     here = torch.device("cpu")
     joint = search(config, RUNGS[cfg.rungs[0]], batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib,

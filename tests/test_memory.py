@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from workbench.core.config import ConfigError
+from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting
-from workbench.core.memory.plan import RUNGS
-from workbench.core.memory.predict import predict
+from workbench.core.memory.plan import RUNGS, rung
+from workbench.core.memory.predict import predict, simulate
 from workbench.core.models import TINY_SPEC, ModelNotFoundError, load_model
+from workbench.core.training import train
 from workbench.studies.ladder.rungs import measure
 
 SEQ, BATCH = 64, 4
@@ -27,7 +29,6 @@ def tiny(tiny_base, tmp_path_factory):
     old = os.environ.get("WORKBENCH_RESULTS")
     os.environ["WORKBENCH_RESULTS"] = str(tmp_path_factory.mktemp("results"))
     torch.set_num_threads(1)
-    from workbench.core.data import corpus_blocks, target_corpus
 
     model, tok = load_model("embedded", spec=TINY_SPEC)
     blocks, _ = corpus_blocks(tok, target_corpus(), SEQ)
@@ -160,10 +161,6 @@ def test_the_plain_step_sums_gradients_where_autograd_does(name):
     which runs under modes, makes the same choice for every sum, and the instrumented one none."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from workbench.core.memory.plan import rung
-    from workbench.core.memory.predict import simulate
-    from workbench.core.training import train
 
     config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)

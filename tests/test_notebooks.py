@@ -18,7 +18,8 @@ import nbformat
 import pytest
 from papermill.translators import PythonTranslator
 
-from workbench.front.notebooks import STUDIES, notebook_text
+from workbench.core.config import Config, param
+from workbench.front.notebooks import STUDIES, notebook_text, parameters_cell
 
 NAMES = list(STUDIES)
 
@@ -68,8 +69,6 @@ def test_papermill_parses_every_parameter_line(name, caplog):
 
 
 def test_an_equals_sign_in_a_help_text_is_what_papermill_cannot_parse(caplog):
-    from workbench.front.notebooks import parameters_cell
-
     text = parameters_cell(STUDIES["03_split"].config)
     assert "max_grad_norm = 0.0  # " in text and "(0: off)" in text
     cell = nbformat.v4.new_code_cell(text.replace("(0: off)", "(0 = off)"))
@@ -80,9 +79,6 @@ def test_an_equals_sign_in_a_help_text_is_what_papermill_cannot_parse(caplog):
 
 def test_the_generator_rewrites_an_equals_sign_in_a_help_text(caplog):
     from dataclasses import dataclass
-
-    from workbench.core.config import Config, param
-    from workbench.front.notebooks import parameters_cell
 
     @dataclass(frozen=True)
     class Demo(Config):

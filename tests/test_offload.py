@@ -12,12 +12,20 @@ import pytest
 import torch
 import transformers
 
+from workbench.cli import main
 from workbench.core.config import ConfigError
+from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm
+from workbench.studies.split._cuda import Ring
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
+from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.figures import host_table
 from workbench.studies.split.layers import last_arriving, split_layers
+from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
+    validation_points)
+from workbench.studies.split.runner import _plain_adamw, measured_runs, run_split_study
+from workbench.studies.split.zero_baseline import dist_backend
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
 
@@ -304,7 +312,6 @@ def test_backward_fit_recovers_the_slowdown_from_measured_k():
 def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkeypatch):
     """Backward is measured at one k only while the balance keeps k: the engine moves k once to
     measure the slowdown, then balances with it."""
-    from workbench.studies.split import engine as engine_mod
 
     seen = []
 
@@ -349,7 +356,6 @@ HOST = {"per_core_bytes_per_s": 12e9, "bandwidth_share": 0.9, "bandwidth_share_r
 def test_seed_figures_are_not_inputs_of_the_model(monkeypatch):
     """The seed's alpha, throughput and k band are compared with, never used: changing them in the
     claims changes nothing the model computes."""
-    from workbench.studies.split import perf_model as pm
 
     before = pm.published_operating_point(host_meas=HOST)
     claims = pm.published_claims()
@@ -363,8 +369,6 @@ def test_seed_figures_are_not_inputs_of_the_model(monkeypatch):
 
 
 def test_band_intervals_and_verdict():
-    from workbench.studies.split.perf_model import band_intervals, seed_verdict
-
     pts = [(64, 0.5), (128, 0.25), (192, 0.18), (256, 0.12), (384, 0.05), (512, 0.15)]
     assert band_intervals(pts, 0.1, 0.2) == [(192, 256), (512, 512)]
     assert band_intervals(pts, 0.6, 0.7) == []
@@ -382,7 +386,6 @@ def test_band_intervals_and_verdict():
 
 def test_host_model_saturates_per_socket():
     """A socket's cores share its memory: 64 cores are not 64 x one core."""
-    from workbench.studies.split.perf_model import GB, assumed, host_bandwidth, load_profiles
 
     hosts = load_profiles()[1]
     epyc = hosts["AMD-EPYC-7763"]
@@ -399,7 +402,6 @@ def test_host_model_saturates_per_socket():
 def test_validation_is_computed_from_inputs_not_copied():
     """Each validation row's modelled figure comes from the model (it moves with the host
     measurement), its published figure from profiles.json, and the error from both."""
-    from workbench.studies.split.perf_model import validate, validation_points
 
     rows = {r["id"]: r for r in validate(HOST)}
     slow = {r["id"]: r for r in validate({**HOST, "per_core_bytes_per_s": 1e9})}
@@ -417,7 +419,6 @@ def test_validation_is_computed_from_inputs_not_copied():
 def test_plain_adamw_row_measures_k_and_idle():
     """The reference row's k and idle share are measured (optimizer state placement; busy spans
     against the iteration's period), not written in."""
-    from workbench.studies.split.runner import _plain_adamw
 
     rows = _plain_adamw(tiny_qwen(), batches(512, 3), HP)
     for r in rows:
@@ -427,8 +428,6 @@ def test_plain_adamw_row_measures_k_and_idle():
 
 
 def test_simulated_schedule_accounts_for_all_work():
-    from workbench.studies.split.perf_model import machine, model_shape, simulate
-
     shape = model_shape("qwen2-0.5b", 256)
     m = machine("H100-PCIe", host="AMD-EPYC-7763", host_share=0.8)
     k0, k1 = simulate(shape, m, 0.0, 4), simulate(shape, m, 1.0, 4)
@@ -465,16 +464,11 @@ TINY = {"base_size": "tiny", "micro_batch": 2, "seq_len": 16, "steps": 4, "untim
     {"learning_rate": 1e-3},  # unknown name
 ])
 def test_bad_config_values_are_refused(bad):
-    from workbench.studies.split.config import SplitConfig
-
     with pytest.raises(ConfigError):
         SplitConfig.from_dict(bad)
 
 
 def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
-    from workbench.studies.split.config import SplitConfig
-    from workbench.studies.split.runner import run_split_study
-
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     seen = []
     result = run_split_study(SplitConfig.from_dict({**TINY, "host_share": 0.8}), sinks=[seen.append])
@@ -518,8 +512,6 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
 
 
 def test_cli_published_and_bad_set():
-    from workbench.cli import main
-
     assert main(["split", "--published"]) == 0
     assert main(["split", "nosuch=1"]) == 2
     assert main(["split", "k_sweep=[2]"]) == 2
@@ -530,7 +522,6 @@ def test_cli_published_and_bad_set():
 def _record_pinned(monkeypatch) -> list[int]:
     """Every host buffer the engine allocates goes through _cuda.alloc: record the bytes of those
     asked to be page-locked (and allocate them unpinned: this CPU has no pinned allocator)."""
-    from workbench.studies.split import _cuda
 
     pinned: list[int] = []
     real = _cuda.alloc
@@ -556,7 +547,6 @@ def wide_qwen() -> torch.nn.Module:
 def test_pinned_memory_is_the_staging_rings_whatever_the_model(monkeypatch, precision):
     """What the engine would pin on CUDA (counted here with pinning asked for on the CPU): the two
     staging rings, the same bytes for a 0.1M- and a 6M-parameter model, and for a 7B plan."""
-    from workbench.studies.split import _cuda
 
     pinned = _record_pinned(monkeypatch)
     seen = {}
@@ -609,8 +599,6 @@ def test_chunked_staging_keeps_parity(k):
 def test_ring_hands_each_chunk_to_one_thread_at_a_time():
     import threading
     import time
-
-    from workbench.studies.split._cuda import Ring
 
     ring = Ring(2, 64, torch.float32, pinned=False)
     assert ring.chunk_elems == 16 and list(ring.spans(40)) == [(0, 16), (16, 32), (32, 40)]
@@ -700,8 +688,6 @@ def test_cuda_calls_name_their_device():
     """current_stream() without a device is the current GPU's stream, not the model's."""
     import inspect
 
-    from workbench.studies.split import _cuda
-
     src = inspect.getsource(_cuda)
     assert "current_stream()" not in src and "current_stream(self.device)" in src
 
@@ -771,8 +757,6 @@ def test_clipping_keeps_overlap_when_under_the_norm():
 
 # ---------------------------------------------------------------- ZeRO-Offload baseline (item 5)
 def test_zero_offload_backend_is_nccl_on_cuda_gloo_on_cpu():
-    from workbench.studies.split.zero_baseline import dist_backend
-
     assert dist_backend("cuda") == "nccl" and dist_backend(torch.device("cuda", 1)) == "nccl"
     assert dist_backend("cpu") == "gloo" and dist_backend(torch.device("cpu")) == "gloo"
 
@@ -811,8 +795,6 @@ def test_low_precision_clipping_same_update_whatever_k(precision):
 def test_study_runner_clips_like_its_reference(tmp_path, monkeypatch, tiny_base):
     """max_grad_norm reaches both the engine runs and the plain-AdamW reference (clip_grad_norm_):
     the fp32 weights still agree to the bit."""
-    from workbench.studies.split.config import SplitConfig
-    from workbench.studies.split.runner import measured_runs
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 0.5], "adaptive": False, "max_grad_norm": 0.05, "steps": 2,

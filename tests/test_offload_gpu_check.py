@@ -11,7 +11,11 @@ import copy
 import pytest
 import torch
 
-from workbench.studies.split import gpu_check as sg
+from workbench.front import gpu_check
+from workbench.front.gpu_check import Options
+from workbench.studies.split import gpu_check as sg, zero_baseline
+from workbench.studies.split.adam import AdamHP
+from workbench.studies.split.engine import SplitEngine
 
 LIMIT = 64 * 2**20
 
@@ -112,8 +116,6 @@ def test_verdict_failures():
 def test_run_row_on_a_real_cpu_engine_run():
     """The rows check_split reads are the engine's own: a CPU run goes through run_row and the
     verdict (the 'accelerator' is the CPU here; on CUDA the same code reads the card's rows)."""
-    from workbench.studies.split.adam import AdamHP
-    from workbench.studies.split.engine import SplitEngine
 
     base = sg._model(sg.QUICK)
     g = torch.Generator().manual_seed(2)
@@ -131,8 +133,6 @@ def test_run_row_on_a_real_cpu_engine_run():
 
 
 def test_the_workbench_check_finds_the_split_check():
-    from workbench.front import gpu_check
-
     found = gpu_check.checks()
     assert found["split"] is sg.check_split and sg.gpu_checks() == {"split": sg.check_split}
 
@@ -141,8 +141,6 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     """The CUDA layer's own code with the CPU as the device (shortened): every run, the parity
     rows, both baseline rows (ZeRO-Offload stubbed: its op build takes minutes here) and the
     report. On a card the same code measures the card."""
-    from workbench.front.gpu_check import Options
-    from workbench.studies.split import zero_baseline
 
     monkeypatch.setattr(sg, "ITERATIONS", 3)
     monkeypatch.setattr(sg, "WARMUP", 1)
@@ -166,8 +164,6 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the split check measures the card")
 def test_check_split_on_the_card(tmp_path):
-    from workbench.front.gpu_check import Options
-
     r = sg.check_split(Options(out=tmp_path, tiny=True))
     assert r["status"] == "pass", r["failures"]
     assert {b["run"] for b in r["baselines"]} == {"DeepSpeed ZeRO-Offload", "torchao CPUOffloadOptimizer"}

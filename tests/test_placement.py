@@ -12,11 +12,13 @@ import torch
 
 from tests.conftest import subprocess_env, tiny_config
 from workbench.core.memory import allocator
+from workbench.core.memory.accounting import EMPTY_CACHE
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.offload import dispatch_like_accelerate, infer_device_map, simulate_placed
 from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict, simulate
+from workbench.core.memory.snapshot import predicted_snapshot
 
 SEQ, BATCH = 32, 2
 
@@ -152,8 +154,6 @@ def test_zero2_offload_with_a_bucket_smaller_than_the_model_reduces_as_it_goes(l
 
 def test_zero2_flattens_the_weights_where_deepspeed_does_and_the_card_keeps_their_old_blocks():
     import transformers as T
-
-    from workbench.core.memory.accounting import EMPTY_CACHE
 
     # weights large enough to take segments of their own (the 16 MiB embedding, 2 MiB projections)
     config = T.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
@@ -293,8 +293,6 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
 
 
 def test_an_offload_rungs_snapshot_is_the_cards_share(llama):
-    from workbench.core.memory.snapshot import predicted_snapshot
-
     snap = predicted_snapshot(llama, "zero_offload", batch=BATCH, seq=SEQ)
     sizes = [e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"]
     assert max(sizes) >= 2 * 500_000_000  # DeepSpeed's reduce bucket, on the card

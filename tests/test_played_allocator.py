@@ -13,6 +13,7 @@ import torch
 
 from workbench.core.memory import allocator
 from workbench.core.memory.budget import device_budget
+from workbench.front.live import LiveChart
 
 MiB = 2**20
 
@@ -85,8 +86,6 @@ def test_default_and_bad_allocator():
 
 
 def test_live_chart_plots_the_cuda_columns_when_rows_carry_them():
-    from workbench.front.live import LiveChart
-
     live = LiveChart(display=False, min_interval_s=0)
     live({"step": 1, "loss": 2.0, "mem_mib": 10.0, "strategy": "a"})  # a CPU row: three traces
     assert len(live.fig.data) == 3

@@ -35,6 +35,7 @@ def test_reproduce_quick_runs_notebook_01_and_writes_results(tiny_base, results_
     proc = subprocess.run([BIN / "workbench", "reproduce", "--quick", "--only", "01_strategies"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[01_strategies] cells: 100%" in proc.stderr  # headless, the cells executed are shown as they go
     runs = pd.read_csv(results_dir / "strategies" / "runs.csv")
     quick = STUDIES["01_strategies"].quick
     assert len(runs) == len(quick["strategies"]) * len(quick["seeds"])

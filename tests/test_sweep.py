@@ -24,10 +24,12 @@ import psutil
 import pytest
 from distributed import Client, LocalCluster
 
+from workbench.cli import main
 from workbench.core.config import ConfigError
 from workbench.core.parallel import cores
-from workbench.front.sweep import (SWEEP_OUT_ENV, combine, load_grid, points_from_options, run_sweep,
-                                   threads_per_worker)
+from workbench.front import sweep
+from workbench.front.sweep import (SWEEP_OUT_ENV, SweepBusy, _lock, combine, load_grid, points_from_options, run_sweep, threads_per_worker)
+from workbench.studies.strategies.runner import StrategiesConfig
 
 NOTEBOOK = Path(__file__).parent / "notebooks" / "sweep_point.ipynb"
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +121,6 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
         run_sweep(NOTEBOOK, [{"x": 1}, {"y": 2}], out=out)
     assert not out.exists()
     # malformed and misshapen grid files, through the command line: one line, exit code 2
-    from workbench.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("x: [1, 2\nfail: false\n")
@@ -141,7 +142,6 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
         load_grid(bad)
     assert not out.exists()
     # two sweeps never write one folder at once
-    from workbench.front.sweep import SweepBusy, _lock
 
     out.mkdir()
     held = _lock(out)
@@ -204,7 +204,6 @@ def test_timeout_stops_a_run(tmp_path, counter):
 def test_timeout_counts_the_whole_run(tmp_path, monkeypatch):
     """papermill's timeout is per cell: a run of short cells that passes --timeout is stopped too
     (its kernel killed), and is an error row."""
-    from workbench.front import sweep
 
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -315,8 +314,6 @@ def test_sweep_on_an_existing_scheduler(tmp_path, counter):
 
 @pytest.mark.slow
 def test_sweep_over_study_notebook(tmp_path, tiny_base):
-    from workbench.studies.strategies.runner import StrategiesConfig
-
     tiny = {"base_size": "tiny", "seq_len": 64, "token_budget": 2000, "strategies": ["bitfit"],
             "budget_mib": 13.0, "eval_blocks": 4}
     points = [{**tiny, "seeds": [0]}, {**tiny, "seeds": [1]}]

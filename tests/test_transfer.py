@@ -1,6 +1,7 @@
 """Study 1 end to end on the tiny embedded base: strategies, fallback, results files, bad input."""
 
 import json
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -8,8 +9,11 @@ import pytest
 
 from workbench.core.config import ConfigError
 from workbench.core.data import CorpusError
+from workbench.core.memory.live_bytes import LiveBytes
 from workbench.core.models import ModelNotFoundError
-from workbench.core.results import code_fingerprint
+from workbench.core import results
+from workbench.core.results import code_fingerprint, git_commit
+from workbench.studies.strategies import runner as transfer
 from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.runner import claims_table, rebuild_runs_table, run_strategies, summarize
 
@@ -69,7 +73,6 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     assert len((run / "steps.jsonl").read_text().splitlines()) == steps  # replaced, not appended to
     monkeypatch.delenv("WORKBENCH_RERUN")
     # Another corpus, other base weights or another workbench version: another run, not a read-back
-    from workbench.studies.strategies import runner as transfer
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -103,6 +106,25 @@ def test_the_code_key_follows_every_module_by_content(tmp_path):
     (pkg / "sub" / "b.py").rename(pkg / "b.py")  # the same content elsewhere is other code
     assert code_fingerprint.__wrapped__(pkg) != first
     assert len(code_fingerprint()) == 12 and code_fingerprint() == code_fingerprint()
+
+
+def test_the_commit_a_result_names_says_when_the_code_was_edited(tmp_path, monkeypatch):
+    """A result made by edited code carried the bare commit, as if that commit had made it."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.org"]
+    (tmp_path / "workbench").mkdir()
+    (tmp_path / "workbench" / "a.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("readme\n")
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"]):
+        subprocess.run(git + cmd, check=True, capture_output=True)
+    monkeypatch.setattr(results, "PROJECT_ROOT", tmp_path)
+    clean = git_commit()
+    assert len(clean) >= 7 and "+" not in clean
+    (tmp_path / "README.md").write_text("other words\n")  # not what makes a result
+    assert git_commit() == clean
+    (tmp_path / "workbench" / "a.py").write_text("x = 2\n")
+    assert git_commit() == clean + "+changes"
+    monkeypatch.setattr(results, "PROJECT_ROOT", Path("/"))
+    assert git_commit() == "unknown"
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -145,8 +167,6 @@ def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
 
 def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(tiny_base, results_dir, tmp_path,
                                                                                monkeypatch):
-    from workbench.core.memory.live_bytes import LiveBytes
-
     cfg = StrategiesConfig(strategies=("bitfit", "full", "lora"), seeds=(0,), devices=("cpu@2", "cpu@3"),
                            preflight=False, **TINY)
     # One uncounted LoRA attempt first, for what a process does once: peft imports its LoHa layers

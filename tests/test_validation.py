@@ -13,8 +13,9 @@ from workbench.core.memory import cuda_model as cm
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.plan import plan_from_flags
 from workbench.studies.ladder import autofit
-from workbench.studies.ladder.validation import (BATCH_SIZE, CONFIGS, LM_HEAD_CHUNK, PUBLISHED, SOURCES, fits_card,
-                                                 litgpt_config, litgpt_peaks, margins, simulate_litgpt_lora)
+from workbench.studies.ladder.bnb_041 import Linear4bit041, quantize_linears
+from workbench.studies.ladder.validation import (BATCH_SIZE, CONFIGS, LM_HEAD_CHUNK, PUBLISHED, SOURCES, fits_card, litgpt_config, litgpt_peaks, margins,
+    simulate_litgpt_lora)
 
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=4, vocab_size=500, padded_vocab_size=512, block_size=512)
@@ -143,7 +144,6 @@ def test_published_qlora_rows_are_predicted_within_the_target(key):
 def test_the_4bit_state_costs_what_the_qlora_paper_says():
     """Dettmers et al. 2023 (QLoRA, section 3): the blockwise constants cost 32/64 = 0.5 bits per
     parameter, and 8/64 + 32/(64 * 256) = 0.127 bits after double quantization; the weight 4 bits."""
-    from workbench.studies.ladder.bnb_041 import Linear4bit041
 
     n_in, n_out = 4096, 1024
     n = n_in * n_out
@@ -158,7 +158,6 @@ def test_the_4bit_state_costs_what_the_qlora_paper_says():
 def test_a_4bit_layer_keeps_its_input_for_backward_only_when_it_needs_a_gradient():
     """bitsandbytes 0.41.1's MatMul4Bit kept the input (today's does not): the published QLoRA peaks
     include it. The input's gradient flows; the frozen 4-bit weight gets none."""
-    from workbench.studies.ladder.bnb_041 import Linear4bit041, quantize_linears
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16, bias=False)).to(torch.bfloat16)
     assert quantize_linears(model, double_quant=True) == 2 and all(isinstance(m, Linear4bit041) for m in model)

@@ -53,7 +53,7 @@ _UNIT_SUFFIXES = (  # (column suffix, header suffix, scale, decimals)
     ("_ms", " (ms)", 1.0, 1),
     ("_seconds", " (s)", 1.0, 1),
     ("tokens_per_s", " (tok/s)", 1.0, 0),
-    ("tflops", " (TFLOP/s)", 1.0, 1),
+    ("tflops", " (TFLOP/s)", 1.0, None),  # None: 3 significant digits (a CPU's 0.053 is not "0.1")
 )
 
 
@@ -64,10 +64,11 @@ def _round_sig(x: float, sig: int = 3) -> float:
 
 
 def _round_fixed(x: float, decimals: int) -> float:
-    """`x` to `decimals` places, but a figure that is not zero is never shown as 0: a tiny model's
-    0.023 TFLOP/s keeps two significant digits instead of reading "0.0"."""
-    r = round(x, decimals)
-    return _round_sig(x, 2) if r == 0 and x != 0 and not pd.isna(x) else r
+    """`x` to `decimals` places, but a figure that is not zero is not shown as 0: a tiny model's
+    0.023 TFLOP/s keeps two significant digits instead of reading "0.0". Below a thousandth of the
+    last place shown it is floating-point noise (an idle share of 5.6e-14 %), and reads 0."""
+    r = round(x, decimals) + 0.0  # + 0.0: no "-0.0"
+    return _round_sig(x, 2) if r == 0 and abs(x) >= 10.0 ** -(decimals + 3) else r
 
 
 def _numbers(s: pd.Series) -> pd.Series:
@@ -105,7 +106,8 @@ def rounded(df: pd.DataFrame) -> pd.DataFrame:
                     header = name[: -len(suffix)] + unit.strip(" ()")
                 if header in out:  # e.g. x_bytes beside x_mib: keep the first
                     break
-                out[header] = (s.astype(float) * scale).map(lambda x, d=decimals: _round_fixed(x, d))
+                out[header] = (s.astype(float) * scale).map(
+                    _round_sig if decimals is None else lambda x, d=decimals: _round_fixed(x, d))
                 break
         else:
             out[name] = s if pd.api.types.is_integer_dtype(s) else s.astype(float).map(_round_sig)

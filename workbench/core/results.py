@@ -70,15 +70,17 @@ def atomic_write_csv(path: str | Path, df: pd.DataFrame) -> Path:
 
 
 def git_commit() -> str:
+    """The checkout's commit, with "+changes" when the package or its data differ from it (a result
+    made by edited code is not that commit's); "unknown" outside a git checkout."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=PROJECT_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return out.stdout.strip() or "unknown"
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
+                             text=True, timeout=5)
+        commit = out.stdout.strip()
+        if not commit:
+            return "unknown"
+        edited = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "workbench", "data"], cwd=PROJECT_ROOT,
+                                capture_output=True, timeout=5).returncode == 1
+        return commit + ("+changes" if edited else "")
     except Exception:
         return "unknown"
 
@@ -101,6 +103,7 @@ def environment() -> dict[str, Any]:
             "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
             "git_commit": git_commit(),
+            "workbench_code": code_fingerprint(),
         }
     torch = sys.modules.get("torch")  # imported by whatever trained; never imported just to describe it
     live = {"torch_threads": torch.get_num_threads() if torch else None,

@@ -225,8 +225,12 @@ def run_notebook(
     cwd: str | Path | None = None,
     log_output: bool = False,
     timeout_s: int | None = None,
+    progress: str | None = None,
 ) -> Path:
-    """Execute a notebook with papermill; raises papermill's PapermillExecutionError on failure."""
+    """Execute a notebook with papermill; raises papermill's PapermillExecutionError on failure.
+
+    `progress`: a label for papermill's bar of executed cells on stderr (a study's training cell
+    runs for minutes, and without it a headless run shows nothing in that time); None: no bar."""
     import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
 
     path = Path(notebook)
@@ -244,7 +248,7 @@ def run_notebook(
         parameters=json.loads(json.dumps(parameters)),
         kernel_name="python3",
         cwd=str(cwd or NOTEBOOK_DIR),
-        progress_bar=False,
+        progress_bar={"desc": progress, "unit": "cell"} if progress else False,
         log_output=log_output,
         stdout_file=None,
         execution_timeout=timeout_s,

@@ -1,6 +1,6 @@
 """`workbench reproduce`: every study notebook headless on the embedded default, then the report.
 
-    workbench reproduce               # full default parameters (about 15-25 minutes on 2 CPU cores)
+    workbench reproduce               # full default parameters (about 25 minutes on 2 CPU cores, 31 with setup)
     workbench reproduce --quick       # tiny parameters: checks the whole pipeline in a few minutes
     workbench reproduce --only 01_strategies
 
@@ -52,7 +52,7 @@ def main(args) -> int:
         t0 = time.perf_counter()
         print(f"[{nb.name}] running{' (quick)' if args.quick else ''} ...", flush=True)
         try:
-            run_notebook(nb.path, params, out)
+            run_notebook(nb.path, params, out, progress=f"[{nb.name}] cells")
             status, error = "ok", None
         except Exception as e:  # a failing notebook is reported; the others still run
             failed += 1
@@ -64,7 +64,6 @@ def main(args) -> int:
                                  "output": str(out), "parameters": params, "error": error})
         atomic_write_json(root / "reproduce.json", log)
     if not args.no_report:
-
         path = write_report()
         print(f"report: {path}", flush=True)
     if failed:
