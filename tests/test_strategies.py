@@ -2,10 +2,12 @@ import pandas as pd
 import pytest
 import torch
 from conftest import ARCHS, tiny_config
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config
 
+from workbench.core.memory.plan import quantize_4bit
 from workbench.core.results import StudyResult
 from workbench.core.trainable import STRATEGIES, StrategyNotApplicable, apply_strategy, model_parts
+from workbench.core.training import evaluate_perplexity
 from workbench.studies.strategies.figures import findings
 
 
@@ -109,3 +111,37 @@ def test_two_strategies_that_train_the_same_parameters_are_said_to(layers):
                         "this model: one experiment under 2 names, not 2 results."]
     else:
         assert same == []
+
+
+def _qlora_grads(evaluate_first: bool) -> dict[str, torch.Tensor]:
+    """The LoRA gradients of one step of a small 4-bit QLoRA model, with or without a held-out
+    evaluation (eval mode, no grad: what study 1 does before training) before the step. Layers are
+    128 wide: bitsandbytes repacks only layers at least one 64-element quantization block wide."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=256,
+                                                         num_hidden_layers=2, num_attention_heads=4,
+                                                         num_key_value_heads=2, tie_word_embeddings=True))
+    assert quantize_4bit(model, torch.float32) > 0
+    model, _ = apply_strategy(model, "qlora", lora_rank=4)
+    blocks = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    if evaluate_first:
+        evaluate_perplexity(model, blocks, batch_size=2, device="cpu")
+    model.train()
+    model(input_ids=blocks, labels=blocks).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_qlora_gets_the_same_gradient_after_a_held_out_evaluation():
+    """bitsandbytes repacked 4-bit layers for its CPU inference kernel at the first eval-mode pass
+    (on CPUs with AVX512-BF16, as here and on CI) and training then got no gradient through them:
+    study 1's QLoRA rows trained every adapter below the top layer on a wrong gradient."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    if not has_avx512bf16():
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes has no inference kernel to repack for here")
+    before, after = _qlora_grads(False), _qlora_grads(True)
+    assert before.keys() == after.keys() and len(before) > 4
+    lowest = next(n for n in before if ".layers.0." in n and "lora_B" in n)  # (A starts with no gradient: B = 0)
+    assert before[lowest].abs().sum() > 0
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=1e-4, atol=1e-6, msg=name)

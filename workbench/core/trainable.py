@@ -177,6 +177,24 @@ def _is_4bit(model: nn.Module) -> bool:
     return any(type(m).__name__ == "Linear4bit" for m in model.modules())
 
 
+def keep_4bit_backward(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking a 4-bit layer for CPU inference; returns the layers changed.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50's `Linear4bit.forward` in eval mode without grad
+    (a held-out evaluation before training) repacks the weight for its inference kernel, for
+    good. Training afterwards runs that kernel, which has no backward: no gradient flows through
+    the frozen 4-bit layers (torch warns "gemv_4bit: an autograd kernel was not registered"), so
+    every LoRA adapter below the last layer learns from a wrong gradient, with no error. Measured
+    here: the input's gradient through one layer went from a sum of 3,725 to None after one eval
+    pass. With the CPU kernel switched off, evaluation takes bitsandbytes' plain 4-bit path."""
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ == "Linear4bit" and getattr(m, "support_avx512bf16_for_cpu", False):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
 class StrategyNotApplicable(ValueError):
     """The strategy cannot apply to this model (BitFit without biases, QLoRA without bitsandbytes)."""
 
@@ -218,6 +236,7 @@ def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[
             if not _is_4bit(model):
                 raise StrategyNotApplicable("qlora needs a model loaded in 4-bit (bitsandbytes); "
                                             "load it with a BitsAndBytesConfig(load_in_4bit=True) first")
+            keep_4bit_backward(model)
             notes.append("base weights quantized to 4-bit NF4 by bitsandbytes; LoRA adapters in fp32")
         cfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                          target_modules="all-linear", task_type="CAUSAL_LM")

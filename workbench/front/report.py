@@ -27,11 +27,14 @@ th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
 .measured{background:#2ca02c}.modelled{background:#ff7f0e}.missing{background:#999}
 pre{background:#f7f7f7;padding:0.5em;overflow-x:auto}
 .findings td,.findings th{text-align:left;font-size:14px;max-width:600px}
+.wide{overflow-x:auto;max-width:100%}
 """
 
 
 def _table_html(df: pd.DataFrame) -> str:
-    return rounded(df).to_html(index=False, na_rep="", border=0, escape=True)
+    """A table that scrolls inside the page when it is wider (a run table with notes), instead of
+    spilling past the page's right edge."""
+    return f'<div class="wide">{rounded(df).to_html(index=False, na_rep="", border=0, escape=True)}</div>'
 
 
 def findings_html() -> tuple[str, dict[str, Any]]:
@@ -75,12 +78,13 @@ def write_report(path: str | Path | None = None) -> Path:
     reproduce = results_root() / "reproduce.json"
     runs = json.loads(reproduce.read_text()).get("notebooks", []) if reproduce.exists() else []
     runs_html = _table_html(pd.DataFrame(runs)[["name", "status", "seconds", "output"]]) if runs else ""
+    gpu = "no GPU" if env.get("gpu") in (None, "none") else f"GPU {html.escape(str(env['gpu']))}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Workbench report</title>
 <style>{_CSS}</style></head><body>
 <h1>Memory-constrained training workbench: report</h1>
 <h2>What we found</h2>{found}
 <p>Written {now()}. Figures tagged <span class="tag measured">measured</span> were measured on this
-machine ({html.escape(str(env.get('gpu')))} GPU; CPU {html.escape(str(env.get('cpu')))} with
+machine ({gpu}; CPU {html.escape(str(env.get('cpu')))} with
 {env.get('cpu_count')} cores); <span class="tag modelled">modelled</span> figures come from a
 performance model and were not measured on the hardware they describe.</p>
 <h3>Environment</h3><pre>{html.escape(json.dumps(env, indent=1))}</pre>

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from workbench.core.config import ConfigError
-from workbench.core.trainable import apply_strategy
+from workbench.core.trainable import apply_strategy, keep_4bit_backward
 from workbench.core.training import TrainSettings, make_optimizer
 
 # "bf16"/"fp16": autocast over fp32 weights (bf16-mixed / fp16-mixed); "bf16_true"/"fp16_true": pure
@@ -214,6 +214,7 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             setattr(module, child_name, q)
             n += 1
+    keep_4bit_backward(model)  # an evaluation in eval mode must not take the gradient away
     return n
 
 
