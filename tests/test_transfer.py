@@ -130,6 +130,7 @@ def test_the_commit_a_result_names_says_when_the_code_was_edited(tmp_path, monke
 @pytest.mark.parametrize("bad, error", [
     ({"strategies": ["adaptor"]}, "unknown strategy adaptor"),
     ({"token_budget": 0}, "token_budget must be positive"),
+    ({"qlora_lr": -1e-3}, "qlora_lr >= 0"),
     ({"micro_batch": -2}, "micro_batch must be positive"),
     ({"budget_mib": "lots"}, "expected a number"),
     ({"seeds": 3}, "expected a list"),
@@ -209,8 +210,10 @@ def test_qlora_learns_what_lora_learns_at_the_same_rate(tiny_base, results_dir):
     the same held-out perplexity. With bitsandbytes' CPU repacking left on (the held-out evaluation
     before training turned it on), QLoRA trained on a gradient that skipped every 4-bit layer and
     ended 3% behind (152.5 against 147.8 at these settings)."""
-    cfg = StrategiesConfig(strategies=("lora", "qlora"), seeds=(0,), qlora_lr=1e-3, **{**TINY, "token_budget": 20000})
+    cfg = StrategiesConfig(strategies=("lora", "qlora"), seeds=(0,), **{**TINY, "token_budget": 20000})
+    assert cfg.qlora_lr == 0 and cfg.train_settings(0, "qlora").lr == cfg.lr  # the default: LoRA's rate
+    assert cfg.replace(qlora_lr=3e-4).train_settings(0, "qlora").lr == 3e-4 != cfg.train_settings(0, "lora").lr
     runs = run_strategies(cfg, progress=False).runs.set_index("strategy")
-    assert cfg.lr == cfg.qlora_lr and (runs["status"] == "ok").all()
+    assert (runs["status"] == "ok").all()
     lora, qlora = runs.loc["lora", "ppl_after"], runs.loc["qlora", "ppl_after"]
     assert qlora < runs.loc["qlora", "ppl_before"] * 0.97 and abs(qlora / lora - 1) < 0.01, (lora, qlora)

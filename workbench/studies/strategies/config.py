@@ -35,7 +35,8 @@ class StrategiesConfig(Config):
     micro_batch: int = setting("micro_batch", 8)
     grad_accum: int = setting("grad_accum", 1)
     lr: float = setting("lr", 1e-3, "warm-up then cosine decay")
-    qlora_lr: float = param(3e-4, "peak learning rate of the QLoRA row (on a 4-bit base the shared rate diverged)")
+    qlora_lr: float = param(0.0, "peak learning rate of the QLoRA row; 0: the same as lr (a 3e-4 of its own, "
+                                 "once needed, hid a gradient lost in bitsandbytes' CPU path)")
     lora_rank: int = setting("lora_rank", 8, "also of QLoRA")
     precision: Literal["fp32", "bf16", "fp16"] = setting("precision", "fp32", "autocast over fp32 weights; fp16 needs CUDA")
     budget_mib: float = param(160.0, "device-memory budget of the first attempt (the GPU, or the CPU playing one); 0: none")
@@ -54,8 +55,9 @@ class StrategiesConfig(Config):
         for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0 or self.qlora_lr <= 0:
-            raise ConfigError(f"lr and qlora_lr must be positive, got {self.lr} and {self.qlora_lr}")
+        if self.lr <= 0 or self.qlora_lr < 0:
+            raise ConfigError(f"lr must be positive and qlora_lr >= 0 (0: the same as lr), got {self.lr} and "
+                              f"{self.qlora_lr}")
         if self.budget_mib < 0:
             raise ConfigError(f"budget_mib must be >= 0 (0 = no budget), got {self.budget_mib}")
         if not self.strategies:
@@ -89,7 +91,7 @@ class StrategiesConfig(Config):
 
     def train_settings(self, seed: int, strategy: str = "") -> TrainSettings:
         steps = self.steps()
-        lr = self.qlora_lr if strategy == "qlora" else self.lr
+        lr = self.qlora_lr if strategy == "qlora" and self.qlora_lr else self.lr
         return TrainSettings(steps=steps, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                              lr=lr, warmup_steps=max(1, steps // 10), precision=self.precision, seed=seed)
 
