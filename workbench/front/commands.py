@@ -84,7 +84,8 @@ def main(args) -> int:
         table, notes = split_long_text(nb.figures.runs_table(result))
         with pd.option_context("display.width", 200, "display.max_rows", 200, "display.max_columns", 30):
             print(table.to_string(index=False))
-        print("\n".join(notes))
+        for line in notes:
+            print(line)
         for finding, claim in nb.figures.findings(result):
             print(f"- {finding}" + (f"  [published: {claim}]" if claim else ""))
     return 1 if "status" in result.runs and (result.runs["status"] == "error").all() else 0
