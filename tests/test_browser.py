@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from workbench.front.dashboard import port_in_use, private_config, start_voila, stop_voila, voila_command
@@ -178,8 +179,6 @@ def test_dashboard_prepares_every_study_app(server_env):
     folder = Path(server_env["WORKBENCH_RESULTS"]) / "dashboard"
 
     assert sorted(p.name for p in folder.glob("*.ipynb")) == sorted(nb.path.name for nb in available())
-    import nbformat
-
     nb = nbformat.read(folder / "01_strategies.ipynb", 4)
     injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert injected and "base_size = \"tiny\"" in injected[0].source
@@ -195,6 +194,11 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
     folder.mkdir()
     pm.execute_notebook(str(ROOT / "notebooks" / "01_strategies.ipynb"), str(folder / "study1.ipynb"),
                         parameters=TINY, prepare_only=True, kernel_name="python3", progress_bar=False)
+    # the ladder's knobs alone (nothing runs until Run): its field names are the longest
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from workbench.front.apps import app\nfrom workbench.studies.ladder.config import LadderConfig\n"
+        "app(LadderConfig())")], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                         "language": "python"}}), folder / "knobs.ipynb")
     port, token = free_port(), "dash-token-0123"
     log = open(tmp_path / "voila.log", "w")
     voila = start_voila(folder, port, token, env=server_env, stdout=log, stderr=subprocess.STDOUT,
@@ -214,6 +218,17 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
                 assert page.locator(".js-plotly-plot").count() >= 3
                 assert page.get_by_text("from_namespace").count() == 0  # an app shows outputs, not code
                 page.screenshot(path=str(SHOTS / "voila_study1.png"))
+                # the tables show every text whole: pandas' display cut each cell at 50 characters
+                assert page.locator("table.wb-table").count() >= 3
+                assert page.evaluate("[...document.querySelectorAll('td')].filter(td => /\\.\\.\\.$/"
+                                     ".test(td.textContent)).length") == 0
+                page.goto(f"http://127.0.0.1:{port}/voila/render/knobs.ipynb?token={token}", timeout=120_000)
+                page.locator("button.widget-button", has_text="Run").wait_for(timeout=120_000)
+                labels = page.locator(".widget-label")
+                assert labels.count() >= 20
+                cut = page.evaluate("[...document.querySelectorAll('.widget-label')]"
+                                    ".filter(l => l.scrollWidth > l.clientWidth).map(l => l.textContent)")
+                assert cut == []  # "reference_budget_mib" read "reference_budget_..."
             finally:
                 browser.close()
     finally:

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from workbench.cli import main
-from workbench.core.charts import rounded
+from workbench.core.charts import Table, rounded
 from workbench.front.commands import parse_assignments, split_long_text
 from workbench.front.notebooks import STUDIES
 from workbench.front.sweep_points import points_from_options
@@ -111,6 +111,28 @@ def test_a_small_figure_that_is_not_zero_is_not_shown_as_zero():
     assert out["iteration (ms)"].tolist() == [0.042, 14.2, 0.0, 1.0]
     # floating-point noise is 0, not 5.6e-14 %, which made the report print the whole column as 7.51e+01
     assert out["accel_idle (%)"].astype(str).tolist() == ["75.1", "0.0", "0.0", "0.002"]  # no "-0.0"
+
+
+def test_a_table_in_a_notebook_shows_every_text_whole_and_its_figures_rounded_once():
+    """pandas' own display cut each cell at 50 characters: the notebooks' and the Voila apps' findings
+    and a skipped rung's reason read "Predicted peaks of 5 rung(s) measured here are...". A figures
+    table is rounded already; shown again, 955.1 MiB must not become 955 (3 significant digits)."""
+    why = "zero_offload moves tensors between a GPU and the host; this machine has no GPU, so it is predicted only"
+    df = rounded(pd.DataFrame({"rung": ["fp32", "zero_offload"], "predicted_peak_mib": [8.1234, 955.14],
+                               "tokens_per_s": [4987.2, None], "reason": ["", why], "fits": [True, False],
+                               "fits_measured": [True, None]}))
+    page = Table(df)._repr_html_()
+    assert f">{why}</td>" in page and "..." not in page
+    assert ">955.1</td>" in page and ">4,987</td>" in page  # thousands separated, one rounding
+    assert '<td style="text-align:right"></td>' in page  # no tok/s: an empty cell, not NaN
+    assert page.count(">yes</td>") == 2 and "True" not in page  # a flag column with a gap reads the same
+    assert '<td style="text-align:left">no</td>' in page and '<td style="text-align:left">zero_offload</td>' in page
+    assert "<th" not in page.split("<tbody>")[1]  # no row index
+    text = repr(Table(df)).splitlines()
+    assert text[0].split() == ["rung", "predicted_peak", "(MiB)", "tok/s", "reason", "fits", "fits_measured"]
+    assert text[2].startswith("zero_offload") and text[2].endswith(f"{why}  no") and "NaN" not in text[2]
+    assert text[1].split()[1:3] == ["8.1", "4,987"]  # numbers right-aligned under their header
+    assert len(text[1].split("8.1")[0]) == len(text[2].split("955.1")[0]) + 2
 
 
 def test_long_text_leaves_the_shell_table_and_follows_it_once_per_row_key():

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import nbformat
@@ -46,6 +47,11 @@ def test_notebook_runs_on_tiny_parameters(tiny_base, tmp_path, monkeypatch):
     df = pd.read_csv(run_dir / "ladder.csv")
     hand = df[df["role"] == "at hand"].set_index("rung")
     assert hand.loc["zero_offload", "status"] == "skipped" and hand.loc["zero_offload", "method"] == "predicted"
+    # the tables show every text whole (pandas' display cut the reason at 50 characters)
+    shown = "".join(o["data"].get("text/html", "") for c in nbformat.read(out, as_version=4).cells
+                    for o in c.get("outputs", []) if "data" in o)
+    reason = hand.loc["zero_offload", "reason"]
+    assert len(reason) > 50 and html.escape(reason) in shown
     ok = hand[(hand["status"] == "ok") & (hand.index != "cpu")]
     assert len(ok) == 2
     assert ((ok["predicted_peak_bytes"] / ok["measured_peak_bytes"] - 1).abs() < 0.01).all()

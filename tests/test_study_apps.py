@@ -213,3 +213,28 @@ def test_the_published_rows_findings_say_which_setting_was_predicted():
     found = ladder_figures.findings(StudyResult("ladder", runs=runs, tables={"published": pub}))
     assert ("FP32 full model: predicted 8,577 MiB for qwen.json at 1 x 512.", "9,537 MiB") in found
 
+
+
+def test_the_breakdown_gives_each_model_its_own_scale():
+    """On one axis, the model at hand's 4 MiB were invisible beside the reference model's 8,000 MiB."""
+    cats = {f"{c}_bytes": v for c, v in zip(ladder_figures.CATEGORIES, (1, 2, 3, 4, 5))}
+    measured = {f"measured_{c}_bytes": v for c, v in zip(ladder_figures.CATEGORIES, (1, 2, 3, 4, 6))}
+    runs = pd.DataFrame([
+        {"rung": "fp32", "role": "at hand", "model": "tiny", "status": "ok", "where": "step 2, forward",
+         **{k: v * 2**20 for k, v in cats.items()}, **{k: v * 2**20 for k, v in measured.items()}},
+        {"rung": "fp32", "role": "reference", "model": "qwen.json", "where": "step 2, backward",
+         **{k: v * 2**30 for k, v in cats.items()}},
+        {"rung": "lora", "role": "reference", "model": "qwen.json", **{k: 1.0 for k in cats}},
+    ])
+    fig = ladder_figures.breakdown_figure(StudyResult("ladder", runs=runs), "fp32")
+    by_panel = {}
+    for t in fig.data:
+        by_panel.setdefault(t.yaxis, []).append(t)
+    assert sorted(by_panel) == ["y", "y2"]  # two panels, two y axes
+    assert [tuple(t.x) for t in by_panel["y"]][0] == ("predicted", "measured")
+    assert [t.y[1] for t in by_panel["y"]] == [1, 2, 3, 4, 6]  # MiB, measured
+    assert [t.y[0] for t in by_panel["y2"]] == [1024, 2048, 3072, 4096, 5120]
+    assert [t.name for t in fig.data if t.showlegend] == ladder_figures.CATEGORIES  # one legend entry each
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[0].startswith("at hand: tiny") and "step 2, backward" in titles[1]
+    assert "not in the ladder" in ladder_figures.breakdown_figure(StudyResult("ladder", runs=runs), "cpu").layout.title.text

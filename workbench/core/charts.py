@@ -1,5 +1,6 @@
 """What every chart and table of the workbench shares: plotly's defaults, the loss curve, and
-tables rounded with their units.
+tables rounded with their units and shown in full (`table`: the notebooks, the apps and the report
+show a table the same way).
 
 The default renderer is `plotly_mimetype` (unless PLOTLY_RENDERER says otherwise), so an executed
 notebook stores each chart as JSON data (rendered by JupyterLab and Voila) instead of embedding the
@@ -10,10 +11,13 @@ only.
 
 from __future__ import annotations
 
+import html
 import math
 import os
 import sys
+from decimal import Decimal
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
@@ -56,6 +60,9 @@ _UNIT_SUFFIXES = (  # (column suffix, header suffix, scale, decimals)
     ("tflops", " (TFLOP/s)", 1.0, None),  # None: 3 significant digits (a CPU's 0.053 is not "0.1")
 )
 
+# a header `rounded` wrote: "peak (MiB)", "tok/s", "TFLOP/s"
+_SHOWN_UNITS = tuple(unit if suffix.startswith("_") else unit.strip(" ()") for suffix, unit, *_ in _UNIT_SUFFIXES)
+
 
 def _round_sig(x: float, sig: int = 3) -> float:
     if pd.isna(x) or x == 0:
@@ -95,6 +102,9 @@ def rounded(df: pd.DataFrame) -> pd.DataFrame:
     for col in df.columns:
         s = _numbers(df[col])
         name = str(col)
+        if name.endswith(_SHOWN_UNITS):  # rounded already (a figures table shown by `table`): as it is
+            out[name] = s
+            continue
         if pd.api.types.is_bool_dtype(s) or not pd.api.types.is_numeric_dtype(s):
             out[name] = s
             continue
@@ -112,3 +122,78 @@ def rounded(df: pd.DataFrame) -> pd.DataFrame:
         else:
             out[name] = s if pd.api.types.is_integer_dtype(s) else s.astype(float).map(_round_sig)
     return pd.DataFrame(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# tables shown in full: a notebook, a Voila app and the report show a table the same way
+
+
+def _decimals(x: float) -> int:
+    """The decimal places `x` (rounded already) needs: 8577.0 -> 0, 4.25 -> 2, 1e-05 -> 5."""
+    if x.is_integer():
+        return 0
+    return min(6, max(0, -Decimal(repr(x)).as_tuple().exponent))
+
+
+def _cells(s: pd.Series) -> tuple[list[str], bool]:
+    """A column's cells as text, and whether it holds numbers (shown right-aligned): thousands
+    separated, one number of decimals per column, a gap as an empty cell, a flag as yes/no."""
+    flags = [v for v in s if not _gap(v)]
+    if pd.api.types.is_bool_dtype(s) or (flags and all(isinstance(v, (bool, np.bool_)) for v in flags)):
+        return ["" if _gap(v) else "yes" if v else "no" for v in s], False  # a flag with gaps too
+    if pd.api.types.is_numeric_dtype(s):
+        present = [float(v) for v in s if not pd.isna(v)]
+        if all(math.isfinite(v) for v in present):
+            d = max((_decimals(v) for v in present), default=0)
+            return ["" if pd.isna(v) else f"{float(v):,.{d}f}" for v in s], True
+        return ["" if pd.isna(v) else f"{v:,}" for v in s], True
+    return ["" if _gap(v) else str(v) for v in s], False
+
+
+def _gap(v) -> bool:
+    return v is None or (pd.api.types.is_scalar(v) and pd.isna(v))
+
+
+def table_html(df: pd.DataFrame) -> str:
+    """`df` as an HTML table for reading: rounded with units (`rounded`), every text in full, text
+    left-aligned and numbers right-aligned, gaps empty, no row index; inside a box that scrolls
+    sideways when the table is wider than the page (a run table with notes)."""
+    shown = rounded(df)
+    columns = [_cells(shown[c]) for c in shown.columns]
+    align = ["right" if numeric else "left" for _, numeric in columns]
+    head = "".join(f'<th style="text-align:{a}">{html.escape(str(c))}</th>' for c, a in zip(shown.columns, align))
+    rows = "".join(
+        "<tr>" + "".join(f'<td style="text-align:{a}">{html.escape(cells[i])}</td>'
+                         for (cells, _), a in zip(columns, align)) + "</tr>"
+        for i in range(len(shown)))
+    return (f'<div class="wide" style="overflow-x:auto;max-width:100%"><table class="wb-table">'
+            f"<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>")
+
+
+class Table:
+    """A table as a notebook, a Voila app or a terminal shows it (see `table_html`). pandas' own
+    display cuts every cell at 50 characters, so the notebooks' findings and a skipped rung's
+    reason read "Predicted peaks of 5 rung(s) measured here are..."; this shows them whole."""
+
+    def __init__(self, df: pd.DataFrame):
+        self.df = df
+
+    def _repr_html_(self) -> str:
+        return table_html(self.df) if len(self.df.columns) else "<p>(no columns)</p>"
+
+    def __repr__(self) -> str:  # a terminal, or a notebook's text/plain: the same cells, aligned
+        shown = rounded(self.df)
+        if not len(shown.columns):
+            return "(no columns)"
+        lines = [[str(c) for c in shown.columns]]
+        columns = [_cells(shown[c]) for c in shown.columns]
+        lines += [[cells[i] for cells, _ in columns] for i in range(len(shown))]
+        widths = [max(len(line[j]) for line in lines) for j in range(len(columns))]
+        return "\n".join("  ".join(v.rjust(w) if numeric else v.ljust(w)
+                                   for v, w, (_, numeric) in zip(line, widths, columns)).rstrip()
+                         for line in lines)
+
+
+def table(df: pd.DataFrame) -> Table:
+    """`df` shown in full, rounded with units: the last line of a notebook cell, or display(table(df))."""
+    return Table(df)

@@ -15,6 +15,7 @@ from typing import Callable
 import ipywidgets
 from IPython.display import display
 
+from workbench.core.charts import table
 from workbench.core.config import Config
 from workbench.front.live import LiveChart
 from workbench.front.panel import knobs
@@ -38,7 +39,7 @@ def strategies_app(cfg: StrategiesConfig):
         live = LiveChart(title="Study 1: transfer strategies", output=chart)
         result = run_strategies(c, sinks=[live], progress=False)
         live.close()
-        display(strategies_figures.summary_table(result))
+        display(table(strategies_figures.summary_table(result)))
         strategies_figures.perplexity_spread(result.runs).show()
         return result
 
@@ -53,10 +54,10 @@ def ladder_app(cfg: LadderConfig):
                          run_keys=("rung", "stage"))
         result = run_ladder(c, sinks=[live])
         live.close()
-        display(ladder_figures.ladder_table(result))
+        display(table(ladder_figures.ladder_table(result)))
         ladder_figures.ladder_figure(result, title=f"memory ladder: {c.model}, micro-batch {c.micro_batch} "
                                                    f"x seq {c.seq_len}").show()
-        display(ladder_figures.autofit_table(result))
+        display(table(ladder_figures.autofit_table(result)))
         return result
 
     return knobs(LadderConfig, cfg, run, title="Study 2: change the settings and press Run")
@@ -74,7 +75,7 @@ def split_app(cfg: SplitConfig):
                          run_keys=("run",))
         result = run_split_study(c, sinks=[live])
         live.close()
-        display(split_figures.runs_table(result))
+        display(table(split_figures.runs_table(result)))
         split_figures.throughput_figure(result).show()
         return result
 

@@ -165,6 +165,7 @@ def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(parameters_cell(nb.config), metadata={"tags": ["parameters"]}),
         nbformat.v4.new_code_cell(
             "import pandas as pd\n\n"
+            "from workbench.core.charts import table\n"
             "from workbench.front.apps import app\n"
             "from workbench.front.live import LiveChart\n"
             f"from workbench.studies.{nb.study} import figures\n"
@@ -175,7 +176,8 @@ def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
             f"result = {nb.run.__name__}(cfg, sinks=[live])\n"
             "live.close();  # the chart keeps its final state"),
         nbformat.v4.new_markdown_cell("## What we found\n\nEach finding beside the published claim it answers."),
-        nbformat.v4.new_code_cell('pd.DataFrame(figures.findings(result), columns=["what we found", "published"])'),
+        nbformat.v4.new_code_cell(
+            'table(pd.DataFrame(figures.findings(result), columns=["what we found", "published"]))'),
     ]
     for markdown, code in fig.NOTEBOOK:
         if markdown:

@@ -21,12 +21,18 @@ import yaml
 
 from workbench.core.config import Config, ConfigError
 
-_LAYOUT = W.Layout(width="auto")
-_STYLE = {"description_width": "140px"}
 
 
-def _widget_for(name: str, tp: Any, value: Any, help_text: str, choices) -> W.Widget:
-    common = dict(description=name, tooltip=help_text, style=_STYLE)
+def _label_width(names: list[str]) -> str:
+    """Room for the longest field name: at a fixed 140 px, "reference_budget_mib" read
+    "reference_budget_..." in the apps (about 7.5 px per character of the widgets' 13 px font)."""
+    return f"{max(140, round(7.5 * max(map(len, names), default=0)) + 12)}px"
+
+
+def _widget_for(name: str, tp: Any, value: Any, help_text: str, choices, label_width: str = "140px") -> W.Widget:
+    common = dict(description=name, tooltip=help_text, style={"description_width": label_width})
+    if not (tp is bool or (get_origin(tp) is tuple and choices)):  # a box as wide as its column, not 300 px
+        common["layout"] = W.Layout(width="98%")
     origin = get_origin(tp)
     if origin is typing.Literal:
         return W.Dropdown(options=list(get_args(tp)), value=value, **common)
@@ -70,8 +76,10 @@ class Knobs(W.VBox):
         meta = config_cls.fields()
         names = fields or list(meta)
         self.hints = hints
+        label_width = _label_width(names)
         self.controls: dict[str, W.Widget] = {
-            n: _widget_for(n, hints[n], current.get(n, meta[n].default), helps[n], meta[n].metadata.get("choices"))
+            n: _widget_for(n, hints[n], current.get(n, meta[n].default), helps[n], meta[n].metadata.get("choices"),
+                           label_width)
             for n in names
         }
         self.fixed = {k: v for k, v in current.items() if k not in self.controls and k in meta}

@@ -14,27 +14,21 @@ from typing import Any
 
 import pandas as pd
 
-from workbench.core.charts import rounded
+from workbench.core.charts import table_html
 from workbench.core.results import atomic_write_text, environment, now, results_root
 from workbench.front.notebooks import STUDIES
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;font-size:12px;margin:0.5em 0 1.5em}
-td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}
-th{background:#f3f3f3} td:first-child,th:first-child{text-align:left}
+td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}
+th{background:#f3f3f3}
 .tag{display:inline-block;padding:1px 6px;border-radius:4px;font-size:12px;color:white}
 .measured{background:#2ca02c}.modelled{background:#ff7f0e}.missing{background:#999}
 pre{background:#f7f7f7;padding:0.5em;overflow-x:auto}
 .findings td,.findings th{text-align:left;font-size:14px;max-width:600px}
 .wide{overflow-x:auto;max-width:100%}
 """
-
-
-def _table_html(df: pd.DataFrame) -> str:
-    """A table that scrolls inside the page when it is wider (a run table with notes), instead of
-    spilling past the page's right edge."""
-    return f'<div class="wide">{rounded(df).to_html(index=False, na_rep="", border=0, escape=True)}</div>'
 
 
 def findings_html() -> tuple[str, dict[str, Any]]:
@@ -69,7 +63,7 @@ def write_report(path: str | Path | None = None) -> Path:
             if sub:
                 body.append(f"<h3>{html.escape(sub)}</h3>")
             if kind == "table":
-                body.append(_table_html(obj))
+                body.append(table_html(obj))
             elif kind == "figure":
                 body.append(obj.to_html(full_html=False, include_plotlyjs=first_fig, default_width="100%"))
                 first_fig = False
@@ -77,7 +71,7 @@ def write_report(path: str | Path | None = None) -> Path:
                 body.append(f"<div>{obj}</div>")
     reproduce = results_root() / "reproduce.json"
     runs = json.loads(reproduce.read_text()).get("notebooks", []) if reproduce.exists() else []
-    runs_html = _table_html(pd.DataFrame(runs)[["name", "status", "seconds", "output"]]) if runs else ""
+    runs_html = table_html(pd.DataFrame(runs)[["name", "status", "seconds", "output"]]) if runs else ""
     gpu = "no GPU" if env.get("gpu") in (None, "none") else f"GPU {html.escape(str(env['gpu']))}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Workbench report</title>
 <style>{_CSS}</style></head><body>

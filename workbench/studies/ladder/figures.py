@@ -87,18 +87,31 @@ def autofit_search_table(result: StudyResult) -> pd.DataFrame:
 
 def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
     """Bytes per category at the steady-state peak of one rung: predicted (and measured) for the
-    model at hand, predicted for the reference model."""
+    model at hand, predicted for the reference model. Each model has its own panel and scale: on
+    one axis the tiny model's few MiB were invisible beside the reference model's thousands."""
     sel = result.runs[result.runs["rung"] == rung]
-    bars = []
+    panels: dict[str, list[tuple[str, list[float]]]] = {}
+    wheres: dict[str, str] = {}
     for _, r in sel.iterrows():
-        bars.append((f"{r['role']}: predicted", [r.get(f"{c}_bytes", 0) / MiB for c in CATEGORIES]))
+        bars = panels.setdefault(r["role"], [])
+        bars.append(("predicted", [r.get(f"{c}_bytes", 0) / MiB for c in CATEGORIES]))
         if r["role"] == "at hand" and r.get("status") == "ok" and f"measured_{CATEGORIES[0]}_bytes" in r:
-            bars.append(("at hand: measured", [r[f"measured_{c}_bytes"] / MiB for c in CATEGORIES]))
-    fig = go.Figure([go.Bar(name=c, x=[b[0] for b in bars], y=[b[1][i] for b in bars])
-                     for i, c in enumerate(CATEGORIES)])
-    where = sel["where"].iloc[0] if len(sel) and "where" in sel else ""
-    return fig.update_layout(barmode="stack", yaxis_title="MiB at the peak", height=420,
-                             title=f"{rung}: bytes per category at the steady-state peak ({where})")
+            bars.append(("measured", [r[f"measured_{c}_bytes"] / MiB for c in CATEGORIES]))
+        model = r.get("model", "")
+        peak = f"<br><sup>peak: {r['where']}</sup>" if isinstance(r.get("where"), str) and r["where"] else ""
+        wheres[r["role"]] = f"{r['role']}: {model}{peak}"
+    if not panels:
+        return go.Figure().update_layout(title=f"{rung}: no prediction for this rung (it is not in the ladder)")
+    roles = list(panels)
+    fig = make_subplots(rows=1, cols=len(roles), subplot_titles=[wheres[role] for role in roles])
+    colors = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a"]
+    for col, role in enumerate(roles, start=1):
+        for i, c in enumerate(CATEGORIES):
+            fig.add_trace(go.Bar(name=c, x=[b[0] for b in panels[role]], y=[b[1][i] for b in panels[role]],
+                                 marker_color=colors[i], legendgroup=c, showlegend=col == 1), row=1, col=col)
+        fig.update_yaxes(title_text="MiB at the peak" if col == 1 else None, row=1, col=col)
+    return fig.update_layout(barmode="stack", height=460, margin={"t": 110},
+                             title=f"{rung}: bytes per category at the steady-state peak, per model")
 
 
 def reference_table(result: StudyResult) -> pd.DataFrame:
@@ -256,27 +269,27 @@ NOTEBOOK_RUN_TITLE = "Study 2: each measured rung (loss, memory against the budg
 NOTEBOOK_RUN_KEYS = ("rung", "stage")
 
 NOTEBOOK = [
-    ("## The ladder for the model at hand", "figures.ladder_table(result)"),
+    ("## The ladder for the model at hand", "table(figures.ladder_table(result))"),
     ("Bars: the predicted peak (hatched where the figure is *estimated*, not simulated) and the measured peak; "
      "the dashed line is the budget. Right: the measured step time.", "figures.ladder_figure(result).show()"),
     ("", "figures.loss_figure(result).show()"),
     ("## Auto-fit\n\nFrom the ladder's top rung, the fastest setup predicted to fit the budget with the batch per "
      "step kept (micro-batch with accumulation, checkpointing, precision, optimizer), run with the budget "
      "enforced; on a real out-of-memory error it steps down to the next setup, and to the CPU last.",
-     "figures.autofit_table(result)"),
+     "table(figures.autofit_table(result))"),
     ("The setups auto-fit predicted, cheapest first by their prior cost, until enough fitted.",
-     "figures.autofit_search_table(result)"),
+     "table(figures.autofit_search_table(result))"),
     ("## Where the bytes go at the peak (one rung)\n\nWeights, gradients, optimizer state, activations (saved "
      "for backward) and temporaries at the steady-state peak.",
      "figures.breakdown_figure(result, cfg.breakdown_rung).show()"),
-    ("## The reference model, predicted", "figures.reference_table(result)"),
+    ("## The reference model, predicted", "table(figures.reference_table(result))"),
     ("## The published memory table beside the prediction\n\nThe published figures "
      "(`data/published_claims.json`, study2_memory_table) were never measured.",
      "figures.published_figure(result).show()"),
-    ("", "figures.published_table(result)"),
+    ("", "table(figures.published_table(result))"),
     ("## What the usual estimators say, and why they differ\n\naccelerate's `estimate-memory` reports the largest "
      "single component, not a sum; DeepSpeed's estimators count model states only. Neither counts activations, "
      "the vocabulary-sized logits and their gradient, or optimizer temporaries.",
      "figures.baselines_figure(result).show()"),
-    ("", "figures.baselines_table(result)"),
+    ("", "table(figures.baselines_table(result))"),
 ]

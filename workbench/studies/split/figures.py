@@ -258,7 +258,7 @@ NOTEBOOK_RUN_KEYS = ("run",)
 NOTEBOOK = [
     ("## The runs\n\nOne row per run. `status` is `oom` where the modelled GPU memory exceeds the card. "
      "`max_abs_diff_vs_adamw` compares each measured run's final weights with plain AdamW.",
-     "figures.runs_table(result)"),
+     "table(figures.runs_table(result))"),
     ("## Throughput against k\n\nPanels are per machine; modelled panels say so in their title.",
      "figures.throughput_figure(result).show()"),
     ("", "figures.tflops_figure(result).show()"),
@@ -271,9 +271,9 @@ NOTEBOOK = [
     ("", "figures.k_figure(result).show()"),
     ("## The seed's k band: a verdict, not a reproduction\n\nThe seed reports alpha = 0.083 and k between 0.1 "
      "and 0.2 (LLaMA2-10B, batch 8, A100 80 GB) without its sequence length or CPU. The model computes k for "
-     "that setting from its own inputs only.", "print(figures.verdict_text(result))\nfigures.verdict_table(result)"),
+     "that setting from its own inputs only.", "print(figures.verdict_text(result))\ntable(figures.verdict_table(result))"),
     ("", "figures.sensitivity_figure(result).show()"),
-    ("## The model against published offload measurements", "figures.validation_table(result)"),
-    ("## Every input of the performance model, and the host measured here", "figures.inputs_table(result)"),
-    ("", "figures.host_table(result)"),
+    ("## The model against published offload measurements", "table(figures.validation_table(result))"),
+    ("## Every input of the performance model, and the host measured here", "table(figures.inputs_table(result))"),
+    ("", "table(figures.host_table(result))"),
 ]

@@ -148,15 +148,15 @@ NOTEBOOK_RUN_TITLE = "Study 1: loss, device memory against the budget, speed (li
 NOTEBOOK = [
     ("## Is the held-out text really unseen?\n\nShare of held-out 50-character windows that occur verbatim in "
      "the training text: split by document name alone, and as the workbench splits. The limit is 0.5%.",
-     "figures.overlap_table(result)"),
-    ("## What each strategy achieved (mean and spread over seeds)", "figures.summary_table(result)"),
+     "table(figures.overlap_table(result))"),
+    ("## What each strategy achieved (mean and spread over seeds)", "table(figures.summary_table(result))"),
     ("", "figures.perplexity_spread(result.runs).show()"),
     ("", "figures.loss_curves(result.steps).show()"),
     ("## Where each run went\n\n`device_history` lists every attempt: `skipped` (the pre-flight estimate said it "
      "would not fit), `oom` with the phase it ran out in, then `ok` on the device that finished it.",
-     "figures.runs_table(result)"),
+     "table(figures.runs_table(result))"),
     ("", "figures.device_timeline(result.runs).show()"),
     ("## The published claims beside this measurement\n\nThe published comparison (Qwen2-0.5B, Rust/Candle) "
      "reported trainable *tensor* counts, selected layers by substring, started from random weights, and scored "
-     "perplexity on training text.", "figures.claims_table(result)"),
+     "perplexity on training text.", "table(figures.claims_table(result))"),
 ]
