@@ -124,10 +124,14 @@ def test_a_table_in_a_notebook_shows_every_text_whole_and_its_figures_rounded_on
     page = Table(df)._repr_html_()
     assert f">{why}</td>" in page and "..." not in page
     assert ">955.1</td>" in page and ">4,987</td>" in page  # thousands separated, one rounding
+    sig = Table(pd.DataFrame({"tflops": [32.2, 0.0248, None]}))._repr_html_()
+    assert ">32.2</td>" in sig and ">0.0248</td>" in sig  # 3 significant digits: not "32.2000"
     assert '<td style="text-align:right"></td>' in page  # no tok/s: an empty cell, not NaN
     assert page.count(">yes</td>") == 2 and "True" not in page  # a flag column with a gap reads the same
     assert '<td style="text-align:left">no</td>' in page and '<td style="text-align:left">zero_offload</td>' in page
     assert "<th" not in page.split("<tbody>")[1]  # no row index
+    assert Table(df, caption="a <verdict>")._repr_html_().startswith("<p>a &lt;verdict&gt;</p><div")
+    assert repr(Table(df, caption="a verdict")).startswith("a verdict\n\nrung ")
     text = repr(Table(df)).splitlines()
     assert text[0].split() == ["rung", "predicted_peak", "(MiB)", "tok/s", "reason", "fits", "fits_measured"]
     assert text[2].startswith("zero_offload") and text[2].endswith(f"{why}  no") and "NaN" not in text[2]

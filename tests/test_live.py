@@ -32,6 +32,34 @@ def test_live_chart_holds_every_row_and_the_budget():
     assert live.rows == 8
 
 
+def test_a_run_wears_one_colour_in_every_panel_and_runs_differ():
+    """plotly's cycle gave each new trace the next colour: a run's memory and speed lines wore
+    other runs' legend colours, and the reader matched the wrong lines."""
+    live = LiveChart(display=False, min_interval_s=0)
+    for r in rows():
+        live(r)
+    live({"strategy": "full", "seed": 0, "device": "cpu", "step": 6, "loss": 4.4, "tokens": 3072, "mem_mib": 16.0,
+          "cuda_peak_reserved_mib": 20.0})
+    fig = live.close()
+    colours = {}
+    for t in fig.data:
+        colours.setdefault(t.legendgroup, set()).add(t.line.color)
+    assert all(len(c) == 1 for c in colours.values())  # loss, memory, speed (and reserved) alike
+    assert len({next(iter(c)) for c in colours.values()}) == 2  # two runs, two colours
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["full 0 cpu", "lora 0 cpu@64"]
+
+
+def test_an_empty_memory_panel_says_why():
+    live = LiveChart(display=False, min_interval_s=0)
+    live({"run": "k=0", "step": 1, "loss": 5.0, "tokens": 512, "tokens_per_s": 900.0})
+    notes = [a.text for a in live.close().layout.annotations]
+    assert any(n.startswith("no device memory in these rows") for n in notes)
+    full = LiveChart(display=False, min_interval_s=0)
+    for r in rows():
+        full(r)
+    assert not any(a.text.startswith("no device memory") for a in full.close().layout.annotations)
+
+
 def test_knobs_validate_like_the_parameters_cell_and_run():
     seen = []
     panel = knobs(StrategiesConfig, StrategiesConfig(), seen.append)

@@ -145,7 +145,10 @@ def _cells(s: pd.Series) -> tuple[list[str], bool]:
         present = [float(v) for v in s if not pd.isna(v)]
         if all(math.isfinite(v) for v in present):
             d = max((_decimals(v) for v in present), default=0)
-            return ["" if pd.isna(v) else f"{float(v):,.{d}f}" for v in s], True
+            if d <= 2:  # the column's places for every figure: 8,577.0 above 4.2
+                return ["" if pd.isna(v) else f"{float(v):,.{d}f}" for v in s], True
+            # significant digits (TFLOP/s): each figure its own places, or 32.2 reads 32.2000 below 0.0248
+            return ["" if pd.isna(v) else f"{float(v):,.{_decimals(float(v))}f}" for v in s], True
         return ["" if pd.isna(v) else f"{v:,}" for v in s], True
     return ["" if _gap(v) else str(v) for v in s], False
 
@@ -175,25 +178,29 @@ class Table:
     display cuts every cell at 50 characters, so the notebooks' findings and a skipped rung's
     reason read "Predicted peaks of 5 rung(s) measured here are..."; this shows them whole."""
 
-    def __init__(self, df: pd.DataFrame):
+    def __init__(self, df: pd.DataFrame, caption: str = ""):
         self.df = df
+        self.caption = caption
 
     def _repr_html_(self) -> str:
-        return table_html(self.df) if len(self.df.columns) else "<p>(no columns)</p>"
+        text = f"<p>{html.escape(self.caption)}</p>" if self.caption else ""
+        return text + (table_html(self.df) if len(self.df.columns) else "<p>(no columns)</p>")
 
     def __repr__(self) -> str:  # a terminal, or a notebook's text/plain: the same cells, aligned
         shown = rounded(self.df)
+        text = f"{self.caption}\n\n" if self.caption else ""
         if not len(shown.columns):
-            return "(no columns)"
+            return text + "(no columns)"
         lines = [[str(c) for c in shown.columns]]
         columns = [_cells(shown[c]) for c in shown.columns]
         lines += [[cells[i] for cells, _ in columns] for i in range(len(shown))]
         widths = [max(len(line[j]) for line in lines) for j in range(len(columns))]
-        return "\n".join("  ".join(v.rjust(w) if numeric else v.ljust(w)
+        return text + "\n".join("  ".join(v.rjust(w) if numeric else v.ljust(w)
                                    for v, w, (_, numeric) in zip(line, widths, columns)).rstrip()
                          for line in lines)
 
 
-def table(df: pd.DataFrame) -> Table:
-    """`df` shown in full, rounded with units: the last line of a notebook cell, or display(table(df))."""
-    return Table(df)
+def table(df: pd.DataFrame, caption: str = "") -> Table:
+    """`df` shown in full, rounded with units, after a paragraph of `caption` (wrapped like text, where
+    a printed line ran past a Voila page's edge): the last line of a notebook cell, or display(table(df))."""
+    return Table(df, caption)

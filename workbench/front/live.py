@@ -30,6 +30,7 @@ from plotly.subplots import make_subplots
 
 from workbench.core import charts  # noqa: F401  (sets the plotly_mimetype renderer)
 
+_PALETTE = pio.templates["plotly_white"].layout.colorway or ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a")
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
                 ("nvml_used_mib", "NVML used", "dot"))
 
@@ -50,7 +51,7 @@ class LiveChart:
         self.min_interval_s = min_interval_s
         self.fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "peak device memory per step (MiB)", "tokens/s"),
                                  horizontal_spacing=0.07)
-        self.fig.update_layout(title=title, height=360, margin=dict(t=70, b=40, l=50, r=20),
+        self.fig.update_layout(title=title, height=380, margin=dict(t=95, b=40, l=50, r=20),
                                legend=dict(orientation="h", y=-0.2))
         self.fig.update_xaxes(title_text="tokens", col=1)
         self.fig.update_xaxes(title_text="step", col=2)
@@ -99,11 +100,12 @@ class LiveChart:
             name = " ".join(str(v) for v in key) or "run"
             base = len(self.fig.data)
             group = str(key)
-            self.fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=name, legendgroup=group), row=1, col=1)
-            self.fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=name, legendgroup=group,
-                                          showlegend=False), row=1, col=2)
-            self.fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=name, legendgroup=group,
-                                          showlegend=False), row=1, col=3)
+            # one colour per run in all three panels (plotly's own cycle gave each trace the next
+            # colour, so a run's memory and speed lines wore other runs' legend colours)
+            color = _PALETTE[sum(1 for k in self._traces if len(self._traces[k]) == 3) % len(_PALETTE)]
+            for col in (1, 2, 3):
+                self.fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=name, legendgroup=group,
+                                              line_color=color, showlegend=col == 1), row=1, col=col)
             self._traces[key] = (base, base + 1, base + 2)
         i_loss, i_mem, i_tps = self._traces[key]
         self._append(i_loss, row.get("tokens", row.get("step")), row["loss"])
@@ -115,7 +117,8 @@ class LiveChart:
             if row.get(column) is not None:
                 if (key, column) not in self._traces:
                     self.fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"{self.fig.data[i_mem].name} {what}",
-                                                  legendgroup=str(key), showlegend=False, line_dash=dash), row=1, col=2)
+                                                  legendgroup=str(key), showlegend=False, line_dash=dash,
+                                                  line_color=self.fig.data[i_mem].line.color), row=1, col=2)
                     self._traces[(key, column)] = (len(self.fig.data) - 1,)
                 self._append(self._traces[(key, column)][0], row["step"], row[column])
         budget = row.get("budget_mib")
@@ -137,6 +140,11 @@ class LiveChart:
         fig = go.Figure(self.fig)
         if self._status:
             fig.update_layout(title=f"{self.title}<br><sub>{self._status}</sub>")
+        memory = [t for t in fig.data if t.xaxis == "x2" and t.y]
+        if self.rows and not memory:  # an empty panel that says why, not a bare -1..4 grid
+            fig.add_annotation(text="no device memory in these rows<br>(the run reports none on this device)",
+                               xref="x2 domain", yref="y2 domain", x=0.5, y=0.5, showarrow=False,
+                               font_color="#888")
         return fig
 
     def _bundle(self) -> dict:

@@ -271,7 +271,7 @@ NOTEBOOK = [
     ("", "figures.k_figure(result).show()"),
     ("## The seed's k band: a verdict, not a reproduction\n\nThe seed reports alpha = 0.083 and k between 0.1 "
      "and 0.2 (LLaMA2-10B, batch 8, A100 80 GB) without its sequence length or CPU. The model computes k for "
-     "that setting from its own inputs only.", "print(figures.verdict_text(result))\ntable(figures.verdict_table(result))"),
+     "that setting from its own inputs only.", "table(figures.verdict_table(result), caption=figures.verdict_text(result))"),
     ("", "figures.sensitivity_figure(result).show()"),
     ("## The model against published offload measurements", "table(figures.validation_table(result))"),
     ("## Every input of the performance model, and the host measured here", "table(figures.inputs_table(result))"),
