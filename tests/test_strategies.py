@@ -113,6 +113,21 @@ def test_two_strategies_that_train_the_same_parameters_are_said_to(layers):
         assert same == []
 
 
+def test_the_fallback_finding_says_which_runs_ran_out_and_which_were_kept_off():
+    """A run the pre-flight prediction kept off the budgeted device never ran out of memory there;
+    the finding said all of them had."""
+    summary = pd.DataFrame([{"strategy": "lora", "ppl_before": 100.0, "ppl_after_mean": 90.0,
+                             "improvement_pct_mean": 10.0, "seeds": 2}])
+    runs = pd.DataFrame([
+        {"strategy": "full", "seed": 0, "status": "fallback", "device_history": "cpu@13: skipped in preflight -> cpu: ok"},
+        {"strategy": "full", "seed": 1, "status": "fallback", "device_history": "cpu@13: oom in backward -> cpu: ok"},
+        {"strategy": "bitfit", "seed": 0, "status": "fallback", "device_history": "cpu@13: oom in forward -> cpu: ok"},
+        {"strategy": "lora", "seed": 0, "status": "ok", "device_history": "cpu@13: ok"}])
+    said = [f for f, _ in findings(StudyResult("strategies", runs=runs, tables={"summary": summary}))]
+    assert said[-1] == ("3 run(s) did not fit the device budget and finished on the next device: 2 ran out of "
+                        "memory (bitfit, full); 1 was kept off it by the pre-flight prediction (full).")
+
+
 def _qlora_grads(evaluate_first: bool) -> dict[str, torch.Tensor]:
     """The LoRA gradients of one step of a small 4-bit QLoRA model, with or without a held-out
     evaluation (eval mode, no grad: what study 1 does before training) before the step. Layers are

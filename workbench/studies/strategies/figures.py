@@ -97,9 +97,15 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
                         ""))
     fell = result.runs[result.runs["status"] == "fallback"] if "status" in result.runs else pd.DataFrame()
     if len(fell):
-        out.append((f"{len(fell)} run(s) ran out of the device budget and finished on the next device: "
-                    f"{', '.join(sorted(set(fell['strategy'])))}.",
-                    "the published adapter run fell back from GPU to CPU"))
+        history = fell["device_history"].astype(str) if "device_history" in fell else pd.Series("", index=fell.index)
+        how = []  # a run the pre-flight prediction kept off the device never ran out of memory there
+        oom = history.str.contains(": oom")
+        for rows, what in ((fell[oom], "ran out of memory"), (fell[~oom], "kept off it by the pre-flight prediction")):
+            if len(rows):
+                verb = "" if what.startswith("ran") else "was " if len(rows) == 1 else "were "
+                how.append(f"{len(rows)} {verb}{what} ({', '.join(sorted(set(rows['strategy'])))})")
+        out.append((f"{len(fell)} run(s) did not fit the device budget and finished on the next device: "
+                    f"{'; '.join(how)}.", "the published adapter run fell back from GPU to CPU"))
     return out
 
 
