@@ -150,3 +150,24 @@ def test_long_text_leaves_the_shell_table_and_follows_it_once_per_row_key():
     assert lines == ["reason (by strategy):", f"  full: {why}", "notes (by strategy):",
                      "  adapter: trains the last 2 decoder layers, the final norm and the head"]
     assert split_long_text(short) == (short, [])  # nothing long: the table as it was
+
+
+def test_two_library_messages_no_user_can_act_on_are_dropped_and_no_other():
+    """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install
+    kernels" and peft's use of a deprecated transformers name opened every `workbench estimate`."""
+    probe = ("import logging, sys, warnings\n{first}"
+             "import bitsandbytes, transformers\n"
+             "from bitsandbytes.functional import has_avx512bf16\n"
+             "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('another bitsandbytes message')\n"
+             "warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed in v6.', FutureWarning)\n"
+             "warnings.warn('another deprecation', FutureWarning)\n"
+             "print(has_avx512bf16())\n")
+    env = {**subprocess_env(ROOT), "PYTHONWARNINGS": "default"}
+    run = [subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True,
+                          timeout=300, env=env, check=True) for first in ("import workbench\n", "")]
+    quiet, plain = run
+    assert "another bitsandbytes message" in quiet.stderr and "another deprecation" in quiet.stderr
+    assert "kernels-community" not in quiet.stderr and "is_gradient_checkpointing" not in quiet.stderr
+    assert "is_gradient_checkpointing" in plain.stderr  # the probe would see them without the workbench
+    if plain.stdout.strip() == "True":  # bitsandbytes tries the hub kernel only on AVX512-BF16 CPUs
+        assert "kernels-community" in plain.stderr

@@ -1,5 +1,27 @@
 """The memory-constrained training workbench: three studies of training language models on GPUs
 that are too small (see README.md)."""
 
+import logging
+import warnings
+
 # Part of every run's key: a finished run made by another version is not reused.
 __version__ = "0.2.0"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in str(record.msg)
+
+
+# Two library messages no user can act on, which opened every `workbench estimate` with what reads
+# like an error; each dropped by its exact text, every other message of those libraries kept:
+# - bitsandbytes (on a CPU with AVX512-BF16, at import) failed to load its 4-bit inference kernel
+#   from the hub. We never use that kernel: it has no backward, and core.trainable.keep_4bit_backward
+#   switches it off on every 4-bit layer (it had silently broken QLoRA's gradient).
+# - peft reads transformers 5's deprecated `is_gradient_checkpointing` on every model it wraps.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessage("kernels-community"))
+warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
