@@ -245,6 +245,27 @@ def test_quantize_4bit_on_the_meta_device_quantizes_each_shape_once_and_each_lay
         assert q.weight.quant_state.shape == ref.weight.quant_state.shape
 
 
+def test_quantize_4bit_quantizes_gpt2s_conv1d_layers_the_way_transformers_does():
+    """GPT-2 stores its linear layers as Conv1D (weight transposed). They were left whole: a GPT-2
+    QLoRA plan kept 16-bit weights and `estimate --trainable qlora` stopped with a traceback."""
+    import bitsandbytes as bnb
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=96, n_positions=32)).eval()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    assert quantize_4bit(model, torch.float32) == 2 * 4  # c_attn, c_proj, c_fc, mlp.c_proj per block
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert (layers["transformer.h.0.attn.c_attn"].in_features, layers["transformer.h.0.attn.c_attn"].out_features) \
+        == (128, 384)
+    with torch.no_grad():
+        after = model(ids).logits
+    # NF4's rounding, not a transposed weight (which gives an error of the logits' own size)
+    assert ((after - before).norm() / before.norm()).item() < 0.25
+
+
 @pytest.mark.parametrize("name", ["device_map", "zero_offload", "zero_offload_params"])
 def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypatch):
     """On a (pretend) CUDA device these rungs go through their own mechanism; where it cannot run

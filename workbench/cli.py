@@ -19,6 +19,7 @@ import sys
 from workbench.core.config import ConfigError
 from workbench.core.data import CorpusError
 from workbench.core.models import ModelNotFoundError
+from workbench.core.trainable import StrategyNotApplicable
 from workbench.front import commands, dashboard, gpu_check, reproduce, sweep
 from workbench.studies.ladder import cli as estimate
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ModelNotFoundError, CorpusError) as e:
+    except (ConfigError, ModelNotFoundError, CorpusError, StrategyNotApplicable) as e:
         print(f"workbench {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

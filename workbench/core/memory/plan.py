@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from workbench.core.config import ConfigError
 from workbench.core.trainable import apply_strategy, keep_4bit_backward
@@ -175,7 +176,10 @@ def rung(name: str | Plan) -> Plan:
 # building a plan: the same code for real weights and for fake tensors
 
 def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every nn.Linear outside `skip` by a bitsandbytes NF4 Linear4bit, in place.
+    """Replace every nn.Linear outside `skip` by a bitsandbytes NF4 Linear4bit, in place. GPT-2's
+    Conv1D layers (a linear layer stored transposed) are replaced too, their weight transposed, as
+    transformers' own 4-bit loading does; before, a GPT-2 model kept them whole and QLoRA on it
+    stopped with a traceback.
 
     The weights are quantized for real (bitsandbytes cannot run under fake tensors) on the
     device the layer is on: on CUDA by bitsandbytes' CUDA kernels, so a QLoRA model on a GPU
@@ -192,12 +196,16 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if type(child) is not torch.nn.Linear or any(full.endswith(s) for s in skip):
+            conv1d = isinstance(child, Conv1D)
+            if not (type(child) is torch.nn.Linear or conv1d) or any(full.endswith(s) for s in skip):
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
+            in_features, out_features = child.weight.shape if conv1d else (child.in_features, child.out_features)
+            q = bnb.nn.Linear4bit(in_features, out_features, child.bias is not None,
                                   compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
                                   device="meta")
-            w = child.weight.data
+            w = child.weight.data.T if conv1d else child.weight.data
+            if conv1d:
+                w = w if w.device.type == "meta" else w.contiguous()
             if w.device.type != "meta":
                 q.weight = bnb.nn.Params4bit(w.float(), requires_grad=False, compress_statistics=True,
                                              quant_type="nf4", module=q)._quantize(w.device)
@@ -219,8 +227,9 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
 
 
 def check_lora_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> None:
-    """Each target must name a linear module of `model` (peft matches a name's last parts)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    """Each target must name a linear module of `model` (peft matches a name's last parts): an
+    nn.Linear, a 4-bit one, or GPT-2's Conv1D (peft wraps it; c_attn is GPT-2's usual target)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
