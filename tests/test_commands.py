@@ -49,6 +49,8 @@ def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_
                  "steps=2", "micro_batch=2", "seq_len=32"])
     out = capsys.readouterr().out
     assert code == 0 and "fp32" in out and "predicted_peak (MiB)" in out
+    fp32 = next(line for line in out.splitlines() if line.startswith("fp32 "))
+    assert fp32.split()[-2:] in (["no", "no"], ["yes", "yes"]) and "NaN" not in out  # flags read yes/no
     assert "- Predicted peaks of 2 rung(s) measured here" in out
     assert (results_dir / "ladder" / "runs.csv").exists()
 

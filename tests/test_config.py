@@ -60,6 +60,8 @@ def test_lossless_coercions():
     cfg = Demo.from_dict({"lr": 1, "steps": 4.0, "seeds": [1, 2]})
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
     assert cfg.steps == 4 and cfg.seeds == (1, 2)
+    # `reference_model=` (the help's "'': none") on a command line: YAML reads the empty value as null
+    assert LadderConfig.from_dict({"reference_model": None}).reference_model == ""
 
 
 def test_from_namespace_takes_plain_values_and_rejects_strays():

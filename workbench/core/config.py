@@ -110,6 +110,8 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{name}: expected true or false, got {type(value).__name__} {value!r}")
         return value
     if tp is str:
+        if value is None:  # `NAME=` on a command line or in a grid: YAML reads an empty value as null
+            return ""
         if not isinstance(value, str):
             raise ConfigError(f"{name}: expected a string, got {type(value).__name__} {value!r}")
         return value

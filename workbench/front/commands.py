@@ -19,6 +19,7 @@ import json
 
 import pandas as pd
 
+from workbench.core.charts import Table
 from workbench.core.common import stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.front.notebooks import STUDIES, StudyNotebook
@@ -82,8 +83,7 @@ def main(args) -> int:
         print(result.runs.to_json(orient="records", indent=1))
     else:
         table, notes = split_long_text(nb.figures.runs_table(result))
-        with pd.option_context("display.width", 200, "display.max_rows", 200, "display.max_columns", 30):
-            print(table.to_string(index=False))
+        print(Table(table))  # as the notebooks show it: thousands separated, flags yes/no, gaps empty
         for line in notes:
             print(line)
         for finding, claim in nb.figures.findings(result):
