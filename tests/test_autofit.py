@@ -132,3 +132,14 @@ def test_estimate_search_from_the_command_line(config, tmp_path, capsys):
         prediction_margin(_setup(precision="bf16-true"), device="cuda")[0])  # estimate's default device
     assert all(r["margin"] >= out["margin"] for r in out["tried"])
     assert 8 % out["micro_batch"] == 0 and out["step_down"][0] == out["chosen"]
+    # the table says where the budget comes from and what the search started from; a card smaller
+    # than its CUDA context is a one-line error (it was "budget must be positive, got -479.52...")
+    assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--precision", "bf16-true",
+                 "--search", "--card", "RTX 4060 Ti 8GB"]) == 0
+    head = capsys.readouterr().out.splitlines()[:2]
+    assert head[0].endswith("budget 7,692 MiB (RTX 4060 Ti 8GB's 8,192 MiB less its CUDA context, 500 MiB modelled)")
+    assert head[1] == "searched from your setup: custom (bf16-true, adamw_torch, full)"
+    assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--search", "--card", "0.2"]) == 2
+    assert capsys.readouterr().err == ("workbench estimate: --card 0.2: its 205 MiB do not hold the CUDA context "
+                                       "(500 MiB, modelled); give a larger card, or --budget-mib for a budget of "
+                                       "your own\n")

@@ -170,8 +170,16 @@ def _estimate(args) -> int:
             path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq,
                                            steps=args.steps or CUDA_STEPS, card=args.card), args.snapshot)
             print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
+        budget_from = "--budget-mib"
         if (args.search or args.auto_fit) and args.budget_mib is None:
-            args.budget_mib = cuda_card(args.card).usable_bytes / MiB  # what the card leaves after its context
+            card = cuda_card(args.card)
+            if card.usable_bytes <= 0:
+                raise ConfigError(f"--card {args.card}: its {mib_text(card.total_bytes / MiB)} MiB do not hold the "
+                                  f"CUDA context ({mib_text(card.context_bytes / MiB)} MiB, modelled); give a larger "
+                                  "card, or --budget-mib for a budget of your own")
+            args.budget_mib = card.usable_bytes / MiB  # what the card leaves after its context
+            budget_from = (f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less its CUDA context, "
+                           f"{mib_text(card.context_bytes / MiB)} MiB modelled")
         if args.search:
             budget_mib = args.budget_mib
             setup = plan or RUNGS[names[0]]
@@ -187,7 +195,7 @@ def _estimate(args) -> int:
             choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
                               device=args.device)
     if args.search:
-        return _print_search(args, found, budget_mib, setup)
+        return _print_search(args, found, budget_mib, setup, budget_from)
     budget = int(args.budget_mib * MiB) if args.budget_mib else None
     plans = {plan.name: plan} if plan is not None else {n: RUNGS[n] for n in names}
 
@@ -295,7 +303,7 @@ def _estimate(args) -> int:
     return 0
 
 
-def _print_search(args, choice, budget_mib: float, setup) -> int:
+def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> int:
     """`--search`'s result (the joint auto-fit, workbench.studies.ladder.autofit) with its reasons."""
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch, "seq": args.seq, "budget_mib": budget_mib,
@@ -303,8 +311,9 @@ def _print_search(args, choice, budget_mib: float, setup) -> int:
                           "why": choice.why, "margin": choice.margin, "margin_source": choice.margin_source,
                           "step_down": [p.name for p in choice.fitting], "tried": choice.table}, indent=2))
         return 0 if choice.plan else 1
-    print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {mib_text(budget_mib)} MiB  "
-          f"(from {setup.help})")
+    print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {mib_text(budget_mib)} MiB "
+          f"({budget_from})")
+    print(f"searched from your setup: {setup.name} ({setup.help})")
     print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin':>9}  fits")
     for r in choice.table:
         print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {r['need_mib']:>9,.1f} {r['margin']:>7.1%} "
