@@ -1,9 +1,12 @@
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 from transformers import AutoModelForCausalLM
 
 from workbench.core.config import ConfigError
@@ -57,7 +60,21 @@ def test_checkpointing_and_bf16_run():
     m, blocks = model_and_blocks()
     r = train(m, blocks, TrainSettings(steps=2, micro_batch=4, grad_checkpointing=True, precision="bf16"))
     assert math.isfinite(r.final_loss)
-    assert not m.is_activation_checkpointing
+    assert not m.is_activation_checkpointing and m.config.use_cache is True  # put back as it was
+
+
+def test_checkpointing_trains_without_transformers_use_cache_warning():
+    """Each checkpointed run printed "`use_cache=True` is incompatible with gradient checkpointing.
+    Setting `use_cache=False`" (transformers' own fallback); the loop now sets it, as the warning asks."""
+    probe = ("import torch\nfrom conftest import tiny_config\nfrom transformers import AutoModelForCausalLM\n"
+             "from workbench.core.training import TrainSettings, train\n"
+             "m = AutoModelForCausalLM.from_config(tiny_config('qwen2'))\n"
+             "train(m, torch.randint(0, 128, (8, 32)), TrainSettings(steps=2, micro_batch=4, grad_checkpointing=True))\n"
+             "print('trained')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent, env=subprocess_env(Path(__file__).parent.parent))
+    assert done.returncode == 0 and done.stdout.strip() == "trained", done.stderr
+    assert "use_cache" not in done.stderr
 
 
 def test_schedule_and_bad_settings():

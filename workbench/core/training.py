@@ -148,8 +148,11 @@ def train(
     extra = dict(extra or {})
     torch.manual_seed(settings.seed)
     autocast(device, settings.precision)  # rejects fp16 without CUDA before anything runs
+    use_cache = None
     if settings.grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if getattr(model, "config", None) is not None:  # what transformers does then anyway, without its warning
+            use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
     model.train()
     if optimizer is None:
         optimizer = make_optimizer(model.parameters(), settings, device)
@@ -213,6 +216,8 @@ def train(
     seconds = time.perf_counter() - t_start
     if settings.grad_checkpointing:
         model.activation_checkpointing_disable()
+        if use_cache is not None:
+            model.config.use_cache = use_cache
     return TrainResult(settings.steps, tokens, seconds, losses[-1], losses)
 
 

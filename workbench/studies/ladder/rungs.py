@@ -206,6 +206,8 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
             os.environ.setdefault(k, v)
         if plan.grad_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if getattr(model, "config", None) is not None:  # what transformers does then anyway, without its warning
+                model.config.use_cache = False
         # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the rest of the process
         # (memory_efficient_linear); it is put back below, so that later rungs run torch's own
         linear = torch.nn.functional.linear
