@@ -194,11 +194,14 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
     folder.mkdir()
     pm.execute_notebook(str(ROOT / "notebooks" / "01_strategies.ipynb"), str(folder / "study1.ipynb"),
                         parameters=TINY, prepare_only=True, kernel_name="python3", progress_bar=False)
-    # the ladder's knobs alone (nothing runs until Run): its field names are the longest
+    # the ladder's app alone (nothing runs until Run): its field names are the longest; Run on one
+    # tiny rung, a few seconds
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "from workbench.front.apps import app\nfrom workbench.studies.ladder.config import LadderConfig\n"
-        "app(LadderConfig())")], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                         "language": "python"}}), folder / "knobs.ipynb")
+        "app(LadderConfig(base_size='tiny', rungs=('fp32',), breakdown_rung='fp32', steps=2, micro_batch=2, "
+        "seq_len=32, autofit=False, reference_model='', budget_mib=64.0))")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}),
+        folder / "knobs.ipynb")
     port, token = free_port(), "dash-token-0123"
     log = open(tmp_path / "voila.log", "w")
     voila = start_voila(folder, port, token, env=server_env, stdout=log, stderr=subprocess.STDOUT,
@@ -229,6 +232,13 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
                 cut = page.evaluate("[...document.querySelectorAll('.widget-label')]"
                                     ".filter(l => l.scrollWidth > l.clientWidth).map(l => l.textContent)")
                 assert cut == []  # "reference_budget_mib" read "reference_budget_..."
+                # Run: the live chart inside the panel is drawn (a display id is not updated inside
+                # the panel's Output: the ladder's and the split's apps showed an empty chart)
+                page.locator("button.widget-button", has_text="Run").click()
+                page.get_by_text("done", exact=True).wait_for(timeout=180_000)
+                page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=30_000)
+                assert page.locator("table.wb-table").count() >= 1
+                page.screenshot(path=str(SHOTS / "voila_ladder_run.png"), full_page=True)
             finally:
                 browser.close()
     finally:

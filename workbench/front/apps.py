@@ -30,13 +30,20 @@ from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.runner import run_strategies
 
 
+def _live_chart(title: str, **kw) -> LiveChart:
+    """A live chart inside the knobs panel: with an Output of its own, as a display id is not updated
+    in place inside an ipywidgets Output (the panel's); the ladder's and the split's apps showed an
+    empty chart for the whole run."""
+    chart = ipywidgets.Output()
+    display(chart)
+    return LiveChart(title=title, output=chart, **kw)
+
+
 def strategies_app(cfg: StrategiesConfig):
     """Study 1's control panel: live loss and memory per run, then the summary and the spread."""
 
     def run(c: StrategiesConfig):
-        chart = ipywidgets.Output()
-        display(chart)
-        live = LiveChart(title="Study 1: transfer strategies", output=chart)
+        live = _live_chart("Study 1: transfer strategies")
         result = run_strategies(c, sinks=[live], progress=False)
         live.close()
         display(table(strategies_figures.summary_table(result)))
@@ -50,8 +57,8 @@ def ladder_app(cfg: LadderConfig):
     """Study 2's control panel: live training charts per measured rung, then the ladder and auto-fit."""
 
     def run(c: LadderConfig):
-        live = LiveChart(title="Study 2: each measured rung (loss, memory against the budget, speed)",
-                         run_keys=("rung", "stage"))
+        live = _live_chart("Study 2: each measured rung (loss, memory against the budget, speed)",
+                           run_keys=("rung", "stage"))
         result = run_ladder(c, sinks=[live])
         live.close()
         display(table(ladder_figures.ladder_table(result)))
@@ -71,8 +78,8 @@ def split_app(cfg: SplitConfig):
     """Study 3's control panel: live charts of the engine's measured runs, then throughput against k."""
 
     def run(c: SplitConfig):
-        live = LiveChart(title="Study 3: the engine's measured runs (loss, speed; device memory on CUDA)",
-                         run_keys=("run",))
+        live = _live_chart("Study 3: the engine's measured runs (loss, speed; device memory on CUDA)",
+                           run_keys=("run",))
         result = run_split_study(c, sinks=[live])
         live.close()
         display(table(split_figures.runs_table(result)))
