@@ -203,9 +203,7 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
             q = bnb.nn.Linear4bit(in_features, out_features, child.bias is not None,
                                   compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
                                   device="meta")
-            w = child.weight.data.T if conv1d else child.weight.data
-            if conv1d:
-                w = w if w.device.type == "meta" else w.contiguous()
+            w = child.weight.data.T.contiguous() if conv1d else child.weight.data
             if w.device.type != "meta":
                 q.weight = bnb.nn.Params4bit(w.float(), requires_grad=False, compress_statistics=True,
                                              quant_type="nf4", module=q)._quantize(w.device)
