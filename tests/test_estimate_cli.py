@@ -117,7 +117,10 @@ def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):
     """`--rung all --card`: a column per rung, fits and headroom, not only for a single setup."""
     assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "all", "--card", "0.55"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "card: fits, headroom MiB" in next(line for line in out if line.startswith("rung "))
+    heading = next(line for line in out if line.startswith("rung "))
+    assert "card: fits, headroom MiB" in heading
+    # whole category names (cut at 10 characters they read "optimizer_", "activation", "temporarie")
+    assert heading.split()[4:9] == ["weights", "gradients", "optimizer", "activations", "temporaries"]
     rows = {line.split()[0]: line.split() for line in out if line.split() and line.split()[0] in RUNGS}
     assert set(rows) == set(RUNGS)
     # tens of MiB reserved + the 500 MiB context fit in 563 MiB; the 500,000,000-element ZeRO bucket does not

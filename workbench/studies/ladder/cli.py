@@ -265,7 +265,8 @@ def _estimate(args) -> int:
                   f"{'yes' if ok else 'no'}")
         return 0
     cuda = args.device == "cuda"
-    head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{c[:10]:>10}" for c in p_cats())
+    # whole category names: cut at 10 characters they read "optimizer_", "activation", "temporarie"
+    head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{_SHORT.get(c, c):>11}" for c in p_cats())
     on_card = cuda and args.card is not None
     if cuda:
         head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
@@ -274,7 +275,7 @@ def _estimate(args) -> int:
     print(head + ("   fits (with margin)" if budget else ""))
     for p in preds.values():
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
-            f"{p.breakdown.get(c, 0) / MiB:>10,.1f}" for c in p_cats())
+            f"{p.breakdown.get(c, 0) / MiB:>11,.1f}" for c in p_cats())
         if cuda:
             line += "".join(f" {v / MiB:>10,.1f}" for v in (p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes))
         if on_card:
@@ -324,6 +325,9 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
         print("on a real out-of-memory error, step down (same effective batch): "
               + " -> ".join(p.name for p in choice.fitting))
     return 0 if choice.plan else 1
+
+
+_SHORT = {"optimizer_state": "optimizer"}  # the column's heading; the JSON keeps the category's name
 
 
 def p_cats():
