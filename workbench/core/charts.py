@@ -11,6 +11,7 @@ only.
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 import os
@@ -29,6 +30,14 @@ os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype")
 if "plotly.io._renderers" in sys.modules:  # loaded before this module: set it there as well
     pio.renderers.default = os.environ["PLOTLY_RENDERER"]
 pio.templates.default = "plotly_white"
+
+
+@functools.cache
+def palette() -> tuple[str, ...]:
+    """The template's colours, for a series that must keep its colour across panels (a run in the live
+    chart's three panels, a category in study 2's per-model breakdown). Read at the first chart, not
+    at import: loading the template costs every command ~0.1 s."""
+    return tuple(pio.templates["plotly_white"].layout.colorway)
 
 
 def loss_curves(steps: pd.DataFrame, *, color: str = "strategy", title: str = "Training loss") -> go.Figure:

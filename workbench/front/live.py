@@ -28,9 +28,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from workbench.core import charts  # noqa: F401  (sets the plotly_mimetype renderer)
+from workbench.core.charts import palette  # (importing charts sets the plotly_mimetype renderer)
 
-_PALETTE = pio.templates["plotly_white"].layout.colorway or ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a")
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
                 ("nvml_used_mib", "NVML used", "dot"))
 
@@ -102,7 +101,7 @@ class LiveChart:
             group = str(key)
             # one colour per run in all three panels (plotly's own cycle gave each trace the next
             # colour, so a run's memory and speed lines wore other runs' legend colours)
-            color = _PALETTE[sum(1 for k in self._traces if len(self._traces[k]) == 3) % len(_PALETTE)]
+            color = palette()[sum(1 for k in self._traces if len(self._traces[k]) == 3) % len(palette())]
             for col in (1, 2, 3):
                 self.fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=name, legendgroup=group,
                                               line_color=color, showlegend=col == 1), row=1, col=col)

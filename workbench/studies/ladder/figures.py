@@ -13,7 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.core.charts import loss_curves, rounded
+from workbench.core.charts import loss_curves, palette, rounded
 from workbench.core.common import MiB
 from workbench.core.results import StudyResult
 
@@ -104,11 +104,10 @@ def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
         return go.Figure().update_layout(title=f"{rung}: no prediction for this rung (it is not in the ladder)")
     roles = list(panels)
     fig = make_subplots(rows=1, cols=len(roles), subplot_titles=[wheres[role] for role in roles])
-    colors = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a"]
     for col, role in enumerate(roles, start=1):
         for i, c in enumerate(CATEGORIES):
             fig.add_trace(go.Bar(name=c, x=[b[0] for b in panels[role]], y=[b[1][i] for b in panels[role]],
-                                 marker_color=colors[i], legendgroup=c, showlegend=col == 1), row=1, col=col)
+                                 marker_color=palette()[i], legendgroup=c, showlegend=col == 1), row=1, col=col)
         fig.update_yaxes(title_text="MiB at the peak" if col == 1 else None, row=1, col=col)
     return fig.update_layout(barmode="stack", height=460, margin={"t": 110},
                              title=f"{rung}: bytes per category at the steady-state peak, per model")
