@@ -43,7 +43,6 @@ def test_json_output_has_the_peak_in_bytes(tiny_config, capsys):
     assert n * 4 <= p["breakdown_bytes"]["weights"] <= n * 4 + 1024
 
 
-
 def test_json_is_all_that_reaches_stdout(tiny_config):
     """The real entry point in a fresh process, on the ZeRO-3 rung: DeepSpeed's first `get_accelerator`
     prints a warning through a handler bound to stdout at import; `--json | jq` must still read JSON."""

@@ -214,7 +214,6 @@ def test_the_published_rows_findings_say_which_setting_was_predicted():
     assert ("FP32 full model: predicted 8,577 MiB for qwen.json at 1 x 512.", "9,537 MiB") in found
 
 
-
 def test_the_breakdown_gives_each_model_its_own_scale():
     """On one axis, the model at hand's 4 MiB were invisible beside the reference model's 8,000 MiB."""
     cats = {f"{c}_bytes": v for c, v in zip(ladder_figures.CATEGORIES, (1, 2, 3, 4, 5))}

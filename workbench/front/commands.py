@@ -27,7 +27,6 @@ from workbench.front.sweep_points import parse_value
 from workbench.studies.split.perf_model import published_operating_point, seed_verdict
 
 
-
 def parse_assignments(items: list[str]) -> dict:
     """NAME=VALUE strings as a dict; each VALUE parsed exactly as a sweep's (sweep_points.parse_value)."""
     out = {}

@@ -22,7 +22,6 @@ import yaml
 from workbench.core.config import Config, ConfigError
 
 
-
 def _label_width(names: list[str]) -> str:
     """Room for the longest field name: at a fixed 140 px, "reference_budget_mib" read
     "reference_budget_..." in the apps (about 7.5 px per character of the widgets' 13 px font)."""
