@@ -9,6 +9,9 @@ The file is what `torch.cuda.memory._dump_snapshot` writes (a pickled dict with 
 and free of the accounted step is replayed through the caching-allocator model
 (workbench.core.memory.allocator.CachingAllocator), which gives each block its segment and address;
 each event's frame names the phase, the aten op and the category (weights, gradients, ...).
+As on a card, trace events and blocks' `requested_size` carry the bytes asked for and blocks their
+rounded size (CUDACachingAllocator records `orig_size`): the viewer's timeline peaks at the bytes
+asked for, a little below `max_memory_allocated`, and shows each block's rounding loss.
 The addresses are the model's, not a card's. A measured CPU step exports the same
 (`snapshot_from_report` of a `MemoryAccounting(..., timeline=True)` report): its tensors were real,
 the addresses still come from the allocator model.
@@ -39,6 +42,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
     trace: list[dict[str, Any]] = []
     live: dict[Any, tuple] = {}
     frames_of: dict[Any, list] = {}
+    asked: dict[Any, int] = {}  # the bytes each live allocation asked for (its block is rounded up)
     streams = report.timeline_streams or {}
 
     def alloc(key, nbytes, frames):
@@ -47,9 +51,9 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         if a.new_segment:
             trace.append({"action": "segment_alloc", "addr": a.bases[b.seg], "size": a.new_segment, "stream": stream,
                           "frames": frames})
-        live[key] = b
-        frames_of[key] = frames
-        trace.append({"action": "alloc", "addr": a.address(b), "size": b.size, "stream": stream, "frames": frames})
+        live[key], frames_of[key], asked[key] = b, frames, nbytes
+        # as the card's trace does: events carry the size asked for, the block its rounded size
+        trace.append({"action": "alloc", "addr": a.address(b), "size": nbytes, "stream": stream, "frames": frames})
 
     for i, (name, nbytes) in enumerate(extra_allocs):
         alloc(("extra", i), nbytes, [{"filename": "workspace", "line": 0, "name": name}])
@@ -67,16 +71,19 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         elif serial in live:
             b = live.pop(serial)
             for action in ("free_requested", "free_completed"):
-                trace.append({"action": action, "addr": a.address(b), "size": b.size, "stream": b.seg[1],
+                trace.append({"action": action, "addr": a.address(b), "size": asked[serial], "stream": b.seg[1],
                               "frames": frames_of[serial]})
             a.free(b)
+            del asked[serial]
     frames_by_block = {id(b): frames_of[k] for k, b in live.items()}
+    asked_by_block = {id(b): asked[k] for k, b in live.items()}
     segments = []
     for seg, base, total, blocks in a.segment_blocks():
         out_blocks = []
         for b in blocks:
             active = not b.free
-            out_blocks.append({"address": base + b.offset, "size": b.size, "requested_size": b.size if active else 0,
+            out_blocks.append({"address": base + b.offset, "size": b.size,
+                               "requested_size": asked_by_block[id(b)] if active else 0,
                                "state": "active_allocated" if active else "inactive",
                                "frames": frames_by_block.get(id(b), [])})
         segments.append({"device": 0, "address": base, "total_size": total, "stream": seg[1],
