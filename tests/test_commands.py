@@ -45,7 +45,8 @@ def test_bad_assignments_are_one_line_errors(argv, message, capsys):
 
 
 def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_dir, capsys):
-    code = main(["ladder", "--quick", "rungs=[fp32, cpu]", "breakdown_rung=fp32", "reference_model=''", "autofit=false",
+    # the rungs alone: the breakdown's default follows them
+    code = main(["ladder", "--quick", "rungs=[fp32, cpu]", "reference_model=''", "autofit=false",
                  "steps=2", "micro_batch=2", "seq_len=32"])
     out = capsys.readouterr().out
     assert code == 0 and "fp32" in out and "predicted_peak (MiB)" in out

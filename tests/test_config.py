@@ -79,6 +79,15 @@ def test_hash_is_stable_and_sensitive():
     assert a.replace(steps=11) == b
 
 
+def test_the_ladders_breakdown_follows_the_rungs_chosen():
+    """`workbench ladder rungs=[fp32, lora]` was refused: the breakdown's default, bf16_ckpt, was not among them."""
+    assert LadderConfig().breakdown_rung == "bf16_ckpt"
+    assert LadderConfig.from_dict({"rungs": ["fp32", "lora"]}).breakdown_rung == "fp32"
+    assert LadderConfig.from_dict({"rungs": ["lora", "bf16_ckpt"]}).breakdown_rung == "bf16_ckpt"
+    with pytest.raises(ConfigError, match="'lora' is not among rungs: fp32 .name one of them, or '' for the default"):
+        LadderConfig.from_dict({"rungs": ["fp32"], "breakdown_rung": "lora"})  # one asked for is checked
+
+
 def test_every_study_uses_the_shared_vocabulary():
     """A setting that means the same thing has one name, one type and one help text in every study."""
     from typing import get_type_hints

@@ -95,8 +95,7 @@ STUDIES: dict[str, StudyNotebook] = {
             "ladder", 2, "Study 2: the memory ladder",
             LadderConfig, run_ladder, load_ladder, ladder_figures,
             quick={"base_size": "tiny", "rungs": ["fp32", "bf16", "bf16_ckpt", "lora", "zero_offload", "cpu"],
-                   "micro_batch": 4, "seq_len": 64, "steps": 2, "budget_mib": 3.0, "reference_seq_len": 32,
-                   "breakdown_rung": "bf16_ckpt"},
+                   "micro_batch": 4, "seq_len": 64, "steps": 2, "budget_mib": 3.0, "reference_seq_len": 32},
         ),
         StudyNotebook(
             "split", 3, "Study 3: the adaptive GPU/CPU update split",

@@ -46,7 +46,8 @@ class LadderConfig(Config):
     reference_device: str = param("cpu", "device the reference is predicted for: cpu (exact) or cuda (CUDA's "
                                   "choices simulated, allocator modelled; the budget then caps reserved memory)",
                                   choices=("cpu", "cuda"))
-    breakdown_rung: str = param("bf16_ckpt", "rung whose per-category breakdown the notebook shows")
+    breakdown_rung: str = param("", "rung whose per-category breakdown the notebook shows ('': bf16_ckpt when "
+                                "it is among the rungs, else the first)")
     threads: int = setting("threads", 0)
     seed: int = setting("seed", 0, "of the measured runs")
 
@@ -59,8 +60,11 @@ class LadderConfig(Config):
             raise ConfigError("rungs must name at least one rung")
         if self.reference_device not in ("cpu", "cuda"):
             raise ConfigError(f"reference_device must be cpu or cuda, got {self.reference_device!r}")
+        if not self.breakdown_rung:  # the default follows the rungs chosen
+            object.__setattr__(self, "breakdown_rung", "bf16_ckpt" if "bf16_ckpt" in self.rungs else self.rungs[0])
         if self.breakdown_rung not in self.rungs:
-            raise ConfigError(f"breakdown_rung {self.breakdown_rung!r} is not among rungs: {', '.join(self.rungs)}")
+            raise ConfigError(f"breakdown_rung {self.breakdown_rung!r} is not among rungs: {', '.join(self.rungs)} "
+                              "(name one of them, or '' for the default)")
         for name in ("micro_batch", "seq_len", "reference_micro_batch", "reference_seq_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
