@@ -86,7 +86,11 @@ def test_run_ladder_predicts_measures_and_explains(env):
     run_dir = Path(result.paths["run_dir"])
     for f in ("config.json", "summary.json", "ladder.csv", "steps.jsonl", "autofit.csv"):
         assert (run_dir / f).exists(), f
-    assert (env / "ladder" / "runs.csv").exists()
+    # runs.csv's row (what a sweep stacks per point) carries each rung's peaks
+    row = pd.read_csv(env / "ladder" / "runs.csv").iloc[-1]
+    assert row["fp32_measured_mib"] == pytest.approx(ok.loc["fp32", "measured_peak_bytes"] / 2**20, abs=1e-3)
+    assert row["fp16_predicted_mib"] == pytest.approx(at_hand.loc["fp16", "predicted_peak_bytes"] / 2**20, abs=1e-3)
+    assert "fp16_measured_mib" not in row and 0 <= row["max_prediction_error_pct"] < 1
     fit, searched = result.tables["autofit"], result.tables["autofit_search"]
     assert fit.iloc[-1]["status"] == "ok" and fit.iloc[-1]["ran"] == fit.iloc[-1]["predicted_choice"]
     # the joint search ran: every setup it predicted before the chosen one is over the budget

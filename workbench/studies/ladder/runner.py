@@ -231,13 +231,28 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     autofit_ran = fit_rows[-1]["ran"] if fit_rows else None
     run.write_summary({"status": "error" if statuses == {"error"} else "ok", "rungs": len(cfg.rungs),
                        "measured_ok": measured_ok, "autofit_ran": autofit_ran})
-    # runs.csv: one row per ladder run; a run with the same settings replaces its earlier row.
+    # runs.csv: one row per ladder run, with its figures (a sweep stacks these rows, one per point);
+    # a run with the same settings replaces its earlier row.
     writer.update_runs([{**{k: json.dumps(v) if isinstance(v, list) else v for k, v in cfg.to_dict().items()},
                          "run_id": cfg.run_id(), "status": "ok", "measured_ok": measured_ok,
-                         "autofit_ran": autofit_ran}])
+                         "autofit_ran": autofit_ran, **_figures_of(df)}])
     steps = read_steps(run.path / "steps.jsonl") if (run.path / "steps.jsonl").exists() else pd.DataFrame()
     return StudyResult(STUDY, runs=df, steps=steps, tables={k: v for k, v in tables.items() if k != "ladder"},
                        paths={**paths, "run_dir": str(run.path)})
+
+
+def _figures_of(df: pd.DataFrame) -> dict[str, float]:
+    """Each rung's peaks for the model at hand, as runs.csv columns: `<rung>_predicted_mib` and, where
+    it ran, `<rung>_measured_mib`; and the largest prediction error over the measured rungs (%)."""
+    out: dict[str, float] = {}
+    hand = df[df["role"] == "at hand"]
+    for _, r in hand.iterrows():
+        out[f"{r['rung']}_predicted_mib"] = round(float(r["predicted_peak_mib"]), 3)
+        if r.get("status") == "ok" and pd.notna(r.get("measured_peak_mib")):
+            out[f"{r['rung']}_measured_mib"] = round(float(r["measured_peak_mib"]), 3)
+    if "predicted_vs_measured" in hand and hand["predicted_vs_measured"].notna().any():
+        out["max_prediction_error_pct"] = round(float((hand["predicted_vs_measured"] - 1).abs().max() * 100), 3)
+    return out
 
 
 def _finished_rungs(run: RunDir, inputs: dict[str, str]) -> dict[str, dict[str, Any]]:
