@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import re
 
+import pandas as pd
 import pytest
 import torch
 import transformers
@@ -20,7 +21,8 @@ from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.engine import SplitEngine
-from workbench.studies.split.figures import host_table
+from workbench.core.results import StudyResult
+from workbench.studies.split.figures import host_table, idle_figure, throughput_figure
 from workbench.studies.split.layers import last_arriving, split_layers
 from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
     validation_points)
@@ -827,3 +829,20 @@ def test_split_adaptive_benchmark_runs_and_writes_its_row(results_dir):
     bad = subprocess.run([sys.executable, "benchmarks/split_adaptive.py", "--iterations", "2", "--warmup", "2"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--iterations must exceed --warmup" in bad.stderr
+
+
+def test_the_k_charts_give_each_panel_room_and_a_plain_title():
+    """Three panels of tokens/s against k were drawn 450 px tall in all: 80 px each, the lower
+    panel's title over the upper one's axis, one panel without k labels, titles read "panel=..."."""
+    rows = [{"source": src, "panel": panel, "mode": "static", "run": f"k={k}", "status": "ok", "k_actual": k,
+             "tokens_per_s": 100 + k, "accel_idle_share": k / 2}
+            for src, panel in (("measured", "measured: this machine (cpu)"), ("modelled", "modelled: A100"),
+                               ("modelled", "modelled: H100")) for k in (0.0, 0.5, 1.0)]
+    result = StudyResult("split", runs=pd.DataFrame(rows))
+    for fig in (throughput_figure(result), idle_figure(result)):
+        assert fig.layout.height == 160 + 300 * 2  # 2 rows of 2 columns
+        assert sorted(a.text for a in fig.layout.annotations) == ["measured: this machine (cpu)", "modelled: A100",
+                                                                   "modelled: H100"]
+        axes = [fig.layout[k] for k in fig.layout if k.startswith("xaxis")]
+        assert len(axes) == 4 and all(ax.showticklabels for ax in axes)
+

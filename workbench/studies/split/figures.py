@@ -32,18 +32,26 @@ def runs_table(result: StudyResult, source: str | None = None) -> pd.DataFrame:
     return rounded(df[[c for c in ["source", *RUN_COLUMNS] if c in df]].dropna(axis=1, how="all"))
 
 
+def _panels(fig: go.Figure, n: int, cols: int) -> go.Figure:
+    """A faceted figure that stays readable: each row of panels 300 px tall, every panel with its own
+    tick labels, and panel titles without plotly express's "panel=" prefix."""
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))
+    fig.update_xaxes(showticklabels=True)
+    fig.update_yaxes(matches=None, showticklabels=True)
+    return fig.update_layout(height=160 + 300 * max(1, -(-n // cols)))
+
+
 def throughput_figure(result: StudyResult) -> go.Figure:
     """Tokens/s against k, one panel per machine; each panel's title says measured or modelled."""
     df = result.runs
     speed = df[df["source"] != "published"].dropna(subset=["tokens_per_s"])
     fig = px.scatter(speed, x="k_actual", y="tokens_per_s", color="mode", symbol="mode", facet_col="panel",
-                     facet_col_wrap=2, hover_data=["run", "status"],
+                     facet_col_wrap=2, facet_row_spacing=0.14, hover_data=["run", "status"],
                      labels={"k_actual": "k (share of parameters updated on the accelerator)",
                              "tokens_per_s": "tokens/s"},
                      title="Tokens/s against k (panels: measured on this machine, or modelled for a GPU profile)")
     fig.update_traces(marker_size=10)
-    fig.update_yaxes(matches=None, showticklabels=True)
-    return fig
+    return _panels(fig, speed["panel"].nunique(), 2)
 
 
 def tflops_figure(result: StudyResult) -> go.Figure:
@@ -54,8 +62,7 @@ def tflops_figure(result: StudyResult) -> go.Figure:
                  title="Achieved TFLOP/s of the key runs, by source (measured / modelled / published)",
                  labels={"tflops": "TFLOP/s", "run": ""})
     fig.update_xaxes(matches=None)
-    fig.update_yaxes(matches=None, showticklabels=True)
-    return fig
+    return _panels(fig, 1, 1)
 
 
 def idle_figure(result: StudyResult) -> go.Figure:
@@ -63,9 +70,10 @@ def idle_figure(result: StudyResult) -> go.Figure:
     df = result.runs
     idle = df[df["source"] != "published"].dropna(subset=["accel_idle_share"])
     fig = px.scatter(idle, x="k_actual", y="accel_idle_share", color="mode", symbol="status", facet_col="panel",
-                     facet_col_wrap=2, labels={"k_actual": "k", "accel_idle_share": "accelerator idle share"},
+                     facet_col_wrap=2, facet_row_spacing=0.14,
+                     labels={"k_actual": "k", "accel_idle_share": "accelerator idle share"},
                      title="Accelerator idle share against k (oom rows: modelled memory does not fit)")
-    return fig.update_traces(marker_size=10)
+    return _panels(fig.update_traces(marker_size=10), idle["panel"].nunique(), 2)
 
 
 def timeline_figure(result: StudyResult) -> go.Figure:
