@@ -154,15 +154,17 @@ def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
     # every panel of the throughput figure says where its points come from
     speed = next(p for k, _, p in parts if k == "figure" and "against k" in p.layout.title.text)
     panels = [a.text for a in speed.layout.annotations]
-    assert any(a.startswith("panel=measured: this machine") for a in panels)
-    assert all(a.startswith(("panel=measured", "panel=modelled")) for a in panels)
+    assert any(a.startswith("measured: this machine") for a in panels)
+    assert all(a.startswith(("measured", "modelled")) for a in panels)
     loss = next(p for k, _, p in parts if k == "figure" and "loss" in p.layout.title.text.lower())
     assert "measured" in loss.layout.title.text and {t.name for t in loss.data} == {"plain AdamW", *runs}
 
 
-def _fake_split(calls):
+def _fake_split(calls, charts=None):
     def run_split_study(cfg, sinks=()):
         calls.append(cfg)
+        if charts is not None:
+            charts.extend(s for s in sinks if isinstance(s, LiveChart))
         for sink in sinks:
             sink({"run": "k=0", "step": 1, "loss": 4.0, "tokens": 32, "tokens_per_s": 100.0})
         return StudyResult("split", runs=pd.DataFrame([{"source": "measured", "panel": "measured: this machine (cpu)",
@@ -174,7 +176,8 @@ def _fake_split(calls):
 
 def test_split_app_validates_like_the_parameters_cell_and_runs(monkeypatch, results_dir):
     calls: list[SplitConfig] = []
-    monkeypatch.setattr(apps, "run_split_study", _fake_split(calls))
+    charts: list[LiveChart] = []
+    monkeypatch.setattr(apps, "run_split_study", _fake_split(calls, charts))
     panel = apps.app(SplitConfig.from_dict(SPLIT_TINY))
     assert "host_share" not in panel.controls and panel.fixed["host_share"] == 0.8
 
@@ -193,6 +196,9 @@ def test_split_app_validates_like_the_parameters_cell_and_runs(monkeypatch, resu
     assert "done" in panel.message.value, panel.message.value
     (cfg,) = calls
     assert cfg.steps == 5 and cfg.k_sweep == (0.0, 0.5) and cfg.model == "tiny-gpt2" and cfg.host_share == 0.8
+    # the app's live chart is the notebook's: its title (which says why the loss lines coincide) and run keys
+    (chart,) = charts
+    assert chart.title == split_figures.NOTEBOOK_RUN_TITLE and "one line" in chart.title and chart.run_keys == ("run",)
 
 
 def test_the_fp16_halves_memory_verdict_is_made_on_pure_16_bit_not_autocast():

@@ -30,20 +30,21 @@ from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.runner import run_strategies
 
 
-def _live_chart(title: str, **kw) -> LiveChart:
-    """A live chart inside the knobs panel: with an Output of its own, as a display id is not updated
-    in place inside an ipywidgets Output (the panel's); the ladder's and the split's apps showed an
-    empty chart for the whole run."""
+def _live_chart(figures) -> LiveChart:
+    """The study notebook's live chart (its title and run keys), inside the knobs panel: with an
+    Output of its own, as a display id is not updated in place inside an ipywidgets Output (the
+    panel's); the ladder's and the split's apps showed an empty chart for the whole run."""
     chart = ipywidgets.Output()
     display(chart)
-    return LiveChart(title=title, output=chart, **kw)
+    keys = getattr(figures, "NOTEBOOK_RUN_KEYS", None)
+    return LiveChart(title=figures.NOTEBOOK_RUN_TITLE, output=chart, **({"run_keys": keys} if keys else {}))
 
 
 def strategies_app(cfg: StrategiesConfig):
     """Study 1's control panel: live loss and memory per run, then the summary and the spread."""
 
     def run(c: StrategiesConfig):
-        live = _live_chart("Study 1: transfer strategies")
+        live = _live_chart(strategies_figures)
         result = run_strategies(c, sinks=[live], progress=False)
         live.close()
         display(table(strategies_figures.summary_table(result)))
@@ -57,8 +58,7 @@ def ladder_app(cfg: LadderConfig):
     """Study 2's control panel: live training charts per measured rung, then the ladder and auto-fit."""
 
     def run(c: LadderConfig):
-        live = _live_chart("Study 2: each measured rung (loss, memory against the budget, speed)",
-                           run_keys=("rung", "stage"))
+        live = _live_chart(ladder_figures)
         result = run_ladder(c, sinks=[live])
         live.close()
         display(table(ladder_figures.ladder_table(result)))
@@ -78,8 +78,7 @@ def split_app(cfg: SplitConfig):
     """Study 3's control panel: live charts of the engine's measured runs, then throughput against k."""
 
     def run(c: SplitConfig):
-        live = _live_chart("Study 3: the engine's measured runs (loss, speed; device memory on CUDA)",
-                           run_keys=("run",))
+        live = _live_chart(split_figures)
         result = run_split_study(c, sinks=[live])
         live.close()
         display(table(split_figures.runs_table(result)))

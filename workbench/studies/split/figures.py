@@ -267,7 +267,8 @@ model (`workbench.studies.split.perf_model`): a named GPU's data-sheet peak time
 model-FLOPs utilisation, and the host from a bandwidth model of the named CPU. The seed's claims and
 published offload measurements are what the model is *compared* with, never inputs."""
 
-NOTEBOOK_RUN_TITLE = "Study 3: the engine's measured runs, each drawn when it ends (loss, speed; memory on CUDA)"
+NOTEBOOK_RUN_TITLE = ("Study 3: the engine's measured runs, each drawn when it ends (loss: one line where every k "
+                      "trains the same weights; speed; memory on CUDA)")
 NOTEBOOK_RUN_KEYS = ("run",)
 
 NOTEBOOK = [
