@@ -34,6 +34,19 @@ def test_live_bytes_counts_storages_once_and_frees_them():
     assert lb.current_bytes == 0 and lb.peak_bytes == 8192
 
 
+def test_a_view_of_a_tensor_made_before_the_mode_is_not_new_memory():
+    """Study 1's played GPU counted the whole held-out token tensor (host data on a card) when the
+    evaluation sliced it: a view's storage was counted as if the op had allocated it."""
+    held, idx = torch.zeros(1024, dtype=torch.int64), torch.tensor([0, 1])  # made before the attempt
+    with LiveBytes() as lb:
+        first, parts = held[:16], held.split(8)
+        held.add_(0)  # in place: no new memory either
+        assert lb.current_bytes == 0
+        batch = held[idx]  # indexing copies: new memory, counted
+        assert lb.current_bytes == batch.nbytes == 16
+        del first, parts, batch
+
+
 def _job_needing(mib):
     def job(attempt, budget, phase):
         phase("forward")

@@ -55,6 +55,15 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
     assert claims["measured_ppl_after"].notna().all() and claims["why_they_differ"].str.len().gt(20).all()
 
 
+def test_a_played_gpu_peak_is_the_predicted_step_to_the_byte(tiny_base, results_dir):
+    """The pre-flight prediction (fake tensors) against the played GPU's measured peak: they differed by
+    the held-out tokens' storage, counted when the evaluation sliced it (host memory on a card)."""
+    cfg = StrategiesConfig(strategies=("bitfit", "lora"), seeds=(0,), budget_mib=64.0, preflight=True, **TINY)
+    df = run_strategies(cfg, progress=False).runs
+    assert (df["status"] == "ok").all() and df["predicted_peak_mib"].notna().all()
+    assert (df["peak_mem_mib"] == df["predicted_peak_mib"]).all(), df[["peak_mem_mib", "predicted_peak_mib"]]
+
+
 def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(tiny_base, results_dir, tmp_path,
                                                                              monkeypatch):
     cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)

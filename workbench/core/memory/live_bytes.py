@@ -7,7 +7,9 @@
 
 A TorchDispatchMode sees every tensor an op returns. Each tensor's *storage* is counted once
 (views share it) and subtracted by a weakref callback when the storage dies, so the count is the
-live-bytes curve of the program, not the sum of allocations. FIELD_NOTES: on real CPU tensors and
+live-bytes curve of the program, not the sum of allocations. A view or an in-place op's result is
+never new memory: a tensor made before the mode is counted only when tracked (track_module), not
+when sliced (a slice of the held-out tokens counted their whole storage, host memory on a card). FIELD_NOTES: on real CPU tensors and
 on FakeTensorMode tensors this gives the same peak to the byte, per phase.
 
 With a budget, an op whose result pushes the count past it raises `torch.OutOfMemoryError`,
@@ -18,6 +20,7 @@ exception unwinds, so the count returns to where it was.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Callable, Iterable
@@ -39,6 +42,12 @@ def _storages(t: torch.Tensor, device_type: str | None = None):
         return (t.untyped_storage(),)
     except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
         return ()
+
+
+@functools.cache
+def _aliases_inputs(func) -> bool:
+    """The op returns (part of) an input's storage: a view or an in-place result (its schema says so)."""
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 def _metadata_only_parameter(x) -> bool:
@@ -156,6 +165,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = fake_parameters(args, kwargs or {})
         out = func(*args, **kwargs)
-        flat, _ = tree_flatten(out)
-        self.track(flat)
+        if not _aliases_inputs(func):
+            flat, _ = tree_flatten(out)
+            self.track(flat)
         return out
