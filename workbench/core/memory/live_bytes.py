@@ -9,8 +9,9 @@ A TorchDispatchMode sees every tensor an op returns. Each tensor's *storage* is 
 (views share it) and subtracted by a weakref callback when the storage dies, so the count is the
 live-bytes curve of the program, not the sum of allocations. A view or an in-place op's result is
 never new memory: a tensor made before the mode is counted only when tracked (track_module), not
-when sliced (a slice of the held-out tokens counted their whole storage, host memory on a card). FIELD_NOTES: on real CPU tensors and
-on FakeTensorMode tensors this gives the same peak to the byte, per phase.
+when sliced (a slice of the held-out tokens counted their whole storage, host memory on a card).
+FIELD_NOTES: on real CPU tensors and on FakeTensorMode tensors this gives the same peak to the byte,
+per phase.
 
 With a budget, an op whose result pushes the count past it raises `torch.OutOfMemoryError`,
 exactly the exception CUDA's allocator raises, so code that falls back on OOM cannot tell a CPU
