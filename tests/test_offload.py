@@ -15,13 +15,13 @@ import transformers
 
 from workbench.cli import main
 from workbench.core.config import ConfigError
+from workbench.core.results import StudyResult
 from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm
 from workbench.studies.split._cuda import Ring
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.engine import SplitEngine
-from workbench.core.results import StudyResult
 from workbench.studies.split.figures import host_table, idle_figure, throughput_figure
 from workbench.studies.split.layers import last_arriving, split_layers
 from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
@@ -845,4 +845,3 @@ def test_the_k_charts_give_each_panel_room_and_a_plain_title():
                                                                    "modelled: H100"]
         axes = [fig.layout[k] for k in fig.layout if k.startswith("xaxis")]
         assert len(axes) == 4 and all(ax.showticklabels for ax in axes)
-
