@@ -40,9 +40,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         raise ValueError("this report has no timeline: account the step with MemoryAccounting(timeline=True)")
     a = CachingAllocator()
     trace: list[dict[str, Any]] = []
-    live: dict[Any, tuple] = {}
-    frames_of: dict[Any, list] = {}
-    asked: dict[Any, int] = {}  # the bytes each live allocation asked for (its block is rounded up)
+    live: dict[Any, tuple] = {}  # key -> (block, frames, the bytes asked for: the block is rounded up)
     streams = report.timeline_streams or {}
 
     def alloc(key, nbytes, frames):
@@ -51,7 +49,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         if a.new_segment:
             trace.append({"action": "segment_alloc", "addr": a.bases[b.seg], "size": a.new_segment, "stream": stream,
                           "frames": frames})
-        live[key], frames_of[key], asked[key] = b, frames, nbytes
+        live[key] = (b, frames, nbytes)
         # as the card's trace does: events carry the size asked for, the block its rounded size
         trace.append({"action": "alloc", "addr": a.address(b), "size": nbytes, "stream": stream, "frames": frames})
 
@@ -69,23 +67,19 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
             frames = [{"filename": roles.get(serial, "temporaries"), "line": step + 1, "name": op or "setup"}]
             alloc(serial, nbytes, frames)
         elif serial in live:
-            b = live.pop(serial)
+            b, frames, asked = live.pop(serial)
             for action in ("free_requested", "free_completed"):
-                trace.append({"action": action, "addr": a.address(b), "size": asked[serial], "stream": b.seg[1],
-                              "frames": frames_of[serial]})
+                trace.append({"action": action, "addr": a.address(b), "size": asked, "stream": b.seg[1],
+                              "frames": frames})
             a.free(b)
-            del asked[serial]
-    frames_by_block = {id(b): frames_of[k] for k, b in live.items()}
-    asked_by_block = {id(b): asked[k] for k, b in live.items()}
+    held = {id(b): (frames, asked) for b, frames, asked in live.values()}
     segments = []
     for seg, base, total, blocks in a.segment_blocks():
         out_blocks = []
         for b in blocks:
-            active = not b.free
-            out_blocks.append({"address": base + b.offset, "size": b.size,
-                               "requested_size": asked_by_block[id(b)] if active else 0,
-                               "state": "active_allocated" if active else "inactive",
-                               "frames": frames_by_block.get(id(b), [])})
+            frames, asked = held.get(id(b), ([], 0))  # a free block: neither
+            out_blocks.append({"address": base + b.offset, "size": b.size, "requested_size": asked,
+                               "state": "inactive" if b.free else "active_allocated", "frames": frames})
         segments.append({"device": 0, "address": base, "total_size": total, "stream": seg[1],
                          "segment_type": "small" if seg[0] else "large",
                          "allocated_size": sum(x["size"] for x in out_blocks if x["state"] == "active_allocated"),
