@@ -57,8 +57,10 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
 
 def test_a_played_gpu_peak_is_the_predicted_step_to_the_byte(tiny_base, results_dir):
     """The pre-flight prediction (fake tensors) against the played GPU's measured peak: they differed by
-    the held-out tokens' storage, counted when the evaluation sliced it (host memory on a card)."""
-    cfg = StrategiesConfig(strategies=("bitfit", "lora"), seeds=(0,), budget_mib=64.0, preflight=True, **TINY)
+    the held-out tokens' storage, counted when the evaluation sliced it (host memory on a card); QLoRA's
+    also by its quantization state (absmax and code: device memory, not counted) and by loading without
+    the double quantization that the prediction quantizes with."""
+    cfg = StrategiesConfig(strategies=("bitfit", "lora", "qlora"), seeds=(0,), budget_mib=64.0, preflight=True, **TINY)
     df = run_strategies(cfg, progress=False).runs
     assert (df["status"] == "ok").all() and df["predicted_peak_mib"].notna().all()
     assert (df["peak_mem_mib"] == df["predicted_peak_mib"]).all(), df[["peak_mem_mib", "predicted_peak_mib"]]

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from workbench.core.memory.live_bytes import LiveBytes, MiB
+from workbench.core.memory.live_bytes import LiveBytes, MiB, model_tensors
 
 CATEGORIES = ("weights", "gradients", "optimizer_state", "activations", "temporaries")
 PHASES = ("setup", "forward", "backward", "optimizer")
@@ -375,17 +375,6 @@ def sums_in_place(old: torch.Tensor) -> bool:
     held by this tensor alone (the storage's use count less the reference `untyped_storage()` makes)."""
     return (is_non_overlapping_and_dense_or_false(old)
             and torch._C._storage_Use_Count(old.untyped_storage()._cdata) - 1 == 1)
-
-
-def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters, buffers and bitsandbytes quantization state (absmax, code) of `model`."""
-    out = [*model.parameters(), *model.buffers()]
-    for m in model.modules():
-        qs = getattr(getattr(m, "weight", None), "quant_state", None)
-        while qs is not None:
-            out += [t for t in (getattr(qs, "absmax", None), getattr(qs, "code", None)) if isinstance(t, torch.Tensor)]
-            qs = getattr(qs, "state2", None)
-    return out
 
 
 def _tensors(obj) -> list[torch.Tensor]:

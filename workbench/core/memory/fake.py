@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from workbench.core.memory import cuda_model
-from workbench.core.memory.accounting import model_tensors
+from workbench.core.memory.live_bytes import model_tensors
 from workbench.core.memory.meta import model_label
 from workbench.core.models import check_seq_len
 

@@ -140,8 +140,9 @@ class LiveBytes(TorchDispatchMode):
                 )
 
     def track_module(self, module: torch.nn.Module) -> None:
-        """Count a module's parameters, gradients and buffers made before the mode was entered."""
-        self.track([*module.parameters(), *module.buffers(), *(p.grad for p in module.parameters() if p.grad is not None)])
+        """Count a module's tensors made before the mode was entered: parameters, gradients, buffers and
+        bitsandbytes' quantization state (on a card it is device memory beside the 4-bit weights)."""
+        self.track([*model_tensors(module), *(p.grad for p in module.parameters() if p.grad is not None)])
 
     def take_window_peak_mib(self) -> float:
         """The most bytes alive since the previous call (the training loop calls it once per step, so
@@ -170,3 +171,15 @@ class LiveBytes(TorchDispatchMode):
             flat, _ = tree_flatten(out)
             self.track(flat)
         return out
+
+
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters, buffers and bitsandbytes' quantization state of `model`: each 4-bit weight's
+    absmax and code, and with double quantization the absmax's offset and its own absmax and code."""
+    out = [*model.parameters(), *model.buffers()]
+    for m in model.modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        while qs is not None:
+            out += [t for t in (getattr(qs, k, None) for k in ("absmax", "code", "offset")) if isinstance(t, torch.Tensor)]
+            qs = getattr(qs, "state2", None)
+    return out

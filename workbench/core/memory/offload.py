@@ -52,8 +52,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.core.memory import cuda_model
-from workbench.core.memory.accounting import MemoryReport, model_tensors
+from workbench.core.memory.accounting import MemoryReport
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
+from workbench.core.memory.live_bytes import model_tensors
 from workbench.core.memory.meta import build_meta_model
 from workbench.core.memory.placement import DEVICE, HOST, PlacedAccounting, move, move_output
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer

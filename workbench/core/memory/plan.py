@@ -175,6 +175,20 @@ def rung(name: str | Plan) -> Plan:
 # ------------------------------------------------------------------------------------------------
 # building a plan: the same code for real weights and for fake tensors
 
+# QLoRA's recipe (Dettmers et al. 2023): NF4 weights, their absmax quantized again (double quantization).
+# quantize_4bit and a 4-bit load through transformers (bnb_4bit_config) both use it, so a prediction
+# quantizes as the run it is compared with loads.
+DOUBLE_QUANT = True
+
+
+def bnb_4bit_config(compute_dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for loading a model in 4 bits as quantize_4bit quantizes one."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=DOUBLE_QUANT,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
 def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
     """Replace every nn.Linear outside `skip` by a bitsandbytes NF4 Linear4bit, in place. GPT-2's
     Conv1D layers (a linear layer stored transposed) are replaced too, their weight transposed, as
@@ -201,20 +215,20 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
                 continue
             in_features, out_features = child.weight.shape if conv1d else (child.in_features, child.out_features)
             q = bnb.nn.Linear4bit(in_features, out_features, child.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                  compute_dtype=compute_dtype, compress_statistics=DOUBLE_QUANT, quant_type="nf4",
                                   device="meta")
             w = child.weight.data.T.contiguous() if conv1d else child.weight.data
             if w.device.type != "meta":
-                q.weight = bnb.nn.Params4bit(w.float(), requires_grad=False, compress_statistics=True,
+                q.weight = bnb.nn.Params4bit(w.float(), requires_grad=False, compress_statistics=DOUBLE_QUANT,
                                              quant_type="nf4", module=q)._quantize(w.device)
             else:
                 if tuple(w.shape) not in zeros:
                     done = bnb.nn.Params4bit(torch.zeros(w.shape, dtype=torch.float32), requires_grad=False,
-                                             compress_statistics=True, quant_type="nf4")._quantize(torch.device("cpu"))
+                                             compress_statistics=DOUBLE_QUANT, quant_type="nf4")._quantize(torch.device("cpu"))
                     zeros[tuple(w.shape)] = (done.data, done.quant_state)
                 data, state = zeros[tuple(w.shape)]
                 q.weight = bnb.nn.Params4bit(data.clone(), requires_grad=False, quant_state=copy.deepcopy(state),
-                                             compress_statistics=True, quant_type="nf4", module=q, bnb_quantized=True)
+                                             compress_statistics=DOUBLE_QUANT, quant_type="nf4", module=q, bnb_quantized=True)
                 q.quant_state = q.weight.quant_state
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)

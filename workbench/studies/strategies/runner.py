@@ -27,7 +27,7 @@ from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks, target_corpus
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.hub import hub_options, not_found_message
-from workbench.core.memory.plan import Plan
+from workbench.core.memory.plan import Plan, bnb_4bit_config
 from workbench.core.memory.predict import simulate
 from workbench.core.models import (
     EMBEDDED,
@@ -122,7 +122,7 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> t
 
 def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
     if strategy == "qlora":
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+        from transformers import AutoModelForCausalLM
 
         try:
             import bitsandbytes  # noqa: F401
@@ -130,8 +130,8 @@ def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
             raise StrategyNotApplicable("QLoRA needs bitsandbytes, which is not installed") from e
         from peft import prepare_model_for_kbit_training
 
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_compute_dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+        # as the pre-flight prediction quantizes (NF4 with double quantization, QLoRA's recipe)
+        q = bnb_4bit_config(torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
         path = resolve_model_path(cfg.model, cfg.spec())
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": device},
                                                      use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
