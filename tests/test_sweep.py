@@ -323,4 +323,8 @@ def test_sweep_over_study_notebook(tmp_path, tiny_base):
     assert list(df.point) == [StrategiesConfig.from_dict(p).hash() for p in points]
     study = pd.read_csv(out / "study_runs.csv")  # each run's own table, stacked with its point
     assert sorted(study.groupby("point").seed.first()) == [0, 1]
+    # led by the point and the grid's axis (a study 1 row has `seed`, not the point's `seeds`); the
+    # parameters every point shares are not repeated
+    assert list(study.columns[:3]) == ["point", "study", "seeds"] and "token_budget" not in study
+    assert [json.loads(v) for v in study.seeds] == [[s] for s in study.seed]
     assert set(study.point) == set(df.point) and (study.status == "ok").all()

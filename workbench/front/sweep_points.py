@@ -219,20 +219,36 @@ def collect(out: Path, planned: list[Point], reused: set[str] = frozenset()):
     return df
 
 
+def varying(planned: list[Point]) -> list[str]:
+    """The parameters whose value differs between the points (the grid's axes), in first-seen order."""
+    names = list(dict.fromkeys(k for p in planned for k in p.parameters))
+    return [k for k in names if len({json.dumps(p.parameters.get(k), sort_keys=True) for p in planned}) > 1]
+
+
+def _cell(v: Any) -> Any:
+    return json.dumps(v) if isinstance(v, (list, dict)) else v
+
+
 def write_tables(out: Path, planned: list[Point], reused: set[str]):
     """runs.csv (returned) and study_runs.csv, written atomically from the points' folders."""
     df = collect(out, planned, reused)
     atomic_write_csv(out / "runs.csv", df)
-    # A study's own per-run tables, stacked: the finer-grained view of the same sweep.
+    # A study's own per-run tables, stacked: the finer-grained view of the same sweep. Each row
+    # leads with its point and the parameters that vary across the grid (a study 1 row has no
+    # learning rate of its own; a column the row already has keeps the row's value).
     parts = []
+    axes = varying(planned)
     for p in planned:
         if (read_status(out / p.key) or {}).get("status") != "ok":
             continue
         for f in sorted((out / p.key / "results").glob("*/runs.csv")):
             try:
-                parts.append(pd.read_csv(f).assign(point=p.key, study=f.parent.name))
+                runs = pd.read_csv(f)
             except (pd.errors.EmptyDataError, pd.errors.ParserError):
                 continue
+            lead = {"point": p.key, "study": f.parent.name,
+                    **{k: _cell(p.parameters.get(k)) for k in axes if k not in runs.columns}}
+            parts.append(pd.concat([pd.DataFrame([lead] * len(runs), index=runs.index), runs], axis=1))
     if parts:
         atomic_write_csv(out / "study_runs.csv", pd.concat(parts, ignore_index=True))
     return df
