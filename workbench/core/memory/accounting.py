@@ -114,6 +114,14 @@ class MemoryReport:
     def steady_peak_bytes(self) -> int:
         return self.steady.bytes
 
+    def run_peak_bytes(self, steps: int) -> int:
+        """The peak of a run of `steps` optimizer steps: the steady state's from two on (every later
+        step repeats the second); a one-step run peaks in its only step, whose backward has no
+        optimizer state yet (study 1 with a small token budget)."""
+        if steps >= 2:
+            return self.steady_peak_bytes
+        return max((p.bytes for (s, _), p in self.phase_peaks.items() if s == 0), default=self.peak.bytes)
+
     def where(self) -> str:
         s = self.steady
         return f"step {s.step + 1}, {s.phase} ({s.op})"

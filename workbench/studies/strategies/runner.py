@@ -98,14 +98,15 @@ _PREDICTIONS: dict[tuple, tuple[float, str] | None] = {}
 
 
 def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> tuple[float, str] | None:
-    """The predicted steady-state peak of one training step of `strategy`, in MiB (no weights read).
+    """The predicted peak of the training run of `strategy`, in MiB (no weights read): its steady-state
+    step's, or with a single step that step's.
 
     It runs the real training loop on fake tensors (workbench.core.memory.predict), so it counts
     activations and temporaries too, not just weights + gradients + Adam state. Cached per setting.
     """
 
     key = (cfg.model, cfg.base_size, strategy, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.seq_len,
-           cfg.lora_rank, n_blocks)
+           cfg.lora_rank, n_blocks, cfg.steps() >= 2)
     if key not in _PREDICTIONS:
         config = load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
         plan = Plan(f"study1-{strategy}", 0, "", precision=cfg.precision, trainable=strategy,
@@ -114,7 +115,8 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> t
             # as the played budget's live-bytes count (a dispatch mode) runs the step
             report = simulate(config, plan, batch=cfg.micro_batch * cfg.grad_accum, seq=cfg.seq_len, n_blocks=n_blocks,
                               instrumented=True)
-            _PREDICTIONS[key] = (report.steady_peak_bytes / 2**20, "fake-tensor prediction of the training step")
+            _PREDICTIONS[key] = (report.run_peak_bytes(cfg.steps()) / 2**20,
+                                 "fake-tensor prediction of the training step")
         except StrategyNotApplicable:
             _PREDICTIONS[key] = None
     return _PREDICTIONS[key]
