@@ -1,9 +1,12 @@
 from dataclasses import dataclass
 from typing import Literal
 
+import pandas as pd
 import pytest
 
 from workbench.core.config import VOCABULARY, Config, ConfigError, param
+from workbench.core.results import StudyResult
+from workbench.front.live import LiveChart
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.split.config import SplitConfig
 from workbench.studies.strategies.config import StrategiesConfig
@@ -71,6 +74,18 @@ def test_from_namespace_takes_plain_values_and_rejects_strays():
     assert Demo.from_namespace(ns).steps == 5
     with pytest.raises(ConfigError, match="unknown parameter.*typo"):
         Demo.from_namespace({**ns, "typo": 3})
+
+
+def test_a_notebook_runs_again_in_the_same_kernel():
+    """Run All a second time (after editing a parameter): the first run's `cfg`, live chart and result
+    are still in the namespace; they were refused as unknown parameters. A stray is still refused."""
+    ns = {"base_size": "tiny", "steps": 4}
+    cfg = SplitConfig.from_namespace(ns)
+    ns.update(cfg=cfg, live=LiveChart(title="t", run_keys=("run",)), result=StudyResult("split", runs=pd.DataFrame()),
+              steps=5)
+    assert SplitConfig.from_namespace(ns) == cfg.replace(steps=5)
+    with pytest.raises(ConfigError, match="unknown parameter.*stpes"):
+        SplitConfig.from_namespace({**ns, "stpes": 6})
 
 
 def test_hash_is_stable_and_sensitive():

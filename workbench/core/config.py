@@ -187,7 +187,10 @@ class Config:
         """Build from a notebook's globals: every plain value defined there is a parameter.
 
         The parameters cell and papermill's injected cell are the only cells that define plain
-        values before this call, so a misspelt injected parameter is an unknown name here.
+        values before this call, so a misspelt injected parameter is an unknown name here. What the
+        notebook's own cells make from the config (`cfg`, its live chart, its result: workbench
+        objects, never parameters) is left out: when the cells run again in the same kernel (Run
+        All after editing a parameter) they are still there, and were refused as unknown names.
         """
         values = {
             k: v
@@ -196,6 +199,7 @@ class Config:
             and k not in _NOTEBOOK_NAMES
             and not isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType))
             and not callable(v)
+            and type(v).__module__.partition(".")[0] != "workbench"
         }
         return cls.from_dict(values)
 
