@@ -1,6 +1,7 @@
 """Live charts and knobs: fed by plain rows, validated like the parameters cell."""
 
 import pytest
+from jupyter_client.manager import start_new_kernel
 
 from workbench.front.live import LiveChart
 from workbench.front.panel import knobs
@@ -76,3 +77,43 @@ def test_knobs_validate_like_the_parameters_cell_and_run():
     panel.controls["seeds"].value = "[oops"
     panel.button.click()
     assert len(seen) == 1 and "seeds" in panel.message.value
+
+
+PLOTLY = "application/vnd.plotly.v1+json"
+KERNEL_CODE = """
+from workbench.front.live import LiveChart
+with LiveChart(title="t", min_interval_s=0) as live:
+    for step in range(1, 4):
+        live({"strategy": "full", "seed": 0, "step": step, "loss": 5.0 - step, "tokens": 64 * step})
+"""
+
+
+def test_a_notebook_live_chart_redraws_as_jupyterlab_can_show(tmp_path):
+    """What a kernel sends while a notebook's chart runs. JupyterLab's plotly renderer keeps the graph
+    it drew first and ignores an update of a display id (plotly.py issue 3053): the chart redrew by
+    update_display and stayed empty in JupyterLab. Each redraw must be a new plotly output (in the
+    chart's Output, cleared first); the one update of the display id, at the end, replaces the Output
+    by the final figure (another mimetype, so a new renderer), which the notebook file keeps."""
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        msg_id = kc.execute(KERNEL_CODE)
+        reply = kc.get_shell_msg(timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        msgs = []
+        while not (msgs and msgs[-1]["msg_type"] == "status" and msgs[-1]["content"]["execution_state"] == "idle"
+                   and msgs[-1]["parent_header"].get("msg_id") == msg_id):
+            msgs.append(kc.get_iopub_msg(timeout=60))
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    shown = [(m["msg_type"], m["content"]) for m in msgs
+             if m["msg_type"] in ("display_data", "update_display_data", "clear_output")]
+    first_type, first = shown[0]
+    assert first_type == "display_data" and PLOTLY not in first["data"]  # the Output widget, shown by display id
+    display_id = first["transient"]["display_id"]
+    draws = [c for t, c in shown if t == "display_data" and PLOTLY in c["data"]]
+    assert len(draws) >= 4  # the first (empty) chart and one per row, each a new output
+    updates = [(t, c) for t, c in shown if t == "update_display_data"]
+    assert len(updates) == 1 and shown[-1] == updates[0] and PLOTLY in updates[0][1]["data"]
+    assert updates[0][1]["transient"]["display_id"] == display_id
+    assert len(updates[0][1]["data"][PLOTLY]["data"][0]["x"]) == 3  # the final state: every row

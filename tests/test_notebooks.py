@@ -55,7 +55,7 @@ def test_notebook_shape(name):
             assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.Lambda))]
     assert nb.cells[-1].source == "app(cfg)"
     live = next(c for c in nb.cells if "LiveChart(" in c.source)
-    assert "live.close();" in live.source  # the cell's only output is the live chart (close() returns a figure)
+    assert "with LiveChart(" in live.source  # the cell's only output is the live chart, closed on leaving
     assert not [c for c in nb.cells if c.cell_type == "markdown" and "\\n" in c.source]  # no escaped newlines shown
 
 

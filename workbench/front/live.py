@@ -1,16 +1,19 @@
 """Live charts: what is the run doing right now (loss, device memory against the budget, speed)?
 
-    live = LiveChart(title="Study 1")
-    df = run_strategies(cfg, sinks=[live])     # the chart updates while the study runs
-    live.close()                               # final redraw (also done on the last row)
+    with LiveChart(title="Study 1") as live:
+        df = run_strategies(cfg, sinks=[live])  # the chart updates while the study runs
+    # leaving the block (also on an error) draws the final state: live.close()
 
 A LiveChart is a training sink: it receives the plain rows the train loop emits and never
-reaches into the loop. It draws a plotly figure through a *display handle* and replaces that
-output in place (`update_display`), throttled to one redraw per `min_interval_s`. Because each
-redraw replaces the previous output, the notebook file holds exactly the final state of the
-chart as plotly JSON: small (no plotly.js bundle per chart, unlike a saved FigureWidget) and
-correct in an executed notebook, in Voila and in the HTML report (FIELD_NOTES: a FigureWidget
-keeps the state it had when first displayed).
+reaches into the loop. It redraws a plotly figure, throttled to one redraw per `min_interval_s`,
+in an ipywidgets Output (cleared and drawn again: JupyterLab's plotly renderer keeps the graph it
+drew first and ignores an in-place update of a display id, so a chart updated that way stayed
+empty in JupyterLab until the notebook was reopened; plotly.py issue 3053, `renderModel` in its
+mimeExtension.ts). close() then replaces the Output, through a display id, by the final figure as
+plotly JSON, so the notebook file holds exactly the final state of the chart: small (no plotly.js
+bundle per chart, unlike a saved FigureWidget) and correct in an executed notebook, in Voila and
+in the HTML report (FIELD_NOTES: a FigureWidget keeps the state it had when first displayed; an
+Output's drawings are not saved with the notebook).
 
 Rows it understands: training rows (step, loss, tokens, mem_mib, tokens_per_s, and the run's
 labels such as strategy/seed/device/budget_mib) and event rows ({"event": "attempt", ...}) that
@@ -21,6 +24,7 @@ memory panel, so the allocator's reserved memory and nvidia-smi's figure show be
 
 from __future__ import annotations
 
+import textwrap
 import time
 from typing import Any, Sequence
 
@@ -30,6 +34,7 @@ from plotly.subplots import make_subplots
 
 from workbench.core.charts import palette  # (importing charts sets the plotly_mimetype renderer)
 
+TITLE_CHARS = 100  # a title's line at most (three panels, about 1,000 px wide)
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
                 ("nvml_used_mib", "NVML used", "dot"))
 
@@ -46,11 +51,14 @@ class LiveChart:
         output=None,
     ):
         self.title = title
+        self._title_html = "<br>".join(textwrap.wrap(title, TITLE_CHARS))  # plotly does not wrap a title
         self.run_keys = tuple(run_keys)
         self.min_interval_s = min_interval_s
         self.fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "peak device memory per step (MiB)", "tokens/s"),
                                  horizontal_spacing=0.07)
-        self.fig.update_layout(title=title, height=380, margin=dict(t=95, b=40, l=50, r=20),
+        extra = 20 * self._title_html.count("<br>")  # each more line of title (the status line is under it)
+        self.fig.update_layout(title=dict(text=self._title_html, yref="container", y=1, yanchor="top", pad_t=14),
+                               height=380 + extra, margin=dict(t=95 + extra, b=40, l=50, r=20),
                                legend=dict(orientation="h", y=-0.2))
         self.fig.update_xaxes(title_text="tokens", col=1)
         self.fig.update_xaxes(title_text="step", col=2)
@@ -61,17 +69,23 @@ class LiveChart:
         self._last_draw = 0.0
         self.rows = 0
         self._handle = None
-        # Inside an ipywidgets Output (the knobs panel) display ids are not updated in place, so
-        # the chart gets an Output of its own that is cleared and redrawn instead.
+        # `output`: an Output to draw in (the knobs panel's); else, with `display`, one of our own,
+        # shown through a display id that close() points at the final figure.
         self._output = output
-        if output is not None:
-            self.draw()
-        elif display:
+        if output is None and display:
+            import ipywidgets
             from IPython.display import display as ipy_display
 
-            # A raw mimebundle: a plotly Figure displays itself through _ipython_display_, which
-            # ignores display ids, so every update would append a new chart instead of replacing it.
-            self._handle = ipy_display(self._bundle(), raw=True, display_id=True)
+            self._output = ipywidgets.Output()
+            self._handle = ipy_display(self._output, display_id=True)
+        if self._output is not None:
+            self.draw()
+
+    def __enter__(self) -> "LiveChart":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- the sink --------------------------------------------------------------------------
     def __call__(self, row: dict[str, Any]) -> None:
@@ -138,7 +152,7 @@ class LiveChart:
     def _snapshot(self) -> go.Figure:
         fig = go.Figure(self.fig)
         if self._status:
-            fig.update_layout(title=f"{self.title}<br><sub>{self._status}</sub>")
+            fig.update_layout(title_text=f"{self._title_html}<br><sub>{self._status}</sub>")
         memory = [t for t in fig.data if t.xaxis == "x2" and t.y]
         if self.rows and not memory:  # an empty panel that says why, not a bare -1..4 grid
             fig.add_annotation(text="no device memory in these rows<br>(the run reports none on this device)",
@@ -151,16 +165,22 @@ class LiveChart:
 
     def draw(self) -> None:
         self._last_draw = time.monotonic()
-        if self._handle is not None:
-            self._handle.update(self._bundle(), raw=True)
-        elif self._output is not None:
+        if self._output is not None:
             from IPython.display import display as ipy_display
 
             self._output.clear_output(wait=True)
             with self._output:
+                # A raw mimebundle: a plotly Figure displays itself through _ipython_display_.
                 ipy_display(self._bundle(), raw=True)
 
     def close(self) -> go.Figure:
-        """Draw the final state (whatever the throttle held back) and return the figure."""
-        self.draw()
+        """Draw the final state (whatever the throttle held back) and return the figure. A chart
+        with an Output of its own is replaced by the figure itself (the Output is closed)."""
+        if self._handle is not None:
+            self._output.clear_output()  # the executed notebook's widget state keeps no copy
+            self._handle.update(self._bundle(), raw=True)
+            self._output.close()
+            self._output = self._handle = None
+        else:
+            self.draw()
         return self._snapshot()

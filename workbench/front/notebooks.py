@@ -171,9 +171,8 @@ def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
             f"from workbench.studies.{nb.study}.config import {nb.config.__name__}\n"
             f"from workbench.studies.{nb.study}.runner import {nb.run.__name__}\n\n"
             f"cfg = {nb.config.__name__}.from_namespace(globals())\n"
-            f"live = {live}\n"
-            f"result = {nb.run.__name__}(cfg, sinks=[live])\n"
-            "live.close();  # the chart keeps its final state"),
+            f"with {live} as live:  # redrawn as the runs go; its final state stays\n"
+            f"    result = {nb.run.__name__}(cfg, sinks=[live])"),
         nbformat.v4.new_markdown_cell("## What we found\n\nEach finding beside the published claim it answers."),
         nbformat.v4.new_code_cell(
             'table(pd.DataFrame(figures.findings(result), columns=["what we found", "published"]))'),
