@@ -114,13 +114,16 @@ class MemoryReport:
     def steady_peak_bytes(self) -> int:
         return self.steady.bytes
 
+    @property
+    def first_step_peak_bytes(self) -> int:
+        """The first step's peak: its backward runs before any optimizer state exists."""
+        return max((p.bytes for (s, _), p in self.phase_peaks.items() if s == 0), default=0)
+
     def run_peak_bytes(self, steps: int) -> int:
         """The peak of a run of `steps` optimizer steps: the steady state's from two on (every later
-        step repeats the second); a one-step run peaks in its only step, whose backward has no
-        optimizer state yet (study 1 with a small token budget)."""
-        if steps >= 2:
-            return self.steady_peak_bytes
-        return max((p.bytes for (s, _), p in self.phase_peaks.items() if s == 0), default=self.peak.bytes)
+        step repeats the second); a one-step run peaks in its only step (study 1 with a small token
+        budget)."""
+        return self.steady_peak_bytes if steps >= 2 else self.first_step_peak_bytes
 
     def where(self) -> str:
         s = self.steady

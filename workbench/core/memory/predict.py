@@ -305,7 +305,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     return Prediction(
         rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),
         breakdown=breakdown, where=where, method=method, note=note, seconds=time.perf_counter() - t0,
-        first_step_peak_bytes=max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0), default=0),
+        first_step_peak_bytes=report.first_step_peak_bytes,
         host_bytes=int(host), host_breakdown=host_breakdown, placement=placement, pageable_bytes=int(pageable), phases=report.rows(), device=device,
         card=the_card.name if the_card else "", card_bytes=the_card.total_bytes if the_card else 0,
         kernels=dict(report.kernels or {}), **cuda,

@@ -112,8 +112,7 @@ def measure(
         report = acc.report()
         out.update({
             "measured_peak_bytes": report.steady_peak_bytes,
-            "measured_first_step_peak_bytes": max((p.bytes for (s, _), p in report.phase_peaks.items() if s == 0),
-                                                  default=0),
+            "measured_first_step_peak_bytes": report.first_step_peak_bytes,
             "measured_where": report.where(),
             **{f"measured_{c}_bytes": b for c, b in report.breakdown().items()},
         })
