@@ -170,7 +170,7 @@ class LiveChart:
 
             self._output.clear_output(wait=True)
             with self._output:
-                # A raw mimebundle: a plotly Figure displays itself through _ipython_display_.
+                # plotly's own mimetype, whatever plotly's default renderer is
                 ipy_display(self._bundle(), raw=True)
 
     def close(self) -> go.Figure:

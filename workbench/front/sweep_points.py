@@ -215,11 +215,11 @@ def collect(out: Path, planned: list[Point], reused: set[str] = frozenset()):
     df = pd.DataFrame(rows)
     for col in df.columns:  # list-valued parameters are written as JSON, not Python reprs
         if df[col].map(lambda v: isinstance(v, (list, dict))).any():
-            df[col] = df[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
+            df[col] = df[col].map(_cell)
     return df
 
 
-def varying(planned: list[Point]) -> list[str]:
+def _varying(planned: list[Point]) -> list[str]:
     """The parameters whose value differs between the points (the grid's axes), in first-seen order."""
     names = list(dict.fromkeys(k for p in planned for k in p.parameters))
     return [k for k in names if len({json.dumps(p.parameters.get(k), sort_keys=True) for p in planned}) > 1]
@@ -237,7 +237,7 @@ def write_tables(out: Path, planned: list[Point], reused: set[str]):
     # leads with its point and the parameters that vary across the grid (a study 1 row has no
     # learning rate of its own; a column the row already has keeps the row's value).
     parts = []
-    axes = varying(planned)
+    axes = _varying(planned)
     for p in planned:
         if (read_status(out / p.key) or {}).get("status") != "ok":
             continue
