@@ -80,10 +80,13 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     run = results_dir / "strategies" / first["run_id"][0]
     summary = run / "summary.json"
     stamp = summary.stat().st_mtime_ns
-    again = run_strategies(cfg, progress=False).runs
+    seen: list[dict] = []
+    again = run_strategies(cfg, [seen.append], progress=False).runs
     assert summary.stat().st_mtime_ns == stamp  # not retrained
     assert again["ppl_after"][0] == first["ppl_after"][0]
     steps = len((run / "steps.jsonl").read_text().splitlines())
+    # the sinks (a notebook's live chart) get the steps of a run read back: the chart stayed empty
+    assert [r["step"] for r in seen] == list(range(1, steps + 1)) and seen[-1]["strategy"] == "bitfit"
     # --rerun (the sweep sets WORKBENCH_RERUN for its notebooks) retrains, and replaces the steps
     monkeypatch.setenv("WORKBENCH_RERUN", "1")
     rerun = run_strategies(cfg, progress=False).runs

@@ -264,14 +264,13 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
         if summary is not None and summary.get("status") in ("ok", "fallback", "oom", "skipped"):
             done[i] = summary["row"]
     pending = [i for i in range(len(jobs)) if i not in done]
+    for i in sorted(done):  # runs read back: the live chart shows what they did (it stayed empty)
+        _replay(jobs[i], sinks)
     if cfg.workers > 1 or cfg.scheduler:
         rows = run_many(run_job, [jobs[i] for i in pending], workers=cfg.workers, scheduler=cfg.scheduler or None,
                         desc="strategies", progress=progress)
-        for i in pending:  # the live chart, after the fact: each run's steps as it wrote them
-            steps = jobs[i].run_dir().path / "steps.jsonl"
-            for row in (read_steps(steps).to_dict("records") if steps.exists() and steps.stat().st_size else []):
-                for sink in sinks:
-                    sink(row)
+        for i in pending:  # the live chart, after the fact
+            _replay(jobs[i], sinks)
     else:
         rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress)
     done.update(zip(pending, rows))
@@ -284,6 +283,14 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     result.paths = {name: str(writer.table(name, table)) for name, table in result.tables.items()}
     result.paths["runs"] = str(writer.dir / "runs.csv")
     return result
+
+
+def _replay(job: Job, sinks: list[Sink]) -> None:
+    """Hand a finished run's steps, as it wrote them, to the sinks."""
+    steps = job.run_dir().path / "steps.jsonl"
+    for row in (read_steps(steps).to_dict("records") if sinks and steps.exists() and steps.stat().st_size else []):
+        for sink in sinks:
+            sink(row)
 
 
 def _tokenizer(cfg: StrategiesConfig):
