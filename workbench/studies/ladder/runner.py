@@ -4,7 +4,8 @@
     result = run_ladder(LadderConfig(base_size="tiny", steps=3))   # seconds, on the CPU
     result.runs                                   # one row per (model, rung)
     result.tables["autofit"], result.tables["baselines"], result.tables["published"]
-    run_ladder(cfg, sinks=[LiveChart(run_keys=("rung", "stage"))])  # live, per training step
+    with LiveChart(run_keys=("rung", "stage")) as live:     # live, per training step; the final
+        run_ladder(cfg, sinks=[live])                         # figure stays when the block ends
 
 For every rung of the ladder (workbench.studies.ladder.rungs) and two models - the model at hand (the
 embedded base by default) and a reference config (Qwen2-0.5B) - the study predicts the
