@@ -116,6 +116,19 @@ def test_a_small_figure_that_is_not_zero_is_not_shown_as_zero():
     assert out["accel_idle (%)"].astype(str).tolist() == ["75.1", "0.0", "0.0", "0.002"]  # no "-0.0"
 
 
+def test_a_figure_without_a_unit_is_not_shown_with_a_digit_it_does_not_have():
+    """`workbench strategies` printed a perplexity of 120.4 as "120.0" (three significant digits,
+    120, in a column of one decimal for the 85.9 beside it) while its summary line said 120.4."""
+    df = pd.DataFrame({"ppl_after": [85.93, 120.42, 78.91, None], "ppl_before": [157.7, 157.7, 157.3, 157.7],
+                       "lr": [1e-3, 3e-4, None, 5e-5]})
+    out = rounded(df)
+    assert out["ppl_after"].iloc[:3].tolist() == [85.9, 120.4, 78.9]
+    assert out["ppl_before"].tolist() == [158, 158, 157, 158]
+    assert out["lr"].iloc[[0, 1, 3]].tolist() == [0.001, 0.0003, 0.00005]  # each its own places
+    row = repr(Table(df)).splitlines()[2].split()
+    assert row[:2] == ["120.4", "158"] and "0.0003" in row
+
+
 def test_a_table_in_a_notebook_shows_every_text_whole_and_its_figures_rounded_once():
     """pandas' own display cut each cell at 50 characters: the notebooks' and the Voila apps' findings
     and a skipped rung's reason read "Predicted peaks of 5 rung(s) measured here are...". A figures

@@ -76,7 +76,7 @@ _SHOWN_UNITS = tuple(unit if suffix.startswith("_") else unit.strip(" ()") for s
 def _round_sig(x: float, sig: int = 3) -> float:
     if pd.isna(x) or x == 0:
         return x
-    return round(x, max(0, sig - 1 - int(math.floor(math.log10(abs(x))))))
+    return round(x, max(0, _sig_places(x, sig)))
 
 
 def _round_fixed(x: float, decimals: int) -> float:
@@ -129,8 +129,24 @@ def rounded(df: pd.DataFrame) -> pd.DataFrame:
                     _round_sig if decimals is None else lambda x, d=decimals: _round_fixed(x, d))
                 break
         else:
-            out[name] = s if pd.api.types.is_integer_dtype(s) else s.astype(float).map(_round_sig)
+            out[name] = s if pd.api.types.is_integer_dtype(s) else _round_column(s.astype(float))
     return pd.DataFrame(out)
+
+
+def _sig_places(x: float, sig: int = 3) -> int:
+    return sig - 1 - int(math.floor(math.log10(abs(x))))
+
+
+def _round_column(s: pd.Series) -> pd.Series:
+    """A column without a unit to three significant digits of its smallest figure, every figure to
+    the same places: a perplexity of 120.4 beside 85.9 reads 120.4, not 120 (shown as "120.0" in a
+    column of one decimal, a digit it does not have). Where that would take more than two places
+    (learning rates, 0.0248 beside 32.2) each figure keeps its own three significant digits."""
+    present = [abs(v) for v in s if math.isfinite(v) and v != 0]
+    places = max((_sig_places(v) for v in present), default=0)
+    if places > 2:
+        return s.map(_round_sig)
+    return s.map(lambda x: x if not math.isfinite(x) else round(x, max(0, places)) + 0.0)
 
 
 # ------------------------------------------------------------------------------------------------
