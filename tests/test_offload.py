@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pandas as pd
@@ -513,8 +514,17 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     assert len(list(out.glob("*/summary.json"))) == 4
 
 
-def test_cli_published_and_bad_set():
+def test_cli_published_and_bad_set(capsys):
+    """`split --published` printed raw JSON (0.10583979328165376, t_backward_s 0.3130337223691072)
+    followed by the verdict's text, so --json's stdout was not JSON either."""
     assert main(["split", "--published"]) == 0
+    shown = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[2:-1])
+    assert shown["n_params"] == "9,976,549,376" and shown["k_band"] == "0.1-0.2" and shown["claim_alpha"] == "0.083"
+    assert shown["t_backward_s"].endswith(" s") and shown["tflops_modelled"].endswith(" TFLOP/s")
+    assert re.fullmatch(r"0\.\d{2,3}", shown["alpha_modelled"])  # three significant digits
+    assert main(["split", "--published", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["operating_point"]["claim_alpha"] == 0.083 and doc["verdict"]["text"].startswith("Verdict")
     assert main(["split", "nosuch=1"]) == 2
     assert main(["split", "k_sweep=[2]"]) == 2
     assert main(["split", "not-an-assignment"]) == 2

@@ -24,6 +24,7 @@ from workbench.core.common import stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.front.notebooks import STUDIES, StudyNotebook
 from workbench.front.sweep_points import parse_value
+from workbench.studies.split.figures import operating_point_table
 from workbench.studies.split.perf_model import published_operating_point, seed_verdict
 
 
@@ -65,15 +66,21 @@ def register(sub) -> None:
         p.add_argument("--json", action="store_true", help="print the runs table as JSON records")
         if nb.study == "split":
             p.add_argument("--published", action="store_true",
-                           help="print the seed's operating point as modelled and the verdict on its k band, then stop")
+                           help="print the seed's operating point as modelled and the verdict on its k band, then stop "
+                                "(with --json: both as one JSON document)")
         p.set_defaults(func=main, study=nb)
 
 
 def main(args) -> int:
     nb: StudyNotebook = args.study
     if getattr(args, "published", False):
-        print(json.dumps(published_operating_point(), indent=2, default=str))
-        print(seed_verdict()["text"])
+        op, verdict = published_operating_point(), seed_verdict()
+        if args.json:  # stdout is one JSON document
+            print(json.dumps({"operating_point": op, "verdict": verdict}, indent=1, default=str))
+        else:
+            print("The seed's setting, modelled from inputs independent of its figures (claim_*: the seed's):")
+            print(Table(operating_point_table(op)))
+            print(verdict["text"])
         return 0
     cfg = nb.config.from_dict({**(nb.quick if args.quick else {}), **parse_assignments(args.assignments)})
     with stdout_to_stderr(args.json):  # with --json, stdout carries the runs table alone
@@ -88,3 +95,4 @@ def main(args) -> int:
         for finding, claim in nb.figures.findings(result):
             print(f"- {finding}" + (f"  [published: {claim}]" if claim else ""))
     return 1 if "status" in result.runs and (result.runs["status"] == "error").all() else 0
+

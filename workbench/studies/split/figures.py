@@ -178,6 +178,25 @@ _HOST_FIELDS = {  # host_and_published.json's "host": what each field is, and it
 }
 
 
+_OP_UNITS = (("_gb_per_s", "GB/s"), ("_s", "s"), ("tflops", "TFLOP/s"))
+
+
+def operating_point_table(op: dict) -> pd.DataFrame:
+    """The seed's setting as modelled (`perf_model.published_operating_point`), one quantity a row:
+    counts thousands-separated, other numbers to three significant digits with the unit their name
+    gives (t_backward_s: s; tflops: TFLOP/s), text as it is."""
+    rows = []
+    for name, v in op.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            text = "-".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+        else:
+            unit = next((u for key, u in _OP_UNITS if name.endswith(key) or key in name.split("_")), "")
+            number = f"{v:,}" if isinstance(v, int) else f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+            text = number + (f" {unit}" if unit else "")
+        rows.append({"quantity": name, "value": text})
+    return pd.DataFrame(rows, columns=["quantity", "value"])
+
+
 def findings(result: StudyResult) -> list[tuple[str, str]]:
     """What we found, each beside the published claim it answers."""
     df = result.runs
