@@ -15,6 +15,7 @@ from workbench.core import results
 from workbench.core.results import code_fingerprint, git_commit
 from workbench.studies.strategies import runner as transfer
 from workbench.studies.strategies.config import StrategiesConfig
+from workbench.studies.strategies.figures import findings
 from workbench.studies.strategies.runner import claims_table, rebuild_runs_table, run_strategies, summarize
 
 TINY = dict(base_size="tiny", seq_len=64, token_budget=4096, eval_blocks=8)
@@ -109,6 +110,30 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     monkeypatch.undo()  # the same version with other code (a pull): not the old code's run either
     monkeypatch.setattr(transfer, "code_fingerprint", lambda: "other-code")
     assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
+
+
+def test_an_interrupted_study_keeps_what_finished_and_leaves_no_folder_for_what_never_began(tiny_base,
+                                                                                            results_dir):
+    """Ctrl-C in `workbench strategies` left an empty folder for every run still to come (looking for
+    a finished run made its folder); the interrupted run has no summary and runs again in full."""
+    cfg = StrategiesConfig(strategies=("bitfit", "lora", "full"), seeds=(0,), budget_mib=0, **TINY)
+
+    def stop_in_lora(row):
+        if row["strategy"] == "lora" and row["step"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_strategies(cfg, [stop_in_lora], progress=False)
+    folders = {p.name.split("-s0-")[0]: p for p in (results_dir / "strategies").iterdir() if p.is_dir()}
+    assert sorted(folders) == ["bitfit", "lora"]  # no folder for full, which never began
+    assert (folders["bitfit"] / "summary.json").exists() and not (folders["lora"] / "summary.json").exists()
+    result = run_strategies(cfg, progress=False)
+    again = result.runs
+    assert list(again.status) == ["ok"] * 3 and again.set_index("strategy").reused.to_dict() == {
+        "bitfit": True, "lora": False, "full": False}
+    assert any(f.startswith("1 of 3 runs were read back") for f, _ in findings(result))  # said, not silent
+    steps = (folders["lora"] / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(s)["step"] for s in steps] == list(range(1, len(steps) + 1))  # one run, not two
 
 
 def test_the_code_key_follows_every_module_by_content(tmp_path):

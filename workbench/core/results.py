@@ -139,13 +139,13 @@ class JsonlSink:
 
 
 class RunDir:
-    """One run's folder: config.json at the start, steps.jsonl as it goes, summary.json at the end."""
+    """One run's folder: config.json at the start, steps.jsonl as it goes, summary.json at the end.
+    The folder is made by the first file written to it: looking for a finished run makes nothing."""
 
     def __init__(self, study: str, run_id: str, root: str | Path | None = None):
         self.study = study
         self.run_id = run_id
         self.path = Path(root or results_root()) / study / run_id
-        self.path.mkdir(parents=True, exist_ok=True)
 
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write_json(self.path / "config.json", {**config, "env": environment(), "started": now()})

@@ -106,6 +106,11 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
                 how.append(f"{len(rows)} {verb}{what} ({', '.join(sorted(set(rows['strategy'])))})")
         out.append((f"{len(fell)} run(s) did not fit the device budget and finished on the next device: "
                     f"{'; '.join(how)}.", "the published adapter run fell back from GPU to CPU"))
+    if "reused" in result.runs and result.runs["reused"].any():
+        n, total = int(result.runs["reused"].sum()), len(result.runs)
+        out.append((f"{n} of {total} runs were read back from results/strategies/, not trained again: they "
+                    "finished before with the same settings, base weights, corpus and code "
+                    "(WORKBENCH_RERUN=1 trains them again).", ""))
     return out
 
 

@@ -273,8 +273,10 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
             _replay(jobs[i], sinks)
     else:
         rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress)
+    reused = set(done)
     done.update(zip(pending, rows))
     df = pd.DataFrame([done[i] for i in range(len(jobs))])
+    df["reused"] = [i in reused for i in range(len(jobs))]  # read back, not trained by this call
     result = StudyResult(STUDY, runs=df, steps=steps_frame(df),
                          tables={"summary": summarize(df), "claims": claims_table(df),
                                  "corpus_overlap": corpus_overlap(cfg, corpus)})
