@@ -23,6 +23,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from workbench.front.live import LiveChart
 from workbench.front.dashboard import port_in_use, private_config, start_voila, stop_voila, voila_command
 from workbench.front.notebooks import available
 from workbench.front.report import write_report
@@ -343,3 +344,39 @@ def test_the_report_opens_in_a_browser_with_what_we_found_first(results_dir, tin
             browser.close()
     assert (SHOTS / "report.png").stat().st_size > 10_000
 
+
+
+@pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed (make test installs it as root)")
+@pytest.mark.parametrize("runs", [2, 21])
+def test_the_live_chart_legend_never_covers_the_axis_titles(tmp_path, runs):
+    """Study 1's 21 runs (7 strategies x 3 seeds) filled four legend rows, placed at a fixed share
+    of the plot's height: the first row covered the panels' "tokens" and "step" titles, and the
+    panels shrank as the legend grew. Drawn by plotly.js in chromium, at a notebook's width and a
+    narrow one."""
+    pw = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
+    live = LiveChart(title="Study 1: loss, device memory against the budget, speed (live)", display=False)
+    names = ["adapter", "freeze_lower", "freeze_embeddings", "full", "lora", "bitfit", "qlora"]
+    for i in range(runs):
+        for step in (1, 2):
+            live({"strategy": names[i % 7], "seed": i // 7, "device": "cpu@160", "step": step, "tokens": 64 * step,
+                  "loss": 5.0 - step * 0.1, "mem_mib": 100.0 + i, "tokens_per_s": 1000.0, "budget_mib": 160.0})
+    page_path = tmp_path / "live.html"
+    live.close().write_html(page_path, include_plotlyjs=True)
+    boxes = """() => ({legend: document.querySelector('.legend').getBoundingClientRect().toJSON(),
+                      titles: [...document.querySelectorAll('.xtitle, .x2title, .x3title')].map(e => e.getBoundingClientRect().toJSON()),
+                      panels: [...document.querySelectorAll('.nsewdrag')].map(e => e.getBoundingClientRect().toJSON())})"""
+    with pw.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            for width in (900, 1400):
+                page = browser.new_page(viewport={"width": width, "height": 900})
+                page.goto(page_path.resolve().as_uri())
+                page.locator(".js-plotly-plot .legend").first.wait_for(timeout=30_000)
+                seen = page.evaluate(boxes)
+                assert len(seen["titles"]) == 3 and len(seen["panels"]) == 3
+                assert seen["legend"]["top"] >= max(t["bottom"] for t in seen["titles"]), (width, seen)
+                assert min(p["height"] for p in seen["panels"]) >= 200, (width, seen)  # the legend took no room from them
+                assert page.locator(".legend .traces").count() == runs
+                page.close()
+        finally:
+            browser.close()

@@ -35,6 +35,7 @@ from plotly.subplots import make_subplots
 from workbench.core.charts import palette  # (importing charts sets the plotly_mimetype renderer)
 
 TITLE_CHARS = 100  # a title's line at most (three panels, about 1,000 px wide)
+PANELS_PX, AXIS_TITLES_PX, LEGEND_ROW_PX = 245, 52, 22  # the panels' height; under them, the axes' titles; a legend row
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
                 ("nvml_used_mib", "NVML used", "dot"))
 
@@ -56,10 +57,10 @@ class LiveChart:
         self.min_interval_s = min_interval_s
         self.fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "peak device memory per step (MiB)", "tokens/s"),
                                  horizontal_spacing=0.07)
-        extra = 20 * self._title_html.count("<br>")  # each more line of title (the status line is under it)
+        self._top = 95 + 20 * self._title_html.count("<br>")  # each more line of title (the status line is under it)
         self.fig.update_layout(title=dict(text=self._title_html, yref="container", y=1, yanchor="top", pad_t=14),
-                               height=380 + extra, margin=dict(t=95 + extra, b=40, l=50, r=20),
-                               legend=dict(orientation="h", y=-0.2))
+                               legend=dict(orientation="h", yref="container", y=0, yanchor="bottom"))
+        self._fit_legend(self.fig)
         self.fig.update_xaxes(title_text="tokens", col=1)
         self.fig.update_xaxes(title_text="step", col=2)
         self.fig.update_xaxes(title_text="step", col=3)
@@ -153,12 +154,31 @@ class LiveChart:
         fig = go.Figure(self.fig)
         if self._status:
             fig.update_layout(title_text=f"{self._title_html}<br><sub>{self._status}</sub>")
+        self._fit_legend(fig)
         memory = [t for t in fig.data if t.xaxis == "x2" and t.y]
         if self.rows and not memory:  # an empty panel that says why, not a bare -1..4 grid
             fig.add_annotation(text="no device memory in these rows<br>(the run reports none on this device)",
                                xref="x2 domain", yref="y2 domain", x=0.5, y=0.5, showarrow=False,
                                font_color="#888")
         return fig
+
+    def _fit_legend(self, fig: go.Figure) -> None:
+        """Room under the panels for the legend, so that it never covers the axis titles (a legend
+        placed at a fixed share of the plot's height did, once the runs filled two rows) and the
+        panels keep their height however many runs there are. Rows are estimated for a chart about
+        900 px wide, the narrowest a notebook or the dashboard shows it: more rows than needed
+        leave some space, fewer would overlap."""
+        row_px, width, rows, used = LEGEND_ROW_PX, 900, 0, 900
+        for trace in fig.data:
+            if trace.showlegend is False or not trace.name:
+                continue
+            item = 40 + 7 * len(trace.name)  # the line sample and the text, at plotly's 12 px font
+            if used + item > width:
+                rows, used = rows + 1, 0
+            used += item
+        legend = rows * row_px + 6
+        fig.update_layout(height=PANELS_PX + self._top + AXIS_TITLES_PX + legend,
+                          margin=dict(t=self._top, b=AXIS_TITLES_PX + legend, l=50, r=20))
 
     def _bundle(self) -> dict:
         return pio.renderers["plotly_mimetype"].to_mimebundle(self._snapshot().to_dict())
