@@ -1,4 +1,4 @@
-"""Studies 2 and 3 as apps: knobs panels, live-chart sinks fed by real runs, report sections.
+"""The studies as apps: knobs panels, live-chart sinks fed by real runs, report sections.
 
     .venv/bin/python -m pytest tests/test_study_apps.py -q        # about 40 s on 2 cores
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from workbench.core.charts import Table
 from workbench.core.results import StudyResult
 from workbench.front import apps
 from workbench.front.live import LiveChart
@@ -20,6 +21,7 @@ from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.split import figures as split_figures
 from workbench.studies.split import runner as split_study
 from workbench.studies.split.config import SplitConfig
+from workbench.studies.strategies.config import StrategiesConfig
 
 LADDER_TINY = {"base_size": "tiny", "rungs": ["fp32", "bf16_ckpt", "zero_offload"], "micro_batch": 2, "seq_len": 32,
                "steps": 2, "budget_mib": 3.0, "reference_model": "", "breakdown_rung": "fp32", "threads": 1}
@@ -29,6 +31,31 @@ SPLIT_TINY = {"base_size": "tiny", "eval_blocks": 4, "micro_batch": 2, "seq_len"
 
 def _loss_traces(fig) -> dict[str, tuple]:
     return {t.name: tuple(t.y) for t in fig.data if t.xaxis == "x" and t.y}
+
+
+# ------------------------------------------------------------------------------------------------
+# study 1
+
+
+def test_strategies_app_says_when_its_runs_were_read_back(monkeypatch, tiny_base, results_dir):
+    """Run pressed again with the same settings showed the same charts within two seconds and no
+    word of why (the runs were read back, not trained): the app shows the findings first, as the
+    notebook does, and they say so."""
+    shown: list = []
+    monkeypatch.setattr(apps, "display", shown.append)
+    cfg = StrategiesConfig(base_size="tiny", strategies=("bitfit",), seeds=(0,), seq_len=64, token_budget=2048,
+                           eval_blocks=4, budget_mib=0)
+    panel = apps.app(cfg)
+    found = []
+    for _ in range(2):
+        shown.clear()
+        panel.button.click()
+        assert "done" in panel.message.value, panel.message.value
+        tables = [s.df for s in shown if isinstance(s, Table)]
+        assert list(tables[0].columns) == ["what we found", "published"]  # first, before the summary
+        found.append(" ".join(tables[0]["what we found"]))
+    assert found[0].startswith("Best held-out perplexity: bitfit") and "read back" not in found[0]
+    assert "1 of 1 runs were read back from results/strategies/" in found[1]
 
 
 # ------------------------------------------------------------------------------------------------

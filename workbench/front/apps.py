@@ -1,4 +1,4 @@
-"""Each study as a widget app: a knob per config field, Run shows live charts, then the study's figures.
+"""Each study as a widget app: a knob per config field; Run shows live charts, what it found, its figures.
 
     from workbench.front.apps import app
     app(StrategiesConfig())          # or LadderConfig(), SplitConfig(): the app of that study
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import ipywidgets
+import pandas as pd
 from IPython.display import display
 
 from workbench.core.charts import table
@@ -40,6 +41,12 @@ def _live_chart(figures) -> LiveChart:
     return LiveChart(title=figures.NOTEBOOK_RUN_TITLE, output=chart, **({"run_keys": keys} if keys else {}))
 
 
+def _findings(figures, result) -> None:
+    """What the run found, first, as the notebook shows it (a run read back instead of trained
+    again says so there: a Run with the same settings gave the same charts at once, unexplained)."""
+    display(table(pd.DataFrame(figures.findings(result), columns=["what we found", "published"])))
+
+
 def strategies_app(cfg: StrategiesConfig):
     """Study 1's control panel: live loss and memory per run, then the summary and the spread."""
 
@@ -47,6 +54,7 @@ def strategies_app(cfg: StrategiesConfig):
         live = _live_chart(strategies_figures)
         result = run_strategies(c, sinks=[live], progress=False)
         live.close()
+        _findings(strategies_figures, result)
         display(table(strategies_figures.summary_table(result)))
         strategies_figures.perplexity_spread(result.runs).show()
         return result
@@ -61,6 +69,7 @@ def ladder_app(cfg: LadderConfig):
         live = _live_chart(ladder_figures)
         result = run_ladder(c, sinks=[live])
         live.close()
+        _findings(ladder_figures, result)
         display(table(ladder_figures.ladder_table(result)))
         ladder_figures.ladder_figure(result, title=f"memory ladder: {c.model}, micro-batch {c.micro_batch} "
                                                    f"x seq {c.seq_len}").show()
@@ -81,6 +90,7 @@ def split_app(cfg: SplitConfig):
         live = _live_chart(split_figures)
         result = run_split_study(c, sinks=[live])
         live.close()
+        _findings(split_figures, result)
         display(table(split_figures.runs_table(result)))
         split_figures.throughput_figure(result).show()
         return result
