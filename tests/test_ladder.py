@@ -27,6 +27,7 @@ from workbench.core.training import TrainSettings, train
 from workbench.studies.ladder import rungs as ladder
 from workbench.studies.ladder import runner
 from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down, search
+from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder.figures import BUDGET_NOTE, report_section
 from workbench.studies.ladder.rungs import auto_fit, measure, zero_config
 from workbench.studies.ladder.runner import CPU_MARGIN, LadderConfig, load_result, run_ladder
@@ -458,7 +459,12 @@ def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_pat
     # the reused rows are the rows: run again, nothing is measured and the table is the same
     again = run_ladder(cfg)
     assert measured == ["fp32", "bf16_ckpt", "cpu"]
-    pd.testing.assert_frame_equal(again.runs, result.runs)
+    pd.testing.assert_frame_equal(again.runs.drop(columns="reused"), result.runs.drop(columns="reused"))
+    # ... and say so: the first call read back two rungs, the second all three
+    assert at_hand["reused"].fillna(False).tolist() == [True, True, False]
+    assert again.runs.set_index("rung").loc[list(cfg.rungs), "reused"].tolist() == [True, True, True]
+    said = [f for f, _ in ladder_figures.findings(again) if "read back" in f]
+    assert said and said[0].startswith("3 of 3 rungs (fp32, bf16_ckpt, cpu) were read back")
     # other weights or another version, or $WORKBENCH_RERUN: measured again
     monkeypatch.setattr(runner, "__version__", "0.0.0-other")
     run_ladder(cfg)

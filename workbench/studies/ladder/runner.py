@@ -22,7 +22,8 @@ autofit_search.csv, summary.json} and results/ladder/runs.csv. Columns say which
 `measured`, `predicted` or `estimated`; sizes are bytes (`_bytes`) or MiB (`_mib`). Each rung's
 row is also appended to rungs.jsonl as the rung finishes, so a run that is killed keeps the rungs
 it finished, and the same settings run again go on from there (rows are reused only with the
-same model weights and workbench version; $WORKBENCH_RERUN=1 measures every rung again).
+same model weights and workbench version; $WORKBENCH_RERUN=1 measures every rung again). A
+rung read back has `reused` set in the result's rows, and the findings say which.
 
 Sinks receive the training rows of every measured rung (`stage` "ladder") and of every auto-fit
 attempt (`stage` "auto-fit"), labelled with `rung` and the `budget_mib` to fit, plus one event
@@ -139,7 +140,7 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     for name in cfg.rungs:
         plan = RUNGS[name]
         if name in finished:
-            rows.append(finished[name])
+            rows.append({**finished[name], "reused": True})  # read back, not measured by this call
             continue
         # the step as the study's own live-bytes count (a dispatch mode) runs it: the figure it is held to
         p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
