@@ -55,7 +55,7 @@ def test_strategies_app_says_when_its_runs_were_read_back(monkeypatch, tiny_base
         assert list(tables[0].columns) == ["what we found", "published"]  # first, before the summary
         found.append(" ".join(tables[0]["what we found"]))
     assert found[0].startswith("Best held-out perplexity: bitfit") and "read back" not in found[0]
-    assert "1 of 1 runs were read back from results/strategies/" in found[1]
+    assert "1 of 1 runs were read back, not trained again" in found[1]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     if "reused" in hand and hand["reused"].fillna(False).astype(bool).any():
         again = hand[hand["reused"].fillna(False).astype(bool)]
         out.append((f"{len(again)} of {len(hand)} rungs ({', '.join(again['rung'])}) were read back from an earlier "
-                    "run with the same settings, model weights and code (results/ladder/), not measured again "
+                    "run with the same settings, model weights and code, not measured again "
                     "(WORKBENCH_RERUN=1 measures them again).", ""))
     fit = result.tables.get("autofit", pd.DataFrame())
     if len(fit):

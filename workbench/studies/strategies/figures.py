@@ -108,7 +108,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
                     f"{'; '.join(how)}.", "the published adapter run fell back from GPU to CPU"))
     if "reused" in result.runs and result.runs["reused"].any():
         n, total = int(result.runs["reused"].sum()), len(result.runs)
-        out.append((f"{n} of {total} runs were read back from results/strategies/, not trained again: they "
+        out.append((f"{n} of {total} runs were read back, not trained again: they "
                     "finished before with the same settings, base weights, corpus and code "
                     "(WORKBENCH_RERUN=1 trains them again).", ""))
     return out
