@@ -82,7 +82,8 @@ def backward_fit(obs: list[tuple[float, float]], min_spread: float = 0.2) -> tup
     """(t_B, I) from measured (k, backward seconds) pairs, by least squares on backward(k) =
     t_B + (1 - k) * I; None while the k's spread less than `min_spread` (one k says nothing about
     the slope). A backward that does not shrink as the host does less has no interference: its
-    mean is t_B."""
+    mean is t_B. A line that reaches zero before k = 1 is noise on a few points, not a backward
+    that takes no time without host work: None (it was clipped to t_B = 0, seen on a busy machine)."""
     if len(obs) < 2:
         return None
     ks, bs = [k for k, _ in obs], [b for _, b in obs]
@@ -92,4 +93,5 @@ def backward_fit(obs: list[tuple[float, float]], min_spread: float = 0.2) -> tup
     slope = sum((k - mk) * (b - mb) for k, b in obs) / sum((k - mk) ** 2 for k in ks)
     if slope >= 0:
         return mb, 0.0
-    return max(0.0, mb + slope * (1 - mk)), -slope
+    t_b = mb + slope * (1 - mk)
+    return (t_b, -slope) if t_b > 0 else None
