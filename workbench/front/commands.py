@@ -95,4 +95,3 @@ def main(args) -> int:
         for finding, claim in nb.figures.findings(result):
             print(f"- {finding}" + (f"  [published: {claim}]" if claim else ""))
     return 1 if "status" in result.runs and (result.runs["status"] == "error").all() else 0
-

@@ -35,7 +35,8 @@ from plotly.subplots import make_subplots
 from workbench.core.charts import palette  # (importing charts sets the plotly_mimetype renderer)
 
 TITLE_CHARS = 100  # a title's line at most (three panels, about 1,000 px wide)
-PANELS_PX, AXIS_TITLES_PX, LEGEND_ROW_PX = 245, 52, 22  # the panels' height; under them, the axes' titles; a legend row
+PANELS_PX, AXIS_TITLES_PX = 245, 52  # the panels' height; under them, the axes' ticks and titles
+LEGEND_ROW_PX, LEGEND_WIDTH_PX = 22, 900  # a legend row; the narrowest width a notebook or the dashboard gives
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
                 ("nvml_used_mib", "NVML used", "dot"))
 
@@ -168,15 +169,15 @@ class LiveChart:
         panels keep their height however many runs there are. Rows are estimated for a chart about
         900 px wide, the narrowest a notebook or the dashboard shows it: more rows than needed
         leave some space, fewer would overlap."""
-        row_px, width, rows, used = LEGEND_ROW_PX, 900, 0, 900
+        rows, used = 0, LEGEND_WIDTH_PX  # the first entry opens the first row
         for trace in fig.data:
             if trace.showlegend is False or not trace.name:
                 continue
             item = 40 + 7 * len(trace.name)  # the line sample and the text, at plotly's 12 px font
-            if used + item > width:
+            if used + item > LEGEND_WIDTH_PX:
                 rows, used = rows + 1, 0
             used += item
-        legend = rows * row_px + 6
+        legend = rows * LEGEND_ROW_PX + 6
         fig.update_layout(height=PANELS_PX + self._top + AXIS_TITLES_PX + legend,
                           margin=dict(t=self._top, b=AXIS_TITLES_PX + legend, l=50, r=20))
 

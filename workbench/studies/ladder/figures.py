@@ -198,8 +198,8 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         out.append((f"Predicted peaks of {len(measured)} rung(s) measured here are within {err:.1f}% of the "
                     "measured live bytes (the prediction runs the same training step over fake tensors).",
                     "the published memory table was estimated, never measured"))
-    if "reused" in hand and hand["reused"].fillna(False).astype(bool).any():
-        again = hand[hand["reused"].fillna(False).astype(bool)]
+    again = hand[hand["reused"].fillna(False).astype(bool)] if "reused" in hand else hand.iloc[0:0]
+    if len(again):
         out.append((f"{len(again)} of {len(hand)} rungs ({', '.join(again['rung'])}) were read back from an earlier "
                     "run with the same settings, model weights and code, not measured again "
                     "(WORKBENCH_RERUN=1 measures them again).", ""))
