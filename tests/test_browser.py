@@ -23,8 +23,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from workbench.front.live import LiveChart
 from workbench.front.dashboard import port_in_use, private_config, start_voila, stop_voila, voila_command
+from workbench.front.live import LiveChart
 from workbench.front.notebooks import available
 from workbench.front.report import write_report
 from workbench.studies.ladder.config import LadderConfig
@@ -343,7 +343,6 @@ def test_the_report_opens_in_a_browser_with_what_we_found_first(results_dir, tin
         finally:
             browser.close()
     assert (SHOTS / "report.png").stat().st_size > 10_000
-
 
 
 @pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed (make test installs it as root)")

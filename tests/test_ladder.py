@@ -24,10 +24,10 @@ from workbench.core.memory.plan import RUNGS, quantize_4bit
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, load_model
 from workbench.core.results import RERUN_ENV
 from workbench.core.training import TrainSettings, train
+from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder import rungs as ladder
 from workbench.studies.ladder import runner
 from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down, search
-from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder.figures import BUDGET_NOTE, report_section
 from workbench.studies.ladder.rungs import auto_fit, measure, zero_config
 from workbench.studies.ladder.runner import CPU_MARGIN, LadderConfig, load_result, run_ladder
