@@ -69,7 +69,11 @@ def test_a_played_gpu_peak_is_the_predicted_step_to_the_byte(tiny_base, results_
     # backward has no AdamW state yet, and the prediction was the steady state's (LoRA: 0.25 MiB over).
     one = cfg.replace(strategies=("lora",), token_budget=600)
     assert one.steps() == 1 and cfg.steps() > 1
-    row = run_strategies(one, progress=False).runs.iloc[0]
+    short = run_strategies(one, progress=False)
+    row = short.runs.iloc[0]
+    # what a run trained is said, and a budget that is not whole steps is rounded down, not up
+    assert findings(short)[0][0].endswith("Each run trained 512 tokens (the token budget of 600, rounded down to "
+                                          "whole optimizer steps).")
     steady = df.set_index("strategy").loc["lora", "peak_mem_mib"]
     assert row["peak_mem_mib"] == row["predicted_peak_mib"] < steady - 0.2, (row["peak_mem_mib"], steady)
 
@@ -131,7 +135,9 @@ def test_an_interrupted_study_keeps_what_finished_and_leaves_no_folder_for_what_
     again = result.runs
     assert list(again.status) == ["ok"] * 3 and again.set_index("strategy").reused.to_dict() == {
         "bitfit": True, "lora": False, "full": False}
-    assert any(f.startswith("1 of 3 runs were read back") for f, _ in findings(result))  # said, not silent
+    said = [f for f, _ in findings(result)]
+    assert any(f.startswith("1 of 3 runs were read back") for f in said)  # said, not silent
+    assert said[0].endswith("Each run trained 4,096 tokens.")  # the budget, a whole number of steps
     steps = (folders["lora"] / "steps.jsonl").read_text().splitlines()
     assert [json.loads(s)["step"] for s in steps] == list(range(1, len(steps) + 1))  # one run, not two
 
@@ -176,6 +182,7 @@ def test_the_commit_a_result_names_says_when_the_code_was_edited(tmp_path, monke
 @pytest.mark.parametrize("bad, error", [
     ({"strategies": ["adaptor"]}, "unknown strategy adaptor"),
     ({"token_budget": 0}, "token_budget must be positive"),
+    ({"token_budget": 1000}, r"token_budget 1,000 is less than one optimizer step .* = 1,024 tokens\)"),
     ({"qlora_lr": -1e-3}, "qlora_lr >= 0"),
     ({"micro_batch": -2}, "micro_batch must be positive"),
     ({"budget_mib": "lots"}, "expected a number"),

@@ -30,7 +30,7 @@ class StrategiesConfig(Config):
     strategies: tuple[str, ...] = param(PAPER_STRATEGIES + ("lora", "bitfit", "qlora"), "strategies to compare",
                                         choices=tuple(STRATEGIES))
     seeds: tuple[int, ...] = param((0, 1, 2), "one run per seed and strategy")
-    token_budget: int = param(150_000, "training tokens per run (equal for every strategy)")
+    token_budget: int = param(150_000, "training tokens per run (equal for every strategy; rounded down to whole optimizer steps)")
     seq_len: int = setting("seq_len", 128)
     micro_batch: int = setting("micro_batch", 8)
     grad_accum: int = setting("grad_accum", 1)
@@ -55,6 +55,11 @@ class StrategiesConfig(Config):
         for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        step = self.micro_batch * self.grad_accum * self.seq_len
+        if self.token_budget < step:
+            raise ConfigError(f"token_budget {self.token_budget:,} is less than one optimizer step (micro_batch "
+                              f"{self.micro_batch} x grad_accum {self.grad_accum} x seq_len {self.seq_len} = "
+                              f"{step:,} tokens): raise token_budget or lower those")
         if self.lr <= 0 or self.qlora_lr < 0:
             raise ConfigError(f"lr must be positive and qlora_lr >= 0 (0: the same as lr), got {self.lr} and "
                               f"{self.qlora_lr}")
@@ -87,7 +92,8 @@ class StrategiesConfig(Config):
         return [str(a) for a in self.attempts()]
 
     def steps(self) -> int:
-        return max(1, self.token_budget // (self.micro_batch * self.grad_accum * self.seq_len))
+        """Optimizer steps per run: the token budget rounded down to whole steps."""
+        return self.token_budget // (self.micro_batch * self.grad_accum * self.seq_len)
 
     def train_settings(self, seed: int, strategy: str = "") -> TrainSettings:
         steps = self.steps()

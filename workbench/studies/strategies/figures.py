@@ -90,6 +90,12 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
             + (f"mean of {int(best['seeds'])} seeds" if best["seeds"] != 1 else "1 seed") + f"). Order: {order}.",
             "; ".join(f"{r.strategy} {r.published_improvement_pct:.1f}%" for r in claims.itertuples()
                       if pd.notna(r.published_improvement_pct)) + " better (published, on random weights)")]
+    trained = result.runs["tokens"].dropna().unique() if "tokens" in result.runs else ()
+    if len(trained) == 1:  # a budget that is not a whole number of optimizer steps is rounded down
+        budget = result.facts.get("token_budget")
+        short = f" (the token budget of {budget:,}, rounded down to whole optimizer steps)" \
+            if budget and budget != trained[0] else ""
+        out[0] = (out[0][0] + f" Each run trained {int(trained[0]):,} tokens{short}.", out[0][1])
     for _, same in done.groupby("trainable_set", sort=False) if "trainable_set" in done else ():
         if len(same) > 1:  # on a model with 4 decoder layers, the last 2 are the upper half
             out.append((f"{' and '.join(same['strategy'])} train the same {int(same['trainable_params'].iloc[0]):,} "

@@ -279,7 +279,8 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     df["reused"] = [i in reused for i in range(len(jobs))]  # read back, not trained by this call
     result = StudyResult(STUDY, runs=df, steps=steps_frame(df),
                          tables={"summary": summarize(df), "claims": claims_table(df),
-                                 "corpus_overlap": corpus_overlap(cfg, corpus)})
+                                 "corpus_overlap": corpus_overlap(cfg, corpus)},
+                         facts={"token_budget": cfg.token_budget})
     rebuild_runs_table()
     writer = ResultsWriter(STUDY)
     result.paths = {name: str(writer.table(name, table)) for name, table in result.tables.items()}
