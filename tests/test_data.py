@@ -92,5 +92,6 @@ def test_blocks_and_unigram(tiny_base):
     assert int(train.max()) < len(tok)
     ppl = unigram_perplexity(train, held, len(tok))
     assert 1 < ppl < len(tok)
-    with pytest.raises(CorpusError):
+    with pytest.raises(CorpusError, match=r"text of 3 tokens is shorter than one block of seq_len 4,096 tokens: "
+                                          "lower seq_len"):
         token_blocks(tok, "tiny", 4096)

@@ -297,7 +297,8 @@ def token_blocks(tokenizer, text: str, seq_len: int) -> torch.Tensor:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     n = len(ids) // seq_len
     if n == 0:
-        raise CorpusError(f"text of {len(ids)} tokens is shorter than one block of {seq_len}")
+        raise CorpusError(f"text of {len(ids):,} tokens is shorter than one block of seq_len {seq_len:,} tokens: "
+                          "lower seq_len or give more text")
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
