@@ -225,10 +225,12 @@ def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         paged = predict(str(path), "paged_adamw8bit", batch=1, seq=32, device="cuda")
-        # bitsandbytes warns of its CPU fallback on the fake CPU tensors; the card's step has none
-        assert not [w for w in seen if fallback in str(w.message)]
-        predict(str(path), "paged_adamw8bit", batch=1, seq=32, device="cpu")
-        assert [w for w in seen if fallback in str(w.message)]  # a CPU step does fall back
+        on_cpu = predict(str(path), "paged_adamw8bit", batch=1, seq=32, device="cpu")
+    # bitsandbytes' warning of its CPU fallback (a red box in every notebook) is not raised: on CPU
+    # tensors the unpaged optimizer it falls back to is built as such, and the CPU row says it
+    assert not [w for w in seen if fallback in str(w.message)]
+    assert on_cpu.pageable_bytes == 0 and on_cpu.fit_bytes == on_cpu.peak_bytes  # nothing pages on the CPU
+    assert on_cpu.note.startswith("on the CPU a paged optimizer runs unpaged")
     state = paged.breakdown["optimizer_state"]
     assert state > 0 and paged.pageable_bytes == state and plain.pageable_bytes == 0
     assert paged.peak_bytes == plain.peak_bytes  # the same tensors: only where they live differs

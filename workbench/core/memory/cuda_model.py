@@ -290,9 +290,6 @@ def cuda_step(sm: int = DEFAULT_SM):
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")
-            # bitsandbytes' CPU fallback for paged state: the prediction counts paged state as CUDA
-            # managed memory itself (predict.py), so the fake step's fallback is not the card's
-            warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
             with mode:
                 yield mode
     finally:

@@ -294,7 +294,11 @@ def make_plan_optimizer(model: torch.nn.Module, plan: Plan, settings: TrainSetti
         return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, foreach=foreach)
     import bitsandbytes as bnb
 
-    cls = bnb.optim.AdamW8bit if plan.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
+    # Paging is CUDA unified memory: on CPU tensors bitsandbytes runs a paged optimizer unpaged, with
+    # a warning at its first step (a red box in every notebook and app). That is this class, built
+    # as such; the row's note says so (predict.py).
+    paged = plan.optimizer == "paged_adamw8bit" and device.type == "cuda"
+    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
     return cls(params, lr=settings.lr, weight_decay=settings.weight_decay)
 
 

@@ -270,10 +270,14 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             # Everything lives in host memory: the simulated peak is the host's; the device holds nothing.
             host, peak, breakdown = peak, 0, dict.fromkeys(CATEGORIES, 0)
             note = "CPU only: the simulated peak is host memory; nothing is on the device"
-        if plan.optimizer == "paged_adamw8bit":
+        if plan.optimizer == "paged_adamw8bit" and device == "cuda":
             pageable = report.breakdown()["optimizer_state"]
             note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; it is counted "
                     "here but can page to the host under pressure (fit_bytes leaves it out)")
+        elif plan.optimizer == "paged_adamw8bit":
+            note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
+                    "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
+                    "page out (--device cuda)")
     if plan.accum > 1 and batch < plan.accum:
         note = (note + "; " if note else "") + f"batch {batch} cannot be split into {plan.accum} micro-batches"
     if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
