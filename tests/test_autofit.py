@@ -99,9 +99,13 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
         == ranked[0].name  # without the margin the cheapest would have been taken
 
 
-def test_a_real_oom_steps_down_at_the_same_effective_batch(config):
-    choice = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, keep=3)
+def test_a_real_oom_steps_down_at_the_same_effective_batch(config, capsys):
+    choice = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, keep=3, progress=True)
     assert len(choice.fitting) == 3
+    # the progress bar ends where the search stops, and says why, not part way with time to go
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    left = len(candidates(_setup(), BATCH)) - len(choice.table)
+    assert left > 0 and "100%" in last and f"stopped: 3 setups fit, the {left} left are slower" in last, last
     ran = []
 
     def attempt(plan):

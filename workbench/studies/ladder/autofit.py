@@ -173,8 +173,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora) if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup))
-    with tqdm(ranked, desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
-        for plan in bar:
+    with tqdm(total=len(ranked), desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
+        for plan in ranked:
             bar.set_postfix_str(plan.name)
             t0 = time.perf_counter()
             m, src = margin_of(plan)
@@ -185,11 +185,17 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                                  "need_mib": need / MiB, "margin": m, "with_margin_mib": need * (1 + m) / MiB,
                                  "fits": fits, "changes_what_trains": plan.trainable != setup.trainable,
                                  "predict_seconds": round(time.perf_counter() - t0, 1)})
+            bar.update()
             if fits:
                 choice.fitting.append(plan)
                 if choice.plan is None:
                     choice.plan, choice.margin, choice.margin_source = plan, m, src
                 if len(choice.fitting) >= keep:
+                    # the bar ends here, not at its total: the setups left are slower (a bar left
+                    # at 19/80 with half an hour to go read as a search cut short)
+                    bar.total = bar.n
+                    bar.set_postfix_str(f"stopped: {keep} setups fit, the {len(ranked) - bar.n} left are slower "
+                                        "by the prior")
                     break
     return choice
 
