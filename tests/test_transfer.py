@@ -16,7 +16,7 @@ from workbench.core.results import code_fingerprint, git_commit
 from workbench.studies.strategies import runner as transfer
 from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.figures import findings
-from workbench.studies.strategies.runner import claims_table, rebuild_runs_table, run_strategies, summarize
+from workbench.studies.strategies.runner import claims_table, load_result, rebuild_runs_table, run_strategies, summarize
 
 TINY = dict(base_size="tiny", seq_len=64, token_budget=4096, eval_blocks=8)
 
@@ -72,8 +72,9 @@ def test_a_played_gpu_peak_is_the_predicted_step_to_the_byte(tiny_base, results_
     short = run_strategies(one, progress=False)
     row = short.runs.iloc[0]
     # what a run trained is said, and a budget that is not whole steps is rounded down, not up
-    assert findings(short)[0][0].endswith("Each run trained 512 tokens (the token budget of 600, rounded down to "
-                                          "whole optimizer steps).")
+    said = "Each run trained 512 tokens (the token budget of 600, rounded down to whole optimizer steps)."
+    assert findings(short)[0][0].endswith(said)
+    assert findings(load_result())[0][0].endswith(said)  # read back, as the report does
     steady = df.set_index("strategy").loc["lora", "peak_mem_mib"]
     assert row["peak_mem_mib"] == row["predicted_peak_mib"] < steady - 0.2, (row["peak_mem_mib"], steady)
 

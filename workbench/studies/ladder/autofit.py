@@ -194,8 +194,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                     # the bar ends here, not at its total: the setups left are slower (a bar left
                     # at 19/80 with half an hour to go read as a search cut short)
                     bar.total = bar.n
-                    bar.set_postfix_str(f"stopped: {keep} setups fit, the {len(ranked) - bar.n} left are slower "
-                                        "by the prior")
+                    bar.set_postfix_str(f"stopped: {keep} setups fit, the {len(ranked) - len(choice.table)} left "
+                                        "are slower by the prior")
                     break
     return choice
 

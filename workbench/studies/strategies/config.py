@@ -30,7 +30,8 @@ class StrategiesConfig(Config):
     strategies: tuple[str, ...] = param(PAPER_STRATEGIES + ("lora", "bitfit", "qlora"), "strategies to compare",
                                         choices=tuple(STRATEGIES))
     seeds: tuple[int, ...] = param((0, 1, 2), "one run per seed and strategy")
-    token_budget: int = param(150_000, "training tokens per run (equal for every strategy; rounded down to whole optimizer steps)")
+    token_budget: int = param(150_000, "training tokens per run (equal for every strategy; rounded down to whole "
+                                       "optimizer steps)")
     seq_len: int = setting("seq_len", 128)
     micro_batch: int = setting("micro_batch", 8)
     grad_accum: int = setting("grad_accum", 1)
