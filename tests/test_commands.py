@@ -168,11 +168,16 @@ def test_long_text_leaves_the_shell_table_and_follows_it_once_per_row_key():
     assert split_long_text(short) == (short, [])  # nothing long: the table as it was
 
 
-def test_two_library_messages_no_user_can_act_on_are_dropped_and_no_other():
+def test_three_library_messages_no_user_can_act_on_are_dropped_and_no_other():
     """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install
-    kernels" and peft's use of a deprecated transformers name opened every `workbench estimate`."""
+    kernels" and peft's use of a deprecated transformers name opened every `workbench estimate`;
+    transformers' "`loss_type=None` was set in the config but it is unrecognized" every GPT-2 one."""
     probe = ("import logging, sys, warnings\n{first}"
-             "import bitsandbytes, transformers\n"
+             "import bitsandbytes, torch, transformers\n"
+             "gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))\n"
+             "ids = torch.zeros(1, 4, dtype=torch.long)\n"
+             "gpt2(input_ids=ids, labels=ids)\n"
+             "logging.getLogger('transformers.modeling_utils').warning('another transformers message')\n"
              "from bitsandbytes.functional import has_avx512bf16\n"
              "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('another bitsandbytes message')\n"
              "warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed in v6.', FutureWarning)\n"
@@ -183,7 +188,10 @@ def test_two_library_messages_no_user_can_act_on_are_dropped_and_no_other():
                           timeout=300, env=env, check=True) for first in ("import workbench\n", "")]
     quiet, plain = run
     assert "another bitsandbytes message" in quiet.stderr and "another deprecation" in quiet.stderr
+    assert "another transformers message" in quiet.stderr
     assert "kernels-community" not in quiet.stderr and "is_gradient_checkpointing" not in quiet.stderr
+    assert "loss_type=None" not in quiet.stderr
     assert "is_gradient_checkpointing" in plain.stderr  # the probe would see them without the workbench
+    assert "loss_type=None" in plain.stderr
     if plain.stdout.strip() == "True":  # bitsandbytes tries the hub kernel only on AVX512-BF16 CPUs
         assert "kernels-community" in plain.stderr
