@@ -164,6 +164,10 @@ class RunDir:
         p = self.path / "summary.json"
         return json.loads(p.read_text()) if p.exists() else None
 
+    def config(self) -> dict[str, Any] | None:
+        p = self.path / "config.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
 
 RERUN_ENV = "WORKBENCH_RERUN"
 

@@ -384,6 +384,6 @@ def load_result() -> StudyResult | None:
     if tables["summary"].empty:
         tables["summary"] = summarize(runs)
         tables["claims"] = claims_table(runs)
-    config = root / str(runs["run_id"].iloc[-1]) / "config.json"  # the settings' budget, for the findings
-    facts = {"token_budget": json.loads(config.read_text()).get("token_budget")} if config.exists() else {}
+    config = RunDir(STUDY, str(runs["run_id"].iloc[-1])).config() or {}  # the settings' budget, for the findings
+    facts = {"token_budget": config.get("token_budget")}
     return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=steps_frame(runs), tables=tables, facts=facts)
