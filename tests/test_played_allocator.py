@@ -6,13 +6,17 @@ bytes, as set_per_process_memory_fraction caps a card's, instead of the live byt
 
 from __future__ import annotations
 
+import gc
 import math
+import threading
 
 import pytest
 import torch
 
 from workbench.core.memory import allocator
-from workbench.core.memory.budget import device_budget
+from workbench.core.memory.accounting import MemoryAccounting
+from workbench.core.memory.budget import PlayedCudaAllocator, device_budget
+from workbench.core.memory.live_bytes import LiveBytes
 from workbench.front.live import LiveChart
 
 MiB = 2**20
@@ -96,3 +100,51 @@ def test_live_chart_plots_the_cuda_columns_when_rows_carry_them():
     extra = {t.name: list(t.y) for t in fig.data[6:]}
     assert extra == {"b allocated": [11.0, 11.0], "b reserved": [20.0, 20.0], "b NVML used": [520.0, 520.0]}
     assert all(t.xaxis == fig.data[4].xaxis for t in fig.data[6:])  # the memory panel
+
+
+class _Cycle:
+    pass
+
+
+@pytest.mark.parametrize("books", [PlayedCudaAllocator, MemoryAccounting, LiveBytes])
+def test_a_storage_a_garbage_collection_frees_mid_count_is_forgotten_without_a_hang(books):
+    """A counted tensor held in a reference cycle dies when a gc runs, and a gc runs at an allocation,
+    also one made while the books are being changed (the played allocator's model allocates there on
+    every malloc). Its weakref callback then runs on that same thread: with a plain lock the thread
+    waited on itself for ever (a hung study run). The gc threshold is varied so collections land at
+    many points of the count; the books must balance afterwards."""
+    kw = {"timeline": True} if books is MemoryAccounting else {}
+    done, kept = threading.Event(), []
+    old = gc.get_threshold()
+
+    def count():
+        with books("cpu", **kw) as lb:
+            for i in range(3000):
+                gc.set_threshold(1 + i % 37)
+                cycle = _Cycle()
+                cycle.me, cycle.t = cycle, torch.ones(16) * 2  # a counted storage only a gc frees
+                del cycle
+                kept.append(torch.ones(4) + 1)
+            gc.set_threshold(*old)
+            gc.collect()
+            kept.append(lb)
+        done.set()
+
+    worker = threading.Thread(target=count, daemon=True)
+    try:
+        worker.start()
+        worker.join(120)
+    finally:
+        gc.set_threshold(*old)
+    assert done.is_set(), "the count hung: a storage's death waited on the books' own lock"
+    lb = kept.pop()
+    live = sum(t.untyped_storage().nbytes() for t in kept)
+    assert lb.current_bytes == live == 3000 * 16  # every cycle's 64 B forgotten, every kept tensor counted
+    if books is PlayedCudaAllocator:
+        assert lb.model.allocated == 3000 * 512  # each 16 B storage is one 512 B block of the model
+    if books is MemoryAccounting:  # each free after its malloc, the three timeline lists aligned
+        assert len(lb.timeline) == len(lb.timeline_steps) == len(lb.timeline_ops)
+        seen = set()
+        for serial, n in lb.timeline:
+            assert (serial in seen) == (n == -1)
+            seen.add(serial)

@@ -45,7 +45,6 @@ listed in `sums` ((in_place, shape), in order). The real-tensor count is always 
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,7 +175,6 @@ class MemoryAccounting(LiveBytes):
         self.phase_peaks: dict[tuple[int, str], PeakSnapshot] = {}
         self._handles: list = []
         self._saved_hooks = None
-        self._lock = threading.RLock()  # _set_role may run inside _add's callbacks
 
     # -- roles ------------------------------------------------------------------------------
     def _add(self, st, role: str | None = None) -> bool:

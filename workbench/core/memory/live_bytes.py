@@ -17,6 +17,13 @@ With a budget, an op whose result pushes the count past it raises `torch.OutOfMe
 exactly the exception CUDA's allocator raises, so code that falls back on OOM cannot tell a CPU
 playing a small GPU from a real one. The tensor that broke the budget is released as the
 exception unwinds, so the count returns to where it was.
+
+A storage's weakref callback can run in the middle of a change to the books: a garbage collection
+that an allocation there sets off frees a storage held in a reference cycle, on the same thread.
+The books' lock is reentrant and such a death is recorded when the change is done, so no change is
+seen half made. (With a plain lock the thread waited on itself for ever, inside the gc, which then
+ran no more in that process: the played CUDA allocator, whose model allocates under the lock, did
+so within a few thousand counted tensors when collections were frequent.)
 """
 
 from __future__ import annotations
@@ -78,6 +85,26 @@ def fake_parameters(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tree_map(lambda x: fake_mode.from_tensor(x) if _metadata_only_parameter(x) else x, (args, kwargs))
 
 
+class BooksLock:
+    """The lock over a LiveBytes' books (reentrant). A storage that dies while this thread is
+    changing the books is forgotten as the outermost change ends, not in the middle of it."""
+
+    def __init__(self, owner: "LiveBytes"):
+        self._owner, self._lock, self.depth = owner, threading.RLock(), 0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.depth == 1:
+                self._owner._forget_deferred()
+        finally:
+            self.depth -= 1
+            self._lock.release()
+
+
 class LiveBytes(TorchDispatchMode):
     """Counts live tensor-storage bytes on one device type; optional budget raises OOM."""
 
@@ -97,16 +124,28 @@ class LiveBytes(TorchDispatchMode):
         self.peak_bytes = 0
         self.window_peak_bytes = 0  # the peak since the last take_window_peak_mib() (a training step)
         self._live: dict[int, tuple[int, weakref.ref]] = {}
-        self._lock = threading.Lock()
+        self._lock = BooksLock(self)
+        self._deferred: list[tuple[int, weakref.ref]] = []  # deaths during a change, forgotten after it
 
     # -- counting -------------------------------------------------------------------------
     def _forget(self, key: int, ref: weakref.ref) -> None:
+        """A counted storage died (its weakref callback: any thread, any moment, a gc included)."""
         with self._lock:
-            entry = self._live.get(key)
-            if entry is not None and entry[1] is ref:
-                del self._live[key]
-                self.current_bytes -= entry[0]
-                self._forgotten(key, entry[0])
+            if self._lock.depth > 1:  # this thread was changing the books: finish that first
+                self._deferred.append((key, ref))
+            else:
+                self._forget_now(key, ref)
+
+    def _forget_deferred(self) -> None:
+        while self._deferred:  # a gc inside one of these defers more, taken in the same loop
+            self._forget_now(*self._deferred.pop(0))
+
+    def _forget_now(self, key: int, ref: weakref.ref) -> None:
+        entry = self._live.get(key)
+        if entry is not None and entry[1] is ref:
+            del self._live[key]
+            self.current_bytes -= entry[0]
+            self._forgotten(key, entry[0])
 
     def _forgotten(self, key: int, nbytes: int) -> None:
         """Called (under the lock) when a counted storage dies; subclasses keep their own books."""
