@@ -8,13 +8,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from workbench import cli
 from workbench.cli import main
 from workbench.core.charts import Table, rounded
 from workbench.front.commands import parse_assignments, split_long_text
@@ -54,6 +57,31 @@ def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_
     assert fp32.split()[-2:] in (["no", "no"], ["yes", "yes"]) and "NaN" not in out  # flags read yes/no
     assert "- Predicted peaks of 2 rung(s) measured here" in out
     assert (results_dir / "ladder" / "runs.csv").exists()
+
+
+def test_a_warning_of_the_workbench_is_one_line_naming_the_command(tiny_base, results_dir, tmp_path, capsys):
+    """A user corpus whose files repeat each other: the warning was Python's (runner.py:255: UserWarning:
+    ..., then the source line `corpus = target_corpus(cfg.corpus)`), and "leaving 0.03%" did not say of
+    what. It is one line like the command's errors, with what was left out and what is left."""
+    shared = "A paragraph that every chapter of this manual copies word for word, so it repeats."
+    for i in range(20):
+        own = " ".join(f"chapter{i}-word{j}" for j in range(40))
+        (tmp_path / f"ch{i:02d}.md").write_text(f"{own}\n\n{shared} Variant {i % 2}.\n\n{own[::-1]}")
+    code = main(["strategies", "base_size=tiny", f"corpus={tmp_path}", "strategies=[bitfit]", "seeds=[0]",
+                 "seq_len=16", "token_budget=512", "eval_blocks=2", "budget_mib=0"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line.lower()]
+    assert code == 0 and len(err) == 1, err
+    assert err[0].startswith(f"workbench strategies: warning: corpus {tmp_path}: split by file alone, ")
+    assert re.search(r"\(\d[\d,]* characters\) that repeat training text were left out: the held-out text is "
+                     r"[\d,]+ characters in \d+ documents, [\d.]+% of its windows in the training text$", err[0])
+    # a library's warning goes to the display it had (Python's: file, line, category)
+    shown = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, *rest: shown.append((str(message), filename))
+        warnings.showwarning = cli._one_line_warnings("strategies")
+        warnings.warn_explicit("a library's own", UserWarning, pd.__file__, 1)
+    assert shown == [("a library's own", pd.__file__)] and not capsys.readouterr().err
 
 
 def test_json_is_all_that_reaches_stdout(tiny_base, results_dir, capfd, monkeypatch):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from pathlib import Path
 
 from workbench.core.config import ConfigError
 from workbench.core.data import CorpusError
@@ -39,6 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PACKAGE = Path(__file__).resolve().parent
+
+
+def _one_line_warnings(command: str):
+    """A warning the workbench itself raises (a corpus whose held-out text repeated its training
+    text, say) is one line naming the command, as its errors are, not Python's file, line and
+    source; a library's warning is shown as Python shows it."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if Path(filename).resolve().is_relative_to(PACKAGE):
+            print(f"workbench {command}: warning: {message}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -46,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(args.command)
+            return int(args.func(args) or 0)
     except (ConfigError, ModelNotFoundError, CorpusError, StrategyNotApplicable) as e:
         print(f"workbench {args.command}: {e}", file=sys.stderr)
         return 2

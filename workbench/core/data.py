@@ -278,10 +278,13 @@ def target_corpus(path: str | None = None) -> Corpus:
     ov = corpus.overlap
     if path and path != "embedded" and ov.share_by_name > MAX_OVERLAP:
         shown = ", ".join(ov.files[:5]) + (f" and {len(ov.files) - 5} more" if len(ov.files) > 5 else "")
+        kept = sum(map(len, corpus.heldout))
         warnings.warn(
-            f"corpus {name}: {ov.share_by_name:.1%} of the held-out text's {WINDOW}-character windows "
-            f"occur verbatim in the training text (files: {shown}); {ov.dropped_paragraphs} held-out "
-            f"paragraphs that repeat training text were left out, leaving {ov.share:.2%}",
+            f"corpus {name}: split by file alone, {ov.share_by_name:.1%} of the held-out text's "
+            f"{WINDOW}-character windows would occur verbatim in the training text (files: {shown}); "
+            f"{ov.dropped_paragraphs:,} held-out paragraphs ({ov.dropped_chars:,} characters) that repeat "
+            f"training text were left out: the held-out text is {kept:,} characters in "
+            f"{len(corpus.heldout):,} documents, {ov.share:.2%} of its windows in the training text",
             stacklevel=2)
     return corpus
 
