@@ -126,6 +126,16 @@ def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):
     assert rows["fp32"][-2] == "yes" and float(rows["fp32"][-1]) >= 0
     assert rows["zero_offload"][-2] == "no" and float(rows["zero_offload"][-1].replace(",", "")) < -900
     assert any(line.startswith("card: 0.55 GiB card (563 MiB)") for line in out)
+    # what the fit compares is shown, between the allocated and the reserved peak: needed + the context +
+    # headroom is the card (Qwen2-0.5B's ZeRO-3 at 4 x 512: reserved about 9,630 MiB, needed 5,660, on 8 GB)
+    num = lambda v: float(v.replace(",", ""))  # noqa: E731
+    assert "needed MiB  card: fits, headroom MiB" in heading
+    context = num(rows["fp32"][-4]) - num(rows["fp32"][-5])  # smi less reserved (paged state aside)
+    for rung, r in rows.items():
+        alloc, reserved, needed, headroom = num(r[-6]), num(r[-5]), num(r[-3]), num(r[-1])
+        if rung != "cpu":
+            assert alloc <= needed <= reserved, r
+            assert needed + context + headroom == pytest.approx(0.55 * 1024, abs=0.15), r
 
 
 def test_help_lists_the_rungs():

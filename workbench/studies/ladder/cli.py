@@ -271,7 +271,7 @@ def _estimate(args) -> int:
     if cuda:
         head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
     if on_card:
-        head += f"  {'card: fits, headroom MiB':>24}"
+        head += f" {'needed MiB':>10}  {'card: fits, headroom MiB':>24}"
     print(head + ("   fits (with margin)" if budget else ""))
     for p in preds.values():
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
@@ -279,7 +279,7 @@ def _estimate(args) -> int:
         if cuda:
             line += "".join(f" {v / MiB:>10,.1f}" for v in (p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes))
         if on_card:
-            line += f"  {'yes' if p.fits else 'no':>13} {p.headroom_bytes / MiB:>+10,.1f}"
+            line += f" {p.fit_bytes / MiB:>10,.1f}  {'yes' if p.fits else 'no':>13} {p.headroom_bytes / MiB:>+10,.1f}"
         if budget:
             ok, margin = fits(p)
             line += f"   {'yes' if ok else 'no'} ({margin:.1%})"
@@ -291,7 +291,9 @@ def _estimate(args) -> int:
     if on_card:
         first = next(iter(preds.values()))
         print(f"card: {first.card} ({first.card_bytes / MiB:,.0f} MiB) less the CUDA context and the reserved memory "
-              "the step needs (modelled), with no margin; --budget-mib adds the prediction's measured margin")
+              "the step needs (needed: the least the allocator runs the step in, giving cached blocks back first; "
+              "a card with room keeps them, to the reserved peak), with no margin; --budget-mib adds the "
+              "prediction's measured margin")
     notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note]
     if notes:
         print("notes:\n" + "\n".join(notes))
