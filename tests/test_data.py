@@ -65,7 +65,8 @@ def test_user_corpus_that_repeats_itself_is_warned_about_and_cleaned(tmp_path):
     for i in range(20):
         own = " ".join(f"chapter{i}-word{j}" for j in range(40))
         (tmp_path / f"ch{i:02d}.md").write_text(f"{own}\n\n{shared} Variant {i % 2}.\n\n{own[::-1]}")
-    with pytest.warns(UserWarning, match=r"of the held-out text's 50-character windows would occur verbatim.*files: .*ch\d\d.md"):
+    repeats = r"of the held-out text's 50-character windows would occur verbatim.*files: .*ch\d\d.md"
+    with pytest.warns(UserWarning, match=repeats):
         c = target_corpus(str(tmp_path))
     assert c.overlap.share_by_name > MAX_OVERLAP and c.overlap.dropped_paragraphs + c.overlap.duplicate_paragraphs
     assert overlap_share(c.train, c.heldout) <= MAX_OVERLAP

@@ -27,6 +27,7 @@ from workbench.studies.ladder import cli as estimate
 
 # in the order `--help` lists them
 COMMAND_MODULES = (reproduce, commands, estimate, sweep, dashboard, gpu_check)
+PACKAGE = Path(__file__).resolve().parent  # a warning raised from a file under it is the workbench's own
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:
         module.register(sub)
     return parser
-
-
-PACKAGE = Path(__file__).resolve().parent
 
 
 def _one_line_warnings(command: str):
