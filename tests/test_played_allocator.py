@@ -111,7 +111,7 @@ def test_a_storage_a_garbage_collection_frees_mid_count_is_forgotten_without_a_h
     """A counted tensor held in a reference cycle dies when a gc runs, and a gc runs at an allocation,
     also one made while the books are being changed (the played allocator's model allocates there on
     every malloc). Its weakref callback then runs on that same thread: with a plain lock the thread
-    waited on itself for ever (a hung study run). The gc threshold is varied so collections land at
+    waited on itself for ever (the played allocator did, within a few thousand tensors). The gc threshold is varied so collections land at
     many points of the count; the books must balance afterwards."""
     kw = {"timeline": True} if books is MemoryAccounting else {}
     done, kept = threading.Event(), []
