@@ -227,7 +227,7 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--optimizer", "sgd"], "unknown optimizer 'sgd'; choose one of: adamw_torch"),
     (["--trainable", "lora", "--lora-targets", "query,value"], "names no linear module of this model; use some of:"),
     (["--precision", "fp16-mixed", "--device", "cpu"], "fp16-mixed needs --device cuda"),
-    (["--card", "0.0001"], "is smaller than the weights alone"),
+    (["--card", "0.0001"], "estimate: 0.0001 GiB card (0.1 MiB) is smaller than the weights alone"),
     (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
     (["--rung", "bf16", "--precision", "fp32"], "--rung and --precision both describe the setup"),
     (["--batch", "4", "--micro-batch", "3"], "--micro-batch 3 must divide --batch 4"),

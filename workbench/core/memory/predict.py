@@ -281,7 +281,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if plan.accum > 1 and batch < plan.accum:
         note = (note + "; " if note else "") + f"batch {batch} cannot be split into {plan.accum} micro-batches"
     if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
-        raise ConfigError(f"card {the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the weights "
+        raise ConfigError(f"{the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the weights "
                           f"alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, --precision bf16-true, "
                           f"--trainable qlora, or an offload rung")
     cuda: dict[str, Any] = {}
