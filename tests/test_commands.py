@@ -68,9 +68,11 @@ def test_a_warning_of_the_workbench_is_one_line_naming_the_command(tiny_base, re
         own = " ".join(f"chapter{i}-word{j}" for j in range(40))
         (tmp_path / f"ch{i:02d}.md").write_text(f"{own}\n\n{shared} Variant {i % 2}.\n\n{own[::-1]}")
     code = main(["strategies", "base_size=tiny", f"corpus={tmp_path}", "strategies=[bitfit]", "seeds=[0]",
-                 "seq_len=16", "token_budget=512", "eval_blocks=2", "budget_mib=0"])
+                 "seq_len=16", "token_budget=512", "eval_blocks=100000", "budget_mib=0"])
     err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line.lower()]
-    assert code == 0 and len(err) == 1, err
+    assert code == 0 and len(err) == 2, err
+    assert re.fullmatch(rf"workbench strategies: warning: eval_blocks 100,000 is more than the held-out text of "
+                        rf"{tmp_path} holds: all of it is scored, [1-9]\d* blocks of 16 tokens", err[1]), err[1]
     assert err[0].startswith(f"workbench strategies: warning: corpus {tmp_path}: split by file alone, ")
     assert re.search(r"\(\d[\d,]* characters\) that repeat training text were left out: the held-out text is "
                      r"[\d,]+ characters in \d+ documents, [\d.]+% of its windows in the training text$", err[0])

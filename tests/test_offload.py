@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 
 import pandas as pd
 import pytest
@@ -27,7 +28,7 @@ from workbench.studies.split.figures import host_table, idle_figure, operating_p
 from workbench.studies.split.layers import last_arriving, split_layers
 from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
     validation_points)
-from workbench.studies.split.runner import _plain_adamw, measured_runs, run_split_study
+from workbench.studies.split.runner import _plain_adamw, measured_runs, run_split_study, text_batches
 from workbench.studies.split.zero_baseline import dist_backend
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
@@ -454,6 +455,21 @@ def test_simulated_schedule_accounts_for_all_work():
 # ---------------------------------------------------------------- config, study runner, CLI
 TINY = {"base_size": "tiny", "micro_batch": 2, "seq_len": 16, "steps": 4, "untimed_steps": 1,
         "k_sweep": [0.0, 0.5, 1.0], "modelled_k_points": 3, "eval_blocks": 4}
+
+
+def test_more_eval_blocks_than_held_out_text_is_said(tiny_base):
+    """eval_blocks=100000 scored the whole held-out text (a few hundred blocks) without a word."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    with pytest.warns(UserWarning, match=r"^eval_blocks 100,000 is more than the held-out text of "
+                                         r"python-language-reference holds: all of it is scored, "
+                                         r"[1-9][\d,]* blocks of 16 tokens$"):
+        _, held = text_batches(SplitConfig.from_dict({**TINY, "eval_blocks": 100_000}), tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exactly as many as there are: no warning
+        _, same = text_batches(SplitConfig.from_dict({**TINY, "eval_blocks": len(held)}), tok)
+    assert torch.equal(same, held) and len(held) < 100_000
 
 
 @pytest.mark.parametrize("bad", [

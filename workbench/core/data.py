@@ -305,11 +305,16 @@ def token_blocks(tokenizer, text: str, seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def corpus_blocks(tokenizer, corpus: Corpus, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train_blocks, heldout_blocks) for a corpus."""
+def corpus_blocks(tokenizer, corpus: Corpus, seq_len: int,
+                  eval_blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train_blocks, heldout_blocks) for a corpus; a warning when `eval_blocks` (the held-out
+    blocks a study asks to score) is more than the held-out text holds (all of it is scored)."""
     sep = "\n\n" + (tokenizer.eos_token or "")
     train = token_blocks(tokenizer, sep.join(corpus.train), seq_len)
     held = token_blocks(tokenizer, sep.join(corpus.heldout), seq_len)
+    if eval_blocks is not None and eval_blocks > len(held):
+        warnings.warn(f"eval_blocks {eval_blocks:,} is more than the held-out text of {corpus.name} holds: "
+                      f"all of it is scored, {len(held):,} blocks of {seq_len:,} tokens", stacklevel=2)
     return train, held
 
 

@@ -93,7 +93,7 @@ def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch
     `batch_size` consecutive training blocks (from a seeded starting block, wrapping around), the
     same for every run; the first `eval_blocks` held-out blocks for perplexity."""
 
-    train, held = corpus_blocks(tokenizer, target_corpus(cfg.corpus), cfg.seq_len)
+    train, held = corpus_blocks(tokenizer, target_corpus(cfg.corpus), cfg.seq_len, cfg.eval_blocks)
     start = int(torch.randint(0, len(train), (1,), generator=torch.Generator().manual_seed(cfg.seed)))
     batches = []
     for i in range(cfg.steps):

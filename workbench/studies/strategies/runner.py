@@ -253,7 +253,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
                   cfg.seq_len, repr(cfg.model))
     tokenizer = _tokenizer(cfg)
     corpus = target_corpus(cfg.corpus)
-    train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len)
+    train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len, cfg.eval_blocks)
     inputs = run_inputs(cfg, corpus)
     reuse = reuse_finished_runs()
     jobs = [Job(cfg, s, seed, inputs, corpus.describe(), corpus.overlap.share if corpus.overlap else None,
