@@ -194,9 +194,11 @@ def _fake_split(calls, charts=None):
             charts.extend(s for s in sinks if isinstance(s, LiveChart))
         for sink in sinks:
             sink({"run": "k=0", "step": 1, "loss": 4.0, "tokens": 32, "tokens_per_s": 100.0})
-        return StudyResult("split", runs=pd.DataFrame([{"source": "measured", "panel": "measured: this machine (cpu)",
-                                                        "run": "k=0", "mode": "host only (k=0)", "k_actual": 0.0,
-                                                        "tokens_per_s": 100.0, "status": "ok"}]))
+        return StudyResult("split", runs=pd.DataFrame([
+            {"source": "measured", "panel": "measured: this machine (cpu)", "run": "k=0", "mode": "host only (k=0)",
+             "k_actual": 0.0, "tokens_per_s": 100.0, "status": "ok"},
+            {"source": "modelled", "panel": "modelled: H100-SXM", "hardware": "H100-SXM", "run": "all on H100",
+             "mode": "all on accelerator", "k_actual": 1.0, "status": "oom", "reason": "needs 161 GiB of 80"}]))
 
     return run_split_study
 
@@ -205,6 +207,8 @@ def test_split_app_validates_like_the_parameters_cell_and_runs(monkeypatch, resu
     calls: list[SplitConfig] = []
     charts: list[LiveChart] = []
     monkeypatch.setattr(apps, "run_split_study", _fake_split(calls, charts))
+    shown: list = []
+    monkeypatch.setattr(apps, "display", shown.append)
     panel = apps.app(SplitConfig.from_dict(SPLIT_TINY))
     assert "host_share" not in panel.controls and panel.fixed["host_share"] == 0.8
 
@@ -226,6 +230,13 @@ def test_split_app_validates_like_the_parameters_cell_and_runs(monkeypatch, resu
     # the app's live chart is the notebook's: its title (which says why the loss lines coincide) and run keys
     (chart,) = charts
     assert chart.title == split_figures.NOTEBOOK_RUN_TITLE and "one line" in chart.title and chart.run_keys == ("run",)
+    # one table per source, each with the columns its rows fill and the status beside the run (one table of
+    # every run was 17 columns wide, with status and reason at its far right)
+    runs = {t.caption: list(t.df.columns) for t in shown if isinstance(t, Table) and t.caption}
+    assert runs == {split_figures.RUN_TABLES["measured"]: ["source", "run", "mode", "status", "k_actual",
+                                                           "tok/s"],
+                    split_figures.RUN_TABLES["modelled"]: ["source", "hardware", "run", "mode", "status", "k_actual",
+                                                           "reason"]}, runs
 
 
 def test_the_fp16_halves_memory_verdict_is_made_on_pure_16_bit_not_autocast():

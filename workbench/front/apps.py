@@ -91,7 +91,8 @@ def split_app(cfg: SplitConfig):
         result = run_split_study(c, sinks=[live])
         live.close()
         _findings(split_figures, result)
-        display(table(split_figures.runs_table(result)))
+        for caption, runs in split_figures.run_tables(result):
+            display(table(runs, caption))
         split_figures.throughput_figure(result).show()
         return result
 

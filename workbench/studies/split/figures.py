@@ -16,9 +16,12 @@ import plotly.graph_objects as go
 from workbench.core.charts import rounded
 from workbench.core.results import StudyResult
 
-RUN_COLUMNS = ["hardware", "run", "mode", "k_actual", "tokens_per_s", "tflops", "accel_idle_share",
+RUN_COLUMNS = ["hardware", "run", "mode", "status", "k_actual", "tokens_per_s", "tflops", "accel_idle_share",
                "host_done_before_bwd_end_share", "first_loss", "final_loss", "ppl_before", "ppl_after",
-               "max_abs_diff_vs_adamw", "accel_memory_gib", "status", "reason"]
+               "max_abs_diff_vs_adamw", "accel_memory_gib", "reason"]
+RUN_TABLES = {"measured": "Measured runs (this machine)",
+              "modelled": "Modelled runs (performance model; oom: the modelled card's memory does not fit)",
+              "published": "Published claims (the seed's own figures, not measured here)"}
 KEY_MODES = ["host only (k=0)", "adaptive", "ZeRO-Offload", "all on accelerator", "plain AdamW"]
 
 
@@ -30,6 +33,13 @@ def runs_table(result: StudyResult, source: str | None = None) -> pd.DataFrame:
     """One row per run (`source`: measured, modelled or published; None: all)."""
     df = result.runs if source is None else result.runs[result.runs["source"] == source]
     return rounded(df[[c for c in ["source", *RUN_COLUMNS] if c in df]].dropna(axis=1, how="all"))
+
+
+def run_tables(result: StudyResult) -> list[tuple[str, pd.DataFrame]]:
+    """(caption, table) per source of the runs, as the report shows them: each table keeps only the
+    columns its rows fill (one table of every run was 17 columns wide, its status off the screen)."""
+    return [(caption, runs_table(result, source)) for source, caption in RUN_TABLES.items()
+            if (result.runs["source"] == source).any()]
 
 
 def _panels(fig: go.Figure, n: int, cols: int) -> go.Figure:
@@ -253,13 +263,12 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
     )
     return [
         ("text", "", tags),
-        ("table", "Measured runs (this machine)", runs_table(result, "measured")),
+        ("table", RUN_TABLES["measured"], runs_table(result, "measured")),
         ("figure", "", throughput_figure(result)),
-        ("table", "Modelled runs (performance model; oom: the modelled card's memory does not fit)",
-         runs_table(result, "modelled")),
+        ("table", RUN_TABLES["modelled"], runs_table(result, "modelled")),
         ("figure", "", tflops_figure(result)),
         ("figure", "", loss_figure(result)),
-        ("table", "Published claims (the seed's own figures, not measured here)", runs_table(result, "published")),
+        ("table", RUN_TABLES["published"], runs_table(result, "published")),
         ("text", "", verdict_text(result)),
         ("table", "Verdict on the seed's k band 0.1-0.2 (modelled): for which sequence lengths it holds, per host "
                   "and MFU", verdict_table(result)),
@@ -298,9 +307,10 @@ NOTEBOOK_RUN_TITLE = ("Study 3: the engine's measured runs, each drawn when it e
 NOTEBOOK_RUN_KEYS = ("run",)
 
 NOTEBOOK = [
-    ("## The runs\n\nOne row per run. `status` is `oom` where the modelled GPU memory exceeds the card. "
-     "`max_abs_diff_vs_adamw` compares each measured run's final weights with plain AdamW.",
-     "table(figures.runs_table(result))"),
+    ("## The runs\n\nOne row per run, one table per source: measured on this machine, modelled, published. "
+     "`status` is `oom` where the modelled GPU memory exceeds the card. `max_abs_diff_vs_adamw` compares each "
+     "measured run's final weights with plain AdamW.",
+     "for caption, runs in figures.run_tables(result):\n    display(table(runs, caption))"),
     ("## Throughput against k\n\nPanels are per machine; modelled panels say so in their title.",
      "figures.throughput_figure(result).show()"),
     ("", "figures.tflops_figure(result).show()"),
