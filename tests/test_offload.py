@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import socket
 import warnings
 
 import pandas as pd
@@ -16,6 +17,7 @@ import torch
 import transformers
 
 from workbench.cli import main
+from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.results import StudyResult
 from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm
@@ -803,6 +805,19 @@ def test_clipping_keeps_overlap_when_under_the_norm():
 def test_zero_offload_backend_is_nccl_on_cuda_gloo_on_cpu():
     assert dist_backend("cuda") == "nccl" and dist_backend(torch.device("cuda", 1)) == "nccl"
     assert dist_backend("cpu") == "gloo" and dist_backend(torch.device("cpu")) == "gloo"
+
+
+def test_a_one_process_group_rendezvous_on_a_port_free_now():
+    """The ladder's ZeRO rungs on a card used port 29511 always: a run failed while another held it."""
+    env = single_process_env()
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    with socket.socket() as held:  # another run holds that port now
+        held.bind(("127.0.0.1", int(env["MASTER_PORT"])))
+        port = int(single_process_env()["MASTER_PORT"])
+        assert port != int(env["MASTER_PORT"])
+        with socket.socket() as mine:
+            mine.bind(("127.0.0.1", port))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: pinned rings, copy streams, events")

@@ -7,6 +7,8 @@
     PROJECT_ROOT the checkout (data/, notebooks/, results/ and .cache/ live beside workbench/)
     environ      os.environ with some values for a while (subprocesses started meanwhile inherit them)
     one_line     an exception as one line: its type and its message's first line
+    single_process_env  the torch.distributed variables of a one-process group (rank 0 of 1) on a
+                 free local port, for DeepSpeed
     stdout_to_stderr  standard output sent to standard error for a while (a `--json` command's
                  work: its stdout carries the JSON alone)
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -45,6 +48,17 @@ def environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def single_process_env() -> dict[str, str]:
+    """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT of a process group of one process
+    (DeepSpeed's rendezvous reads them) on 127.0.0.1 and a port free now: a fixed port failed
+    whenever another run on the machine held it. Set with os.environ.setdefault, so a launcher's own
+    values win."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

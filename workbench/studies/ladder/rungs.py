@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
@@ -201,7 +202,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
     else:
         import deepspeed
 
-        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511").items():
+        for k, v in single_process_env().items():
             os.environ.setdefault(k, v)
         if plan.grad_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -9,18 +9,11 @@ them after backward. One process, rank 0 of 1: NCCL when the model is on CUDA, g
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
 
-from workbench.core.common import one_line
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from workbench.core.common import one_line, single_process_env
 
 
 def dist_backend(device: torch.device | str) -> str:
@@ -38,8 +31,7 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                             MASTER_PORT=str(_free_port())).items():
+            for k, v in single_process_env().items():
                 os.environ.setdefault(k, v)
             deepspeed.init_distributed(dist_backend=dist_backend(next(model.parameters()).device))
         config = {
