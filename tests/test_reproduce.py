@@ -53,6 +53,32 @@ def test_reproduce_quick_runs_notebook_01_and_writes_results(tiny_base, results_
     assert "Study 1" in report and "measured" in report and "freeze_lower" in report
 
 
+def test_a_headless_kernel_talks_over_private_unix_sockets(tmp_path, capfd, monkeypatch):
+    """Every notebook run printed ipykernel's "Kernel is running over TCP without encryption" warning:
+    the kernel now listens on Unix sockets in a folder of this user's (0700), removed afterwards."""
+    import tempfile
+
+    import nbformat
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp puts the sockets' folder
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("out = ''", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell(
+                    "import json, os, ipykernel.connect as c\n"
+                    "info = c.get_connection_info(unpack=True)\n"
+                    "if info['transport'] == 'ipc':\n"
+                    "    info['mode'] = oct(os.stat(os.path.dirname(info['ip'])).st_mode & 0o777)\n"
+                    "open(out, 'w').write(json.dumps(info, default=str))")]
+    nbformat.write(nb, tmp_path / "who.ipynb")
+    run_notebook(tmp_path / "who.ipynb", {"out": str(tmp_path / "info.json")}, tmp_path / "ran.ipynb")
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["transport"] == "ipc" and info.get("mode") == "0o700", info
+    assert info["ip"].startswith(str(tmp_path / "wb-kernel-")), info
+    assert "without encryption" not in capfd.readouterr().err
+    assert not list(tmp_path.glob("wb-kernel-*"))  # removed after the run
+
+
 def test_unknown_parameter_is_an_error_before_and_inside_the_notebook(tmp_path):
     with pytest.raises(ConfigError, match="unknown parameter.*token_budgt"):
         run_notebook("01_strategies", {"token_budgt": 10}, tmp_path / "out.ipynb")

@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable
+
+from traitlets.config import Config as TraitletsConfig
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import Config
@@ -242,17 +247,27 @@ def run_notebook(
         pass  # not a study notebook: papermill's own checks only
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    pm.execute_notebook(
-        str(path),
-        str(output),
-        parameters=json.loads(json.dumps(parameters)),
-        kernel_name="python3",
-        cwd=str(cwd or NOTEBOOK_DIR),
-        progress_bar={"desc": progress, "unit": "cell"} if progress else False,
-        log_output=log_output,
-        stdout_file=None,
-        execution_timeout=timeout_s,
-    )
+    # the kernel talks over Unix sockets in a folder only this user can open, not TCP on 127.0.0.1
+    # (every run printed ipykernel's "Kernel is running over TCP without encryption" warning)
+    sockets = tempfile.mkdtemp(prefix="wb-kernel-") if os.name == "posix" else None
+    ipc = {"KernelManager": {"transport": "ipc", "ip": f"{sockets}/k"}}
+    kernel = {"config": TraitletsConfig(ipc)} if sockets else {}
+    try:
+        pm.execute_notebook(
+            str(path),
+            str(output),
+            parameters=json.loads(json.dumps(parameters)),
+            kernel_name="python3",
+            cwd=str(cwd or NOTEBOOK_DIR),
+            progress_bar={"desc": progress, "unit": "cell"} if progress else False,
+            log_output=log_output,
+            stdout_file=None,
+            execution_timeout=timeout_s,
+            **kernel,
+        )
+    finally:
+        if sockets:
+            shutil.rmtree(sockets, ignore_errors=True)
     return output
 
 
