@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -21,9 +22,10 @@ from workbench.core.memory import monitor
 from workbench.core.memory.live_bytes import LiveBytes
 from workbench.core.memory.monitor import MemoryMonitor, step_memory
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, device_map_max_memory
-from workbench.core.memory.plan import RUNGS, quantize_4bit
+from workbench.core.memory.plan import RUNGS, apply_trainable, quantize_4bit
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, load_model
 from workbench.core.results import RERUN_ENV
+from workbench.core.trainable import apply_strategy
 from workbench.core.training import TrainSettings, train
 from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder import rungs as ladder
@@ -289,6 +291,43 @@ def test_quantize_4bit_quantizes_gpt2s_conv1d_layers_the_way_transformers_does()
         after = model(ids).logits
     # NF4's rounding, not a transposed weight (which gives an error of the logits' own size)
     assert ((after - before).norm() / before.norm()).item() < 0.25
+
+
+def test_lora_on_gpt2s_conv1d_layers_is_set_up_for_them_without_a_warning():
+    """Every GPT-2 LoRA run (study 1's lora, `--lora-targets c_attn`, the ladder's lora rung) printed
+    peft's "fan_in_fan_out is set to False but the target module is `Conv1D`" warning."""
+    from peft.tuners.lora import LoraLayer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def gpt2():
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32)).eval()
+
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = gpt2()(ids).logits
+    plans = {"lora (study 1)": None, "c_attn": dataclasses.replace(RUNGS["lora"], lora_targets=("c_attn",)),
+             "lora rung": RUNGS["lora"]}
+    for name, plan in plans.items():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model = apply_strategy(gpt2(), "lora")[0] if plan is None else apply_trainable(gpt2(), plan)
+        assert not [w for w in seen if "fan_in_fan_out" in str(w.message)], name
+        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        assert layers and all(m.fan_in_fan_out for m in layers), name
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, base, atol=1e-5), name  # B starts at zero
+            for m in layers:  # a trained adapter, merged into the weight as stored: the same function
+                m.lora_B["default"].weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+            trained = model(input_ids=ids).logits
+            assert not torch.allclose(trained, base, atol=1e-3), name
+            model.merge_adapter()
+            assert torch.allclose(model(input_ids=ids).logits, trained, atol=1e-4), name
+    with warnings.catch_warnings(record=True) as seen:  # a model of nn.Linear layers keeps it off, silently
+        warnings.simplefilter("always")
+        llama = apply_strategy(load_model("embedded", spec=TINY_SPEC)[0], "lora")[0]
+    assert not [w for w in seen if "fan_in_fan_out" in str(w.message)]
+    assert not any(m.fan_in_fan_out for m in llama.modules() if isinstance(m, LoraLayer))
 
 
 @pytest.mark.parametrize("name", ["device_map", "zero_offload", "zero_offload_params"])

@@ -221,6 +221,19 @@ STRATEGIES: dict[str, Strategy] = {
 PAPER_STRATEGIES = ("adapter", "freeze_lower", "freeze_embeddings", "full")
 
 
+def lora_config(model: nn.Module, rank: int, targets: str | list[str]):
+    """peft's LoraConfig as the workbench sets it: alpha 2 x rank, no dropout, `targets` as peft
+    reads them. `fan_in_fan_out` is on when the model has transformers' Conv1D layers (GPT-2's, whose
+    weight is stored in x out): peft turned it on for them anyway, after a warning on every GPT-2
+    LoRA run. A 4-bit model's layers are Linear4bit by then (quantized transposed), so it stays off."""
+    from peft import LoraConfig
+    from transformers.pytorch_utils import Conv1D
+
+    conv1d = any(isinstance(m, Conv1D) for m in model.modules())
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
+                      task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+
+
 def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[nn.Module, Selection]:
     """Mark what trains under `name`; returns the (possibly wrapped) model and its selection.
 
@@ -230,7 +243,7 @@ def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
     notes: list[str] = []
     if name in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
         if name == "qlora":
             if not _is_4bit(model):
@@ -238,9 +251,7 @@ def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[
                                             "load it with a BitsAndBytesConfig(load_in_4bit=True) first")
             keep_4bit_backward(model)
             notes.append("base weights quantized to 4-bit NF4 by bitsandbytes; LoRA adapters in fp32")
-        cfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
-                         target_modules="all-linear", task_type="CAUSAL_LM")
-        model = get_peft_model(model, cfg)
+        model = get_peft_model(model, lora_config(model, lora_rank, "all-linear"))
         notes.append(f"LoRA rank {lora_rank} on every linear layer of the decoder (head excluded)")
         return model, count_selection(model, name, notes)
     parts = model_parts(model)

@@ -34,7 +34,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from workbench.core.config import ConfigError
-from workbench.core.trainable import apply_strategy, keep_4bit_backward
+from workbench.core.trainable import apply_strategy, keep_4bit_backward, lora_config
 from workbench.core.training import TrainSettings, make_optimizer
 
 # "bf16"/"fp16": autocast over fp32 weights (bf16-mixed / fp16-mixed); "bf16_true"/"fp16_true": pure
@@ -266,14 +266,12 @@ def apply_trainable(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
         quantize_4bit(model, plan.half_dtype or torch.float32)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.grad_checkpointing)
     if plan.lora_targets is not None:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
         if plan.trainable == "lora":
             for p in model.parameters():
                 p.requires_grad_(False)
-        cfg = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
-                         target_modules=list(plan.lora_targets), task_type="CAUSAL_LM")
-        return get_peft_model(model, cfg)
+        return get_peft_model(model, lora_config(model, plan.lora_rank, list(plan.lora_targets)))
     return apply_strategy(model, plan.trainable, lora_rank=plan.lora_rank)[0]
 
 
