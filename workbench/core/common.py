@@ -52,9 +52,9 @@ def environ(values: dict[str, str]) -> Iterator[None]:
 
 def single_process_env() -> dict[str, str]:
     """RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT of a process group of one process
-    (DeepSpeed's rendezvous reads them) on 127.0.0.1 and a port free now: a fixed port failed
-    whenever another run on the machine held it. Set with os.environ.setdefault, so a launcher's own
-    values win."""
+    (DeepSpeed's rendezvous reads them) on 127.0.0.1 and a port free now: a fixed port would fail
+    whenever another process on the machine held it. Callers set them with os.environ.setdefault, so
+    a launcher's own values win."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
