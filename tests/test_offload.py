@@ -808,7 +808,7 @@ def test_zero_offload_backend_is_nccl_on_cuda_gloo_on_cpu():
 
 
 def test_a_one_process_group_rendezvous_on_a_port_free_now():
-    """The ladder's ZeRO rungs on a card used port 29511 always: a run failed while another held it."""
+    """The ladder's ZeRO rungs on a card used port 29511 always: a run would fail while another held it."""
     env = single_process_env()
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == {
         "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
