@@ -214,8 +214,8 @@ from tests.conftest import tiny_config
 from transformers import AutoModelForCausalLM
 from workbench.core.memory.plan import RUNGS
 from workbench.studies.ladder.rungs import zero_config
-from workbench.studies.split.zero_baseline import _free_port
-for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+from workbench.core.common import single_process_env
+for k, v in single_process_env().items():
     os.environ.setdefault(k, v)
 try:
     deepspeed.init_distributed(dist_backend="gloo")

@@ -41,8 +41,8 @@ from tests.zero3_trace import recording, recording_reduces
 from transformers import AutoModelForCausalLM
 from workbench.core.memory.plan import RUNGS
 from workbench.studies.ladder.rungs import zero_config
-from workbench.studies.split.zero_baseline import _free_port
-for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+from workbench.core.common import single_process_env
+for k, v in single_process_env().items():
     os.environ.setdefault(k, v)
 settings, bucket, accum = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 try:
