@@ -98,3 +98,22 @@ def executed_plots(path):
     plots = [(i, o["data"][PLOTLY]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
              for o in c.get("outputs", []) if PLOTLY in o.get("data", {})]
     return [p for i, p in plots if i == live_cell], [p for i, p in plots if i != live_cell]
+
+
+def connection_info_notebook(path: Path) -> Path:
+    """A notebook whose kernel writes its own connection info (transport, address, and the mode of
+    the sockets' folder when they are Unix sockets) to the file named by its parameter `out`."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(f"out = {str(path.with_suffix('.json'))!r}",
+                                          metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell(
+                    "import json, os, ipykernel.connect as c\n"
+                    "info = c.get_connection_info(unpack=True)\n"
+                    "if info['transport'] == 'ipc':\n"
+                    "    info['mode'] = oct(os.stat(os.path.dirname(info['ip'])).st_mode & 0o777)\n"
+                    "open(out, 'w').write(json.dumps(info, default=str))")]
+    nbformat.write(nb, path)
+    return path

@@ -9,6 +9,7 @@ results/browser/. Voila serves a study app the same way (screenshot), the report
 installs both where it can (root, Debian).
 """
 
+import json
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import connection_info_notebook
 
 from workbench.front.dashboard import port_in_use, private_config, start_voila, stop_voila, voila_command
 from workbench.front.live import LiveChart
@@ -246,6 +248,28 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
         stop_voila(voila)
     assert "0.0.0.0" not in (tmp_path / "voila.log").read_text()
     assert not voila.config_dir.exists()  # the token's private folder went with the server
+
+
+def test_the_dashboards_kernels_talk_over_private_unix_sockets(tmp_path):
+    """Voila's kernels listened on TCP ports of 127.0.0.1, where any user of a shared teaching machine
+    could read their output stream, and its log carried ipykernel's "running over TCP without
+    encryption" for every page opened. They use Unix sockets in Voila's private folder now."""
+    folder = tmp_path / "apps"
+    folder.mkdir()
+    connection_info_notebook(folder / "who.ipynb")
+    port, token = free_port(), "ipc-token-0123"
+    with open(tmp_path / "voila.log", "w") as log:
+        voila = start_voila(folder, port, token, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            assert wait_http(f"http://127.0.0.1:{port}/?token={token}", voila) == 200
+            url = f"http://127.0.0.1:{port}/voila/render/who.ipynb?token={token}"
+            with urllib.request.urlopen(url, timeout=120) as page:
+                page.read()  # Voila streams the page as the notebook runs: read it to the end
+        finally:
+            stop_voila(voila)
+    info = json.loads((folder / "who.json").read_text())
+    assert info["transport"] == "ipc" and info.get("mode") == "0o700", info
+    assert "without encryption" not in (tmp_path / "voila.log").read_text()
 
 
 def test_the_dashboard_command_line_carries_no_token(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import connection_info_notebook
 
 from workbench.cli import main
 from workbench.core.config import ConfigError
@@ -58,19 +59,8 @@ def test_a_headless_kernel_talks_over_private_unix_sockets(tmp_path, capfd, monk
     the kernel now listens on Unix sockets in a folder of this user's (0700), removed afterwards."""
     import tempfile
 
-    import nbformat
-
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp puts the sockets' folder
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell("out = ''", metadata={"tags": ["parameters"]}),
-                nbformat.v4.new_code_cell(
-                    "import json, os, ipykernel.connect as c\n"
-                    "info = c.get_connection_info(unpack=True)\n"
-                    "if info['transport'] == 'ipc':\n"
-                    "    info['mode'] = oct(os.stat(os.path.dirname(info['ip'])).st_mode & 0o777)\n"
-                    "open(out, 'w').write(json.dumps(info, default=str))")]
-    nbformat.write(nb, tmp_path / "who.ipynb")
+    connection_info_notebook(tmp_path / "who.ipynb")
     run_notebook(tmp_path / "who.ipynb", {"out": str(tmp_path / "info.json")}, tmp_path / "ran.ipynb")
     info = json.loads((tmp_path / "info.json").read_text())
     assert info["transport"] == "ipc" and info.get("mode") == "0o700", info

@@ -13,7 +13,8 @@ or a random one, and reaches Voila through a voila.json readable only by you, in
 that is Voila's working directory, removed when the server stops. Voila is told not to move to
 another port: a busy port is a one-line error before anything starts, so the printed address is
 always the server's (a browser sent to a moved server's old port would hand the token to whatever
-listens there).
+listens there). The apps' kernels talk to Voila over Unix sockets in its connection folder (mode
+0700), not TCP ports on 127.0.0.1, whose output stream any user of a shared machine could read.
 """
 
 from __future__ import annotations
@@ -87,13 +88,13 @@ def voila_command(folder: Path, port: int) -> list[str]:
 
 
 def private_config(token: str) -> Path:
-    """A folder only this user can read, holding voila.json with the token; Voila reads its config
-    from its working directory, so start it there."""
+    """A folder only this user can read, holding voila.json with the token and the kernels' Unix
+    socket transport; Voila reads its config from its working directory, so start it there."""
     folder = Path(tempfile.mkdtemp(prefix="workbench-voila-"))  # mode 0700
     path = folder / "voila.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"Voila": {"token": token}}, f)
+        json.dump({"Voila": {"token": token}, "KernelManager": {"transport": "ipc"}}, f)
     return folder
 
 
