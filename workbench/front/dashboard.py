@@ -94,7 +94,8 @@ def private_config(token: str) -> Path:
     path = folder / "voila.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"Voila": {"token": token}, "KernelManager": {"transport": "ipc"}}, f)
+        unix = {"KernelManager": {"transport": "ipc"}} if os.name == "posix" else {}  # Windows: TCP
+        json.dump({"Voila": {"token": token}, **unix}, f)
     return folder
 
 
