@@ -231,7 +231,8 @@ def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps(points))
     out = tmp_path / "sweep"
-    env = {**os.environ, "WORKBENCH_RESULTS": str(tmp_path / "results")}
+    # TMPDIR: the killed runs' kernel socket folders (their cleanup dies with them) stay in tmp_path
+    env = {**os.environ, "WORKBENCH_RESULTS": str(tmp_path / "results"), "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "sweep", str(NOTEBOOK), "--grid", str(grid),
                              "--workers", "2", "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
