@@ -33,7 +33,7 @@ from pathlib import Path
 
 from workbench.core.config import ConfigError
 from workbench.core.results import results_root
-from workbench.front.notebooks import available
+from workbench.front.notebooks import available, kernel_transport
 
 
 def register(sub) -> None:
@@ -94,8 +94,7 @@ def private_config(token: str) -> Path:
     path = folder / "voila.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        unix = {"KernelManager": {"transport": "ipc"}} if os.name == "posix" else {}  # Windows: TCP
-        json.dump({"Voila": {"token": token}, **unix}, f)
+        json.dump({"Voila": {"token": token}, **kernel_transport()}, f)
     return folder
 
 

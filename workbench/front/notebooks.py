@@ -222,6 +222,19 @@ def write_notebooks(folder: str | Path | None = None) -> list[Path]:
 # running one headless
 
 
+UNIX_SOCKETS = os.name == "posix"  # zmq's ipc transport: not on Windows, which keeps TCP
+
+
+def kernel_transport(ip: str | None = None) -> dict[str, Any]:
+    """The traitlets config section that puts a kernel's sockets on Unix sockets (at path prefix
+    `ip`; default: beside its connection file) instead of TCP ports on 127.0.0.1, whose output
+    stream any user of the machine could read (and every run printed ipykernel's "Kernel is running
+    over TCP without encryption"); {} where Unix sockets do not exist."""
+    if not UNIX_SOCKETS:
+        return {}
+    return {"KernelManager": {"transport": "ipc", **({"ip": ip} if ip else {})}}
+
+
 def run_notebook(
     notebook: str | Path,
     parameters: dict[str, Any],
@@ -247,11 +260,9 @@ def run_notebook(
         pass  # not a study notebook: papermill's own checks only
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    # the kernel talks over Unix sockets in a folder only this user can open, not TCP on 127.0.0.1
-    # (every run printed ipykernel's "Kernel is running over TCP without encryption" warning)
-    sockets = tempfile.mkdtemp(prefix="wb-kernel-") if os.name == "posix" else None
-    ipc = {"KernelManager": {"transport": "ipc", "ip": f"{sockets}/k"}}
-    kernel = {"config": TraitletsConfig(ipc)} if sockets else {}
+    # the kernel's sockets in a folder only this user can open (removed after the run)
+    sockets = tempfile.mkdtemp(prefix="wb-kernel-") if UNIX_SOCKETS else None
+    kernel = {"config": TraitletsConfig(kernel_transport(f"{sockets}/k"))} if sockets else {}
     try:
         pm.execute_notebook(
             str(path),
