@@ -226,13 +226,15 @@ def test_timeout_counts_the_whole_run(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_sweep_resumes_only_missing_points(tmp_path, counter, sig):
-    # 3 s runs: when the first two are finished, the next two have seconds left to run
-    points = [{"x": x, "sleep_s": 3.0} for x in range(1, 6)]
+    # the first two runs to start finish; the runs started after them hold until stopped, so at the
+    # signal two are finished and the others are not (with 3 s runs for all, one finished now and then)
+    points = [{"x": x, "sleep_s": 1.0} for x in range(1, 6)]
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps(points))
     out = tmp_path / "sweep"
     # TMPDIR: the killed runs' kernel socket folders (their cleanup dies with them) stay in tmp_path
-    env = {**os.environ, "WORKBENCH_RESULTS": str(tmp_path / "results"), "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "WORKBENCH_RESULTS": str(tmp_path / "results"), "TMPDIR": str(tmp_path),
+           "SWEEP_TEST_HOLD_AFTER": "2"}
     proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "sweep", str(NOTEBOOK), "--grid", str(grid),
                              "--workers", "2", "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
