@@ -51,6 +51,15 @@ def test_non_finite_floats_name_the_parameter():
         Demo(lr=float("nan"))
 
 
+def test_an_optional_parameter_says_why_its_value_is_wrong():
+    """Not "alpha: inf is not float | None" (inf is a float): the number's own reason, and None allowed."""
+    with pytest.raises(ConfigError, match=r"^alpha: expected a finite number, got inf \(or None\)$"):
+        SplitConfig(alpha=float("inf"))
+    with pytest.raises(ConfigError, match=r"^alpha: expected a number, got str 'fast' \(or None\)$"):
+        SplitConfig.from_dict({"alpha": "fast"})
+    assert SplitConfig(alpha=None).alpha is None and SplitConfig(alpha=2).alpha == 2.0
+
+
 def test_a_subclass_checks_run_after_the_type_checks():
     with pytest.raises(ConfigError, match="lr: expected a finite number"):
         StrategiesConfig(lr=float("inf"))

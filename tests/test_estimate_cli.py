@@ -180,6 +180,7 @@ def test_a_strategy_the_model_cannot_take_is_one_line(tmp_path, capsys):
     (["--rung", "fp64"], "unknown rung 'fp64'"),
     (["--budget-mib", "0"], "--budget-mib must be a positive number"),
     (["--budget-mib", "-5", "--auto-fit"], "--budget-mib must be a positive number"),
+    (["--budget-mib", "inf"], "--budget-mib must be a positive number"),  # was an OverflowError's traceback
     (["--batch", "0"], "--batch must be a positive integer"),
     (["--seq", "4096"], "sequence length 4096 is longer than"),
 ])
@@ -229,6 +230,8 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--precision", "fp16-mixed", "--device", "cpu"], "fp16-mixed needs --device cuda"),
     (["--card", "0.0001"], "estimate: 0.0001 GiB card (0.1 MiB) is smaller than the weights alone"),
     (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
+    (["--card", "inf"], "--card must be a positive size in GiB or a card name, got 'inf'"),
+    (["--trainable", "lora", "--lora-targets", " , "], "--lora-targets ' , ' names no module; give comma-separated"),
     (["--rung", "bf16", "--precision", "fp32"], "--rung and --precision both describe the setup"),
     (["--batch", "4", "--micro-batch", "3"], "--micro-batch 3 must divide --batch 4"),
     (["--batch", "4", "--micro-batch", "0"], "--micro-batch must be a positive integer, got 0"),

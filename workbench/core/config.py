@@ -80,6 +80,8 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
                 return _check_type(name, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # Optional[X]: X's own reason ("expected a finite number, got inf")
+            raise ConfigError(f"{errors[0]} (or None)")
         raise ConfigError(f"{name}: {value!r} is not {_type_name(tp)}")
     if origin is typing.Literal:
         if value in get_args(tp):

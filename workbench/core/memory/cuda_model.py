@@ -30,6 +30,7 @@ reserved figure; the cuBLAS workspaces (`Card.cublas_workspaces`) are allocation
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -114,7 +115,7 @@ def card(spec: str | float | Card | None) -> Card | None:
             if c.name.lower().replace(" ", "").replace("gb", "") == key:
                 return c
         raise ConfigError(f"unknown card {spec!r}; use a size in GiB or one of: {', '.join(CARDS)}") from None
-    if not gib > 0:
+    if not (gib > 0 and math.isfinite(gib)):
         raise ConfigError(f"--card must be a positive size in GiB or a card name, got {spec!r}")
     return Card(f"{gib:g} GiB card", int(gib * GiB), DEFAULT_SM)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -101,7 +102,10 @@ def _plan(args):
     if precision == "fp16-mixed" and args.device == "cpu":
         raise ConfigError("fp16-mixed needs --device cuda (fp16 autocast with a GradScaler is CUDA-only); "
                           "use --precision bf16-mixed on the CPU")
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
+    targets = None if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if targets == ():
+        raise ConfigError(f"--lora-targets {args.lora_targets!r} names no module; give comma-separated names "
+                          "(e.g. q_proj,v_proj), or leave it out for every linear layer of the decoder")
     trainable = args.trainable or ("lora" if targets else "full")
     return plan_from_flags(precision=precision, optimizer=args.optimizer or "adamw_torch", trainable=trainable,
                            lora_rank=8 if args.lora_rank is None else args.lora_rank, lora_targets=targets,
@@ -122,7 +126,7 @@ def _check(args) -> list[str]:
             raise ConfigError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     if args.steps is not None and args.steps < 2:
         raise ConfigError(f"--steps must be at least 2 (the steady state starts at step 2), got {args.steps}")
-    if args.budget_mib is not None and not args.budget_mib > 0:
+    if args.budget_mib is not None and not (args.budget_mib > 0 and math.isfinite(args.budget_mib)):
         raise ConfigError(f"--budget-mib must be a positive number of MiB, got {args.budget_mib}")
     if args.auto_fit and args.budget_mib is None and args.card is None:
         raise ConfigError("--auto-fit needs --budget-mib or --card (the memory to fit)")
