@@ -60,6 +60,14 @@ def test_an_optional_parameter_says_why_its_value_is_wrong():
     assert SplitConfig(alpha=None).alpha is None and SplitConfig(alpha=2).alpha == 2.0
 
 
+@pytest.mark.parametrize("cls", [StrategiesConfig, LadderConfig, SplitConfig])
+def test_a_one_token_block_is_refused_by_every_study(cls):
+    """seq_len=1 passed each study's "positive" check and ended in data.token_blocks' ValueError traceback."""
+    with pytest.raises(ConfigError, match=r"^seq_len must be at least 2 \(a block of one token has no next token"):
+        cls.from_dict({"seq_len": 1})
+    assert cls.from_dict({"seq_len": 2}).seq_len == 2
+
+
 def test_a_subclass_checks_run_after_the_type_checks():
     with pytest.raises(ConfigError, match="lr: expected a finite number"):
         StrategiesConfig(lr=float("inf"))

@@ -55,6 +55,12 @@ VOCABULARY: dict[str, tuple[Any, str]] = {
 }
 
 
+# The least value a vocabulary setting can take in any study, and why (checked with the types).
+LEAST: dict[str, tuple[int, str]] = {
+    "seq_len": (2, "a block of one token has no next token to predict"),
+}
+
+
 def setting(name: str, default: Any, note: str = "") -> Any:
     """A field of the shared vocabulary: its help text, plus what it means in this study (`note`)."""
     if name not in VOCABULARY:
@@ -149,6 +155,9 @@ class Config:
             checked = _check_type(f.name, value, hints[f.name])
             if checked is not value:
                 object.__setattr__(self, f.name, checked)
+            least = LEAST.get(f.metadata.get("setting"))
+            if least is not None and checked < least[0]:
+                raise ConfigError(f"{f.name} must be at least {least[0]} ({least[1]}), got {checked}")
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
