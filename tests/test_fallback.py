@@ -1,7 +1,9 @@
 """Device fallback and the CPU-played memory budget (DESIGN.md section 3)."""
 
 import gc
+import re
 
+import psutil
 import pytest
 import torch
 
@@ -72,6 +74,26 @@ def test_first_attempt_fitting_is_ok_and_preflight_skips():
     out = run_with_fallback(attempts, _job_needing(2), preflight=lambda a: (100.0, "test"))
     assert out.history[0]["result"] == "skipped" and "predicted peak 100.0 MiB" in out.history[0]["reason"]
     assert out.status == "fallback"
+
+
+def test_a_cpu_attempt_without_a_budget_is_held_to_the_memory_this_machine_has_free():
+    """Past the machine's memory a CPU run is not an OutOfMemoryError but the process killed by the
+    kernel's OOM killer (a micro_batch of 100,000 on the tiny base took the whole study with it)."""
+    free = psutil.virtual_memory().available / 2**20
+    ran = []
+
+    def job(attempt, budget, phase):
+        ran.append(str(attempt))
+        return 1.0
+
+    out = run_with_fallback((Attempt.parse("cpu"),), job, preflight=lambda a: (2 * free, "test"))
+    assert out.status == "oom" and ran == []  # nothing was allocated for it
+    (h,) = out.history
+    assert h["result"] == "skipped" and h["phase"] == "preflight"
+    assert re.fullmatch(r"predicted peak [\d,.]+ MiB \(test\) > the [\d,]+ MiB this machine has free "
+                        r"\(preflight=False runs it anyway\)", h["reason"]), h["reason"]
+    assert run_with_fallback((Attempt.parse("cpu"),), job, preflight=lambda a: (free / 4, "test")).status == "ok"
+    assert ran == ["cpu"]
 
 
 def test_nothing_fits_is_an_oom_outcome_not_a_crash():

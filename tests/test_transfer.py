@@ -220,6 +220,17 @@ def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
         assert abs(df.loc[s, "predicted_peak_mib"] / df.loc[s, "peak_mem_mib"] - 1) < 0.05
 
 
+def test_a_run_bigger_than_this_machine_is_an_oom_row_not_the_study_killed(tiny_base, results_dir):
+    """micro_batch 100,000 on the tiny base (about 146 GiB of logits and loss temporaries): the CPU attempt,
+    without a budget, was run, and the kernel's OOM killer took the study with it."""
+    cfg = StrategiesConfig(strategies=("full",), seeds=(0,), base_size="tiny", seq_len=64, micro_batch=100_000,
+                           token_budget=6_400_000, eval_blocks=8)
+    (row,) = run_strategies(cfg, progress=False).runs.to_dict("records")
+    assert row["status"] == "oom" and row["predicted_peak_mib"] > 100_000
+    assert row["device_history"] == "cpu@160: skipped in preflight -> cpu: skipped in preflight"
+    assert "MiB this machine has free (preflight=False runs it anyway)" in json.loads(row["history"])[1]["reason"]
+
+
 def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(tiny_base, results_dir, tmp_path,
                                                                                monkeypatch):
     cfg = StrategiesConfig(strategies=("bitfit", "full", "lora"), seeds=(0,), devices=("cpu@2", "cpu@3"),

@@ -10,8 +10,9 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
 `torch.OutOfMemoryError` at any point of the job (load, forward, backward, optimizer step,
 evaluation) it drops everything the attempt held, records the device, the phase and the error,
 and goes on to the next attempt with a fresh start. Any other error propagates. A pre-flight
-check may skip an attempt whose predicted peak exceeds its budget, and that is recorded too, and
-so is an attempt on a device this machine does not have ('cuda' without a GPU): the next one runs.
+check may skip an attempt whose predicted peak exceeds its budget (a CPU attempt without one: the
+memory this machine has free, so an attempt too big for it is a row, not the whole process killed by
+the kernel's OOM killer), and that is recorded too, and so is an attempt on a device this machine does not have ('cuda' without a GPU): the next one runs.
 When nothing fits, the outcome has status "oom" instead of raising; when no device named exists
 here, "skipped".
 """
@@ -22,6 +23,7 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import psutil
 import torch
 
 from workbench.core.config import ConfigError
@@ -149,12 +151,13 @@ def run_with_fallback(
         if missing is not None:
             record({"attempt": str(attempt), "result": "unavailable", "phase": None, "reason": missing})
             continue
-        if preflight is not None and attempt.budget_mib is not None:
+        limit = _preflight_limit(attempt)
+        if preflight is not None and limit is not None:
             predicted = preflight(attempt)
-            if predicted is not None and predicted[0] > attempt.budget_mib:
+            if predicted is not None and predicted[0] > limit[0]:
                 mib, how = predicted
                 record({"attempt": str(attempt), "result": "skipped", "phase": "preflight",
-                        "reason": f"predicted peak {mib:.1f} MiB ({how}) > budget {attempt.budget_mib:g} MiB"})
+                        "reason": f"predicted peak {mib:,.1f} MiB ({how}) > {limit[1]}"})
                 continue
         phase = Phase()
         oom = None
@@ -175,6 +178,18 @@ def run_with_fallback(
     if all(h["result"] == "unavailable" for h in history):
         return Outcome("skipped", None, {"notes": "; ".join(h["reason"] for h in history)}, history)
     return Outcome("oom", None, None, history)
+
+
+def _preflight_limit(attempt: Attempt) -> tuple[float, str] | None:
+    """What a pre-flight prediction is held to: the attempt's budget; on a CPU without one, the
+    memory the machine has free now (an overrun there is not an OutOfMemoryError but the process
+    killed, or swapping); none on a card without one (its OOM is caught)."""
+    if attempt.budget_mib is not None:
+        return attempt.budget_mib, f"budget {attempt.budget_mib:g} MiB"
+    if attempt.device == "cpu":
+        free = psutil.virtual_memory().available / 2**20
+        return free, f"the {free:,.0f} MiB this machine has free (preflight=False runs it anyway)"
+    return None
 
 
 def _run_one(attempt: Attempt, job: Job, phase: Phase):
