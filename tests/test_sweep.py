@@ -105,6 +105,19 @@ def test_grid_forms_and_options(tmp_path):
     assert combine([{"x": 1, "y": 0}, {"x": 2, "y": 0}], [{"y": 5}]) == [{"x": 1, "y": 5}, {"x": 2, "y": 5}]
 
 
+def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(capsys):
+    """`sweep NOTEBOOK --workers 2 x=1 x=2` ended in argparse's "unrecognized arguments: x=1 x=2"."""
+    assert main(["sweep", str(NOTEBOOK), "x=1", "--dry-run", "x=2", "-p", "x=3", "x=4"]) == 0
+    listed = [json.loads(line.split(" ", 1)[1]) for line in capsys.readouterr().out.splitlines() if "{" in line]
+    assert sorted(p["x"] for p in listed) == [1, 2, 3, 4]
+    with pytest.raises(SystemExit):  # an unknown option, or a word that is no NAME=VALUE, is still refused
+        main(["sweep", str(NOTEBOOK), "--dry-run", "x=1", "--nosuch"])
+    assert "unrecognized arguments: --nosuch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", str(NOTEBOOK), "--dry-run", "x"])
+    assert "unrecognized arguments: x" in capsys.readouterr().err
+
+
 def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "sweep"
     # an unknown parameter of a study notebook: every bad point is listed, no folder is made

@@ -59,7 +59,14 @@ def _one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # NAME=VALUE after an option (`sweep 01_strategies --workers 2 seeds=[0]`): argparse fills a
+    # positional list from one run of positionals only and leaves the rest unrecognized
+    if hasattr(args, "assignments"):
+        args.assignments += [e for e in extra if "=" in e and not e.startswith("-")]
+        extra = [e for e in extra if e not in args.assignments]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
