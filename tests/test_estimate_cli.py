@@ -230,6 +230,7 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--precision", "fp16-mixed", "--device", "cpu"], "fp16-mixed needs --device cuda"),
     (["--card", "0.0001"], "estimate: 0.0001 GiB card (0.1 MiB) is smaller than the weights alone"),
     (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
+    (["--trainable", "lora", "--lora-rank", "100000"], "lora_rank 100,000 is more than any layer LoRA adapts can use"),
     (["--card", "inf"], "--card must be a positive size in GiB or a card name, got 'inf'"),
     (["--trainable", "lora", "--lora-targets", " , "], "--lora-targets ' , ' names no module; give comma-separated"),
     (["--rung", "bf16", "--precision", "fp32"], "--rung and --precision both describe the setup"),

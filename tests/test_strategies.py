@@ -4,6 +4,7 @@ import torch
 from conftest import ARCHS, tiny_config
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from workbench.core.config import ConfigError
 from workbench.core.memory.plan import quantize_4bit
 from workbench.core.results import StudyResult
 from workbench.core.trainable import STRATEGIES, StrategyNotApplicable, apply_strategy, model_parts
@@ -76,6 +77,18 @@ def test_counts_are_elements_with_tied_weights_once(arch, name):
     assert sel.trainable_params == sum(p.numel() for p in unique if p.requires_grad)
     assert sel.trainable_tensors < sel.trainable_params  # elements, not tensors
     assert 0 < sel.trainable_share <= 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_lora_rank_no_layer_can_use_is_refused_before_the_adapters_are_made(arch):
+    model = fresh(arch)
+    head = model.get_output_embeddings()
+    usable = max(min(m.weight.shape) for m in model.modules()
+                 if m is not head and isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+    with pytest.raises(ConfigError, match=rf"^lora_rank {usable + 1:,} is more than any layer LoRA adapts can use: "
+                                          rf".* {usable:,} here; use a smaller lora_rank$"):
+        apply_strategy(fresh(arch), "lora", lora_rank=usable + 1)
+    apply_strategy(model, "lora", lora_rank=usable)  # full rank for the widest: allowed
 
 
 def test_unknown_strategy():

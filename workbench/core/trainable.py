@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from workbench.core.config import ConfigError
+
 
 @dataclass
 class ModelParts:
@@ -230,8 +232,28 @@ def lora_config(model: nn.Module, rank: int, targets: str | list[str]):
     from transformers.pytorch_utils import Conv1D
 
     conv1d = any(isinstance(m, Conv1D) for m in model.modules())
+    _check_lora_rank(model, rank, targets, Conv1D)
     return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
                       task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+
+
+def _check_lora_rank(model: nn.Module, rank: int, targets: str | list[str], conv1d: type) -> None:
+    """A rank-r update of an in x out layer has rank at most min(in, out): a lora_rank above that for
+    every layer LoRA adapts is a mistake (a typed 100000 ran for minutes before anything was said)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    usable = 0
+    for name, m in model.named_modules():
+        if targets == "all-linear":
+            chosen = m is not head
+        else:
+            chosen = any(name == t or name.endswith("." + t) for t in targets)
+        if chosen and isinstance(m, nn.Linear):
+            usable = max(usable, min(m.in_features, m.out_features))
+        elif chosen and isinstance(m, conv1d):
+            usable = max(usable, min(m.weight.shape))
+    if usable and rank > usable:
+        raise ConfigError(f"lora_rank {rank:,} is more than any layer LoRA adapts can use: an update of an "
+                          f"in x out layer has rank at most min(in, out), {usable:,} here; use a smaller lora_rank")
 
 
 def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[nn.Module, Selection]:
