@@ -146,6 +146,28 @@ def test_help_lists_the_rungs():
         assert name in out.stdout
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_qlora_with_an_8_bit_optimizer_is_predicted(tmp_path, capsys, device):
+    """QLoRA's own recipe (paged 8-bit AdamW) ended in a traceback: peft made the adapters real tensors
+    beside the real 4-bit layers, and bitsandbytes' step, setting p.data, turned them into meta ones."""
+    gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 256, "n_layer": 2, "n_head": 4,
+            "vocab_size": 512, "n_positions": 1024, "bos_token_id": 0, "eos_token_id": 0}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(gpt2))
+    state = {}
+    for trainable in ("lora", "qlora"):
+        for optimizer in ("adamw_torch", "adamw_8bit", "paged_adamw_8bit"):
+            # rank 32: each adapter holds 8,192+ values, above bitsandbytes' 4,096 for 8-bit state
+            assert main(["estimate", "--model", str(path), "--seq", "32", "--device", device, "--json",
+                         "--trainable", trainable, "--lora-rank", "32", "--optimizer", optimizer]) == 0
+            state[trainable, optimizer] = json.loads(capsys.readouterr().out)["predictions"][0]["optimizer_state_bytes"]
+    for optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        # the adapters have the same shapes on a 4-bit layer as on a full one: the same state
+        assert state["qlora", optimizer] == state["lora", optimizer]
+        # 2 bytes a value (plus block statistics) against AdamW's 8
+        assert 0.25 < state["qlora", optimizer] / state["qlora", "adamw_torch"] < 0.27
+
+
 def test_gpt2s_conv1d_layers_take_lora_targets_and_4_bit(tmp_path, capsys):
     """GPT-2's usual LoRA target is c_attn, a Conv1D: it was refused ("names no linear module; use
     some of: lm_head"), and --trainable qlora stopped with a traceback."""

@@ -27,15 +27,20 @@ from workbench.core.models import check_seq_len
 
 
 def fakeify(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str = "cpu") -> torch.nn.Module:
-    """Turn every meta parameter and buffer into a fake tensor on `device`; tied stay tied."""
+    """Turn every meta parameter and buffer into a fake tensor on `device`; tied stay tied.
+
+    A real parameter that trains becomes a fake one too: QLoRA's adapters, which peft makes on
+    the device of the (really quantized) 4-bit layer. Left real inside the fake step, an optimizer
+    that sets `p.data` (bitsandbytes' 8-bit AdamW) turned it into a meta tensor and failed."""
     memo: dict[int, torch.Tensor] = {}
     dev = torch.device(device)
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None or p.device.type != "meta":
+            if p is None or isinstance(p, FakeTensor) or (p.device.type != "meta" and not p.requires_grad):
                 continue
             if id(p) not in memo:
-                memo[id(p)] = torch.nn.Parameter(FakeTensor(fake_mode, p.data, dev), requires_grad=p.requires_grad)
+                fake = FakeTensor(fake_mode, p.data, dev) if p.device.type == "meta" else fake_mode.from_tensor(p.data)
+                memo[id(p)] = torch.nn.Parameter(fake, requires_grad=p.requires_grad)
             module._parameters[name] = memo[id(p)]
         for name, b in list(module._buffers.items()):
             if b is None or b.device.type != "meta":
