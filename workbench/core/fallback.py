@@ -11,8 +11,9 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
 evaluation) it drops everything the attempt held, records the device, the phase and the error,
 and goes on to the next attempt with a fresh start. Any other error propagates. A pre-flight
 check may skip an attempt whose predicted peak exceeds its budget (a CPU attempt without one: the
-memory this machine has free, so an attempt too big for it is a row, not the whole process killed by
-the kernel's OOM killer), and that is recorded too, and so is an attempt on a device this machine does not have ('cuda' without a GPU): the next one runs.
+memory this machine has free, so an attempt too big for it is a row, not the whole process killed
+by the kernel's OOM killer), and that is recorded too, and so is an attempt on a device this
+machine does not have ('cuda' without a GPU): the next one runs.
 When nothing fits, the outcome has status "oom" instead of raising; when no device named exists
 here, "skipped".
 """

@@ -240,6 +240,8 @@ def lora_config(model: nn.Module, rank: int, targets: str | list[str]):
 def _check_lora_rank(model: nn.Module, rank: int, targets: str | list[str], conv1d: type) -> None:
     """A rank-r update of an in x out layer has rank at most min(in, out): a lora_rank above that for
     every layer LoRA adapts is a mistake (a typed 100000 ran for minutes before anything was said)."""
+    if isinstance(targets, str) and targets != "all-linear":  # a regular expression: peft's to match
+        return
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     usable = 0
     for name, m in model.named_modules():
