@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -60,6 +61,18 @@ def test_rungs_are_composed_plans():
     assert RUNGS["bf16_ckpt_accum"].settings(8, 2).micro_batch == 2
     assert RUNGS["bf16_ckpt_accum"].settings(8, 2).grad_accum == 4
     assert RUNGS["cpu"].tier == 3 and RUNGS["cpu"].precision == "fp32"
+
+
+def test_a_rung_bigger_than_this_machine_is_not_measured(env):
+    """The rungs are measured on this CPU with no budget enforced: micro_batch 100,000 on the tiny base
+    (146 GiB predicted) had the kernel's OOM killer take the study with its first rung."""
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32", "cpu"), micro_batch=100_000, seq_len=64, steps=2,
+                       budget_mib=3.0, reference_model="", autofit=False)
+    rows = run_ladder(cfg).runs.set_index("rung")
+    for name in ("fp32", "cpu"):  # the cpu rung's step is host memory: held to the same limit
+        assert rows.loc[name, "status"] == "skipped"
+        assert re.fullmatch(r"predicted peak 149,\d{3}\.\d MiB > the [\d,]+ MiB this machine has free: not measured",
+                            rows.loc[name, "reason"]), rows.loc[name, "reason"]
 
 
 def test_run_ladder_predicts_measures_and_explains(env):

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import psutil
+
 MiB = 2**20
 GiB = 2**30
 Sink = Callable[[dict[str, Any]], None]
@@ -59,6 +61,12 @@ def single_process_env() -> dict[str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def host_free_mib() -> float:
+    """The memory this machine has free now, in MiB (psutil's `available`). A CPU run past it does
+    not raise an OutOfMemoryError: the kernel's OOM killer kills the process (or it swaps)."""
+    return psutil.virtual_memory().available / MiB
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:

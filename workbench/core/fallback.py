@@ -24,9 +24,9 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import psutil
 import torch
 
+from workbench.core.common import host_free_mib
 from workbench.core.config import ConfigError
 from workbench.core.memory.budget import DeviceBudget, device_budget
 
@@ -188,7 +188,7 @@ def _preflight_limit(attempt: Attempt) -> tuple[float, str] | None:
     if attempt.budget_mib is not None:
         return attempt.budget_mib, f"budget {attempt.budget_mib:g} MiB"
     if attempt.device == "cpu":
-        free = psutil.virtual_memory().available / 2**20
+        free = host_free_mib()
         return free, f"the {free:,.0f} MiB this machine has free (preflight=False runs it anyway)"
     return None
 

@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from workbench import __version__
-from workbench.core.common import MiB, Sink
+from workbench.core.common import MiB, Sink, host_free_mib
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory.baselines import baseline_table
@@ -149,8 +149,15 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
                "fits_predicted": p.fit_bytes <= budget, "data": data_note}
         if cfg.measure:
             torch.manual_seed(cfg.seed)
-            m = measure(name, load, blocks, batch=cfg.micro_batch, steps=cfg.steps, lr=cfg.lr,
-                        sinks=(steps_sink, *_labelled(sinks, stage="ladder", budget_mib=cfg.budget_mib)))
+            # the rungs are measured on this CPU (device or host), with no budget enforced: one
+            # past the free memory would have the OOM killer take the study with it
+            need, free = max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB, host_free_mib()
+            if need > free:
+                m = {"status": "skipped", "reason": f"predicted peak {need:,.1f} MiB > the {free:,.0f} MiB this "
+                                                    "machine has free: not measured"}
+            else:
+                m = measure(name, load, blocks, batch=cfg.micro_batch, steps=cfg.steps, lr=cfg.lr,
+                            sinks=(steps_sink, *_labelled(sinks, stage="ladder", budget_mib=cfg.budget_mib)))
             if m["status"] != "ok":
                 _event(sinks, rung=name, attempt=name, result=m["status"])
             row.update({k: v for k, v in m.items() if k not in row or k in ("status", "reason")})
