@@ -237,6 +237,12 @@ def lora_config(model: nn.Module, rank: int, targets: str | list[str]):
                       task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
 
 
+def names_module(name: str, targets) -> bool:
+    """Whether one of LoRA's `targets` names the module called `name`, as peft matches a list of
+    target names: the whole name, or its last dotted parts."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
 def _check_lora_rank(model: nn.Module, rank: int, targets: str | list[str], conv1d: type) -> None:
     """A rank-r update of an in x out layer has rank at most min(in, out): a lora_rank above that for
     every layer LoRA adapts is a mistake (a typed 100000 ran for minutes before anything was said)."""
@@ -248,7 +254,7 @@ def _check_lora_rank(model: nn.Module, rank: int, targets: str | list[str], conv
         if targets == "all-linear":
             chosen = m is not head
         else:
-            chosen = any(name == t or name.endswith("." + t) for t in targets)
+            chosen = names_module(name, targets)
         if chosen and isinstance(m, nn.Linear):
             usable = max(usable, min(m.in_features, m.out_features))
         elif chosen and isinstance(m, conv1d):

@@ -34,7 +34,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from workbench.core.config import ConfigError
-from workbench.core.trainable import apply_strategy, keep_4bit_backward, lora_config
+from workbench.core.trainable import apply_strategy, keep_4bit_backward, lora_config, names_module
 from workbench.core.training import TrainSettings, make_optimizer
 
 # "bf16"/"fp16": autocast over fp32 weights (bf16-mixed / fp16-mixed); "bf16_true"/"fp16_true": pure
@@ -242,7 +242,7 @@ def check_lora_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> None
     """Each target must name a linear module of `model` (peft matches a name's last parts): an
     nn.Linear, a 4-bit one, or GPT-2's Conv1D (peft wraps it; c_attn is GPT-2's usual target)."""
     names = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    missing = [t for t in targets if not any(names_module(n, (t,)) for n in names)]
     if missing:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
         raise ConfigError(f"--lora-targets {','.join(missing)} names no linear module of this model; "
