@@ -20,17 +20,20 @@ from workbench.cli import main
 from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.results import StudyResult
-from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm
+from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm, preflight
 from workbench.studies.split._cuda import Ring
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.engine import SplitEngine
-from workbench.studies.split.figures import host_table, idle_figure, operating_point_table, throughput_figure
+from workbench.studies.split.figures import (host_table, idle_figure, operating_point_table, report_section,
+                                              throughput_figure)
 from workbench.studies.split.layers import last_arriving, split_layers
 from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
     validation_points)
-from workbench.studies.split.runner import _plain_adamw, measured_runs, run_split_study, text_batches
+from workbench.studies.split.preflight import MemoryHold
+from workbench.studies.split.reference import plain_adamw
+from workbench.studies.split.runner import measured_runs, run_split_study, text_batches
 from workbench.studies.split.zero_baseline import dist_backend
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
@@ -434,7 +437,7 @@ def test_plain_adamw_row_measures_k_and_idle():
     """The reference row's k and idle share are measured (optimizer state placement; busy spans
     against the iteration's period), not written in."""
 
-    rows = _plain_adamw(tiny_qwen(), batches(512, 3), HP)
+    rows = plain_adamw(tiny_qwen(), batches(512, 3), HP)
     for r in rows:
         assert r["k_actual"] == 1.0  # every Adam state lives on the accelerator (here: the CPU)
         assert 0.0 < r["accel_idle_share"] < 0.5  # zero_grad and loss.item() run outside its busy spans
@@ -542,6 +545,43 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     out = tmp_path / "split"
     assert (out / "runs.csv").exists() and (out / "steps.csv").exists() and (out / "timeline.csv").exists()
     assert len(list(out.glob("*/summary.json"))) == 4
+
+
+def test_a_run_bigger_than_this_machine_is_a_skipped_row_not_the_study_killed(tmp_path, monkeypatch, tiny_base):
+    """micro_batch 100,000 on the tiny base (about 146 GiB for a plain step): every measured run
+    was started on this CPU, and the kernel's OOM killer took the study with it. Now each is a
+    skipped row with its reason; the modelled half and the report are still made."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "micro_batch": 100_000, "seq_len": 64, "steps": 2, "k_sweep": [0.0],
+                                 "modelled_k_points": 2})
+    result = run_split_study(cfg)
+    measured = result.runs[result.runs["source"] == "measured"].set_index("run")
+    assert list(measured.index) == ["plain AdamW", "k=0", "adaptive"] and (measured["status"] == "skipped").all()
+    free = r"MiB > the [\d,]+ MiB this machine has free: not run$"
+    assert re.match(r"predicted peak 1\d\d,\d{3}\.\d MiB > ", measured.loc["plain AdamW", "reason"])
+    assert measured["reason"].str.contains(free).all()
+    assert measured.loc[["k=0", "adaptive"], "reason"].str.match(
+        r"at least the plain step's predicted peak at this precision, 1\d\d,\d{3}\.\d MiB > ").all()
+    assert (result.runs["source"] == "modelled").any() and result.steps.empty
+    assert report_section(result)  # the report is made from skipped rows too
+
+
+def test_the_reference_and_the_engine_are_held_to_their_own_precision(tmp_path, monkeypatch, tiny_base):
+    """In bf16 the engine's floor is a pure bf16 step, below the fp32 reference's predicted peak:
+    with free memory between the two, only the reference is held back."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "precision": "bf16", "k_sweep": [0.0, 1.0], "adaptive": False,
+                                 "steps": 2, "write_results": False})
+    hold = MemoryHold(cfg)
+    floor, ref = hold.need_mib("engine"), hold.need_mib("reference")
+    assert 0 < floor < ref
+    monkeypatch.setattr(preflight, "host_free_mib", lambda: (floor + ref) / 2)
+    runs = {r["run"]: r for r in measured_runs(cfg)[0]}
+    assert runs["plain AdamW"]["status"] == "skipped" and runs["plain AdamW"]["reason"].startswith(
+        f"predicted peak {ref:,.1f} MiB > the {(floor + ref) / 2:,.0f} MiB this machine has free")
+    assert runs["k=0"]["status"] == runs["k=1"]["status"] == "ok" and "max_abs_diff_vs_adamw" not in runs["k=0"]
+    monkeypatch.setattr(preflight, "host_free_mib", lambda: floor / 2)
+    assert all(r["status"] == "skipped" for r in measured_runs(cfg)[0])
 
 
 def test_cli_published_and_bad_set(capsys):

@@ -42,12 +42,13 @@ from workbench.core.models import load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
 from workbench.core.training import evaluate_perplexity
 from workbench.studies.split import perf_model as pm
-from workbench.studies.split._cuda import Clock
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import balance_k
 from workbench.studies.split.config import STUDY, SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.hostbench import measure_host
+from workbench.studies.split.preflight import MemoryHold
+from workbench.studies.split.reference import plain_adamw
 from workbench.studies.split.zero_baseline import run_zero_offload
 
 
@@ -108,49 +109,6 @@ def heldout_ppl(model, held: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------- measured runs
-def _plain_adamw(model, batches, hp: AdamHP, max_grad_norm: float = 0.0) -> list[dict]:
-    """torch.optim.AdamW (fused), everything on the accelerator: the reference. k and the idle
-    share are measured as for the engine: k from where the optimizer state lives after each step,
-    idle from the accelerator's busy spans (forward, backward, step) within the iteration's period
-    (from its start to the next one's)."""
-
-    device = next(model.parameters()).device
-    clock = Clock(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
-                            weight_decay=hp.weight_decay, fused=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = sum(p.numel() for p in params)
-    marks = []
-    for b in batches:
-        m = {"start": clock.mark()}
-        loss = model(input_ids=b, labels=b).loss
-        m["forward_end"] = clock.mark()
-        loss.backward()
-        m["backward_end"] = clock.mark()
-        if max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step()
-        m["step_end"] = clock.mark()
-        opt.zero_grad(set_to_none=True)
-        m["loss"] = loss.item()
-        on_accel = sum(p.numel() for p in params if opt.state[p]["exp_avg"].device == device)
-        m["k"] = on_accel / total
-        marks.append(m)
-    end = clock.mark()
-    rows = []
-    for i, m in enumerate(marks):
-        ms = {k: clock.ms(v) for k, v in m.items() if k not in ("loss", "k")}
-        nxt = clock.ms(marks[i + 1]["start"]) if i + 1 < len(marks) else clock.ms(end)
-        period = nxt - ms["start"]
-        busy = ms["step_end"] - ms["start"]  # forward + backward + step: the accelerator's own work
-        rows.append({"iteration": i, "loss": m["loss"], "iteration_ms": period, "tokens": batches[i].numel(),
-                     "tokens_per_s": batches[i].numel() / (period / 1e3), "k_actual": m["k"],
-                     "forward_ms": ms["forward_end"] - ms["start"], "backward_ms": ms["backward_end"] - ms["forward_end"],
-                     "accel_update_ms": ms["step_end"] - ms["backward_end"],
-                     "accel_idle_share": max(0.0, 1.0 - busy / period)})
-    return rows
-
-
 def _runs(cfg: SplitConfig) -> list[dict]:
     """(name, mode, engine kwargs) of every measured run."""
     runs = [{"name": f"k={k:g}", "mode": "host only (k=0)" if k == 0 else "static",
@@ -196,10 +154,15 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
               "corpus": cfg.corpus, "n_params": shape.n_params, "precision": cfg.precision, "backend": cfg.backend,
               "heldout_blocks": len(held), "ppl_before": ppl_before}
 
+    # on a CPU a run past the free memory is killed, not an OutOfMemoryError: held to a prediction
+    hold = MemoryHold(cfg) if device.type == "cpu" else None
     ref_w = None
-    if cfg.reference:
+    if cfg.reference and hold and (why := hold.reason("reference")):
+        runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "skipped",
+                     "reason": why})
+    elif cfg.reference:
         model = copy.deepcopy(base).to(device)
-        rows = _plain_adamw(model, batches, hp, cfg.max_grad_norm)
+        rows = plain_adamw(model, batches, hp, cfg.max_grad_norm)
         ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
         for r in rows:
             steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
@@ -210,8 +173,9 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     for spec in _runs(cfg):
         name = spec["name"]
         head = {**common, "run": name, "mode": spec["mode"], "k_target": spec["kw"]["k"]}
-        if status != "ok":
-            runs.append({**head, "status": "skipped", "reason": status})
+        why = status if status != "ok" else hold and hold.reason("engine")
+        if why:
+            runs.append({**head, "status": "skipped", "reason": why})
             continue
         rd = run_dir(name) if run_dir else None
         jsonl = rd.steps_sink() if rd else None
@@ -248,9 +212,10 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         events += [{**e, **tag} for e in eng.events if e["iteration"] == last]
 
     if cfg.zero_offload:
-
-        rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
-                                        cfg.precision)
+        reason = hold and hold.reason("engine")  # ZeRO-Offload holds an fp32 master and Adam state too
+        if not reason:
+            rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
+                                            cfg.precision)
         head = {**common, "run": "DeepSpeed ZeRO-Offload", "mode": "ZeRO-Offload", "k_target": 0.0,
                 "backend": "deepspeed"}
         if reason:

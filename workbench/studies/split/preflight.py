@@ -1,0 +1,54 @@
+"""Study 3's check before each measured run on a CPU: a run that cannot fit in the memory this
+machine has free is a skipped row with the reason, not the study killed by the kernel (a CPU run
+past the free memory raises no OutOfMemoryError; the OOM killer takes the process).
+
+    hold = MemoryHold(cfg)                  # predicts once, on fake tensors (no weights read)
+    hold.reason("reference")                # None, or why the plain AdamW run is not run
+    hold.reason("engine")                   # the same for an engine run (and ZeRO-Offload)
+
+What is predicted is the plain training step (fused AdamW, everything on one device), simulated
+on fake tensors as study 2 does (workbench.core.memory.predict.simulate): exact for the reference
+run, which is that step in fp32. The engine has no prediction of its own (its threads and staging
+rings do not run on fake tensors), so it is held to a floor: the plain step at the engine's
+precision, in 16 bits a pure half-precision step (bf16-true). The engine holds at least that much:
+the same batch's activations, its training copy, and an fp32 master, an fp32 gradient buffer and
+Adam state (16 bytes a parameter) where the plain step holds its gradients and state (8-16).
+A run near the limit can still be killed; one over the floor surely would be.
+"""
+
+from __future__ import annotations
+
+from workbench.core.common import MiB, host_free_mib
+from workbench.core.memory.plan import rung
+from workbench.core.memory.predict import simulate
+from workbench.core.models import load_config
+from workbench.studies.split.config import SplitConfig
+
+# the plain step each kind of run is held to, by the engine's precision (pure 16 bits: no autocast copies)
+PLAIN = {"fp32": "fp32", "bf16": "bf16_true", "fp16": "fp16_true"}
+
+
+class MemoryHold:
+    """The predicted peaks (MiB) a study 3 run on this CPU is held to, and the free memory then."""
+
+    def __init__(self, cfg: SplitConfig):
+        self.cfg, self._config = cfg, None
+        self._mib: dict[str, float] = {}  # by precision of the plain step, predicted when first asked
+
+    def need_mib(self, kind: str) -> float:
+        """The predicted peak a run of `kind` ("reference" or "engine") is held to, in MiB."""
+        precision = "fp32" if kind == "reference" else PLAIN[self.cfg.precision]
+        if precision not in self._mib:
+            self._config = self._config or load_config(self.cfg.model, spec=self.cfg.spec())
+            plan = rung("fp32").compose(f"split-{precision}", "the plain step", precision=precision)
+            report = simulate(self._config, plan, batch=self.cfg.micro_batch, seq=self.cfg.seq_len)
+            self._mib[precision] = report.run_peak_bytes(self.cfg.steps) / MiB
+        return self._mib[precision]
+
+    def reason(self, kind: str) -> str | None:
+        """Why a run of `kind` is not run here now; None: it may run."""
+        need, free = self.need_mib(kind), host_free_mib()
+        if need <= free:
+            return None
+        what = "predicted peak" if kind == "reference" else "at least the plain step's predicted peak at this precision,"
+        return f"{what} {need:,.1f} MiB > the {free:,.0f} MiB this machine has free: not run"
