@@ -208,3 +208,39 @@ def test_a_qlora_prediction_runs_where_fake_mode_refuses_parameter_subclasses(ti
     assert (got.peak_bytes, got.allocated_peak_bytes, got.reserved_peak_bytes, got.breakdown) == \
         (want.peak_bytes, want.allocated_peak_bytes, want.reserved_peak_bytes, want.breakdown)
     assert got.breakdown["weights"] > 0
+
+
+SAME_FIGURES = ("peak_bytes", "first_step_peak_bytes", "breakdown", "where", "phases", "allocated_peak_bytes",
+                "reserved_peak_bytes", "needed_reserved_bytes", "allocated_breakdown", "segment_sizes")
+
+
+@pytest.mark.parametrize("arch, device, flags, batch, micro", [
+    ("llama", "cpu", dict(precision="fp32"), 8, 1),
+    ("gpt2", "cpu", dict(precision="bf16-mixed", trainable="lora", checkpointing=True), 8, 2),
+    ("llama", "cuda", dict(precision="bf16-true"), 8, 1),
+    ("gpt2", "cuda", dict(precision="bf16-mixed", trainable="lora", checkpointing=True), 12, 3),
+])
+def test_a_step_with_accumulation_is_predicted_from_its_first_micro_batches(monkeypatch, arch, device, flags,
+                                                                            batch, micro):
+    """With gradient accumulation only the first ACCUM_SIMULATED micro-batches of each step are
+    simulated (from the second on each repeats the bytes): every figure, the CUDA allocator's too,
+    is that of all of them; one micro-batch alone would not be (its gradients are new, not summed)."""
+    from workbench.core.memory import predict as predict_mod
+    from workbench.core.memory.plan import plan_from_flags
+    from conftest import tiny_config
+
+    config, plan = tiny_config(arch), plan_from_flags(**flags, batch=batch, micro_batch=micro)
+    k = predict_mod.ACCUM_SIMULATED
+    assert plan.accum > k >= 2
+
+    def figures(run):
+        monkeypatch.setattr(predict_mod, "ACCUM_SIMULATED", run)
+        p = predict(config, plan, batch=batch, seq=32, device=device)
+        return {f: getattr(p, f) for f in SAME_FIGURES}, p.kernels
+
+    (every, kernels_every), (short, kernels_short) = figures(None), figures(k)
+    assert short == every
+    if device == "cuda":  # the shortcut ran: fewer attention calls simulated
+        assert sum(kernels_short.values()) * plan.accum == sum(kernels_every.values()) * k
+    one, _ = figures(1)
+    assert one["peak_bytes"] < every["peak_bytes"]

@@ -134,8 +134,13 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     memory_probe: Callable[[], float | None] | None = None,
     extra: dict[str, Any] | None = None,
+    run_micro_batches: int | None = None,
 ) -> TrainResult:
     """Train `model` on `blocks` (LongTensor n_blocks x seq_len) for `settings.steps` steps.
+
+    `run_micro_batches`: run only the first N micro-batches of each step (the memory prediction's
+    shortcut, workbench.core.memory.predict; the step's blocks are still drawn, its loss still
+    divided by `grad_accum`). None: all of them, as training must.
 
     `memory_probe` is called once per step and returns the step's peak device memory in MiB for its
     row (`mem_mib`; e.g. `LiveBytes.take_window_peak_mib`, `DeviceBudget.step_peak_mib`); None: on
@@ -175,7 +180,7 @@ def train(
             g["lr"] = lr
         idx = sampler.take(settings.micro_batch * settings.grad_accum)
         loss_sum = torch.zeros((), device=device)
-        for micro in idx.split(settings.micro_batch):
+        for micro in idx.split(settings.micro_batch)[:run_micro_batches]:
             batch = blocks[micro].to(device, non_blocking=True)
             with autocast(device, settings.precision):
                 out = model(input_ids=batch, labels=batch)

@@ -57,6 +57,9 @@ from workbench.core.models import check_seq_len
 from workbench.core.training import train
 
 CUDA_STEPS = 3  # steps simulated for a CUDA target: the allocator model repeats the third relative to the second
+# micro-batches simulated per step with gradient accumulation: from the second on each repeats the same
+# bytes (the gradients exist; the new ones are summed into them), so the rest add time, not figures
+ACCUM_SIMULATED: int | None = 3
 
 
 @dataclass
@@ -173,7 +176,7 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
         acc.watch(model)
         acc.alias(step.twins)
         with step.choices as mode:
-            train(model, step.blocks, settings, device=device, optimizer=optimizer)
+            train(model, step.blocks, settings, device=device, optimizer=optimizer, run_micro_batches=ACCUM_SIMULATED)
     report = acc.report()
     report.kernels = dict(mode.kernels) if step.cuda else {}
     return report
