@@ -8,7 +8,10 @@ The prediction runs the real training loop (`workbench.core.training.train`, the
 run uses) over FakeTensorMode tensors: every op computes its output's shape, dtype and storage
 but no values, and `MemoryAccounting` counts the live bytes per category and phase exactly as it
 does for real tensors. Two optimizer steps are simulated (by default) and the figure reported is
-the peak of the last one, when the optimizer state already exists (the steady state).
+the peak of the last one, when the optimizer state already exists (the steady state). With gradient
+accumulation each step simulates its first `ACCUM_SIMULATED` micro-batches, not all: from the second
+on, each repeats the same bytes (the gradients exist, the new ones are summed into them), so the
+rest would add time, not figures (every figure, the allocator's too, checked equal; one alone is not).
 
 Workarounds, all measured (FIELD_NOTES.md):
 - Under fake tensors transformers thinks it is being traced and builds an explicit seq x seq
@@ -57,9 +60,7 @@ from workbench.core.models import check_seq_len
 from workbench.core.training import train
 
 CUDA_STEPS = 3  # steps simulated for a CUDA target: the allocator model repeats the third relative to the second
-# micro-batches simulated per step with gradient accumulation: from the second on each repeats the same
-# bytes (the gradients exist; the new ones are summed into them), so the rest add time, not figures
-ACCUM_SIMULATED: int | None = 3
+ACCUM_SIMULATED: int | None = 3  # micro-batches simulated per step with accumulation (docstring)
 
 
 @dataclass

@@ -200,10 +200,19 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     return choice
 
 
+class NoSetupFits(torch.OutOfMemoryError):
+    """Every setup auto-fit tried ran out of memory; `tries` says how each did."""
+
+    def __init__(self, message: str, tries: list[dict[str, Any]]):
+        super().__init__(message)
+        self.tries = tries
+
+
 def run_with_step_down(choice: SetupChoice, attempt: Callable[[Plan], Any], *,
                        log: Callable[[str], None] = print) -> tuple[Plan, Any, list[dict[str, Any]]]:
     """Run `attempt(plan)` with the chosen setup; on a real out-of-memory error step down to the next
-    setup predicted to fit (the same effective batch). Returns (plan that ran, its result, tries)."""
+    setup predicted to fit (the same effective batch). Returns (plan that ran, its result, tries);
+    raises NoSetupFits (an OutOfMemoryError, with the tries) when none ran."""
     tries = []
     for plan in choice.fitting:
         try:
@@ -214,5 +223,5 @@ def run_with_step_down(choice: SetupChoice, attempt: Callable[[Plan], Any], *,
             continue
         tries.append({"setup": plan.name, "status": "ok", "error": ""})
         return plan, result, tries
-    raise torch.OutOfMemoryError(f"auto-fit: no setup fits {mib_text(choice.budget_bytes / MiB)} MiB "
-                                 f"(tried: {', '.join(t['setup'] for t in tries) or 'none predicted to fit'})")
+    raise NoSetupFits(f"auto-fit: no setup fits {mib_text(choice.budget_bytes / MiB)} MiB "
+                      f"(tried: {', '.join(t['setup'] for t in tries) or 'none predicted to fit'})", tries)

@@ -51,7 +51,7 @@ from workbench.core.models import load_model, model_fingerprint
 from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, code_fingerprint, read_steps,
                                     read_table, results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
-from workbench.studies.ladder.autofit import run_with_step_down, search
+from workbench.studies.ladder.autofit import NoSetupFits, run_with_step_down, search
 from workbench.studies.ladder.rungs import measure
 
 
@@ -151,10 +151,9 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
             torch.manual_seed(cfg.seed)
             # the rungs are measured on this CPU (device or host), with no budget enforced: one
             # past the free memory would have the OOM killer take the study with it
-            need, free = max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB, host_free_mib()
-            if need > free:
-                m = {"status": "skipped", "reason": f"predicted peak {need:,.1f} MiB > the {free:,.0f} MiB this "
-                                                    "machine has free: not measured"}
+            too_big = _past_free_memory(p)
+            if too_big:
+                m = {"status": "skipped", "reason": too_big}
             else:
                 m = measure(name, load, blocks, batch=cfg.micro_batch, steps=cfg.steps, lr=cfg.lr,
                             sinks=(steps_sink, *_labelled(sinks, stage="ladder", budget_mib=cfg.budget_mib)))
@@ -201,6 +200,12 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
         choice.fitting.append(RUNGS["cpu"])
 
         def attempt(plan):
+            # held to the free memory as the rungs are (a step-down to the cpu rung has no budget at all)
+            too_big = _past_free_memory(predict(config, plan, batch=cfg.micro_batch, seq=cfg.seq_len,
+                                                n_blocks=len(blocks), instrumented=True))
+            if too_big:
+                _event(sinks, rung=plan.name, attempt=f"auto-fit {plan.name}", result="skipped")
+                raise torch.OutOfMemoryError(too_big)
             m = measure(plan, load, blocks, batch=cfg.micro_batch, steps=2, lr=cfg.lr, budget_mib=cfg.budget_mib,
                         sinks=_labelled(sinks, stage="auto-fit", budget_mib=cfg.budget_mib))
             _event(sinks, rung=plan.name, attempt=f"auto-fit {plan.name}", result=m["status"])
@@ -213,8 +218,8 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
         try:
             ran, _, tries = run_with_step_down(choice, attempt, log=lambda s: None)
             chosen = ran.name
-        except torch.OutOfMemoryError as e:
-            chosen, tries = None, [{"setup": None, "status": "oom", "error": str(e)}]
+        except NoSetupFits as e:  # how each try went, then the verdict
+            chosen, tries = None, [*e.tries, {"setup": None, "status": "oom", "error": str(e)}]
         except RuntimeError as e:  # a setup that cannot run here after all
             chosen, tries = None, [{"setup": choice.plan.name if choice.plan else None, "status": "skipped", "error": str(e)}]
         fit_rows = [{**t, "predicted_choice": choice.plan.name if choice.plan else None, "ran": chosen,
@@ -248,6 +253,13 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
     steps = read_steps(run.path / "steps.jsonl") if (run.path / "steps.jsonl").exists() else pd.DataFrame()
     return StudyResult(STUDY, runs=df, steps=steps, tables={k: v for k, v in tables.items() if k != "ladder"},
                        paths={**paths, "run_dir": str(run.path)})
+
+
+def _past_free_memory(p) -> str | None:
+    """Why a step predicted as `p` is not measured on this CPU (None: it may be). A CPU step past the
+    free memory raises no OutOfMemoryError: the OOM killer takes the study with it."""
+    need, free = max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB, host_free_mib()
+    return f"predicted peak {need:,.1f} MiB > the {free:,.0f} MiB this machine has free: not measured" if need > free else None
 
 
 def _figures_of(df: pd.DataFrame) -> dict[str, float]:
