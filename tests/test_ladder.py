@@ -75,7 +75,7 @@ def test_a_rung_bigger_than_this_machine_is_not_measured(env):
                             rows.loc[name, "reason"]), rows.loc[name, "reason"]
 
 
-def test_auto_fit_holds_each_attempt_to_the_memory_this_machine_has_free(env, monkeypatch):
+def test_auto_fit_holds_each_attempt_to_the_memory_this_machine_has_free(env, monkeypatch, capsys):
     """Auto-fit steps down to the cpu rung last, which has no budget at all: a step past the free
     memory there was run, and the OOM killer would take the study. Each attempt is now held to
     the free memory as the rungs are; one past it is an out-of-memory try that steps down."""
@@ -83,6 +83,7 @@ def test_auto_fit_holds_each_attempt_to_the_memory_this_machine_has_free(env, mo
     cfg = LadderConfig(base_size="tiny", rungs=("fp32",), micro_batch=4, seq_len=64, steps=2, budget_mib=3.0,
                        reference_model="")
     fit = run_ladder(cfg).tables["autofit"]
+    assert re.search(r"auto-fit: .*\d+/\d+ \[", capsys.readouterr().err)  # the search's bar (a large batch is slow)
     tries, verdict = fit.iloc[:-1], fit.iloc[-1]
     assert tries["setup"].iloc[-1] == "cpu" and len(tries) >= 2  # the search's setups, then the last resort
     assert (fit["status"] == "oom").all() and fit["ran"].isna().all()

@@ -67,7 +67,7 @@ def ladder_app(cfg: LadderConfig):
 
     def run(c: LadderConfig):
         live = _live_chart(ladder_figures)
-        result = run_ladder(c, sinks=[live])
+        result = run_ladder(c, sinks=[live], progress=False)
         live.close()
         _findings(ladder_figures, result)
         display(table(ladder_figures.ladder_table(result)))

@@ -118,10 +118,12 @@ def _event(sinks: list[Sink], **row: Any) -> None:
         sink({"event": "attempt", **row})
 
 
-def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
+def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool = True) -> StudyResult:
     """Predict (and where possible measure) every rung: `runs` has one row per (model, rung).
 
-    `sinks` get every measured training step as a plain row (see the module docstring)."""
+    `sinks` get every measured training step as a plain row (see the module docstring). `progress`:
+    auto-fit's search shows a bar on standard error (one tick per setup predicted; a large
+    micro_batch has many divisors to try)."""
 
     sinks = list(sinks)
     if cfg.threads:
@@ -194,7 +196,7 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
         here = torch.device("cpu")
         choice = search(config, RUNGS[cfg.rungs[0]], batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib,
                         device="cpu", margin=CPU_MARGIN, margin_source="the CPU prediction's tested tolerance",
-                        keep=2, runnable=lambda p: p.cannot_run_here(here) is None)
+                        keep=2, runnable=lambda p: p.cannot_run_here(here) is None, progress=progress)
         search_table = pd.DataFrame(choice.table)
         # the ladder's bottom rung is the last resort: nothing stays on the device
         choice.fitting.append(RUNGS["cpu"])
