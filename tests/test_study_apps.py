@@ -107,7 +107,8 @@ def test_ladder_run_feeds_a_live_chart_and_the_report(tiny_base, results_dir):
 
 
 def _fake_ladder(calls):
-    def run_ladder(cfg, sinks=()):
+    def run_ladder(cfg, sinks=(), *, progress=True):
+        assert progress is False  # the app has its own chart: no bar on standard error
         calls.append(cfg)
         for sink in sinks:
             sink({"rung": "fp32", "stage": "ladder", "step": 1, "loss": 3.0, "tokens": 64,

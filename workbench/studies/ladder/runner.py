@@ -261,7 +261,9 @@ def _past_free_memory(p) -> str | None:
     """Why a step predicted as `p` is not measured on this CPU (None: it may be). A CPU step past the
     free memory raises no OutOfMemoryError: the OOM killer takes the study with it."""
     need, free = max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB, host_free_mib()
-    return f"predicted peak {need:,.1f} MiB > the {free:,.0f} MiB this machine has free: not measured" if need > free else None
+    if need <= free:
+        return None
+    return f"predicted peak {need:,.1f} MiB > the {free:,.0f} MiB this machine has free: not measured"
 
 
 def _figures_of(df: pd.DataFrame) -> dict[str, float]:

@@ -50,5 +50,6 @@ class MemoryHold:
         need, free = self.need_mib(kind), host_free_mib()
         if need <= free:
             return None
-        what = "predicted peak" if kind == "reference" else "at least the plain step's predicted peak at this precision,"
+        what = ("predicted peak" if kind == "reference" else
+                "at least the plain step's predicted peak at this precision,")
         return f"{what} {need:,.1f} MiB > the {free:,.0f} MiB this machine has free: not run"
