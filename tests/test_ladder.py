@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from workbench.core import training
+from workbench.core import common, training
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory import monitor
@@ -79,7 +79,7 @@ def test_auto_fit_holds_each_attempt_to_the_memory_this_machine_has_free(env, mo
     """Auto-fit steps down to the cpu rung last, which has no budget at all: a step past the free
     memory there was run, and the OOM killer would take the study. Each attempt is now held to
     the free memory as the rungs are; one past it is an out-of-memory try that steps down."""
-    monkeypatch.setattr(runner, "host_free_mib", lambda: 1.0)
+    monkeypatch.setattr(common, "host_free_mib", lambda: 1.0)
     cfg = LadderConfig(base_size="tiny", rungs=("fp32",), micro_batch=4, seq_len=64, steps=2, budget_mib=3.0,
                        reference_model="")
     fit = run_ladder(cfg).tables["autofit"]

@@ -20,7 +20,8 @@ from workbench.cli import main
 from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.results import StudyResult
-from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm, preflight
+from workbench.core import common
+from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm
 from workbench.studies.split._cuda import Ring
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
@@ -575,12 +576,12 @@ def test_the_reference_and_the_engine_are_held_to_their_own_precision(tmp_path, 
     hold = MemoryHold(cfg)
     floor, ref = hold.need_mib("engine"), hold.need_mib("reference")
     assert 0 < floor < ref
-    monkeypatch.setattr(preflight, "host_free_mib", lambda: (floor + ref) / 2)
+    monkeypatch.setattr(common, "host_free_mib", lambda: (floor + ref) / 2)
     runs = {r["run"]: r for r in measured_runs(cfg)[0]}
     assert runs["plain AdamW"]["status"] == "skipped" and runs["plain AdamW"]["reason"].startswith(
         f"predicted peak {ref:,.1f} MiB > the {(floor + ref) / 2:,.0f} MiB this machine has free")
     assert runs["k=0"]["status"] == runs["k=1"]["status"] == "ok" and "max_abs_diff_vs_adamw" not in runs["k=0"]
-    monkeypatch.setattr(preflight, "host_free_mib", lambda: floor / 2)
+    monkeypatch.setattr(common, "host_free_mib", lambda: floor / 2)
     assert all(r["status"] == "skipped" for r in measured_runs(cfg)[0])
 
 

@@ -69,6 +69,13 @@ def host_free_mib() -> float:
     return psutil.virtual_memory().available / MiB
 
 
+def past_free_memory(need_mib: float) -> str | None:
+    """"N MiB > the M MiB this machine has free" when a step needing `need_mib` would not fit in the
+    memory free now; None when it would (a study's reason for not running it says the rest)."""
+    free = host_free_mib()
+    return None if need_mib <= free else f"{need_mib:,.1f} MiB > the {free:,.0f} MiB this machine has free"
+
+
 def one_line(e: BaseException, limit: int = 300) -> str:
     """'TypeName: first line of the message' (at most `limit` characters of the message)."""
     text = str(e).strip()

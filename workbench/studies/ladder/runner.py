@@ -40,7 +40,7 @@ import pandas as pd
 import torch
 
 from workbench import __version__
-from workbench.core.common import MiB, Sink, host_free_mib
+from workbench.core.common import MiB, Sink, past_free_memory
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory.baselines import baseline_table
@@ -260,10 +260,8 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
 def _past_free_memory(p) -> str | None:
     """Why a step predicted as `p` is not measured on this CPU (None: it may be). A CPU step past the
     free memory raises no OutOfMemoryError: the OOM killer takes the study with it."""
-    need, free = max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB, host_free_mib()
-    if need <= free:
-        return None
-    return f"predicted peak {need:,.1f} MiB > the {free:,.0f} MiB this machine has free: not measured"
+    short = past_free_memory(max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB)
+    return f"predicted peak {short}: not measured" if short else None
 
 
 def _figures_of(df: pd.DataFrame) -> dict[str, float]:

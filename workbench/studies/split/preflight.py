@@ -18,7 +18,7 @@ A run near the limit can still be killed; one over the floor surely would be.
 
 from __future__ import annotations
 
-from workbench.core.common import MiB, host_free_mib
+from workbench.core.common import MiB, past_free_memory
 from workbench.core.memory.plan import rung
 from workbench.core.memory.predict import simulate
 from workbench.core.models import load_config
@@ -47,9 +47,9 @@ class MemoryHold:
 
     def reason(self, kind: str) -> str | None:
         """Why a run of `kind` is not run here now; None: it may run."""
-        need, free = self.need_mib(kind), host_free_mib()
-        if need <= free:
+        short = past_free_memory(self.need_mib(kind))
+        if not short:
             return None
         what = ("predicted peak" if kind == "reference" else
                 "at least the plain step's predicted peak at this precision,")
-        return f"{what} {need:,.1f} MiB > the {free:,.0f} MiB this machine has free: not run"
+        return f"{what} {short}: not run"
