@@ -17,10 +17,11 @@ import torch
 import transformers
 
 from workbench.cli import main
+from workbench.core import common
 from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
+from workbench.core.models import load_config
 from workbench.core.results import StudyResult
-from workbench.core import common
 from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm
 from workbench.studies.split._cuda import Ring
 from workbench.studies.split.adam import AdamHP, backend_status
@@ -573,7 +574,7 @@ def test_the_reference_and_the_engine_are_held_to_their_own_precision(tmp_path, 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     cfg = SplitConfig.from_dict({**TINY, "precision": "bf16", "k_sweep": [0.0, 1.0], "adaptive": False,
                                  "steps": 2, "write_results": False})
-    hold = MemoryHold(cfg)
+    hold = MemoryHold(cfg, load_config(cfg.model, spec=cfg.spec()))
     floor, ref = hold.need_mib("engine"), hold.need_mib("reference")
     assert 0 < floor < ref
     monkeypatch.setattr(common, "host_free_mib", lambda: (floor + ref) / 2)

@@ -2,7 +2,7 @@
 machine has free is a skipped row with the reason, not the study killed by the kernel (a CPU run
 past the free memory raises no OutOfMemoryError; the OOM killer takes the process).
 
-    hold = MemoryHold(cfg)                  # predicts once, on fake tensors (no weights read)
+    hold = MemoryHold(cfg, model.config)    # predicts when first asked, on fake tensors
     hold.reason("reference")                # None, or why the plain AdamW run is not run
     hold.reason("engine")                   # the same for an engine run (and ZeRO-Offload)
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 from workbench.core.common import MiB, past_free_memory
 from workbench.core.memory.plan import rung
 from workbench.core.memory.predict import simulate
-from workbench.core.models import load_config
 from workbench.studies.split.config import SplitConfig
 
 # the plain step each kind of run is held to, by the engine's precision (pure 16 bits: no autocast copies)
@@ -31,17 +30,16 @@ PLAIN = {"fp32": "fp32", "bf16": "bf16_true", "fp16": "fp16_true"}
 class MemoryHold:
     """The predicted peaks (MiB) a study 3 run on this CPU is held to, and the free memory then."""
 
-    def __init__(self, cfg: SplitConfig):
-        self.cfg, self._config = cfg, None
+    def __init__(self, cfg: SplitConfig, config):
+        self.cfg, self.config = cfg, config  # `config`: the model's (the loaded base's), no weights read
         self._mib: dict[str, float] = {}  # by precision of the plain step, predicted when first asked
 
     def need_mib(self, kind: str) -> float:
         """The predicted peak a run of `kind` ("reference" or "engine") is held to, in MiB."""
         precision = "fp32" if kind == "reference" else PLAIN[self.cfg.precision]
         if precision not in self._mib:
-            self._config = self._config or load_config(self.cfg.model, spec=self.cfg.spec())
             plan = rung("fp32").compose(f"split-{precision}", "the plain step", precision=precision)
-            report = simulate(self._config, plan, batch=self.cfg.micro_batch, seq=self.cfg.seq_len)
+            report = simulate(self.config, plan, batch=self.cfg.micro_batch, seq=self.cfg.seq_len)
             self._mib[precision] = report.run_peak_bytes(self.cfg.steps) / MiB
         return self._mib[precision]
 

@@ -155,7 +155,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
               "heldout_blocks": len(held), "ppl_before": ppl_before}
 
     # on a CPU a run past the free memory is killed, not an OutOfMemoryError: held to a prediction
-    hold = MemoryHold(cfg) if device.type == "cpu" else None
+    hold = MemoryHold(cfg, base.config) if device.type == "cpu" else None
     ref_w = None
     if cfg.reference and hold and (why := hold.reason("reference")):
         runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "skipped",
