@@ -26,6 +26,7 @@ from distributed import Client, LocalCluster
 
 from workbench.cli import main
 from workbench.core.config import ConfigError
+from workbench.core import parallel
 from workbench.core.parallel import cores
 from workbench.front import sweep
 from workbench.front.sweep import (SWEEP_OUT_ENV, SweepBusy, _lock, combine, load_grid, points_from_options, run_sweep, threads_per_worker)
@@ -164,6 +165,35 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     finally:
         held.close()
     assert not list(out.glob("*/point.json"))
+
+
+def test_a_scheduler_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):
+    # not an address, an unknown scheme, an unknown host, nothing listening: one line naming the
+    # address and the fix, exit code 2 (it was a traceback, and after it a minute's hang at exit)
+    monkeypatch.setattr(parallel, "SCHEDULER_TIMEOUT_S", 2)
+    for address, why in [("foo", "missing port number"), ("xyz://127.0.0.1:1", "unknown address scheme 'xyz'"),
+                         ("tcp://nosuchhost.invalid:8786", "Name or service not known"),
+                         ("tcp://127.0.0.1:1", "Timed out trying to connect")]:
+        assert main(["sweep", str(NOTEBOOK), "-p", "x=1", "--scheduler", address, "--out", str(tmp_path / "s"),
+                     "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"workbench sweep: cannot use the Dask scheduler {address!r}: "), err
+        assert why in err[0] and "dask scheduler" in err[0], err
+    # study 1's runs on a scheduler say the same
+    with pytest.raises(ConfigError, match="cannot use the Dask scheduler 'foo'"):
+        parallel.run_many(abs, [1], scheduler="foo", progress=False)
+
+
+def test_a_grid_file_mixing_the_combined_form_with_parameters_is_refused(tmp_path):
+    bad = tmp_path / "grid.yaml"
+    bad.write_text("grid: {x: [1, 2]}\nsleep_s: 0\n")  # sleep_s belongs under fixed
+    with pytest.raises(ConfigError, match=r"has no other keys, got sleep_s; put a parameter under `grid`"):
+        load_grid(bad)
+    bad.write_text("points: [{x: 1}]\nx: [2]\n")
+    with pytest.raises(ConfigError, match="got x"):
+        load_grid(bad)
+    bad.write_text("grid: {x: [1, 2]}\nfixed: {sleep_s: 0}\n")
+    assert load_grid(bad) == [{"sleep_s": 0, "x": 1}, {"sleep_s": 0, "x": 2}]
 
 
 def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, monkeypatch):

@@ -43,8 +43,13 @@ import dask
 import psutil
 from distributed import (Client, Future, KilledWorker, LocalCluster, WorkerPlugin, as_completed, get_client,
                          get_worker)
-from distributed.comm import get_address_host
+from distributed.comm import get_address_host, resolve_address
 from tqdm.auto import tqdm
+
+from workbench.core.config import ConfigError
+
+# How long to try to reach an existing scheduler before saying it cannot be reached.
+SCHEDULER_TIMEOUT_S = 30
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -142,7 +147,14 @@ def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
     """A Client on `scheduler`, or on a new LocalCluster of `workers` single-thread processes, each
     with max(1, cores // workers) threads in its environment (closed on exit, its processes too)."""
     if scheduler:
-        with Client(scheduler, set_as_default=False) as client:
+        try:  # an address checked first: a Client that fails on one hangs for a minute when collected
+            resolve_address(scheduler)
+            client = Client(scheduler, set_as_default=False, timeout=SCHEDULER_TIMEOUT_S)
+        except (OSError, ValueError) as e:  # not an address (ValueError), unknown host or unreachable (OSError)
+            raise ConfigError(f"cannot use the Dask scheduler {scheduler!r}: {' '.join(str(e).split())} "
+                              f"(start it first, e.g. `dask scheduler`, and pass its address, "
+                              f"tcp://HOST:8786)") from None
+        with client:
             yield client
         return
     workers = max(1, workers)

@@ -74,6 +74,13 @@ def product(axes: dict[str, Any], where: str = "grid") -> list[dict[str, Any]]:
     return [dict(zip(names, combo)) for combo in itertools.product(*choices)]
 
 
+def _combined_form(data: dict) -> bool:
+    """Whether a mapping uses the combined form's keys as that form does (`grid`/`fixed` a mapping,
+    `points` a list of mappings), whatever other keys it has."""
+    return (any(isinstance(data.get(k), dict) for k in ("grid", "fixed"))
+            or (isinstance(data.get("points"), list) and any(isinstance(p, dict) for p in data["points"])))
+
+
 def points_from_grid(data: Any, where: str = "grid") -> list[dict[str, Any]]:
     """Expand a loaded grid file (see the module docstring for the three forms)."""
     if isinstance(data, list):
@@ -82,6 +89,10 @@ def points_from_grid(data: Any, where: str = "grid") -> list[dict[str, Any]]:
         explicit, axes, fixed = data.get("points") or [], data.get("grid") or {}, data.get("fixed") or {}
         if not isinstance(axes, dict) or not isinstance(fixed, dict) or not isinstance(explicit, list):
             raise ConfigError(f"{where}: `grid` and `fixed` must be mappings and `points` a list")
+    elif isinstance(data, dict) and _combined_form(data):
+        extra = ", ".join(sorted(set(data) - {"grid", "points", "fixed"}))
+        raise ConfigError(f"{where}: a grid file with `grid`, `points` or `fixed` has no other keys, got {extra}; "
+                          f"put a parameter under `grid` (an axis) or `fixed` (the same for every point)")
     elif isinstance(data, dict):
         explicit, axes, fixed = [], data, {}
     else:
