@@ -21,9 +21,11 @@ from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory import monitor
 from workbench.core.memory.live_bytes import LiveBytes
+from workbench.core.memory.meta import model_config
 from workbench.core.memory.monitor import MemoryMonitor, step_memory
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, device_map_max_memory
 from workbench.core.memory.plan import RUNGS, apply_trainable, quantize_4bit
+from workbench.core.memory.predict import predict
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, load_model
 from workbench.core.results import RERUN_ENV
 from workbench.core.trainable import apply_strategy
@@ -61,6 +63,20 @@ def test_rungs_are_composed_plans():
     assert RUNGS["bf16_ckpt_accum"].settings(8, 2).micro_batch == 2
     assert RUNGS["bf16_ckpt_accum"].settings(8, 2).grad_accum == 4
     assert RUNGS["cpu"].tier == 3 and RUNGS["cpu"].precision == "fp32"
+
+
+def test_the_accumulation_rung_keeps_the_whole_batch_when_4_does_not_divide_it():
+    """Micro-batch batch // 4 with batch // micro of them trained 8 of a batch of 9 (and 12 of 14)
+    without a word; now the batch per step is kept, and the prediction's note says how it was split."""
+    accum = RUNGS["bf16_ckpt_accum"]
+    for batch, split in [(8, (2, 4)), (9, (1, 9)), (14, (2, 7)), (10, (2, 5)), (6, (1, 6)), (2, (1, 2)), (100, (25, 4))]:
+        s = accum.settings(batch, 2)
+        assert (s.micro_batch, s.grad_accum) == split and s.micro_batch * s.grad_accum == batch, (batch, s)
+    assert all(RUNGS["bf16_ckpt"].split(b) == (b, 1) for b in (1, 7, 9))
+    config = model_config(str(Path(__file__).resolve().parent.parent / "data" / "configs" / "gpt2.json"))
+    assert predict(config, "bf16_ckpt_accum", batch=9, seq=32, device="cpu").note == \
+        "batch 9 is not 4 equal micro-batches: 9 of 1 instead (the batch per step kept)"
+    assert predict(config, "bf16_ckpt_accum", batch=8, seq=32, device="cpu").note == ""
 
 
 def test_a_rung_bigger_than_this_machine_is_not_measured(env):

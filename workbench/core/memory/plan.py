@@ -102,11 +102,18 @@ class Plan:
         """A new rung: this one plus `changes`."""
         return dataclasses.replace(self, name=name, help=help, **changes)
 
+    def split(self, batch: int) -> tuple[int, int]:
+        """(micro-batch, micro-batches per step) for `batch` sequences per step, the whole batch kept:
+        `accum` micro-batches when `accum` divides it, else the fewest more that do (batch 6 at accum 4:
+        6 of 1), or `batch` micro-batches of one when the batch is smaller than `accum`."""
+        n = next((n for n in range(self.accum, batch + 1) if batch % n == 0), batch)
+        return batch // n, n
+
     def settings(self, batch: int, steps: int, **overrides: Any) -> TrainSettings:
         """The TrainSettings this plan runs with for `batch` sequences per optimizer step."""
-        micro = max(1, batch // self.accum)
+        micro, n = self.split(batch)
         return TrainSettings.from_dict(
-            dict(steps=steps, micro_batch=micro, grad_accum=max(1, batch // micro),
+            dict(steps=steps, micro_batch=micro, grad_accum=n,
                  precision=self.autocast_precision, grad_checkpointing=self.grad_checkpointing, **overrides)
         )
 

@@ -282,8 +282,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
                     "page out (--device cuda)")
-    if plan.accum > 1 and batch < plan.accum:
-        note = (note + "; " if note else "") + f"batch {batch} cannot be split into {plan.accum} micro-batches"
+    micro, n = plan.split(batch)
+    if n != plan.accum:
+        note = (note + "; " if note else "") + (f"batch {batch} is not {plan.accum} equal micro-batches: {n} of "
+                                                f"{micro} instead (the batch per step kept)")
     if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
         raise ConfigError(f"{the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the weights "
                           f"alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, --precision bf16-true, "

@@ -30,7 +30,8 @@ class LadderConfig(Config):
     rungs: tuple[str, ...] = param(tuple(RUNGS), "rungs to predict and measure, top of the ladder first",
                                    choices=tuple(RUNGS))
     micro_batch: int = setting("micro_batch", 8, "of the model at hand; the accumulation rung splits it into "
-                               "4 smaller micro-batches with 4x accumulation, keeping the batch per step")
+                               "4 smaller micro-batches with 4x accumulation (or the fewest more that divide "
+                               "it), keeping the batch per step")
     seq_len: int = setting("seq_len", 128, "of the model at hand")
     steps: int = setting("steps", 6, "measured per rung; the first is warm-up, left out of timings")
     lr: float = setting("lr", 1e-4, "of the measured runs")
