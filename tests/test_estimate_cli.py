@@ -301,3 +301,22 @@ def test_the_fits_column_keeps_the_predictions_measured_margin(tiny_config, caps
     assert main(base[:-1] + ["--rung", "all", "--budget-mib", f"{between:.3f}"]) == 0
     table = capsys.readouterr().out
     assert "fits (with margin)" in table and f"no ({margin:.1%})" in table
+
+
+def test_the_cpu_rung_is_a_cpu_step_whatever_the_card(tiny_config, capsys):
+    """The cpu rung trains on the CPU: with --device cuda it was simulated with CUDA's attention kernel
+    (less saved for backward), so its host memory was a CUDA step's; its single-rung output put the
+    whole step at 0 MiB with no host figure and said nothing of the card."""
+    common = ["estimate", "--model", tiny_config, "--batch", "4", "--seq", "64", "--rung", "cpu", "--steps", "3"]
+    host = {}
+    for device in ("cpu", "cuda"):
+        assert main([*common, "--device", device, "--json"]) == 0
+        (p,) = json.loads(capsys.readouterr().out)["predictions"]
+        assert p["predicted_peak_bytes"] == 0 and p["host_bytes"] > 0
+        host[device] = p["host_bytes"]
+    assert host["cuda"] == host["cpu"]
+    assert main([*common, "--card", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"predicted peak 0 MiB on the device (CPU only); host memory {host['cpu'] / 2**20:,.1f} MiB" in out
+    assert "card 4 GiB card (4,096 MiB): fits, headroom 4,096.0 MiB (nothing of this setup is on the card)" in out
+    assert out.count(" MiB  host\n") == 5  # the host's categories at its peak

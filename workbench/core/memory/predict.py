@@ -266,13 +266,14 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                 "CPU-only torch cannot simulate; the GradScaler adds a few bytes")
         peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
     else:
-        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm,
-                          instrumented=instrumented)
+        # the cpu rung trains on the CPU whatever the card: the CPU's kernels, dropout masks and autocast rules
+        report = simulate(config, plan, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks,
+                          target="cpu" if plan.placement == "cpu" else device, sm=sm, instrumented=instrumented)
         method, note = "predicted", ""
         peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
         if plan.placement == "cpu":
             # Everything lives in host memory: the simulated peak is the host's; the device holds nothing.
-            host, peak, breakdown = peak, 0, dict.fromkeys(CATEGORIES, 0)
+            host, peak, host_breakdown, breakdown = peak, 0, breakdown, dict.fromkeys(CATEGORIES, 0)
             note = "CPU only: the simulated peak is host memory; nothing is on the device"
         if plan.optimizer == "paged_adamw8bit" and device == "cuda":
             pageable = report.breakdown()["optimizer_state"]
