@@ -274,7 +274,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         if plan.placement == "cpu":
             # Everything lives in host memory: the simulated peak is the host's; the device holds nothing.
             host, peak, host_breakdown, breakdown = peak, 0, breakdown, dict.fromkeys(CATEGORIES, 0)
-            note = "CPU only: the simulated peak is host memory; nothing is on the device"
+            note = f"CPU only: nothing is on the device; host memory {host / MiB:,.0f} MiB at its own peak (simulated)"
         if plan.optimizer == "paged_adamw8bit" and device == "cuda":
             pageable = report.breakdown()["optimizer_state"]
             note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; it is counted "
