@@ -84,11 +84,15 @@ def test_a_rung_bigger_than_this_machine_is_not_measured(env):
     (146 GiB predicted) had the kernel's OOM killer take the study with its first rung."""
     cfg = LadderConfig(base_size="tiny", rungs=("fp32", "cpu"), micro_batch=100_000, seq_len=64, steps=2,
                        budget_mib=3.0, reference_model="", autofit=False)
-    rows = run_ladder(cfg).runs.set_index("rung")
+    result = run_ladder(cfg)
+    rows = result.runs.set_index("rung")
     for name in ("fp32", "cpu"):  # the cpu rung's step is host memory: held to the same limit
         assert rows.loc[name, "status"] == "skipped"
         assert re.fullmatch(r"predicted peak 149,\d{3}\.\d MiB > the [\d,]+ MiB this machine has free: not measured",
                             rows.loc[name, "reason"]), rows.loc[name, "reason"]
+    # predicted, not measured: the findings say so (they said "Nothing was predicted or measured.")
+    assert ladder_figures.findings(result) == [("No finding to state from 2 rung(s) predicted and 0 measured here "
+                                                "(the table has each rung).", "")]
 
 
 def test_auto_fit_holds_each_attempt_to_the_memory_this_machine_has_free(env, monkeypatch, capsys):

@@ -217,6 +217,9 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         for r in pub.dropna(subset=["workbench_predicted_mib"]).itertuples():
             out.append((f"{r.strategy}: predicted {r.workbench_predicted_mib:,.0f} MiB for {setting}.",
                         f"{r.published_mib:,.0f} MiB"))
+    if not out and len(hand):  # e.g. one rung, predicted, and skipped as bigger than this machine
+        out.append((f"No finding to state from {len(hand)} rung(s) predicted and {len(measured)} measured here "
+                    "(the table has each rung).", ""))
     return out or [("Nothing was predicted or measured.", "")]
 
 
