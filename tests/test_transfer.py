@@ -11,7 +11,7 @@ from workbench.core.config import ConfigError
 from workbench.core.data import CorpusError
 from workbench.core.memory.live_bytes import LiveBytes
 from workbench.core.models import ModelNotFoundError
-from workbench.core import results
+from workbench.core import fallback, results
 from workbench.core.results import code_fingerprint, git_commit
 from workbench.studies.strategies import runner as transfer
 from workbench.studies.strategies.config import StrategiesConfig
@@ -220,15 +220,16 @@ def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
         assert abs(df.loc[s, "predicted_peak_mib"] / df.loc[s, "peak_mem_mib"] - 1) < 0.05
 
 
-def test_a_run_bigger_than_this_machine_is_an_oom_row_not_the_study_killed(tiny_base, results_dir):
+def test_a_run_bigger_than_this_machine_is_an_oom_row_not_the_study_killed(tiny_base, results_dir, monkeypatch):
     """micro_batch 100,000 on the tiny base (about 146 GiB of logits and loss temporaries): the CPU attempt,
     without a budget, was run, and the kernel's OOM killer took the study with it."""
+    monkeypatch.setattr(fallback, "host_free_mib", lambda: 20_000.0)  # any machine's, a CI's with more free too
     cfg = StrategiesConfig(strategies=("full",), seeds=(0,), base_size="tiny", seq_len=64, micro_batch=100_000,
                            token_budget=6_400_000, eval_blocks=8)
     (row,) = run_strategies(cfg, progress=False).runs.to_dict("records")
     assert row["status"] == "oom" and row["predicted_peak_mib"] > 100_000
     assert row["device_history"] == "cpu@160: skipped in preflight -> cpu: skipped in preflight"
-    assert "MiB this machine has free (preflight=False runs it anyway)" in json.loads(row["history"])[1]["reason"]
+    assert "the 20,000 MiB this machine has free (preflight=False runs it anyway)" in json.loads(row["history"])[1]["reason"]
 
 
 def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(tiny_base, results_dir, tmp_path,
