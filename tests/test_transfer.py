@@ -229,7 +229,8 @@ def test_a_run_bigger_than_this_machine_is_an_oom_row_not_the_study_killed(tiny_
     (row,) = run_strategies(cfg, progress=False).runs.to_dict("records")
     assert row["status"] == "oom" and row["predicted_peak_mib"] > 100_000
     assert row["device_history"] == "cpu@160: skipped in preflight -> cpu: skipped in preflight"
-    assert "the 20,000 MiB this machine has free (preflight=False runs it anyway)" in json.loads(row["history"])[1]["reason"]
+    reason = json.loads(row["history"])[1]["reason"]
+    assert "the 20,000 MiB this machine has free (preflight=False runs it anyway)" in reason
 
 
 def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(tiny_base, results_dir, tmp_path,
