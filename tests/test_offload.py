@@ -587,6 +587,64 @@ def test_the_reference_and_the_engine_are_held_to_their_own_precision(tmp_path, 
     assert all(r["status"] == "skipped" for r in measured_runs(cfg)[0])
 
 
+def test_a_run_out_of_memory_on_a_card_is_a_row_and_gives_the_memory_back(tmp_path, monkeypatch):
+    """On a card too small for the plain step (study 3's case) the reference raised an
+    OutOfMemoryError that ended the study; an engine run's copy of the weights and the ZeRO-Offload
+    baseline's run were outside any guard too. Played here: each raises a CUDA out-of-memory error."""
+    import weakref
+
+    from workbench.studies.split import runner
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 0.5, 1.0], "adaptive": False, "steps": 2,
+                                 "write_results": False, "zero_offload": True})
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 7.63 GiB"
+    held = []
+
+    def reference_oom(model, *a, **k):
+        held.append(weakref.ref(model))  # the run's model: given back before the next run starts
+        raise torch.OutOfMemoryError(oom)
+
+    real_init = SplitEngine.__init__
+
+    real_set_k = SplitEngine.set_k
+
+    def engine_init(self, model, **kw):
+        assert all(r() is None for r in held), "a failed run's model was still alive"
+        if kw["k"] == 1.0:
+            held.append(weakref.ref(model))
+        real_init(self, model, **kw)
+
+    def set_k(self, k):  # k=1 puts every master and Adam state on the card: the run that does not fit
+        if k == 1.0:
+            raise torch.OutOfMemoryError(oom)
+        real_set_k(self, k)
+
+    def zero_oom(model, *a, **k):
+        assert all(r() is None for r in held), "a failed run's model was still alive"
+        raise torch.OutOfMemoryError(oom)
+
+    monkeypatch.setattr(runner, "plain_adamw", reference_oom)
+    monkeypatch.setattr(SplitEngine, "__init__", engine_init)
+    monkeypatch.setattr(SplitEngine, "set_k", set_k)
+    real_step = SplitEngine.step
+
+    def step(self, batch):  # k=0.5 runs out in its first backward: the engine made, its hooks on
+        if self.k_target == 0.5:
+            held.append(weakref.ref(self.model))
+            raise torch.OutOfMemoryError(oom)
+        return real_step(self, batch)
+
+    monkeypatch.setattr(SplitEngine, "step", step)
+    monkeypatch.setattr(runner, "run_zero_offload", zero_oom)
+    runs = {r["run"]: r for r in measured_runs(cfg)[0]}
+    for name in ("plain AdamW", "k=0.5", "k=1", "DeepSpeed ZeRO-Offload"):
+        assert runs[name]["status"] == "oom", (name, runs[name]["reason"])
+        assert runs[name]["reason"] == f"OutOfMemoryError: {oom}"
+    assert runs["k=0"]["status"] == "ok" and runs["k=0"]["tokens_per_s"] > 0  # the runs between still ran
+    assert len(held) == 3 and all(r() is None for r in held)
+
+
 def test_cli_published_and_bad_set(capsys):
     """`split --published` printed raw JSON (0.10583979328165376, t_backward_s 0.3130337223691072)
     followed by the verdict's text, so --json's stdout was not JSON either."""

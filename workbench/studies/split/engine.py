@@ -216,9 +216,13 @@ class SplitEngine:
             if own:
                 self._handles.append(mod.register_forward_pre_hook(self._make_wait(own)))
 
-        self.rates = self.calibrate()
-        self.k_target, self.k_actual = 0.0, 0.0
-        self.set_k(k)
+        try:  # on a card, k=1 puts every master and Adam state there: out of memory is likely here
+            self.rates = self.calibrate()
+            self.k_target, self.k_actual = 0.0, 0.0
+            self.set_k(k)
+        except BaseException:
+            self.abort()
+            raise
         self.iteration = 0
         self.rows: list[dict] = []
         self.events: list[dict] = []  # timeline of every iteration (lane, start/end ms)
@@ -547,6 +551,17 @@ class SplitEngine:
         self._handles = []
         self.pool.shutdown(wait=True)
         self.copy_pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """After an error (out of memory on a card): the hooks removed and the host workers told to
+        stop, without waiting for the step. The hooks on the parameters hold the engine, and through
+        it the model, in a cycle through autograd that the garbage collector cannot see: without
+        this, a failed run's weights, masters and state stay in memory for good."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.copy_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ measurements
     def _finalize(self, it: _Iter | None, end=None) -> None:

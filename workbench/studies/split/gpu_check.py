@@ -241,9 +241,12 @@ def _engine(base, batches, **kw):
         for b in batches:
             eng.step(b)
         eng.finish()
-        return eng.rows, eng.events, eng.master_weights(), eng.pinned_bytes, eng.placement()
-    finally:
-        eng.close()
+        out = eng.rows, eng.events, eng.master_weights(), eng.pinned_bytes, eng.placement()
+    except BaseException:  # close() would wait for a step that failed; abort() frees the model for good
+        eng.abort()
+        raise
+    eng.close()
+    return out
 
 
 def _torchao_rows(base, batches) -> tuple[list[dict], str | None]:

@@ -14,11 +14,19 @@ precision, in 16 bits a pure half-precision step (bf16-true). The engine holds a
 the same batch's activations, its training copy, and an fp32 master, an fp32 gradient buffer and
 Adam state (16 bytes a parameter) where the plain step holds its gradients and state (8-16).
 A run near the limit can still be killed; one over the floor surely would be.
+
+On a card a run that does not fit raises torch.OutOfMemoryError (the plain step, or the weights
+alone, on a card too small: the case study 3 is for); `failure(e)` makes it the run's row, and
+`release(device)` gives back the memory it held, so the runs after it have the card.
 """
 
 from __future__ import annotations
 
-from workbench.core.common import MiB, past_free_memory
+import gc
+
+import torch
+
+from workbench.core.common import MiB, one_line, past_free_memory
 from workbench.core.memory.plan import rung
 from workbench.core.memory.predict import simulate
 from workbench.studies.split.config import SplitConfig
@@ -51,3 +59,18 @@ class MemoryHold:
         what = ("predicted peak" if kind == "reference" else
                 "at least the plain step's predicted peak at this precision,")
         return f"{what} {short}: not run"
+
+
+
+def failure(e: BaseException) -> dict:
+    """A measured run that raised: its row's status ("oom" for an out-of-memory error, else
+    "error") and reason."""
+    return {"status": "oom" if isinstance(e, torch.OutOfMemoryError) else "error", "reason": one_line(e)}
+
+
+def release(device: torch.device) -> None:
+    """Give back the device memory of a run that raised, once the caller has dropped its model and
+    engine and left the `except` block (the error's frames hold the run's tensors until then)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -47,7 +47,7 @@ from workbench.studies.split.balance import balance_k
 from workbench.studies.split.config import STUDY, SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.hostbench import measure_host
-from workbench.studies.split.preflight import MemoryHold
+from workbench.studies.split.preflight import MemoryHold, failure, release
 from workbench.studies.split.reference import plain_adamw
 from workbench.studies.split.zero_baseline import run_zero_offload
 
@@ -161,13 +161,20 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "skipped",
                      "reason": why})
     elif cfg.reference:
-        model = copy.deepcopy(base).to(device)
-        rows = plain_adamw(model, batches, hp, cfg.max_grad_norm)
-        ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
-        for r in rows:
-            steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
-        runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "ok",
-                     **_summary(rows, cfg.untimed_steps), "ppl_after": heldout_ppl(model, held)})
+        head = {**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0}
+        try:  # on a card too small for the plain step (study 3's case): out of memory, a row
+            model = copy.deepcopy(base).to(device)
+            rows = plain_adamw(model, batches, hp, cfg.max_grad_norm)
+        except Exception as e:
+            runs.append({**head, **failure(e)})
+        else:
+            ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+            for r in rows:
+                steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
+            runs.append({**head, "status": "ok", **_summary(rows, cfg.untimed_steps),
+                         "ppl_after": heldout_ppl(model, held)})
+        model = None  # the card's memory for the runs after it
+        release(device)
 
     status = backend_status(cfg.backend)
     for spec in _runs(cfg):
@@ -182,23 +189,30 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         tag = {"run": name, "mode": spec["mode"], "source": "measured"}
         live = _RunSink(sinks, tag, device)
         run_sinks = ([live] if sinks else []) + ([jsonl] if jsonl else [])
-        model = copy.deepcopy(base).to(device)
+        eng = row = None
         try:
+            model = copy.deepcopy(base).to(device)
             eng = SplitEngine(model, hp=hp, precision=cfg.precision, backend=cfg.backend,
                               host_workers=cfg.host_workers, include_transfer=cfg.include_transfer,
                               sinks=run_sinks, max_grad_norm=cfg.max_grad_norm, **spec["kw"])
             for b in batches:
                 eng.step(b)
             eng.close()
-        except Exception as e:  # a failed run is a row, never a gap
-            runs.append({**head, "status": "error", "reason": f"{type(e).__name__}: {e}"})
-            if rd:
-                rd.write_summary({"status": "error", "reason": str(e)})
-            continue
+        except Exception as e:  # a failed run is a row, never a gap (on a card: out of memory too)
+            row = failure(e)
         finally:
             if jsonl:
                 jsonl.close()
             live.flush()  # the rows it made, also those of a run that failed
+        if row:
+            if eng is not None:  # (one that failed in its constructor has aborted itself)
+                eng.abort()
+            model = eng = None
+            release(device)
+            runs.append({**head, **row})
+            if rd:
+                rd.write_summary(row)
+            continue
         summary = {**head, "status": "ok", **_summary(eng.rows, cfg.untimed_steps), "ppl_after": heldout_ppl(model, held),
                    "pinned_bytes": eng.pinned_bytes, "staging_bytes": eng.staging_bytes}
         if ref_w is not None:
@@ -213,12 +227,19 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
 
     if cfg.zero_offload:
         reason = hold and hold.reason("engine")  # ZeRO-Offload holds an fp32 master and Adam state too
-        if not reason:
-            rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
-                                            cfg.precision)
         head = {**common, "run": "DeepSpeed ZeRO-Offload", "mode": "ZeRO-Offload", "k_target": 0.0,
                 "backend": "deepspeed"}
-        if reason:
+        row = None
+        if not reason:
+            try:
+                rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
+                                                cfg.precision)
+            except Exception as e:  # out of memory on a card: a row
+                row = failure(e)
+        if row:
+            release(device)
+            runs.append({**head, **row})
+        elif reason:
             runs.append({**head, "status": "skipped", "reason": reason})
         else:
             runs.append({**head, "status": "ok", **_summary(rows, cfg.untimed_steps)})  # its weights stay in DeepSpeed
