@@ -645,6 +645,35 @@ def test_a_run_out_of_memory_on_a_card_is_a_row_and_gives_the_memory_back(tmp_pa
     assert len(held) == 3 and all(r() is None for r in held)
 
 
+def test_zero_offload_is_destroyed_after_an_error_too(monkeypatch):
+    """DeepSpeed's gradient hooks hold the model (a cycle through autograd the collector cannot
+    see): a ZeRO-Offload run that ran out of memory on a card kept the card's memory until the
+    process ended, as engine.destroy() came only after a finished loop. Played with a stand-in engine."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from workbench.studies.split import zero_baseline
+
+    class Engine:
+        device, destroyed = torch.device("cpu"), 0
+
+        def __call__(self, **kw):
+            return transformers.modeling_outputs.CausalLMOutput(loss=torch.tensor(1.0, requires_grad=True))
+
+        def backward(self, loss):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        def destroy(self):
+            self.destroyed += 1
+
+    engine = Engine()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (engine, None, None, None))
+    with pytest.raises(torch.OutOfMemoryError):
+        zero_baseline.run_zero_offload(torch.nn.Linear(2, 2), [torch.zeros(1, 4, dtype=torch.long)], 1e-3, 0.0)
+    assert engine.destroyed == 1
+
+
 def test_cli_published_and_bad_set(capsys):
     """`split --published` printed raw JSON (0.10583979328165376, t_backward_s 0.3130337223691072)
     followed by the verdict's text, so --json's stdout was not JSON either."""

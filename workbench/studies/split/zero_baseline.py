@@ -49,13 +49,15 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
     except Exception as e:  # build failures, missing package, unsupported device
         return [], f"DeepSpeed ZeRO-Offload unavailable: {one_line(e, 200)}"
     rows = []
-    for i, b in enumerate(batches):
-        t0 = time.perf_counter()
-        loss = engine(input_ids=b.to(engine.device), labels=b.to(engine.device)).loss
-        engine.backward(loss)
-        engine.step()
-        dt = time.perf_counter() - t0
-        rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3,
-                     "tokens": b.numel(), "tokens_per_s": b.numel() / dt, "k_actual": 0.0})
-    engine.destroy()
+    try:
+        for i, b in enumerate(batches):
+            t0 = time.perf_counter()
+            loss = engine(input_ids=b.to(engine.device), labels=b.to(engine.device)).loss
+            engine.backward(loss)
+            engine.step()
+            dt = time.perf_counter() - t0
+            rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3,
+                         "tokens": b.numel(), "tokens_per_s": b.numel() / dt, "k_actual": 0.0})
+    finally:  # also after an error (out of memory on a card): its gradient hooks would hold the model for good
+        engine.destroy()
     return rows, None
