@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import transformers
 
 from workbench.core import common, training
 from workbench.core.config import ConfigError
@@ -77,6 +78,37 @@ def test_the_accumulation_rung_keeps_the_whole_batch_when_4_does_not_divide_it()
     assert predict(config, "bf16_ckpt_accum", batch=9, seq=32, device="cpu").note == \
         "batch 9 is not 4 equal micro-batches: 9 of 1 instead (the batch per step kept)"
     assert predict(config, "bf16_ckpt_accum", batch=8, seq=32, device="cpu").note == ""
+
+
+def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
+    """A ZeRO rung out of memory on a card (gpu-check) left its DeepSpeed engine undestroyed: its
+    gradient hooks hold the model in a cycle the collector cannot see, so the card kept that memory
+    for the rungs and checks after it. Played with a stand-in engine (the path needs CUDA)."""
+    import deepspeed
+
+    class Engine:
+        device, destroyed = torch.device("cpu"), 0
+
+        def __call__(self, **kw):
+            return transformers.modeling_outputs.CausalLMOutput(loss=torch.tensor(1.0, requires_grad=True))
+
+        def backward(self, loss):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        def destroy(self):
+            self.destroyed += 1
+
+    engine = Engine()
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (engine, None, None, None))
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    model = load_model("embedded", spec=TINY_SPEC)[0]
+    linear = torch.nn.functional.linear
+    for rung_name in ("zero_offload", "zero_offload_params"):
+        with pytest.raises(torch.OutOfMemoryError):
+            ladder.measure_offloaded(RUNGS[rung_name], lambda: model, torch.zeros(4, 8, dtype=torch.long), batch=1,
+                                     steps=1, device=torch.device("cuda"), lr=1e-3)
+    assert engine.destroyed == 2 and torch.nn.functional.linear is linear
 
 
 def test_a_rung_bigger_than_this_machine_is_not_measured(env, monkeypatch):

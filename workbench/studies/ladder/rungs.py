@@ -211,6 +211,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
         # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the rest of the process
         # (memory_efficient_linear); it is put back below, so that later rungs run torch's own
         linear = torch.nn.functional.linear
+        engine = None
         try:
             engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                               config=zero_config(plan, settings))
@@ -236,10 +237,10 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
             loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
             snapshot = torch.cuda.memory_snapshot()
             by_stream = reserved_by_stream(snapshot, _deepspeed_streams(engine))
-            if hasattr(engine, "destroy"):
+        finally:  # also after an error (out of memory): its gradient hooks would hold the model for good
+            if engine is not None and hasattr(engine, "destroy"):
                 engine.destroy()
-            del engine
-        finally:
+            engine = None
             torch.nn.functional.linear = linear
     timed = [r for r in rows if r["step"] > 1] or rows
     step_ms = sorted(r["step_ms"] for r in timed)[len(timed) // 2]
