@@ -222,9 +222,11 @@ SAME_FIGURES = ("peak_bytes", "first_step_peak_bytes", "breakdown", "where", "ph
 ])
 def test_a_step_with_accumulation_is_predicted_from_its_first_micro_batches(monkeypatch, arch, device, flags,
                                                                             batch, micro):
-    """With gradient accumulation only the first ACCUM_SIMULATED micro-batches of each step are
-    simulated (from the second on each repeats the bytes): every figure, the CUDA allocator's too,
-    is that of all of them; one micro-batch alone would not be (its gradients are new, not summed)."""
+    """With gradient accumulation a CPU step simulates only its first ACCUM_SIMULATED micro-batches
+    (from the second on each repeats the live bytes): every figure is that of all of them; one
+    micro-batch alone would not be (its gradients are new, not summed). A CUDA step simulates all:
+    the allocator's least cap can need more over a longer run (Llama 2 7B, bf16-mixed LoRA with
+    checkpointing at 1 x 8 x 1024: 36 MiB more than from three micro-batches; too slow for a test)."""
     from workbench.core.memory import predict as predict_mod
     from workbench.core.memory.plan import plan_from_flags
     from conftest import tiny_config
@@ -240,7 +242,8 @@ def test_a_step_with_accumulation_is_predicted_from_its_first_micro_batches(monk
 
     (every, kernels_every), (short, kernels_short) = figures(None), figures(k)
     assert short == every
-    if device == "cuda":  # the shortcut ran: fewer attention calls simulated
-        assert sum(kernels_short.values()) * plan.accum == sum(kernels_every.values()) * k
+    if device == "cuda":  # every micro-batch simulated: as many attention calls as without the shortcut
+        assert kernels_short == kernels_every and sum(kernels_every.values()) % plan.accum == 0
+        return
     one, _ = figures(1)
     assert one["peak_bytes"] < every["peak_bytes"]
