@@ -61,7 +61,6 @@ class MemoryHold:
         return f"{what} {short}: not run"
 
 
-
 def failure(e: BaseException) -> dict:
     """A measured run that raised: its row's status ("oom" for an out-of-memory error, else
     "error") and reason."""
