@@ -56,6 +56,24 @@ def subprocess_env(root: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
 
 
+class OomDeepSpeedEngine:
+    """A stand-in for `deepspeed.initialize`'s engine whose backward runs out of memory as on a card;
+    it counts `destroy()` calls (DeepSpeed's gradient hooks hold the model until it is destroyed)."""
+
+    device, destroyed = torch.device("cpu"), 0
+
+    def __call__(self, **kw):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(loss=torch.tensor(1.0, requires_grad=True))
+
+    def backward(self, loss):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def destroy(self):
+        self.destroyed += 1
+
+
 def tiny_config(arch: str):
     """Tiny random configs of the five architectures study 1 must handle."""
     import transformers as T

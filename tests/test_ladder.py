@@ -15,7 +15,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import transformers
 
 from workbench.core import common, training
 from workbench.core.config import ConfigError
@@ -86,19 +85,9 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
     for the rungs and checks after it. Played with a stand-in engine (the path needs CUDA)."""
     import deepspeed
 
-    class Engine:
-        device, destroyed = torch.device("cpu"), 0
+    from conftest import OomDeepSpeedEngine
 
-        def __call__(self, **kw):
-            return transformers.modeling_outputs.CausalLMOutput(loss=torch.tensor(1.0, requires_grad=True))
-
-        def backward(self, loss):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-        def destroy(self):
-            self.destroyed += 1
-
-    engine = Engine()
+    engine = OomDeepSpeedEngine()
     monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (engine, None, None, None))
     for name in ("empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)

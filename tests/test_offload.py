@@ -654,19 +654,9 @@ def test_zero_offload_is_destroyed_after_an_error_too(monkeypatch):
 
     from workbench.studies.split import zero_baseline
 
-    class Engine:
-        device, destroyed = torch.device("cpu"), 0
+    from conftest import OomDeepSpeedEngine
 
-        def __call__(self, **kw):
-            return transformers.modeling_outputs.CausalLMOutput(loss=torch.tensor(1.0, requires_grad=True))
-
-        def backward(self, loss):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-        def destroy(self):
-            self.destroyed += 1
-
-    engine = Engine()
+    engine = OomDeepSpeedEngine()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (engine, None, None, None))
     with pytest.raises(torch.OutOfMemoryError):
