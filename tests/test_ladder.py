@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from workbench.core import common, training
+from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory import monitor
@@ -88,7 +89,12 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
     from conftest import OomDeepSpeedEngine
 
     engine = OomDeepSpeedEngine()
+    before = os.environ.get("MASTER_PORT")
     monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (engine, None, None, None))
+    # measure_offloaded sets DeepSpeed's rendezvous variables where unset: set here, they go after the
+    # test (left behind, every later DeepSpeed subprocess of the suite took this one port: EADDRINUSE)
+    for name, value in single_process_env().items():
+        monkeypatch.setenv(name, value)
     for name in ("empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)
     model = load_model("embedded", spec=TINY_SPEC)[0]
@@ -98,6 +104,8 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
             ladder.measure_offloaded(RUNGS[rung_name], lambda: model, torch.zeros(4, 8, dtype=torch.long), batch=1,
                                      steps=1, device=torch.device("cuda"), lr=1e-3)
     assert engine.destroyed == 2 and torch.nn.functional.linear is linear
+    monkeypatch.undo()
+    assert os.environ.get("MASTER_PORT") == before
 
 
 def test_a_rung_bigger_than_this_machine_is_not_measured(env, monkeypatch):
