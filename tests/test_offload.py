@@ -605,9 +605,7 @@ def test_a_run_out_of_memory_on_a_card_is_a_row_and_gives_the_memory_back(tmp_pa
         held.append(weakref.ref(model))  # the run's model: given back before the next run starts
         raise torch.OutOfMemoryError(oom)
 
-    real_init = SplitEngine.__init__
-
-    real_set_k = SplitEngine.set_k
+    real_init, real_set_k = SplitEngine.__init__, SplitEngine.set_k
 
     def engine_init(self, model, **kw):
         assert all(r() is None for r in held), "a failed run's model was still alive"

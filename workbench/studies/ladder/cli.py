@@ -235,7 +235,8 @@ def _estimate(args) -> int:
     if len(preds) == 1:
         p = next(iter(preds.values()))
         setup = p.rung if plan is None else f"{p.rung} ({plan.help})"
-        if (plan or RUNGS[p.rung]).placement == "cpu":  # nothing on the device: the peak and its moment are the host's
+        cpu_only = (plan or RUNGS[p.rung]).placement == "cpu"  # nothing on the device: the peak is the host's
+        if cpu_only:
             print(f"{setup} on {args.device}: {p.method} peak 0 MiB on the device (CPU only); host memory "
                   f"{p.host_bytes / MiB:,.1f} MiB ({p.host_bytes:,} bytes) at {p.where}  [{p.seconds:.1f} s]")
         else:
@@ -259,7 +260,7 @@ def _estimate(args) -> int:
             print(f"  attention kernel {', '.join(f'{k} x{n}' for k, n in p.kernels.items()) or 'none'}  simulated")
             if p.host_bytes:
                 print(f"  host memory      {p.host_bytes / MiB:>12,.1f} MiB  simulated ({p.placement})")
-        elif p.host_breakdown and not p.peak_bytes:  # CPU only: what the host holds at its peak
+        elif cpu_only:  # what the host holds at its peak
             for c, b in p.host_breakdown.items():
                 print(f"  {c:<16} {b / MiB:>12,.1f} MiB  host")
         else:
@@ -268,7 +269,7 @@ def _estimate(args) -> int:
         if p.card:
             print(f"  card {p.card} ({p.card_bytes / MiB:,.0f} MiB): " + ("fits" if p.fits else "does not fit")
                   + f", headroom {p.headroom_bytes / MiB:,.1f} MiB"
-                  + ("" if p.peak_bytes else " (nothing of this setup is on the card)"))
+                  + (" (nothing of this setup is on the card)" if cpu_only else ""))
         if p.note:
             print(f"  note: {p.note}")
         if budget:
