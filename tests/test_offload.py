@@ -643,6 +643,54 @@ def test_a_run_out_of_memory_on_a_card_is_a_row_and_gives_the_memory_back(tmp_pa
     assert len(held) == 3 and all(r() is None for r in held)
 
 
+def test_a_run_on_a_card_is_held_to_the_host_memory_it_needs_at_least(monkeypatch):
+    """On a card the host's memory is not the card's: the engine's fp32 masters and gradients (and
+    each run's fp32 copy of the weights, made on the host) could have the OOM killer end the study,
+    which held only CPU runs to the memory free. The floors are what the engine allocates."""
+    from workbench.studies.split import preflight
+
+    model = tiny_qwen()
+    n = pm.shape_from_model(model, "tiny", 16).n_params
+    eng = SplitEngine(copy.deepcopy(model), hp=HP, k=0.5)
+    eng.close()
+    assert eng.host_bytes == preflight.CARD_HOST_FLOOR["engine"][0] * n  # the engine's own count, any k
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == 4 * n
+    monkeypatch.setattr(preflight, "simulate", None)  # a card's hold predicts no CPU step
+    hold = MemoryHold(SplitConfig.from_dict(TINY), model.config, device=torch.device("cuda"), n_params=n)
+    assert hold.need_mib("engine") == 8 * n / 2**20 and hold.need_mib("reference") == 4 * n / 2**20
+    monkeypatch.setattr(common, "host_free_mib", lambda: 6 * n / 2**20)
+    assert hold.reason("reference") is None
+    assert hold.reason("engine") == (
+        f"host memory: at least an fp32 master and an fp32 gradient of every parameter (8 bytes x {n:,} parameters), "
+        f"{8 * n / 2**20:,.1f} MiB > the {6 * n / 2**20:,.0f} MiB this machine has free: not run")
+    monkeypatch.setattr(common, "host_free_mib", lambda: 2 * n / 2**20)
+    assert hold.reason("reference").startswith("host memory: at least the run's fp32 copy of the weights")
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_the_base_stays_on_the_cpu_after_its_perplexity_on_the_card(fits):
+    """The base's perplexity moved it to the card (Module.to is in place) and it stayed there, a
+    second model beside each run's own copy, counted in every run's `mem_mib`. Played: the card is
+    a device the base's `to` pretends to move to, or runs out of memory on."""
+    from workbench.studies.split.runner import base_perplexity, heldout_ppl
+
+    base = tiny_qwen()
+    held = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    card, moves, real_to = torch.device("cuda"), [], base.to
+
+    def to(device, *a, **k):
+        moves.append(torch.device(device).type)
+        if torch.device(device).type == "cpu":
+            return real_to(device, *a, **k)
+        if not fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+        return base
+
+    base.to = to
+    assert base_perplexity(base, held, card) == pytest.approx(heldout_ppl(base, held))
+    assert moves[:2] == ["cuda", "cpu"] and moves[-1] == "cpu"
+
+
 def test_zero_offload_is_destroyed_after_an_error_too(monkeypatch):
     """DeepSpeed's gradient hooks hold the model (a cycle through autograd the collector cannot
     see): a ZeRO-Offload run that ran out of memory on a card kept the card's memory until the

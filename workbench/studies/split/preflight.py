@@ -1,8 +1,9 @@
-"""Study 3's check before each measured run on a CPU: a run that cannot fit in the memory this
-machine has free is a skipped row with the reason, not the study killed by the kernel (a CPU run
-past the free memory raises no OutOfMemoryError; the OOM killer takes the process).
+"""Study 3's check before each measured run: a run that cannot fit in the memory this machine has
+free is a skipped row with the reason, not the study killed by the kernel (a run past the host's
+free memory raises no OutOfMemoryError; the OOM killer takes the process).
 
-    hold = MemoryHold(cfg, model.config)    # predicts when first asked, on fake tensors
+    hold = MemoryHold(cfg, model.config)    # on a CPU: predicts when first asked, on fake tensors
+    hold = MemoryHold(cfg, model.config, device=torch.device("cuda"), n_params=n)   # a run on a card
     hold.reason("reference")                # None, or why the plain AdamW run is not run
     hold.reason("engine")                   # the same for an engine run (and ZeRO-Offload)
 
@@ -14,6 +15,12 @@ precision, in 16 bits a pure half-precision step (bf16-true). The engine holds a
 the same batch's activations, its training copy, and an fp32 master, an fp32 gradient buffer and
 Adam state (16 bytes a parameter) where the plain step holds its gradients and state (8-16).
 A run near the limit can still be killed; one over the floor surely would be.
+
+A run on a card holds the host too, where the card's out-of-memory error does not reach: each run
+first copies the base's weights here (fp32: 4 bytes a parameter) before moving them to the card,
+and the engine and ZeRO-Offload then keep an fp32 master and an fp32 gradient of every parameter
+on the host (8 bytes a parameter at any k; Adam state of the host's share comes on top). Those
+floors (CARD_HOST_FLOOR) are what such a run is held to.
 
 On a card a run that does not fit raises torch.OutOfMemoryError (the plain step, or the weights
 alone, on a card too small: the case study 3 is for); `failure(e)` makes it the run's row, and
@@ -33,17 +40,24 @@ from workbench.studies.split.config import SplitConfig
 
 # the plain step each kind of run is held to, by the engine's precision (pure 16 bits: no autocast copies)
 PLAIN = {"fp32": "fp32", "bf16": "bf16_true", "fp16": "fp16_true"}
+# what a run on a card holds in this machine's memory at least: (bytes a parameter, what they are)
+CARD_HOST_FLOOR = {"reference": (4, "the run's fp32 copy of the weights, made here before it moves to the card"),
+                   "engine": (8, "an fp32 master and an fp32 gradient of every parameter")}
 
 
 class MemoryHold:
-    """The predicted peaks (MiB) a study 3 run on this CPU is held to, and the free memory then."""
+    """The memory (MiB) a study 3 run on `device` needs of this machine's at least, and the free
+    memory then: on a CPU the predicted peaks, on a card CARD_HOST_FLOOR for `n_params`."""
 
-    def __init__(self, cfg: SplitConfig, config):
+    def __init__(self, cfg: SplitConfig, config, device: torch.device = torch.device("cpu"), n_params: int = 0):
         self.cfg, self.config = cfg, config  # `config`: the model's (the loaded base's), no weights read
+        self.device, self.n_params = device, n_params
         self._mib: dict[str, float] = {}  # by precision of the plain step, predicted when first asked
 
     def need_mib(self, kind: str) -> float:
-        """The predicted peak a run of `kind` ("reference" or "engine") is held to, in MiB."""
+        """The host memory a run of `kind` ("reference" or "engine") is held to, in MiB."""
+        if self.device.type != "cpu":
+            return CARD_HOST_FLOOR[kind][0] * self.n_params / MiB
         precision = "fp32" if kind == "reference" else PLAIN[self.cfg.precision]
         if precision not in self._mib:
             plan = rung("fp32").compose(f"split-{precision}", "the plain step", precision=precision)
@@ -56,6 +70,10 @@ class MemoryHold:
         short = past_free_memory(self.need_mib(kind))
         if not short:
             return None
+        if self.device.type != "cpu":
+            per, what = CARD_HOST_FLOOR[kind]
+            return (f"host memory: at least {what} ({per} bytes x {self.n_params:,} parameters), {short}: "
+                    f"not run")
         what = ("predicted peak" if kind == "reference" else
                 "at least the plain step's predicted peak at this precision,")
         return f"{what} {short}: not run"

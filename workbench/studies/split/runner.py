@@ -108,6 +108,18 @@ def heldout_ppl(model, held: torch.Tensor) -> float:
     return evaluate_perplexity(model, held, batch_size=8)
 
 
+def base_perplexity(base, held: torch.Tensor, device: torch.device) -> float:
+    """The base's held-out perplexity on `device` (on the CPU where its fp32 weights do not fit on
+    the card); the base is left on the CPU, so a card holds one run's copy at a time."""
+    try:
+        ppl = heldout_ppl(base.to(device), held)
+    except torch.OutOfMemoryError:  # a card too small for the fp32 weights (the runs may still fit)
+        ppl = None
+    base.to("cpu")
+    release(device)
+    return heldout_ppl(base, held) if ppl is None else ppl
+
+
 # ---------------------------------------------------------------- measured runs
 def _runs(cfg: SplitConfig) -> list[dict]:
     """(name, mode, engine kwargs) of every measured run."""
@@ -146,7 +158,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     flops_tok = shape.flops_per_token()
     batches, held = text_batches(cfg, tokenizer)
     batches, held = [b.to(device) for b in batches], held.to(device)
-    ppl_before = heldout_ppl(base.to(device), held)
+    ppl_before = base_perplexity(base, held, device)
     hp = AdamHP(lr=cfg.lr, weight_decay=cfg.weight_decay)
     runs, steps, events = [], [], []
     name = f"{cfg.model} ({cfg.base_size})" if cfg.model == "embedded" else cfg.model
@@ -154,10 +166,11 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
               "corpus": cfg.corpus, "n_params": shape.n_params, "precision": cfg.precision, "backend": cfg.backend,
               "heldout_blocks": len(held), "ppl_before": ppl_before}
 
-    # on a CPU a run past the free memory is killed, not an OutOfMemoryError: held to a prediction
-    hold = MemoryHold(cfg, base.config) if device.type == "cpu" else None
+    # a run past the host's free memory is killed, not an OutOfMemoryError: held to a prediction on a CPU,
+    # to a floor on a card
+    hold = MemoryHold(cfg, base.config, device, shape.n_params)
     ref_w = None
-    if cfg.reference and hold and (why := hold.reason("reference")):
+    if cfg.reference and (why := hold.reason("reference")):
         runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "skipped",
                      "reason": why})
     elif cfg.reference:
@@ -180,7 +193,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     for spec in _runs(cfg):
         name = spec["name"]
         head = {**common, "run": name, "mode": spec["mode"], "k_target": spec["kw"]["k"]}
-        why = status if status != "ok" else hold and hold.reason("engine")
+        why = status if status != "ok" else hold.reason("engine")
         if why:
             runs.append({**head, "status": "skipped", "reason": why})
             continue
@@ -226,7 +239,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         events += [{**e, **tag} for e in eng.events if e["iteration"] == last]
 
     if cfg.zero_offload:
-        reason = hold and hold.reason("engine")  # ZeRO-Offload holds an fp32 master and Adam state too
+        reason = hold.reason("engine")  # ZeRO-Offload holds an fp32 master and Adam state too
         head = {**common, "run": "DeepSpeed ZeRO-Offload", "mode": "ZeRO-Offload", "k_target": 0.0,
                 "backend": "deepspeed"}
         row = None
