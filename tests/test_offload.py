@@ -710,6 +710,66 @@ def test_zero_offload_is_destroyed_after_an_error_too(monkeypatch):
     assert engine.destroyed == 1
 
 
+def test_zero_offload_times_what_its_step_left_queued(monkeypatch):
+    """The iteration's time was taken before `loss.item()`, which waits for the work step() left
+    queued on a card (DeepSpeed's weight copies back): that wait fell between iterations, in no
+    row, and ZeRO-Offload looked faster than it is. Played: a loss whose value takes 0.2 s to read."""
+    import time
+    import types
+
+    import deepspeed
+    import torch.distributed as dist
+
+    from workbench.studies.split import zero_baseline
+
+    class Queued(types.SimpleNamespace):
+        device = torch.device("cpu")
+
+        def __call__(self, **kw):
+            return types.SimpleNamespace(loss=types.SimpleNamespace(item=lambda: time.sleep(0.2) or 1.0))
+
+        backward = step = destroy = lambda *a: None
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (Queued(), None, None, None))
+    rows, reason = zero_baseline.run_zero_offload(torch.nn.Linear(2, 2), [torch.zeros(1, 4, dtype=torch.long)] * 2,
+                                                  1e-3, 0.0)
+    assert reason is None and [r["loss"] for r in rows] == [1.0, 1.0]
+    assert all(r["iteration_ms"] >= 200 for r in rows), [r["iteration_ms"] for r in rows]
+
+
+def test_each_run_is_copied_with_no_earlier_run_on_the_card_and_zero_offload_clips_too(tmp_path, monkeypatch):
+    """An engine run that ended well kept its model and engine (on a card: its copy of the weights,
+    the masters and Adam state of k) while the next run's copy was made, and the last one through
+    the ZeRO-Offload run: two runs' memory on a card meant for one. ZeRO-Offload was also run
+    without the study's max_grad_norm, so it trained unclipped beside clipped engine runs."""
+    import types
+    import weakref
+
+    from workbench.studies.split import runner
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 1.0], "steps": 2, "write_results": False,
+                                 "zero_offload": True, "max_grad_norm": 0.5})
+    copies, zero = [], {}
+
+    def deepcopy(obj):
+        assert all(r() is None for r in copies), "an earlier run's model was still alive"
+        out = copy.deepcopy(obj)
+        copies.append(weakref.ref(out))
+        return out
+
+    def zero_offload(model, batches, lr, wd, precision, max_grad_norm=0.0):
+        zero.update(precision=precision, max_grad_norm=max_grad_norm)
+        return [], "played"
+
+    monkeypatch.setattr(runner, "copy", types.SimpleNamespace(deepcopy=deepcopy))
+    monkeypatch.setattr(runner, "run_zero_offload", zero_offload)
+    runs = {r["run"]: r for r in measured_runs(cfg)[0]}
+    assert [runs[n]["status"] for n in ("plain AdamW", "k=0", "k=1", "adaptive")] == ["ok"] * 4
+    assert len(copies) == 5 and zero == {"precision": "fp32", "max_grad_norm": 0.5}
+
+
 def test_cli_published_and_bad_set(capsys):
     """`split --published` printed raw JSON (0.10583979328165376, t_backward_s 0.3130337223691072)
     followed by the verdict's text, so --json's stdout was not JSON either."""

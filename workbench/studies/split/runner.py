@@ -166,8 +166,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
               "corpus": cfg.corpus, "n_params": shape.n_params, "precision": cfg.precision, "backend": cfg.backend,
               "heldout_blocks": len(held), "ppl_before": ppl_before}
 
-    # a run past the host's free memory is killed, not an OutOfMemoryError: held to a prediction on a CPU,
-    # to a floor on a card
+    # past the host's free memory a run is killed, not an OutOfMemoryError: held to a prediction (CPU) or floor (card)
     hold = MemoryHold(cfg, base.config, device, shape.n_params)
     ref_w = None
     if cfg.reference and (why := hold.reason("reference")):
@@ -237,6 +236,8 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         steps += [{**r, **tag, "warmup": r["iteration"] < cfg.untimed_steps} for r in eng.rows]
         last = max(e["iteration"] for e in eng.events)
         events += [{**e, **tag} for e in eng.events if e["iteration"] == last]
+        model = eng = None  # before the next run's copy is made (its right-hand side comes first)
+        release(device)
 
     if cfg.zero_offload:
         reason = hold.reason("engine")  # ZeRO-Offload holds an fp32 master and Adam state too
@@ -246,7 +247,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         if not reason:
             try:
                 rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
-                                                cfg.precision)
+                                                cfg.precision, cfg.max_grad_norm)
             except Exception as e:  # out of memory on a card: a row
                 row = failure(e)
         if row:

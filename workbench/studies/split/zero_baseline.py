@@ -55,8 +55,11 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
             loss = engine(input_ids=b.to(engine.device), labels=b.to(engine.device)).loss
             engine.backward(loss)
             engine.step()
+            value = loss.item()
+            if torch.device(engine.device).type == "cuda":  # what step() left queued is this iteration's too
+                torch.cuda.synchronize(engine.device)
             dt = time.perf_counter() - t0
-            rows.append({"iteration": i, "loss": loss.item(), "iteration_ms": dt * 1e3,
+            rows.append({"iteration": i, "loss": value, "iteration_ms": dt * 1e3,
                          "tokens": b.numel(), "tokens_per_s": b.numel() / dt, "k_actual": 0.0})
     finally:  # also after an error (out of memory on a card): its gradient hooks would hold the model for good
         engine.destroy()
