@@ -502,6 +502,18 @@ def test_bad_config_values_are_refused(bad):
         SplitConfig.from_dict(bad)
 
 
+def test_a_cards_memory_is_binary():
+    """A card's "80 GB" was read as 80e9 bytes (74.5 GiB): an A100 80GB showed 7% less memory than
+    it has (81,920 MiB), capped k 7% too low and said "needs X GiB of 75"."""
+    for gpu, gib in (("A100-80GB-SXM", 80), ("V100-SXM3-32GB", 32), ("RTX-4070-Ti-SUPER", 16)):
+        assert machine(gpu, host_share=1.0).memory_bytes == gib * 2**30
+    from workbench.studies.split.runner import _oom_reason
+
+    m = machine("A100-80GB-SXM", host_share=1.0)
+    sim = simulate(model_shape("llama2-10b", 128), m, 1.0, 8, mode="all-accelerator")
+    assert not sim["fits"] and re.fullmatch(r"needs 1\d\d GiB of 80", _oom_reason(sim, m))
+
+
 def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     seen = []

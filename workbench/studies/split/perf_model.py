@@ -54,7 +54,8 @@ from workbench.studies.split.layers import find_block_list, guessed_arrival_orde
 
 PROFILES = Path(__file__).with_name("profiles.json")
 CLAIMS = PROJECT_ROOT / "data" / "published_claims.json"
-GB = 1e9
+GB = 1e9  # rates (GB/s) are decimal on every data sheet
+GIB = 2**30  # a card's memory is binary: an "80 GB" A100 shows 81,920 MiB
 
 # Model shapes the model can be run for (transformers configs; built on the meta device).
 SHAPES = {
@@ -239,7 +240,7 @@ def machine(gpu: str, host: str = "AMD-EPYC-7763", *, host_meas: dict | None = N
     flops = g["bf16_dense_tflops"] * 1e12 * used_mfu if (used_mfu and g["bf16_dense_tflops"]) else float("nan")
     notes["forward/backward"] = f"data-sheet {g['bf16_dense_tflops']} TFLOP/s x MFU {used_mfu} ({src})"
     notes["mfu"] = used_mfu
-    return Machine(gpu, host, flops, accel, host_rate, 1 / link, 1 / link, g["memory_gb"] * GB, notes)
+    return Machine(gpu, host, flops, accel, host_rate, 1 / link, 1 / link, g["memory_gb"] * GIB, notes)
 
 
 # ---------------------------------------------------------------- one iteration, per layer
