@@ -477,19 +477,25 @@ def _fake_cuda_memory(monkeypatch):
     MiB = 2**20
     for fn, mib in [("max_memory_allocated", 100), ("max_memory_reserved", 128), ("memory_reserved", 120)]:
         monkeypatch.setattr(torch.cuda, fn, lambda device=None, _m=mib: _m * MiB)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     nvml = types.ModuleType("pynvml")
     nvml.nvmlInit = lambda: None
-    nvml.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=500 * MiB, total=80_000 * MiB, free=0)
+    nvml.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)  # card i of the machine uses 500 + i MiB
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=(500 + h[1]) * MiB, total=80_000 * MiB, free=0)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
 
 
 def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
     assert step_memory("cpu") is None
     _fake_cuda_memory(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cols = step_memory("cuda:0")()
     assert cols == {"cuda_peak_allocated_mib": 100.0, "cuda_peak_reserved_mib": 128.0, "cuda_reserved_mib": 120.0,
                     "nvml_used_mib": 500.0}
+    # CUDA's cuda:1 where CUDA_VISIBLE_DEVICES=3,1 is the machine's card 1, cuda:0 its card 3 (NVML reads the
+    # machine's numbering: the monitor read card 0, another card, for cuda:0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert step_memory("cuda:0")()["nvml_used_mib"] == 503.0 and step_memory("cuda:1")()["nvml_used_mib"] == 501.0
 
 
 def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypatch):

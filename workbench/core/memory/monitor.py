@@ -35,13 +35,16 @@ import torch
 from workbench.core.common import MiB, Sink
 
 
-def open_nvml(index: int = 0, *, say: Callable[[str], None] | None = None):
-    """An NVML handle for GPU `index`, or None (and one line saying why) without a driver."""
+def open_nvml(device: torch.device, *, say: Callable[[str], None] | None = None):
+    """An NVML handle for the CUDA `device`, or None (and one line saying why) without a driver.
+    NVML numbers every card of the machine, CUDA only those CUDA_VISIBLE_DEVICES names, in its
+    order: the handle is found through torch's own mapping from one to the other."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(index))
     except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError ...
         (say or _stderr)(f"workbench monitor: NVML unavailable ({type(e).__name__}: {e}); "
                          f"no driver-level GPU memory figures, sampling what torch and psutil can read")
@@ -65,7 +68,7 @@ def step_memory(device: str | torch.device, *, nvml=None) -> Callable[[], dict[s
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    handle = nvml if nvml is not None else open_nvml(device.index or 0)
+    handle = nvml if nvml is not None else open_nvml(device)
 
     def read() -> dict[str, float]:
         cols = {"cuda_peak_allocated_mib": torch.cuda.max_memory_allocated(device) / MiB,
@@ -103,7 +106,7 @@ class MemoryMonitor:
         self.rows: list[dict[str, Any]] = []
         self.peak: dict[str, float] = {}
         want_nvml = self.device.type == "cuda" if nvml is None else nvml
-        self._nvml = open_nvml(self.device.index or 0) if want_nvml else None
+        self._nvml = open_nvml(self.device) if want_nvml else None
         import psutil
 
         self._proc = psutil.Process(os.getpid())
