@@ -87,7 +87,9 @@ def test_rung_row_puts_the_prediction_beside_the_card():
 def test_a_cuda_prediction_is_judged_by_its_allocator_figures_not_its_live_bytes():
     cuda = {**_pred(900), "allocated_peak_bytes": 1000 * MiB, "reserved_peak_bytes": 1150 * MiB,
             "nvidia_smi_bytes": 1650 * MiB}
-    r = gr.rung_row("bf16", cuda, _measured(1000, 1200), {"nvml_used_peak_mib": 2600.0, "nvml_used_before_mib": 500.0})
+    r = gr.rung_row("bf16", cuda, _measured(1000, 1200), {"nvml_used_peak_mib": 2600.0, "nvml_used_before_mib": 500.0,
+                                                          "nvml_total_mib": 143771.0, "nvml_driver_reserved_mib": 615.0})
+    assert r["nvml_total_mib"] == 143771.0 and r["nvml_driver_reserved_mib"] == 615.0  # kept for the record
     assert r["predicted_allocated_mib"] == 1000 and r["error_vs_allocated_pct"] == 0.0
     assert r["predicted_reserved_mib"] == 1150 and r["error_vs_reserved_pct"] == pytest.approx(100 * -50 / 1200)
     # what nvidia-smi would show beside NVML, and what NVML saw outside the allocator (context, kernels)

@@ -475,7 +475,8 @@ def _fake_cuda_memory(monkeypatch):
     import types
 
     MiB = 2**20
-    for fn, mib in [("max_memory_allocated", 100), ("max_memory_reserved", 128), ("memory_reserved", 120)]:
+    for fn, mib in [("max_memory_allocated", 100), ("max_memory_reserved", 128), ("memory_reserved", 120),
+                    ("memory_allocated", 90)]:
         monkeypatch.setattr(torch.cuda, fn, lambda device=None, _m=mib: _m * MiB)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     nvml = types.ModuleType("pynvml")
@@ -496,6 +497,25 @@ def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
     # machine's numbering: the monitor read card 0, another card, for cuda:0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     assert step_memory("cuda:0")()["nvml_used_mib"] == 503.0 and step_memory("cuda:1")()["nvml_used_mib"] == 501.0
+
+
+def test_the_monitor_reads_the_drivers_reserve_where_nvml_has_a_v2_query(monkeypatch):
+    """NVML's v1 `used` (what the monitor reads) includes what the driver reserves; nvidia-smi on
+    drivers with the v2 query leaves it out. The reserve is recorded where the driver answers v2."""
+    import sys
+    import types
+
+    _fake_cuda_memory(monkeypatch)
+    nvml, MiB = sys.modules["pynvml"], 2**20
+    v1 = nvml.nvmlDeviceGetMemoryInfo
+    nvml.nvmlMemory_v2 = 0x02000028
+    nvml.nvmlDeviceGetMemoryInfo = lambda h, version=None: (
+        v1(h) if version is None else types.SimpleNamespace(used=(500 - 615 + h[1]) * MiB, reserved=615 * MiB))
+    row = MemoryMonitor("cuda:0").sample()
+    assert row["nvml_used_mib"] == 500.0 and row["nvml_driver_reserved_mib"] == 615.0
+    assert row["cuda_allocated_mib"] == 90.0 and row["nvml_total_mib"] == 80_000.0
+    nvml.nvmlDeviceGetMemoryInfo = v1  # a driver without the v2 query: no such column
+    assert "nvml_driver_reserved_mib" not in MemoryMonitor("cuda:0").sample()
 
 
 def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypatch):

@@ -167,7 +167,8 @@ def check_ladder(opts: Options) -> dict[str, Any]:
                 m = measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
                             counted=opts.counted)
             if before is not None:
-                nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before}
+                nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before,
+                        **{k: mon.peak[k] for k in ("nvml_total_mib", "nvml_driver_reserved_mib") if k in mon.peak}}
         except Exception as e:
             m, tracebacks[f"{name} measurement"] = {"status": "error", "reason": one_line(e)}, traceback.format_exc(limit=-12)
         rows.append(rung_row(name, p, m, nvml))

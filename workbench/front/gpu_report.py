@@ -37,7 +37,8 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
     `prediction`: a CUDA-modelled Prediction.row() (allocated_peak_bytes, reserved_peak_bytes,
     nvidia_smi_bytes; a CPU one's predicted_peak_bytes and fit_bytes stand in), or {"error": ...}.
     `measured`: ladder.measure()'s row (status, cuda_max_allocated_bytes, cuda_max_reserved_bytes, measured_peak_bytes).
-    `nvml`: {"nvml_used_peak_mib", "nvml_used_before_mib"} from the monitor (may be empty).
+    `nvml`: {"nvml_used_peak_mib", "nvml_used_before_mib", "nvml_total_mib", "nvml_driver_reserved_mib"}
+    from the monitor (may be empty or partial).
     """
     def mib(b):
         return None if b is None else b / MiB
@@ -55,6 +56,8 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
                                else mib(measured.get("measured_peak_bytes"))),
         "predicted_nvidia_smi_mib": mib(prediction.get("nvidia_smi_bytes") or None),
         "nvml_used_peak_mib": nvml.get("nvml_used_peak_mib"),
+        # NVML v1's used includes the driver's reserve; torch's total (gpu_total_mib) leaves it out
+        "nvml_total_mib": nvml.get("nvml_total_mib"), "nvml_driver_reserved_mib": nvml.get("nvml_driver_reserved_mib"),
         "outside_allocator_mib": (nvml["nvml_used_peak_mib"] - reserved
                                   if "nvml_used_peak_mib" in nvml and reserved is not None else None),
         "nvml_used_delta_mib": (nvml["nvml_used_peak_mib"] - nvml["nvml_used_before_mib"]

@@ -51,6 +51,18 @@ def open_nvml(device: torch.device, *, say: Callable[[str], None] | None = None)
         return None
 
 
+def driver_reserved_mib(handle) -> float | None:
+    """What the driver and firmware reserve on the card (NVML's v2 memory query), or None where
+    the driver has no v2 query. NVML's v1 `used`, which the monitor reads, includes it; nvidia-smi's
+    "used" on drivers with v2 leaves it out (both read here so that a card run shows the difference)."""
+    try:
+        import pynvml
+
+        return pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2).reserved / MiB
+    except Exception:  # NVMLError_FunctionNotFound on drivers before R510, or a stand-in without it
+        return None
+
+
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 
@@ -131,6 +143,8 @@ class MemoryMonitor:
             info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
             row["nvml_used_mib"] = info.used / MiB
             row["nvml_total_mib"] = info.total / MiB
+            if (reserved := driver_reserved_mib(self._nvml)) is not None:
+                row["nvml_driver_reserved_mib"] = reserved
         for k, v in row.items():
             if k.endswith("_mib"):
                 self.peak[k] = max(self.peak.get(k, 0.0), v)
