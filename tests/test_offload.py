@@ -775,11 +775,19 @@ def test_each_run_is_copied_with_no_earlier_run_on_the_card_and_zero_offload_cli
         zero.update(precision=precision, max_grad_norm=max_grad_norm)
         return [], "played"
 
+    given, real_init = [], SplitEngine.__init__
+
+    def engine_init(self, model, **kw):  # the engine, not the runner, moves the weights to the device
+        given.append((kw["device"], {p.device.type for p in model.parameters()}))
+        real_init(self, model, **kw)
+
     monkeypatch.setattr(runner, "copy", types.SimpleNamespace(deepcopy=deepcopy))
     monkeypatch.setattr(runner, "run_zero_offload", zero_offload)
+    monkeypatch.setattr(SplitEngine, "__init__", engine_init)
     runs = {r["run"]: r for r in measured_runs(cfg)[0]}
     assert [runs[n]["status"] for n in ("plain AdamW", "k=0", "k=1", "adaptive")] == ["ok"] * 4
     assert len(copies) == 5 and zero == {"precision": "fp32", "max_grad_norm": 0.5}
+    assert given == [(torch.device("cpu"), {"cpu"})] * 3
 
 
 def test_cli_published_and_bad_set(capsys):
@@ -857,6 +865,20 @@ def test_pinned_memory_is_the_staging_rings_whatever_the_model(monkeypatch, prec
     pinned.clear()
     eng = SplitEngine(tiny_qwen(), hp=HP)
     assert eng.pinned_bytes == 0 and not pinned and eng.rows == []
+    eng.close()
+
+
+def test_the_engine_takes_its_masters_from_the_fp32_weights_and_moves_only_the_training_copy():
+    """Study 3 copied the fp32 model to the card and the engine cast it there: a 16-bit run needed
+    the fp32 weights on the card first (4 bytes a parameter), where its training copy needs 2. Now
+    the model comes on the host and the engine moves each parameter in the training dtype; the
+    masters are the fp32 weights to the bit, and every parameter and buffer ends on its device."""
+    base = tiny_qwen()
+    eng = SplitEngine(copy.deepcopy(base), hp=HP, precision="bf16", k=0.5, device="cpu")
+    masters = eng.master_weights()
+    assert all(torch.equal(masters[n], p) for n, p in base.named_parameters())
+    assert {(p.dtype, p.device) for p in eng.model.parameters()} == {(torch.bfloat16, eng.device)}
+    assert {b.device for b in eng.model.buffers()} <= {eng.device}
     eng.close()
 
 

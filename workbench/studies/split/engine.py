@@ -140,6 +140,10 @@ class SplitEngine:
     speculation_mib: fp16 / clipping snapshot budget (12 bytes per speculated host parameter,
         pageable); past it, host updates wait for the verdict instead of speculating.
     pin_memory: page-lock the staging rings (default: on CUDA only).
+    device: where training runs (default: where the model is). A model given on the CPU in fp32
+        keeps its fp32 weights here as the masters, and only the training copy goes to `device`,
+        parameter by parameter in the training dtype: a card need not hold the fp32 weights
+        (4 bytes a parameter) even for a moment, so a 16-bit run fits where only its copy does.
     """
 
     def __init__(
@@ -161,13 +165,14 @@ class SplitEngine:
         staging_chunk_mib: float = 8.0,
         speculation_mib: float = 4096.0,
         pin_memory: bool | None = None,
+        device: torch.device | str | None = None,
     ):
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {list(DTYPES)}")
         if backend_status(backend) != "ok":
             raise BackendUnavailable(backend_status(backend))
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
         self.hp, self.precision, self.backend = hp, precision, backend
         self.dtype = DTYPES[precision]
@@ -196,9 +201,9 @@ class SplitEngine:
                 s = _Slot(name, layer.name, p, master, host_grad)
                 s.opt = ParamAdam(master, hp, backend)
                 self.slots[p] = s
-        if self.dtype != torch.float32:
-            for p in self.slots:
-                p.data = p.data.to(self.dtype)
+        for p in self.slots:  # one parameter at a time: the card never holds more than its training copy
+            p.data = p.data.to(self.device, self.dtype)
+        model.to(self.device)  # what is not trained here (buffers: rotary tables, masks)
         self.host_bytes = 8 * sum(s.numel for s in self.slots.values())  # master + gradient, pageable
         self._norm_order = [p for p in model.parameters() if p in self.slots]  # clip_grad_norm_'s order
         self.sizes = {l.name: l.numel for l in self.layers}

@@ -236,7 +236,7 @@ def _reference(base, batches, clip: float = 0.0, host: frozenset = frozenset()) 
 
 def _engine(base, batches, **kw):
 
-    eng = SplitEngine(copy.deepcopy(base).to(batches[0].device), hp=AdamHP(lr=LR, weight_decay=WEIGHT_DECAY), **kw)
+    eng = SplitEngine(copy.deepcopy(base), hp=AdamHP(lr=LR, weight_decay=WEIGHT_DECAY), device=batches[0].device, **kw)
     try:
         for b in batches:
             eng.step(b)

@@ -203,10 +203,10 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         run_sinks = ([live] if sinks else []) + ([jsonl] if jsonl else [])
         eng = row = None
         try:
-            model = copy.deepcopy(base).to(device)
+            model = copy.deepcopy(base)  # on the host: the engine moves only its training copy to the device
             eng = SplitEngine(model, hp=hp, precision=cfg.precision, backend=cfg.backend,
                               host_workers=cfg.host_workers, include_transfer=cfg.include_transfer,
-                              sinks=run_sinks, max_grad_norm=cfg.max_grad_norm, **spec["kw"])
+                              sinks=run_sinks, max_grad_norm=cfg.max_grad_norm, device=device, **spec["kw"])
             for b in batches:
                 eng.step(b)
             eng.close()
