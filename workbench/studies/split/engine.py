@@ -201,8 +201,9 @@ class SplitEngine:
                 s = _Slot(name, layer.name, p, master, host_grad)
                 s.opt = ParamAdam(master, hp, backend)
                 self.slots[p] = s
-        for p in self.slots:  # one parameter at a time: the card never holds more than its training copy
-            p.data = p.data.to(self.device, self.dtype)
+                # then at once its training copy to the device: the card never holds more than the
+                # training copies, nor the host more than the fp32 weights given plus their gradients
+                p.data = p.data.to(self.device, self.dtype)
         model.to(self.device)  # what is not trained here (buffers: rotary tables, masks)
         self.host_bytes = 8 * sum(s.numel for s in self.slots.values())  # master + gradient, pageable
         self._norm_order = [p for p in model.parameters() if p in self.slots]  # clip_grad_norm_'s order
