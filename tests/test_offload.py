@@ -882,6 +882,17 @@ def test_the_engine_takes_its_masters_from_the_fp32_weights_and_moves_only_the_t
     eng.close()
 
 
+def test_each_pinned_block_is_a_power_of_two_so_what_is_reported_is_what_is_pinned(monkeypatch):
+    """The caching host allocator rounds a pinned block up to a power of two; with 3 chunks of
+    256 KiB a ring asked for 768 KiB, pinned 1 MiB and reported 768 KiB. The chunks are now
+    rounded up too (4, all of them used) and the report matches the block."""
+    pinned = _record_pinned(monkeypatch)
+    eng = SplitEngine(tiny_qwen(), hp=HP, pin_memory=True, staging_chunks=3, staging_chunk_mib=0.25)
+    assert pinned == [2**20, 2**20] and eng.pinned_bytes == eng.staging_bytes == 2 * 2**20
+    assert eng.copier.grads.n_chunks == 4 and _cuda.staging_bytes(3, 2**18, torch.float32) == 2 * 2**20
+    eng.close()
+
+
 @pytest.mark.parametrize("k", [0.0, 0.5])
 def test_chunked_staging_keeps_parity(k):
     """Chunks of 256 fp32 elements (1 KiB, two per ring): every gradient and weight goes through

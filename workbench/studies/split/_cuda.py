@@ -37,7 +37,8 @@ class Ring:
 
     Gradients reach the host and weights leave it through these chunks, `chunk_elems` elements
     at a time, so the pinned memory is `nbytes` whatever the model's size (the caching host
-    allocator rounds a pinned block up to a power of two: the block is sized to one already).
+    allocator rounds a pinned block up to a power of two: the block is sized to one already, its
+    chunk size and its number of chunks each rounded up, so that what it pins is what it uses).
     A chunk is handed out by `acquire()`, which waits until the copy that last used it has
     finished (its CUDA event; on the CPU copies are synchronous and there is nothing to wait for).
     Thread-safe: the copy thread and the host Adam workers share the rings.
@@ -46,7 +47,7 @@ class Ring:
     def __init__(self, n_chunks: int, chunk_bytes: int, dtype: torch.dtype, pinned: bool):
         if n_chunks < 1 or chunk_bytes < dtype.itemsize:
             raise ValueError("a ring needs at least one chunk of at least one element")
-        chunk_bytes = _pow2_at_least(chunk_bytes)
+        chunk_bytes, n_chunks = _pow2_at_least(chunk_bytes), _pow2_at_least(n_chunks)
         self.chunk_elems = chunk_bytes // dtype.itemsize
         self.n_chunks, self.dtype, self.pinned = n_chunks, dtype, pinned
         block = alloc((n_chunks * self.chunk_elems,), dtype, pinned)
@@ -84,7 +85,7 @@ class Ring:
 
 def staging_bytes(n_chunks: int, chunk_bytes: int, dtype: torch.dtype) -> int:
     """What both rings hold (gradients in, weights out), whatever the model: the pinned budget."""
-    per_ring = n_chunks * (_pow2_at_least(chunk_bytes) // dtype.itemsize) * dtype.itemsize
+    per_ring = _pow2_at_least(n_chunks) * (_pow2_at_least(chunk_bytes) // dtype.itemsize) * dtype.itemsize
     return 2 * per_ring
 
 
