@@ -317,13 +317,16 @@ class SplitEngine:
             pending = [s for s in slots if s.future is not None]
             if not pending:
                 return
-            t0 = self.clock.host_mark()
+            # marks on the compute stream (on CUDA): the device reaches the first when the kernels
+            # queued before the wait are done, the second once the weights' copy it waits on has
+            # landed, so the span is the device's idle time (a host clock would count the queue too)
+            t0 = self.clock.mark()
             for s in pending:
                 s.future.result()  # host update + the copy back have been issued
                 self._wait_ready(s)
                 s.future = None
             if self._cur is not None:  # outside step() (an eval forward) it still waits, unrecorded
-                self._cur.waits.append((t0, self.clock.host_mark()))
+                self._cur.waits.append((t0, self.clock.mark()))
 
         return wait
 
