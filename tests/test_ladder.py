@@ -497,6 +497,8 @@ def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
     # machine's numbering: the monitor read card 0, another card, for cuda:0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     assert step_memory("cuda:0")()["nvml_used_mib"] == 503.0 and step_memory("cuda:1")()["nvml_used_mib"] == 501.0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4d8f7c2e-0000-0000-0000-000000000000")  # no mapping: CUDA's index
+    assert step_memory("cuda:0")()["nvml_used_mib"] == 500.0
 
 
 def test_the_monitor_reads_the_drivers_reserve_where_nvml_has_a_v2_query(monkeypatch):

@@ -656,25 +656,36 @@ def test_a_run_out_of_memory_on_a_card_is_a_row_and_gives_the_memory_back(tmp_pa
 
 
 def test_a_run_on_a_card_is_held_to_the_host_memory_it_needs_at_least(monkeypatch):
-    """On a card the host's memory is not the card's: the engine's fp32 masters and gradients (and
-    each run's fp32 copy of the weights, made on the host) could have the OOM killer end the study,
-    which held only CPU runs to the memory free. The floors are what the engine allocates."""
+    """On a card the host's memory is not the card's: the engine's fp32 masters, gradients and
+    the Adam state of its host share (and each reference run's fp32 copy of the weights, made on
+    the host) could have the OOM killer end the study, which held only CPU runs to the memory free.
+    The engine's floor is what a real engine holds on the host after its first step."""
     from workbench.studies.split import preflight
+    from workbench.studies.split.engine import HOST
 
     model = tiny_qwen()
     n = pm.shape_from_model(model, "tiny", 16).n_params
-    eng = SplitEngine(copy.deepcopy(model), hp=HP, k=0.5)
-    eng.close()
-    assert eng.host_bytes == preflight.CARD_HOST_FLOOR["engine"][0] * n  # the engine's own count, any k
-    assert sum(p.numel() * p.element_size() for p in model.parameters()) == 4 * n
+    for k in (0.0, 0.5, 1.0):
+        eng = SplitEngine(copy.deepcopy(model), hp=HP, k=k)
+        eng.step(batches(512, 1)[0])
+        eng.finish()
+        host = sum(s.host_master.nbytes + s.host_grad.nbytes for s in eng.slots.values())
+        host += sum(t.nbytes for s in eng.slots.values() if s.side == HOST
+                    for t in s.opt.opt.state[s.host_master].values() if t.dim() > 0)  # exp_avg, exp_avg_sq
+        assert host == pytest.approx(preflight.card_host_floor("engine", eng.k_actual)[0] * n, rel=1e-12), k
+        eng.close()
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == 4 * n  # the reference's copy
     monkeypatch.setattr(preflight, "simulate", None)  # a card's hold predicts no CPU step
     hold = MemoryHold(SplitConfig.from_dict(TINY), model.config, device=torch.device("cuda"), n_params=n)
-    assert hold.need_mib("engine") == 8 * n / 2**20 and hold.need_mib("reference") == 4 * n / 2**20
-    monkeypatch.setattr(common, "host_free_mib", lambda: 6 * n / 2**20)
-    assert hold.reason("reference") is None
-    assert hold.reason("engine") == (
-        f"host memory: at least an fp32 master and an fp32 gradient of every parameter (8 bytes x {n:,} parameters), "
-        f"{8 * n / 2**20:,.1f} MiB > the {6 * n / 2**20:,.0f} MiB this machine has free: not run")
+    assert hold.need_mib("engine", 0.5) == 12 * n / 2**20 and hold.need_mib("reference") == 4 * n / 2**20
+    assert hold.need_mib("engine", 0.5, compared=True) == hold.need_mib("zero") == 16 * n / 2**20
+    monkeypatch.setattr(common, "host_free_mib", lambda: 10 * n / 2**20)
+    assert hold.reason("reference") is None and hold.reason("engine", 1.0) is None
+    assert hold.reason("engine", 0.5) == (
+        f"host memory: at least an fp32 master and gradient of every parameter, Adam state of the host's share 0.5 "
+        f"(12 bytes x {n:,} parameters), {12 * n / 2**20:,.1f} MiB > the {10 * n / 2**20:,.0f} MiB this machine "
+        f"has free: not run")
+    assert hold.reason("zero").startswith("host memory: at least DeepSpeed's fp32 master, gradient and Adam state")
     monkeypatch.setattr(common, "host_free_mib", lambda: 2 * n / 2**20)
     assert hold.reason("reference").startswith("host memory: at least the run's fp32 copy of the weights")
 
@@ -874,7 +885,18 @@ def test_the_engine_takes_its_masters_from_the_fp32_weights_and_moves_only_the_t
     the model comes on the host and the engine moves each parameter in the training dtype; the
     masters are the fp32 weights to the bit, and every parameter and buffer ends on its device."""
     base = tiny_qwen()
-    eng = SplitEngine(copy.deepcopy(base), hp=HP, precision="bf16", k=0.5, device="cpu")
+    trained, moved = {tuple(p.shape) for p in base.parameters()}, []
+
+    class Moves(torch.overrides.TorchFunctionMode):  # every tensor `.to()` makes, with its dtype
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.Tensor.to and tuple(out.shape) in trained:
+                moved.append(out.dtype)
+            return out
+
+    with Moves():  # (on a card: a model moved first, even by model.to(device), would show fp32 weights here)
+        eng = SplitEngine(copy.deepcopy(base), hp=HP, precision="bf16", k=0.0, device="cpu")
+    assert moved and set(moved) == {torch.bfloat16}
     masters = eng.master_weights()
     assert all(torch.equal(masters[n], p) for n, p in base.named_parameters())
     assert {(p.dtype, p.device) for p in eng.model.parameters()} == {(torch.bfloat16, eng.device)}

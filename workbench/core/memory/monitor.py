@@ -38,13 +38,20 @@ from workbench.core.common import MiB, Sink
 def open_nvml(device: torch.device, *, say: Callable[[str], None] | None = None):
     """An NVML handle for the CUDA `device`, or None (and one line saying why) without a driver.
     NVML numbers every card of the machine, CUDA only those CUDA_VISIBLE_DEVICES names, in its
-    order: the handle is found through torch's own mapping from one to the other."""
+    order: the handle is found through torch's own mapping from one to the other (what
+    torch.cuda.device_memory_used uses; like it, it assumes CUDA_DEVICE_ORDER=PCI_BUS_ID where the
+    cards differ). Where the mapping fails (MIG instances named in CUDA_VISIBLE_DEVICES), the
+    CUDA index is taken as NVML's, as before."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(index))
+        try:
+            index = torch.cuda._get_nvml_device_index(index)
+        except Exception:  # MIG UUIDs match no card's UUID ("device 0 is not visible"), or no UUIDs read
+            pass
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
     except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError ...
         (say or _stderr)(f"workbench monitor: NVML unavailable ({type(e).__name__}: {e}); "
                          f"no driver-level GPU memory figures, sampling what torch and psutil can read")

@@ -187,9 +187,10 @@ class Clock:
     """Milliseconds on ONE time base.
 
     CPU: perf_counter for everything. CUDA: the device's clock (CUDA events) for everything.
-    Device-side moments (end of forward, of backward, of a copy) are events on the stream that
-    does the work; host-side moments (a host Adam update starting or ending, a forward pre-hook
-    waiting) are events recorded on a dedicated marker stream that never has work queued, so the
+    Device-side moments (end of forward, of backward, of a copy, and the compute stream's idle
+    span while a forward pre-hook waits for weights) are events on the stream that does the work;
+    host-side moments (a host Adam update starting or ending, a copy thread's span) are events
+    recorded on a dedicated marker stream that never has work queued, so the
     GPU timestamps them as soon as the host records them (a few microseconds of launch latency).
     All times are `elapsed_time` from one origin event on that stream: no host and device clocks
     are ever mixed.

@@ -141,9 +141,10 @@ class SplitEngine:
         pageable); past it, host updates wait for the verdict instead of speculating.
     pin_memory: page-lock the staging rings (default: on CUDA only).
     device: where training runs (default: where the model is). A model given on the CPU in fp32
-        keeps its fp32 weights here as the masters, and only the training copy goes to `device`,
-        parameter by parameter in the training dtype: a card need not hold the fp32 weights
-        (4 bytes a parameter) even for a moment, so a 16-bit run fits where only its copy does.
+        keeps its fp32 weights here as the masters, and only the training copy of each trained
+        parameter goes to `device`, one at a time in the training dtype: in 16 bits the card holds
+        2 bytes a parameter of weights, not the fp32 copy's 4 (the masters of the share k it
+        updates go there by design; parameters not trained and buffers move as they are).
     """
 
     def __init__(

@@ -55,7 +55,8 @@ from workbench.studies.split.layers import find_block_list, guessed_arrival_orde
 PROFILES = Path(__file__).with_name("profiles.json")
 CLAIMS = PROJECT_ROOT / "data" / "published_claims.json"
 GB = 1e9  # rates (GB/s) are decimal on every data sheet
-GIB = 2**30  # a card's memory is binary: an "80 GB" A100 shows 81,920 MiB
+GIB = 2**30  # a card's memory is binary: an "80 GB" A100 shows 81,920 MiB (CUDA's context and the
+# driver's reserve, a few hundred MiB to about 1.5 GiB, are not subtracted: the model's memory is the data sheet's)
 
 # Model shapes the model can be run for (transformers configs; built on the meta device).
 SHAPES = {

@@ -192,7 +192,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     for spec in _runs(cfg):
         name = spec["name"]
         head = {**common, "run": name, "mode": spec["mode"], "k_target": spec["kw"]["k"]}
-        why = status if status != "ok" else hold.reason("engine")
+        why = status if status != "ok" else hold.reason("engine", spec["kw"]["k"], compared=ref_w is not None)
         if why:
             runs.append({**head, "status": "skipped", "reason": why})
             continue
@@ -240,7 +240,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         release(device)
 
     if cfg.zero_offload:
-        reason = hold.reason("engine")  # ZeRO-Offload holds an fp32 master and Adam state too
+        reason = hold.reason("zero")  # on a CPU held as an engine run; on a card to DeepSpeed's host state
         head = {**common, "run": "DeepSpeed ZeRO-Offload", "mode": "ZeRO-Offload", "k_target": 0.0,
                 "backend": "deepspeed"}
         row = None
