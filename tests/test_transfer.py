@@ -180,6 +180,33 @@ def test_the_commit_a_result_names_says_when_the_code_was_edited(tmp_path, monke
     assert git_commit() == "unknown"
 
 
+def test_a_card_attempt_is_preflighted_with_the_reserved_memory_cuda_needs(tiny_base, results_dir, monkeypatch):
+    """A card's budget caps the caching allocator's reserved memory; its pre-flight compared the
+    CPU's live bytes with it (no block rounding or segments, no cuBLAS workspaces, the CPU's
+    attention kernel), and in fp16 the CPU simulation raised, which ended the study. Played: the
+    fallback chain asks the pre-flight of a card attempt and of the CPU."""
+    from workbench.core.fallback import Attempt, Outcome
+
+    asked = {}
+
+    def chain(attempts, job, preflight=None, on_event=None):
+        for a in (Attempt("cuda", 160.0), Attempt("cpu")):
+            asked[a.device] = preflight(a)
+        return Outcome("oom", None, None, [])
+
+    monkeypatch.setattr(transfer, "run_with_fallback", chain)
+    cfg = StrategiesConfig(strategies=("full",), seeds=(0,), precision="bf16", **TINY)
+    row = run_strategies(cfg, progress=False).runs.iloc[0]
+    (card, how), (cpu, cpu_how) = asked["cuda"], asked["cpu"]
+    assert how.startswith("CUDA-modelled prediction of the reserved memory") and cpu_how.startswith("fake-tensor")
+    assert card > cpu + 16  # the two cuBLAS workspaces alone are 16.25 MiB on the default sm_80
+    assert row["predicted_peak_mib"] == cpu  # no attempt finished: the CPU's prediction (the card's is reserved)
+    fp16 = replace(cfg, precision="fp16", devices=("cuda@160",))
+    assert transfer.predicted_peak_mib(fp16, "full", 100, "cuda")[0] > 16  # the CPU simulation raises in fp16
+    with pytest.raises(ConfigError, match="fp16"):
+        transfer.predicted_peak_mib(fp16, "full", 100, "cpu")
+
+
 @pytest.mark.parametrize("bad, error", [
     ({"strategies": ["adaptor"]}, "unknown strategy adaptor"),
     ({"token_budget": 0}, "token_budget must be positive"),
@@ -190,7 +217,8 @@ def test_the_commit_a_result_names_says_when_the_code_was_edited(tmp_path, monke
     ({"seeds": 3}, "expected a list"),
     ({"learning_rate": 1e-3}, "unknown parameter"),
     ({"devices": ["tpu"]}, "not a device"),
-    ({"precision": "fp16", "devices": ["cpu"]}, "fp16 needs a CUDA device"),
+    ({"precision": "fp16", "devices": ["cpu"]}, "fp16 autocast runs on CUDA only, and the attempts include cpu"),
+    ({"precision": "fp16", "devices": ["cuda@6000", "cpu"]}, r"fp16 .* include cpu; use bf16 or fp32, or devices"),
 ])
 def test_bad_input_is_rejected_before_training(bad, error):
     with pytest.raises(ConfigError, match=error):

@@ -77,8 +77,10 @@ class StrategiesConfig(Config):
             raise ConfigError("seeds is empty")
         for d in self.devices:
             Attempt.parse(d)
-        if self.precision == "fp16" and not any(d.startswith("cuda") for d in self.attempts_as_text()):
-            raise ConfigError("fp16 needs a CUDA device; use bf16 or fp32")
+        cpu = [d for d in self.attempts_as_text() if not d.startswith("cuda")]
+        if self.precision == "fp16" and cpu:  # a fallback to the CPU would end the study, not run
+            raise ConfigError(f"fp16 autocast runs on CUDA only, and the attempts include {', '.join(cpu)}; use "
+                              f"bf16 or fp32, or devices=['cuda'] (no CPU fallback)")
 
     # derived values are methods, not stored fields
     def spec(self) -> EmbeddedSpec:

@@ -27,8 +27,9 @@ from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks, target_corpus
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.hub import hub_options, not_found_message
+from workbench.core.memory import cuda_model
 from workbench.core.memory.plan import Plan, bnb_4bit_config
-from workbench.core.memory.predict import simulate
+from workbench.core.memory.predict import predict, simulate
 from workbench.core.models import (
     EMBEDDED,
     ModelNotFoundError,
@@ -97,26 +98,33 @@ def run_inputs(cfg: StrategiesConfig, corpus) -> dict[str, str]:
 _PREDICTIONS: dict[tuple, tuple[float, str] | None] = {}
 
 
-def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int) -> tuple[float, str] | None:
-    """The predicted peak of the training run of `strategy`, in MiB (no weights read): its steady-state
-    step's, or with a single step that step's.
+def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int,
+                       device: str = "cpu") -> tuple[float, str] | None:
+    """What the training run of `strategy` on `device` is predicted to need of a budget there, in MiB
+    (no weights read): on the CPU the peak live bytes of its steady-state (or single) step, which a
+    CPU budget counts; on a card the reserved memory the run needs (CUDA's kernels and caching
+    allocator modelled), which a card's budget caps. The real training loop runs on fake tensors
+    (workbench.core.memory.predict): activations and temporaries counted. Cached per setting."""
 
-    It runs the real training loop on fake tensors (workbench.core.memory.predict), so it counts
-    activations and temporaries too, not just weights + gradients + Adam state. Cached per setting.
-    """
-
+    cuda = torch.device(device).type == "cuda"
     key = (cfg.model, cfg.base_size, strategy, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.seq_len,
-           cfg.lora_rank, n_blocks, cfg.steps() >= 2)
+           cfg.lora_rank, n_blocks, cfg.steps() >= 2, device if cuda else "cpu")
     if key not in _PREDICTIONS:
         config = load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
         plan = Plan(f"study1-{strategy}", 0, "", precision=cfg.precision, trainable=strategy,
                     accum=cfg.grad_accum, lora_rank=cfg.lora_rank)
+        batch = cfg.micro_batch * cfg.grad_accum
         try:
-            # as the played budget's live-bytes count (a dispatch mode) runs the step
-            report = simulate(config, plan, batch=cfg.micro_batch * cfg.grad_accum, seq=cfg.seq_len, n_blocks=n_blocks,
-                              instrumented=True)
-            _PREDICTIONS[key] = (report.run_peak_bytes(cfg.steps()) / 2**20,
-                                 "fake-tensor prediction of the training step")
+            if cuda:  # the card at hand's compute capability picks the attention kernel
+                card = cuda_model.card_at_hand(device) if torch.cuda.is_available() else None
+                p = predict(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, device="cuda", card=card,
+                            replay_steps=cfg.steps())
+                _PREDICTIONS[key] = (p.fit_bytes / 2**20, "CUDA-modelled prediction of the reserved memory the run "
+                                                          "needs")
+            else:  # as the played budget's live-bytes count (a dispatch mode) runs the step
+                report = simulate(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, instrumented=True)
+                _PREDICTIONS[key] = (report.run_peak_bytes(cfg.steps()) / 2**20,
+                                     "fake-tensor prediction of the training step")
         except StrategyNotApplicable:
             _PREDICTIONS[key] = None
     return _PREDICTIONS[key]
@@ -148,11 +156,11 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                   sinks: list[Sink], run: RunDir) -> dict[str, Any]:
     settings = cfg.train_settings(seed, strategy)
     steps_sink = run.steps_sink()
-    predicted: list = []
+    predicted: dict[str, tuple[float, str] | None] = {}  # by attempt
 
     def preflight(attempt: Attempt):
-        predicted.append(predicted_peak_mib(cfg, strategy, len(train_blocks)))
-        return predicted[-1]
+        predicted[str(attempt)] = predicted_peak_mib(cfg, strategy, len(train_blocks), attempt.device)
+        return predicted[str(attempt)]
 
     def job(attempt: Attempt, budget, phase):
         phase("load")
@@ -197,7 +205,10 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         row.update(outcome.value)
     if row["ppl_after"] is not None:
         row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
-    row["predicted_peak_mib"] = predicted[-1][0] if predicted and predicted[-1] else None
+    # the finishing attempt's prediction if of its peak's kind (a card's: reserved; its peak: allocated), else the CPU's
+    done, cpu = outcome.attempt, [v for k, v in predicted.items() if not k.startswith("cuda") and v]
+    mine = (predicted.get(str(done)) if done.device == "cpu" else None) if done else (cpu[-1] if cpu else None)
+    row["predicted_peak_mib"] = mine[0] if mine else None
     return row
 
 
