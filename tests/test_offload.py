@@ -502,6 +502,23 @@ def test_bad_config_values_are_refused(bad):
         SplitConfig.from_dict(bad)
 
 
+def test_the_live_charts_memory_on_a_card_is_the_iterations_peak():
+    """The engine emits an iteration's row after the next forward: reading the allocator then gave
+    that moment's memory (the next forward's activations; none for the last row) under a chart
+    titled "peak device memory per step". Played: the row of a CUDA engine, which carries its peak."""
+    from workbench.studies.split.runner import _RunSink
+
+    got = []
+    sink = _RunSink([got.append], {"run": "k=0"}, torch.device("cuda"))
+    sink({"iteration": 0, "tokens": 64, "accel_peak_mib": 123.5})
+    sink.flush()
+    assert got[0]["mem_mib"] == 123.5 and got[0]["step"] == 1
+    cpu = _RunSink([got.append], {"run": "k=0"}, torch.device("cpu"))
+    cpu({"iteration": 0, "tokens": 64, "accel_peak_mib": None})
+    cpu.flush()
+    assert "mem_mib" not in got[1]  # the CPU's chart has no device memory line
+
+
 def test_a_cards_memory_is_binary():
     """A card's "80 GB" was read as 80e9 bytes (74.5 GiB): an A100 80GB showed 7% less memory than
     it has (81,920 MiB), capped k 7% too low and said "needs X GiB of 75"."""
@@ -1127,6 +1144,7 @@ def test_cuda_engine_clipping_and_chunks(precision):
         torch.testing.assert_close(masters[n], w.cpu(), rtol=0, atol=tol)
     for r in eng.rows:
         assert 0.0 <= r["accel_idle_share"] <= 1.0 and r["to_host_ms"] >= 0 and r["to_accel_ms"] >= 0
+        assert r["accel_peak_mib"] > 0  # the allocator's peak over the iteration
     eng.close()
 
 

@@ -129,6 +129,7 @@ class _Iter:
     probe: bool = False  # adaptive: k was moved to measure backward at another k, not by the balance
     host_numel: int = 0
     accel_numel: int = 0
+    accel_peak_bytes: int | None = None  # CUDA: the allocator's peak over this step's forward, backward, update
 
 
 class SplitEngine:
@@ -457,6 +458,8 @@ class SplitEngine:
             it.gate = _Gate(self.scale, self.speculation_bytes)
         self._cur = it
         self._inf = None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         it.marks["start"] = self.clock.mark()
 
         with self._autocast():  # forward: waits for weights module by module
@@ -493,6 +496,8 @@ class SplitEngine:
                     s.accel_master.grad = None
                 s.param.grad = None
         it.marks["accel_update_end"] = self.clock.mark()
+        if self.cuda:
+            it.accel_peak_bytes = torch.cuda.max_memory_allocated(self.device)
         if not self.order_measured:
             self._measure_order(it)
         self._pending, self._cur = it, None
@@ -630,6 +635,7 @@ class SplitEngine:
             "pinned_bytes": self.pinned_bytes,  # page-locked host memory (CUDA only): the staging rings
             "staging_bytes": self.staging_bytes,  # the rings' size on any device
             "host_pageable_bytes": self.host_bytes,  # fp32 masters + gradients (Adam state not counted)
+            "accel_peak_mib": None if it.accel_peak_bytes is None else it.accel_peak_bytes / 2**20,
         }
         self._learn(row)
         rates = self.current_rates()

@@ -56,7 +56,7 @@ class _RunSink:
     """Collects each iteration's row of one run and hands them to the study's sinks as training rows.
 
     It adds the run's labels, `step` (iteration + 1), cumulative `tokens` (the engine's row counts
-    one iteration's: kept as `iteration_tokens`) and, on CUDA, the allocator's `mem_mib` then.
+    one iteration's: kept as `iteration_tokens`) and, on CUDA, `mem_mib`: the iteration's `accel_peak_mib`.
     The rows are passed on by `flush()` when the run ends, not as they come: the engine emits a row
     between an iteration's forward and backward, so a chart redraw there (~20 ms here) would be
     timed as backward and move the adaptive k. A run of the tiny model takes seconds.
@@ -72,7 +72,7 @@ class _RunSink:
         out = {**row, **self.labels, "step": row["iteration"] + 1, "iteration_tokens": row["tokens"],
                "tokens": self.tokens}
         if self.device.type == "cuda":
-            out["mem_mib"] = torch.cuda.memory_allocated(self.device) / 2**20
+            out["mem_mib"] = row.get("accel_peak_mib")
         self.rows.append(out)
 
     def flush(self) -> None:
