@@ -486,6 +486,15 @@ def _fake_cuda_memory(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
 
 
+def test_a_rung_study_2_cannot_measure_on_the_cpu_does_not_say_the_machine_has_no_gpu():
+    """Study 2 measures on the CPU on any machine; on a GPU machine its rows said "on a machine
+    without a GPU both are the same memory"."""
+    whys = {n: p.cannot_run_here(torch.device("cpu")) for n, p in RUNGS.items()}
+    assert {n for n, w in whys.items() if w} == {"fp16", "device_map", "zero_offload", "zero_offload_params"}
+    assert all("on the CPU" in w and "gpu-check" in w and "without a GPU" not in w for w in whys.values() if w)
+    assert all(p.cannot_run_here(torch.device("cuda")) is None for p in RUNGS.values())
+
+
 def test_step_memory_columns_on_cuda_and_none_on_the_cpu(monkeypatch):
     assert step_memory("cpu") is None
     _fake_cuda_memory(monkeypatch)

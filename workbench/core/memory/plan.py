@@ -121,10 +121,12 @@ class Plan:
         """Why this plan cannot be measured on `device` (None: it can)."""
         if self.placement in ("device_map", "zero_offload", "zero_offload_params"):
             if device.type != "cuda":
-                return (f"{self.placement} moves tensors between a GPU and the host; on a machine "
-                        f"without a GPU both are the same memory, so there is no device peak to measure")
+                return (f"{self.placement} moves tensors between a GPU and the host; measured on the CPU, "
+                        f"where both are the same memory, it has no device peak (`workbench gpu-check` "
+                        f"measures it on a card)")
         if self.precision == "fp16" and device.type != "cuda":  # fp16_true runs anywhere: no GradScaler
-            return "fp16 autocast with a GradScaler needs CUDA (the CPU runs bf16 autocast instead)"
+            return ("fp16 autocast with a GradScaler needs CUDA, and this measurement is on the CPU (which runs "
+                    "bf16 autocast; `workbench gpu-check` measures a card)")
         return None
 
     def row(self) -> dict[str, Any]:
