@@ -172,7 +172,7 @@ def train(
     tokens_per_step = settings.tokens_per_step(seq_len)
     losses: list[float] = []
     tokens = 0
-    t_start = time.perf_counter()
+    seconds = 0.0  # the steps' own time: what the sinks take (a live chart's redraw, a file write) is not training
     for step in range(settings.steps):
         t0 = time.perf_counter()
         lr = settings.lr_at(step)
@@ -200,6 +200,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss_sum)  # a device sync point: the step's time includes its work
         dt = time.perf_counter() - t0
+        seconds += dt
         tokens += tokens_per_step
         losses.append(loss_value)
         if sinks:
@@ -218,7 +219,6 @@ def train(
                 sink(row)
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss became {loss_value} at step {step + 1}; lower the learning rate")
-    seconds = time.perf_counter() - t_start
     if settings.grad_checkpointing:
         model.activation_checkpointing_disable()
         if use_cache is not None:
