@@ -53,6 +53,24 @@ def test_every_candidate_keeps_the_effective_batch_and_the_setup_is_among_them()
     assert all(p.optimizer == setup.optimizer for p in plans if p.placement != "device")  # DeepSpeed's own Adam
 
 
+def test_before_ampere_bf16_is_ranked_after_fp16(monkeypatch):
+    """A T4, a V100 or an RTX 20xx has no bf16 tensor cores (torch emulates bf16 there, and
+    is_bf16_supported() says yes): the search ranked bf16 as fast as fp16 on every card."""
+    setup = _setup()
+    plans = {p.precision: p for p in candidates(setup, BATCH) if p.accum == 1 and not p.grad_checkpointing
+             and p.placement == "device" and p.optimizer == setup.optimizer}
+    plans["fp16"] = dataclasses.replace(plans["bf16"], precision="fp16")
+    assert cost(plans["bf16"], 86) == cost(plans["fp16"], 86) < cost(plans["fp32"], 86)
+    assert cost(plans["fp16"], 75) < cost(plans["bf16"], 75) == cost(plans["fp32"], 75)
+    assert cost(plans["bf16_true"], 70) == cost(plans["fp32"], 70)
+    seen = []  # the search ranks with the card's compute capability
+    monkeypatch.setattr(autofit, "cost", lambda p, sm=80: seen.append(sm) or 1.0)
+    monkeypatch.setattr(autofit, "predict", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"):
+        search("embedded", setup, batch=BATCH, seq=64, budget_mib=1000, card="T4 16GB", margin=0.1)
+    assert seen and set(seen) == {75}
+
+
 def test_the_margin_is_the_predictions_measured_error(tmp_path):
     data = json.loads(autofit.MARGINS_FILE.read_text())
     m, why = prediction_margin(_setup(precision="bf16-true"))

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from workbench.core.common import MiB, mib_text
 from workbench.core.config import ConfigError
+from workbench.core.memory import cuda_model
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import predict
 from workbench.studies.ladder.card_records import CARD_RECORDS, card_reserved_errors, reserved_shortfall
@@ -61,6 +62,9 @@ COSTS = {
     "zero_offload_params": 3.0,  # that, and every weight copied to the card in forward, recompute and backward
     # (ZeRO-3 prefetches to overlap them; assumption: the slowest placement, tried last)
     "lora": 0.7,  # no weight gradients: backward 2N instead of 4N of 6N FLOPs (ranked after same-training setups)
+    # bf16 before sm_80 (T4, V100, RTX 20xx): no bf16 tensor cores, so torch emulates it (is_bf16_supported()
+    # counts emulation): ranked as fp32's rate, after fp16 (assumption: at best fp32's speed)
+    "bf16_before_sm80": 1.0,
 }
 PRECISION_FAMILY = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16_true": "bf16-true", "fp16_true": "fp16-true",
                     "fp32": "fp32"}
@@ -89,8 +93,11 @@ def prediction_margin(plan: Plan, path=MARGINS_FILE, *, device: str = "cpu", rec
     return (pct + short) / 100, f"{why} + {short_why}"
 
 
-def cost(plan: Plan) -> float:
+def cost(plan: Plan, sm: int = cuda_model.DEFAULT_SM) -> float:
+    """The prior cost of `plan` on a card of compute capability `sm` (x 10)."""
     c = COSTS["precision"][plan.precision] * COSTS["optimizer"][plan.optimizer]
+    if sm < 80 and plan.precision.startswith("bf16"):
+        c = COSTS["bf16_before_sm80"] * COSTS["optimizer"][plan.optimizer]
     c *= COSTS["checkpointing"] if plan.grad_checkpointing else 1.0
     c *= 1 + COSTS["accumulation_step"] * (plan.accum - 1)
     c *= COSTS.get(plan.placement, 1.0) if plan.placement in ("zero_offload", "zero_offload_params") else 1.0
@@ -170,8 +177,10 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     budget = int(budget_mib * MiB)
     fixed = None if margin is None else (margin, margin_source)
     margin_of = (lambda plan: fixed) if fixed else (lambda plan: prediction_margin(plan, device=device))
+    the_card = cuda_model.card(card)
+    sm = the_card.sm if the_card is not None else cuda_model.DEFAULT_SM
     ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora) if runnable is None or runnable(p)),
-                    key=lambda p: (p.trainable != setup.trainable, cost(p)))
+                    key=lambda p: (p.trainable != setup.trainable, cost(p, sm)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup))
     with tqdm(total=len(ranked), desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
         for plan in ranked:
@@ -181,7 +190,7 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
             p = predict(model, plan, batch=batch, seq=seq, device=device, card=card)
             need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
             fits = need * (1 + m) <= budget
-            choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan), 3), "method": p.method,
+            choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan, sm), 3), "method": p.method,
                                  "need_mib": need / MiB, "margin": m, "with_margin_mib": need * (1 + m) / MiB,
                                  "fits": fits, "changes_what_trains": plan.trainable != setup.trainable,
                                  "predict_seconds": round(time.perf_counter() - t0, 1)})
