@@ -95,9 +95,9 @@ def prediction_margin(plan: Plan, path=MARGINS_FILE, *, device: str = "cpu", rec
 
 def cost(plan: Plan, sm: int = cuda_model.DEFAULT_SM) -> float:
     """The prior cost of `plan` on a card of compute capability `sm` (x 10)."""
-    c = COSTS["precision"][plan.precision] * COSTS["optimizer"][plan.optimizer]
-    if sm < 80 and plan.precision.startswith("bf16"):
-        c = COSTS["bf16_before_sm80"] * COSTS["optimizer"][plan.optimizer]
+    emulated = sm < 80 and plan.precision.startswith("bf16")
+    c = COSTS["bf16_before_sm80"] if emulated else COSTS["precision"][plan.precision]
+    c *= COSTS["optimizer"][plan.optimizer]
     c *= COSTS["checkpointing"] if plan.grad_checkpointing else 1.0
     c *= 1 + COSTS["accumulation_step"] * (plan.accum - 1)
     c *= COSTS.get(plan.placement, 1.0) if plan.placement in ("zero_offload", "zero_offload_params") else 1.0

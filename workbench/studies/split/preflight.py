@@ -44,7 +44,6 @@ from workbench.studies.split.config import SplitConfig
 
 # the plain step each kind of run is held to, by the engine's precision (pure 16 bits: no autocast copies)
 PLAIN = {"fp32": "fp32", "bf16": "bf16_true", "fp16": "fp16_true"}
-# what a run on a card holds in this machine's memory at least: (bytes a parameter, what they are)
 
 
 def card_host_floor(kind: str, k: float = 0.0, compared: bool = False) -> tuple[float, str]:
@@ -55,8 +54,9 @@ def card_host_floor(kind: str, k: float = 0.0, compared: bool = False) -> tuple[
     if kind == "zero":
         return 16.0, "DeepSpeed's fp32 master, gradient and Adam state of every parameter"
     what = f"an fp32 master and gradient of every parameter, Adam state of the host's share {1 - k:g}"
-    return 8.0 + 8.0 * (1.0 - k) + 4.0 * compared, what + (" and the masters' copy compared with AdamW" if compared
-                                                          else "")
+    if compared:
+        what += " and the masters' copy compared with AdamW"
+    return 8.0 + 8.0 * (1.0 - k) + 4.0 * compared, what
 
 
 class MemoryHold:

@@ -100,11 +100,10 @@ _PREDICTIONS: dict[tuple, tuple[float, str] | None] = {}
 
 def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int,
                        device: str = "cpu") -> tuple[float, str] | None:
-    """What the training run of `strategy` on `device` is predicted to need of a budget there, in MiB
-    (no weights read): on the CPU the peak live bytes of its steady-state (or single) step, which a
-    CPU budget counts; on a card the reserved memory the run needs (CUDA's kernels and caching
-    allocator modelled), which a card's budget caps. The real training loop runs on fake tensors
-    (workbench.core.memory.predict): activations and temporaries counted. Cached per setting."""
+    """What the run of `strategy` on `device` needs of a budget there, in MiB, predicted on fake tensors
+    (workbench.core.memory.predict; activations counted, no weights read): on the CPU its steady-state
+    step's peak live bytes, which a CPU budget counts; on a card the reserved memory it needs (CUDA's
+    kernels and caching allocator modelled), which a card's budget caps. Cached per setting."""
 
     cuda = torch.device(device).type == "cuda"
     key = (cfg.model, cfg.base_size, strategy, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.seq_len,
@@ -117,10 +116,8 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int,
         try:
             if cuda:  # the card at hand's compute capability picks the attention kernel
                 card = cuda_model.card_at_hand(device) if torch.cuda.is_available() else None
-                p = predict(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, device="cuda", card=card,
-                            replay_steps=cfg.steps())
-                _PREDICTIONS[key] = (p.fit_bytes / 2**20, "CUDA-modelled prediction of the reserved memory the run "
-                                                          "needs")
+                p = predict(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, device="cuda", card=card)
+                _PREDICTIONS[key] = (p.fit_bytes / 2**20, "CUDA-modelled prediction of the reserved memory needed")
             else:  # as the played budget's live-bytes count (a dispatch mode) runs the step
                 report = simulate(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, instrumented=True)
                 _PREDICTIONS[key] = (report.run_peak_bytes(cfg.steps()) / 2**20,
@@ -205,9 +202,12 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         row.update(outcome.value)
     if row["ppl_after"] is not None:
         row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
-    # the finishing attempt's prediction if of its peak's kind (a card's: reserved; its peak: allocated), else the CPU's
-    done, cpu = outcome.attempt, [v for k, v in predicted.items() if not k.startswith("cuda") and v]
-    mine = (predicted.get(str(done)) if done.device == "cpu" else None) if done else (cpu[-1] if cpu else None)
+    # beside the measured peak, a prediction of the same kind: the finishing attempt's on a CPU (a card's is
+    # of reserved memory, its peak allocated); none finished: the last CPU one's (why it was skipped)
+    if outcome.attempt is not None:
+        mine = predicted.get(str(outcome.attempt)) if outcome.attempt.device == "cpu" else None
+    else:
+        mine = next((v for k, v in reversed(predicted.items()) if not k.startswith("cuda") and v), None)
     row["predicted_peak_mib"] = mine[0] if mine else None
     return row
 
