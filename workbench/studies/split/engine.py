@@ -141,6 +141,8 @@ class SplitEngine:
     speculation_mib: fp16 / clipping snapshot budget (12 bytes per speculated host parameter,
         pageable); past it, host updates wait for the verdict instead of speculating.
     pin_memory: page-lock the staging rings (default: on CUDA only).
+    On CUDA each step resets torch's peak-memory counters to read its own peak (`accel_peak_mib`):
+    a caller reading `torch.cuda.max_memory_allocated()` across a run gets the last step's.
     device: where training runs (default: where the model is). A model given on the CPU in fp32
         keeps its fp32 weights here as the masters, and only the training copy of each trained
         parameter goes to `device`, one at a time in the training dtype: in 16 bits the card holds
