@@ -71,6 +71,19 @@ def test_before_ampere_bf16_is_ranked_after_fp16(monkeypatch):
     assert seen and set(seen) == {75}
 
 
+def test_before_ampere_fp16_mixed_is_offered_and_chosen(config):
+    """On a T4 (sm_75, the free notebook card) bf16 is emulated: the fast half precision there is
+    fp16 autocast with a GradScaler, which the search did not offer, so it chose fp32 or emulated bf16."""
+    def precisions(setup, **kw):
+        return {p.precision for p in candidates(setup, BATCH, **kw)}
+
+    assert "fp16" in precisions(_setup(), sm=75) and "fp16" in precisions(_setup(precision="bf16-mixed"), sm=75)
+    assert "fp16" not in precisions(_setup(), sm=80) | precisions(_setup())  # bf16 runs natively from sm_80
+    assert "fp16" not in precisions(_setup(precision="bf16-true"), sm=75)  # pure fp16 without loss scaling: no
+    t4 = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, card="T4 16GB", keep=1)
+    assert t4.plan.precision == "fp16" and t4.table[0]["setup"].startswith("fp16-mixed") and len(t4.table) == 1
+
+
 def test_the_margin_is_the_predictions_measured_error(tmp_path):
     data = json.loads(autofit.MARGINS_FILE.read_text())
     m, why = prediction_margin(_setup(precision="bf16-true"))

@@ -6,8 +6,9 @@
     choice.table                                       # every setup predicted, in the order tried
 
 The space: micro-batch (each divisor of the batch, with accumulation making up the rest, so the
-effective batch never changes), activation checkpointing, precision (bf16-mixed, bf16-true),
-optimizer (8-bit and paged 8-bit AdamW) and placement (DeepSpeed ZeRO-Offload of the optimizer),
+effective batch never changes), activation checkpointing, precision (bf16-mixed, bf16-true; and
+fp16-mixed on a card before sm_80, where bf16 is emulated), optimizer (8-bit and paged 8-bit
+AdamW) and placement (DeepSpeed ZeRO-Offload of the optimizer),
 starting from the user's own setup; LoRA only when `allow_lora` (it changes what trains, so a
 setup that keeps the trainable set always ranks before one that does not).
 
@@ -105,11 +106,14 @@ def cost(plan: Plan, sm: int = cuda_model.DEFAULT_SM) -> float:
     return c
 
 
-def candidates(setup: Plan, batch: int, *, allow_lora: bool = False) -> list[Plan]:
+def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | None = None) -> list[Plan]:
     """The setups the search may choose: `setup` changed in any of the searched dimensions; every
-    one has the same effective batch (micro-batch x accumulation = `batch`)."""
+    one has the same effective batch (micro-batch x accumulation = `batch`). `sm`: the compute
+    capability (x 10) of the card searched for; before sm_80, where bf16 is emulated, fp16 autocast
+    with a GradScaler (fp16-mixed) is offered beside bf16 for an fp32 or bf16-mixed setup."""
+    fp16 = ("fp16",) if sm is not None and sm < 80 and setup.precision in ("fp32", "bf16") else ()
     precisions = dict.fromkeys([setup.precision, *(p for p in ("bf16", "bf16_true") if setup.precision == "fp32"),
-                                *(("bf16_true",) if setup.precision == "bf16" else ())])
+                                *(("bf16_true",) if setup.precision == "bf16" else ()), *fp16])
     optimizers = dict.fromkeys([setup.optimizer, "adamw8bit", "paged_adamw8bit"])
     trainables = dict.fromkeys([setup.trainable, *(("lora",) if allow_lora and setup.trainable == "full" else ())])
     placements = dict.fromkeys([setup.placement, "zero_offload", "zero_offload_params"] if setup.placement == "device"
@@ -179,7 +183,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     margin_of = (lambda plan: fixed) if fixed else (lambda plan: prediction_margin(plan, device=device))
     the_card = cuda_model.card(card)
     sm = the_card.sm if the_card is not None else cuda_model.DEFAULT_SM
-    ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora) if runnable is None or runnable(p)),
+    ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora, sm=sm)
+                     if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p, sm)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup))
     with tqdm(total=len(ranked), desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
