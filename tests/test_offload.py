@@ -921,6 +921,16 @@ def test_the_engine_takes_its_masters_from_the_fp32_weights_and_moves_only_the_t
     eng.close()
 
 
+def test_a_bf16_engine_on_a_card_before_ampere_says_bf16_is_emulated(monkeypatch):
+    monkeypatch.setattr(engine_mod, "bf16_emulated", lambda device: f"bf16 is emulated on {device}")
+    with pytest.warns(UserWarning, match="emulated on cpu"):
+        SplitEngine(tiny_qwen(), hp=HP, precision="bf16", k=0.0).close()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        SplitEngine(tiny_qwen(), hp=HP, precision="fp32", k=0.0).close()
+    assert not [w for w in seen if "emulated" in str(w.message)]
+
+
 def test_each_pinned_block_is_a_power_of_two_so_what_is_reported_is_what_is_pinned(monkeypatch):
     """The caching host allocator rounds a pinned block up to a power of two; with 3 chunks of
     256 KiB a ring asked for 768 KiB, pinned 1 MiB and reported 768 KiB. The chunks are now

@@ -1,6 +1,7 @@
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import subprocess_env, tiny_config
 from transformers import AutoModelForCausalLM
 
 from workbench.core.config import ConfigError
+from workbench.core.memory import monitor
 from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
 
@@ -76,6 +78,30 @@ def test_checkpointing_and_bf16_run():
     r = train(m, blocks, TrainSettings(steps=2, micro_batch=4, grad_checkpointing=True, precision="bf16"))
     assert math.isfinite(r.final_loss)
     assert not m.is_activation_checkpointing and m.config.use_cache is True  # put back as it was
+
+
+def test_bf16_on_a_card_before_ampere_says_it_is_emulated(monkeypatch):
+    """A T4 (the free notebook card), a V100 or an RTX 20xx has no bf16 tensor cores, and torch
+    runs bf16 there anyway, at fp32's speed or slower: a bf16 run on one said nothing."""
+    cap = [(7, 5)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    note = monitor.bf16_emulated("cuda:0")
+    assert "Tesla T4 (sm_75) is emulated" in note and "fp16 with a GradScaler" in note
+    assert monitor.bf16_emulated("cpu") is None
+    cap[0] = (8, 0)
+    assert monitor.bf16_emulated("cuda") is None
+    # where it answers (a card before sm_80), the training loop warns for bf16 autocast or bf16 weights
+    monkeypatch.setattr(monitor, "bf16_emulated", lambda device: "bf16 is emulated here")
+    m, blocks = model_and_blocks()
+    with pytest.warns(UserWarning, match="emulated here"):
+        train(m, blocks, TrainSettings(steps=1, micro_batch=4, precision="bf16"))
+    with pytest.warns(UserWarning, match="emulated here"):
+        train(m.to(torch.bfloat16), blocks, TrainSettings(steps=1, micro_batch=4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(m.float(), blocks, TrainSettings(steps=1, micro_batch=4))
+    assert not [w for w in seen if "emulated" in str(w.message)]
 
 
 def test_checkpointing_trains_without_transformers_use_cache_warning():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal
 
@@ -162,6 +163,9 @@ def train(
     if optimizer is None:
         optimizer = make_optimizer(model.parameters(), settings, device)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    if settings.precision == "bf16" or any(p.dtype == torch.bfloat16 for p in trainable):
+        if note := monitor.bf16_emulated(device):
+            warnings.warn(note, stacklevel=2)
     scaler = torch.amp.GradScaler("cuda") if settings.precision == "fp16" else None
     if memory_probe is None and device.type == "cuda":
         memory_probe = lambda: torch.cuda.max_memory_allocated(device) / 2**20  # noqa: E731  (the run's peak so far)

@@ -17,6 +17,9 @@ row of studies 1 and 2 carries the run's peak allocated and reserved bytes so fa
 memory; on the CPU it adds no columns (a CPU has no allocator peak or NVML to report). Sampling
 costs microseconds per row; `overhead` measures what it costs a run (benchmarks/monitor_overhead.py
 on this machine, `workbench gpu-check --only monitor` on a card).
+
+`bf16_emulated` says in one line when a card before sm_80 runs bf16 emulated (the training loop
+and the split engine warn with it).
 """
 
 from __future__ import annotations
@@ -72,6 +75,20 @@ def driver_reserved_mib(handle) -> float | None:
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
+
+
+def bf16_emulated(device: str | torch.device) -> str | None:
+    """On a CUDA card before sm_80 (T4, V100, RTX 20xx), one line saying that bf16 runs emulated
+    there: no bf16 tensor cores, and torch runs it anyway (`is_bf16_supported()` counts emulation),
+    at fp32's speed or slower. None on any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return None
+    return (f"bf16 on {torch.cuda.get_device_name(device)} (sm_{major}{minor}) is emulated (no bf16 tensor cores "
+            "before sm_80): expect fp32's speed or slower; fp16 with a GradScaler is this card's fast half precision")
 
 
 def step_memory(device: str | torch.device, *, nvml=None) -> Callable[[], dict[str, float]] | None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -73,6 +74,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from workbench.core.memory.monitor import bf16_emulated
 from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP, BackendUnavailable, ParamAdam, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
@@ -180,6 +182,8 @@ class SplitEngine:
         self.cuda = self.device.type == "cuda"
         self.hp, self.precision, self.backend = hp, precision, backend
         self.dtype = DTYPES[precision]
+        if self.dtype == torch.bfloat16 and (note := bf16_emulated(self.device)):
+            warnings.warn(note, stacklevel=2)
         self.adaptive, self.k_every, self.include_transfer = adaptive, k_every, include_transfer
         self.sinks = list(sinks)
         self.scale = loss_scale if precision == "fp16" else 1.0
