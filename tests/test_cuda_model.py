@@ -86,6 +86,37 @@ def test_kernel_choice_follows_sdp_utils():
     assert cm.sdpa_backend(t(f16, d=200), t(f16, d=200), t(f16, d=200), sm=89) == "flash"  # no grad here
 
 
+def test_the_math_kernel_keeps_the_fp32_score_matrix_as_cuda_runs_it():
+    """bf16 before sm_80 (T4, V100, RTX 20xx) has neither flash nor memory-efficient attention: CUDA
+    runs SDPA's composite math kernel, which computes in fp32 and keeps the B x H x S x S softmax.
+    The model ran the CPU's SDPA there, whose flash kernel keeps only the output and logsumexp: a
+    T4's bf16 prediction was an Ampere card's (about 0.75 GiB low for Qwen2-0.5B at 512 tokens)."""
+    B, H, KV, S, D = 1, 4, 2, 128, 32
+    math_kernel = lambda q, k, v: torch.ops.aten._scaled_dot_product_attention_math(  # noqa: E731
+        q, k, v, None, 0.0, True, None, enable_gqa=True)[0]
+    attn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    with FakeTensorMode():
+        q = torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(B, KV, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        with cm.CudaChoices(sm=75) as mode:
+            t4, _ = saved_bytes(attn, q, k, v, cuda=False)
+        ampere, _ = saved_bytes(attn, q, k, v, cuda=True)
+        cpu, _ = saved_bytes(attn, q, k, v, cuda=False)
+        math, _ = saved_bytes(math_kernel, q, k, v, cuda=False)
+    assert mode.kernels == {"math": 1}
+    assert t4 == math and t4 - ampere >= B * H * S * S * 4  # the fp32 softmax, at least
+    assert cpu < B * H * S * S  # (what the model ran before: the CPU's flash kernel)
+    # the same numbers as torch's own math SDPA, with a boolean mask (sdpa's entry makes it additive)
+    q, k, v = (torch.randn(B, H, 16, D, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(16, 16) > 0.3
+    mask[:, 0] = True
+    with cm.CudaChoices(sm=75):
+        ours = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(ours, theirs)
+
+
 def test_dropout_mask_is_one_byte_on_cuda():
     n = 4096
     with FakeTensorMode():

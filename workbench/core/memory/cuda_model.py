@@ -159,8 +159,9 @@ def _repeat_kv(t, heads):
 
 
 def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-              sm: int = DEFAULT_SM, original=None, chosen: dict | None = None):
-    """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors)."""
+              sm: int = DEFAULT_SM, chosen: dict | None = None):
+    """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors;
+    the math kernel is composite, so it runs as CUDA would run it)."""
     if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list
         dt = torch.get_autocast_dtype("cpu")
         q, k, v = (t.to(dt) if t.dtype == torch.float32 else t for t in (q, k, v))
@@ -176,8 +177,14 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 q, _repeat_kv(k, heads), _repeat_kv(v, heads), attn_mask, q.requires_grad or k.requires_grad,
                 dropout_p, is_causal, scale=scale)[0]
-        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
+        # math: on CUDA the composite kernel, which computes in fp32 (16-bit inputs upcast) and keeps
+        # the B x H x S x S softmax for backward; the CPU's SDPA would take its own flash kernel
+        # (output and logsumexp). sdpa's entry turns a boolean mask into an additive one first.
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
+            attn_mask = torch.where(attn_mask, zero, minus_inf)
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                  scale=scale, enable_gqa=enable_gqa)[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,7 +245,7 @@ class CudaChoices(TorchFunctionMode):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "scaled_dot_product_attention":
-            return cuda_sdpa(*args, **kwargs, sm=self.sm, original=func, chosen=self.kernels)
+            return cuda_sdpa(*args, **kwargs, sm=self.sm, chosen=self.kernels)
         if func is torch.nn.functional.dropout:
             x = args[0]
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
