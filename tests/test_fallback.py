@@ -7,6 +7,7 @@ import psutil
 import pytest
 import torch
 
+from workbench.cli import main
 from workbench.core.config import ConfigError
 from workbench.core.fallback import Attempt, default_attempts, run_with_fallback, unavailable
 from workbench.core.memory.budget import device_budget
@@ -135,6 +136,32 @@ def test_which_devices_are_unavailable_and_the_split_study_says_so_in_one_line(m
                                           r"device=auto$"):
         SplitConfig(device="cuda").resolved_device()
     assert SplitConfig(device="auto").resolved_device() == "cpu"
+
+
+def test_a_card_this_torch_has_no_kernels_for_is_unavailable_and_says_which_build_has(monkeypatch, capsys):
+    """torch's CUDA 12.9 and 13 builds start at sm_75: on a GTX 1080 (sm_61) or a V100 (sm_70) torch
+    only warns, is_available() says True, and the first kernel fails with "no kernel image is
+    available", which no fallback catches: study 1 crashed where it should have run on the CPU."""
+    card = {"cc": (6, 1), "name": "NVIDIA GeForce GTX 1080"}
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: card["cc"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: card["name"])
+    monkeypatch.setattr(torch.cuda, "_host_arch_key", lambda: "x86_64")
+    why = unavailable("cuda")
+    assert why.startswith("torch ") and "has no kernels for NVIDIA GeForce GTX 1080 (sm_61; built for sm_75 and up)" in why
+    assert "for CUDA 12.6 (--index-url https://download.pytorch.org/whl/cu126)" in why  # torch's own table
+    assert default_attempts(None) == (Attempt("cpu"),) and default_attempts(48)[0] == Attempt("cpu", 48.0)
+    assert SplitConfig(device="auto").resolved_device() == "cpu"
+    out = run_with_fallback((Attempt.parse("cuda"), Attempt.parse("cpu")), _job_needing(1))
+    assert out.status == "ok" and out.history_text() == "cuda: unavailable -> cpu: ok"
+    assert main(["gpu-check"]) == 1 and capsys.readouterr().out.strip() == f"workbench gpu-check: {why}"
+    card.update(cc=(7, 5), name="Tesla T4")  # a card the build has kernels for
+    assert unavailable("cuda") is None and default_attempts(None)[0] == Attempt("cuda")
+    assert SplitConfig(device="auto").resolved_device() == "cuda"
 
 
 def test_other_errors_are_not_swallowed():

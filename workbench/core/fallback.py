@@ -13,7 +13,8 @@ and goes on to the next attempt with a fresh start. Any other error propagates. 
 check may skip an attempt whose predicted peak exceeds its budget (a CPU attempt without one: the
 memory this machine has free, so an attempt too big for it is a row, not the whole process killed
 by the kernel's OOM killer), and that is recorded too, and so is an attempt on a device this
-machine does not have ('cuda' without a GPU): the next one runs.
+machine does not have ('cuda' without a GPU, or on a card this torch build has no kernels for):
+the next one runs.
 When nothing fits, the outcome has status "oom" instead of raising; when no device named exists
 here, "skipped".
 """
@@ -72,8 +73,34 @@ class Attempt:
         return f"{self.device}@{self.budget_mib:g}" + (":cuda" if self.allocator == "cuda" else "")
 
 
+def no_kernels(index: int = 0) -> str | None:
+    """Why this torch build has no kernels for CUDA card `index` (None: it has, or torch does not say).
+
+    torch only warns when it finds such a card (a GTX 1080 or a V100 under a CUDA 12.9 or 13 build,
+    which start at sm_75): `is_available()` stays True and the first kernel fails with "no kernel
+    image is available", an error no fallback catches. Read with torch's own compatibility table."""
+    cuda = torch.cuda
+    try:
+        built = [cuda._extract_arch_version(a) for a in cuda.get_arch_list()]
+        if torch.version.cuda is None or not built:  # a CPU or ROCm build: nothing to check
+            return None
+        major, minor = cuda.get_device_capability(index)
+        cc = 10 * major + minor
+        if any(cuda._code_compatible_with_device(cc, b) for b in built):
+            return None
+        releases = [v for v, by_arch in cuda.PYTORCH_RELEASES_CODE_CC.items()
+                    if any(cuda._code_compatible_with_device(cc, b) for b in by_arch.get(cuda._host_arch_key(), ()))]
+    except (AttributeError, ValueError, IndexError):  # torch's private table moved: trust torch
+        return None
+    fix = (f"install torch {torch.__version__.split('+')[0]} for CUDA {releases[-1]} "
+           f"(--index-url https://download.pytorch.org/whl/cu{releases[-1].replace('.', '')})" if releases
+           else "this card needs an older torch")
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for {cuda.get_device_name(index)} "
+            f"(sm_{cc}; built for sm_{min(built)} and up): {fix}")
+
+
 def unavailable(device: str) -> str | None:
-    """Why `device` does not exist on this machine (None: it does)."""
+    """Why `device` does not exist on this machine, or torch cannot run on it (None: it can)."""
     dev = torch.device(device)  # cpu or cuda[:N] (Attempt.parse and SplitConfig allow no other)
     if dev.type == "cpu":
         return None
@@ -82,12 +109,13 @@ def unavailable(device: str) -> str | None:
         return f"no CUDA device on this machine (torch {torch.__version__}: {why})"
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         return f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 first"
-    return None
+    return no_kernels(dev.index or 0)
 
 
 def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
-    """GPU (under the budget, if any) then CPU on a GPU machine; else the CPU playing a GPU, then the CPU."""
-    if torch.cuda.is_available():
+    """GPU (under the budget, if any) then CPU on a GPU machine torch can run on; else the CPU
+    playing a GPU, then the CPU."""
+    if unavailable("cuda") is None:
         return (Attempt("cuda", budget_mib), Attempt("cpu"))
     if budget_mib is None:
         return (Attempt("cpu"),)

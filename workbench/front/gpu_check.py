@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from workbench.core.common import MiB, one_line
 from workbench.core.config import ConfigError
+from workbench.core.fallback import no_kernels
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
@@ -278,6 +279,9 @@ def _main(args) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU_LINE)
         return 0
+    if missing := no_kernels(torch.cuda.current_device()):
+        print(f"workbench gpu-check: {missing}")
+        return 1
     summary = run_checks(opts)
     print(f"gpu-check: {summary['status']} in {summary['seconds']:.0f} s; see {opts.out / 'report.md'}")
     return 0 if summary["status"] == "pass" else 1

@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import torch
-
 from workbench.core.config import Config, ConfigError, param, setting
 from workbench.core.fallback import unavailable
 from workbench.core.models import TINY_SPEC, EmbeddedSpec
@@ -123,7 +121,7 @@ class SplitConfig(Config):
         """The device to run on: 'auto' picks the GPU where there is one; a device this machine
         does not have is a one-line error."""
         if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
+            return "cuda" if unavailable("cuda") is None else "cpu"
         missing = unavailable(self.device)
         if missing:
             raise ConfigError(f"device={self.device}: {missing}; use device=cpu or device=auto")
