@@ -179,6 +179,28 @@ def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypat
     assert [r["accounted_peak_mib"] for r in out["rows"]] == [100.0 if counted else None, None]
 
 
+def test_the_trace_fits_the_card_and_its_precision(monkeypatch, tmp_path):
+    """On an 8 GB card Qwen2-0.5B's bf16 step (about 8.7 GB) ran out of memory and failed the whole
+    check; before sm_80 it traced emulated bf16. Now fp16 there, and the tiny base where the step does not fit."""
+    traced, cc = [], [(7, 5)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc[0])
+
+    def fake_trace(opts, precision):
+        traced.append((opts.model, opts.seq, precision))
+        if not opts.tiny:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.85 GiB")
+        return {"status": "pass", "files": ["trace.json", "memory_snapshot.pickle"], "failures": []}
+
+    monkeypatch.setattr(gc, "_trace", fake_trace)
+    out = gc.check_trace(gc.Options(out=tmp_path))
+    assert traced == [(gc.Options.model, 512, "fp16"), ("embedded", 64, "fp16")]
+    assert out["status"] == "pass" and out["model"] == "embedded (tiny)" and out["precision"] == "fp16"
+    assert "ran out of memory on this card (OutOfMemoryError: CUDA out of memory." in out["note"]
+    cc[0], traced[:] = (9, 0), []
+    out = gc.check_trace(gc.Options(out=tmp_path, model="embedded", tiny=True, seq=64))
+    assert traced == [("embedded", 64, "bf16")] and "note" not in out
+
+
 def test_ladder_verdict():
     good = [gr.rung_row("bf16", _pred(100), _measured(98, 110), {}),
             gr.rung_row("fp32", _pred(200), {"status": "oom", "reason": "CUDA out of memory"}, {})]

@@ -28,6 +28,7 @@ the functions here marked "CUDA" are the thin layer that measures.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import time
@@ -202,7 +203,24 @@ def check_strategies(opts: Options) -> dict[str, Any]:
 
 
 def check_trace(opts: Options) -> dict[str, Any]:
-    """CUDA: a torch.profiler trace and a CUDA memory snapshot of one bf16 training iteration."""
+    """CUDA: a torch.profiler trace and a CUDA memory snapshot of one mixed-precision training
+    iteration of the check's model (bf16; fp16 before sm_80, where bf16 is emulated). Where that step
+    does not fit the card (Qwen2-0.5B's needs about 8.7 GB), the tiny embedded base's, and it says so."""
+    import torch
+
+    precision = "bf16" if torch.cuda.get_device_capability(opts.device)[0] >= 8 else "fp16"
+    try:
+        return {**_trace(opts, precision), "model": opts.model, "precision": precision}
+    except torch.OutOfMemoryError as e:
+        why = one_line(e, 160)  # (the error's frames, which hold the model, go with the except block)
+    gc.collect()
+    torch.cuda.empty_cache()
+    tiny = dataclasses.replace(opts, model="embedded", tiny=True, seq=64)
+    return {**_trace(tiny, precision), "model": "embedded (tiny)", "precision": precision,
+            "note": f"{opts.model}'s step ran out of memory on this card ({why}): traced the tiny base instead"}
+
+
+def _trace(opts: Options, precision: str) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -210,7 +228,7 @@ def check_trace(opts: Options) -> dict[str, Any]:
                        seq_len=opts.seq, reference_model="")
     _, load, blocks, _ = model_at_hand(cfg)
     model = load().to(opts.device)
-    settings = TrainSettings(steps=1, micro_batch=opts.batch, precision="bf16", lr=1e-4)
+    settings = TrainSettings(steps=1, micro_batch=opts.batch, precision=precision, lr=1e-4)
     train(model, blocks, settings, device=opts.device)  # warm-up, outside the recordings
     opts.out.mkdir(parents=True, exist_ok=True)
     torch.cuda.memory._record_memory_history(max_entries=200_000)
