@@ -771,11 +771,15 @@ def test_zero_offload_times_what_its_step_left_queued(monkeypatch):
         backward = step = destroy = lambda *a: None
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: (Queued(), None, None, None))
+    given = {}
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: given.update(kw) or (Queued(), None, None, None))
     rows, reason = zero_baseline.run_zero_offload(torch.nn.Linear(2, 2), [torch.zeros(1, 4, dtype=torch.long)] * 2,
                                                   1e-3, 0.0)
     assert reason is None and [r["loss"] for r in rows] == [1.0, 1.0]
     assert all(r["iteration_ms"] >= 200 for r in rows), [r["iteration_ms"] for r in rows]
+    # the card's gradient bucket: no larger than the trainable parameters (6 here), not DeepSpeed's 5e8
+    # elements (1.9 GiB of an 8 GB card in fp32, whatever the model)
+    assert given["config"]["zero_optimization"]["reduce_bucket_size"] == 6
 
 
 def test_each_run_is_copied_with_no_earlier_run_on_the_card_and_zero_offload_clips_too(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import time
 import torch
 
 from workbench.core.common import one_line, single_process_env
+from workbench.core.memory.offload import REDUCE_BUCKET_SIZE  # DeepSpeed's default
 
 
 def dist_backend(device: torch.device | str) -> str:
@@ -34,10 +35,16 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
             for k, v in single_process_env().items():
                 os.environ.setdefault(k, v)
             deepspeed.init_distributed(dist_backend=dist_backend(next(model.parameters()).device))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         config = {
             "train_micro_batch_size_per_gpu": batches[0].shape[0],
             "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            # the gradient bucket: with the optimizer offloaded DeepSpeed keeps one of reduce_bucket_size
+            # elements on the card (contiguous_gradients is forced on), 5e8 by default: 1.9 GiB in fp32
+            # whatever the model. No larger than the trainable parameters: the same one flush per
+            # backward for a model under 5e8 parameters, without the gigabytes a small card lacks
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                  "reduce_bucket_size": min(REDUCE_BUCKET_SIZE, trainable)},
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                       "weight_decay": weight_decay}},
             "bf16": {"enabled": precision == "bf16"},
