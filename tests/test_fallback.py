@@ -13,6 +13,7 @@ from workbench.core.fallback import Attempt, default_attempts, run_with_fallback
 from workbench.core.memory.budget import device_budget
 from workbench.core.memory.live_bytes import LiveBytes
 from workbench.studies.split.config import SplitConfig
+from workbench.studies.split.preflight import failure
 
 
 def test_budget_raises_the_same_error_as_cuda_and_releases_memory():
@@ -170,6 +171,31 @@ def test_other_errors_are_not_swallowed():
 
     with pytest.raises(KeyError):
         run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), job)
+    with pytest.raises(RuntimeError, match="shape"):
+        run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), _raising(RuntimeError("shape '[2, 3]' is invalid")))
+
+
+def _raising(error):
+    def job(attempt, budget, phase):  # the first attempt fails with `error`, the next one runs
+        phase("backward")
+        if attempt.budget_mib is not None:
+            raise error
+        return 1.0
+    return job
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call"])
+def test_cudas_own_out_of_memory_errors_fall_back_too(message):
+    """Memory CUDA takes outside torch's allocator fails as a RuntimeError, not an OutOfMemoryError:
+    a cuBLAS handle, made at the first matmul of each thread (autograd's backward thread too), on a
+    card the step has filled. Study 1 ended there instead of going on to the CPU."""
+    out = run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), _raising(RuntimeError(message)))
+    assert out.status == "fallback" and str(out.attempt) == "cpu"
+    assert out.history[0]["result"] == "oom" and out.history[0]["phase"] == "backward"
+    assert out.history[0]["reason"] == message.splitlines()[0]
+    assert failure(RuntimeError(message))["status"] == "oom" and failure(RuntimeError("shape"))["status"] == "error"
 
 
 def test_attempt_parsing():

@@ -235,6 +235,28 @@ def test_auto_fit_steps_down_on_a_real_oom(env):
         run_with_step_down(SetupChoice(None, 2, 1, 0.0, ""), attempt)
 
 
+def test_cudas_own_out_of_memory_error_is_an_oom_row(monkeypatch):
+    """A cuBLAS handle made on a full card fails as a RuntimeError (CUBLAS_STATUS_ALLOC_FAILED), not
+    torch's OutOfMemoryError: the rung's measurement crashed instead of being an `oom` row that
+    auto-fit steps down from; an offloaded rung's was 'not measured'."""
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    def fails(error):
+        def run(*a, **k):
+            raise error
+        return run
+
+    blocks, load = torch.randint(0, 100, (8, 16)), lambda: load_model("embedded", spec=TINY_SPEC)[0]
+    monkeypatch.setattr(ladder, "train", fails(cublas))
+    m = measure("fp32", load, blocks, batch=2, steps=2)
+    assert m["status"] == "oom" and "CUBLAS_STATUS_ALLOC_FAILED" in m["reason"]
+    monkeypatch.setattr(ladder, "train", fails(RuntimeError("shape '[2, 3]' is invalid")))
+    with pytest.raises(RuntimeError, match="shape"):  # a bug is not an out-of-memory row
+        measure("fp32", load, blocks, batch=2, steps=2)
+    monkeypatch.setattr(ladder, "measure_offloaded", fails(cublas))
+    assert measure("zero_offload", load, blocks, batch=2, steps=2, device="cuda")["status"] == "oom"
+
+
 def test_config_and_budget_errors():
     with pytest.raises(ConfigError, match="unknown rung 'fp64'"):
         LadderConfig(rungs=("fp32", "fp64"))

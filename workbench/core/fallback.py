@@ -7,7 +7,7 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
     default_attempts(budget_mib=48)                   # GPU then CPU on a GPU machine; else cpu@48 then cpu
 
 `run_with_fallback(attempts, job)` runs `job(attempt, budget)` on each attempt in turn. On
-`torch.OutOfMemoryError` at any point of the job (load, forward, backward, optimizer step,
+running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own) at any point of the job (load, forward, backward, optimizer step,
 evaluation) it drops everything the attempt held, records the device, the phase and the error,
 and goes on to the next attempt with a fresh start. Any other error propagates. A pre-flight
 check may skip an attempt whose predicted peak exceeds its budget (a CPU attempt without one: the
@@ -71,6 +71,19 @@ class Attempt:
         if self.budget_mib is None:
             return self.device
         return f"{self.device}@{self.budget_mib:g}" + (":cuda" if self.allocator == "cuda" else "")
+
+
+# out-of-memory errors that are not torch's OutOfMemoryError: memory CUDA takes outside the caching
+# allocator, when the card is full. A cuBLAS handle, made on first use in each thread (autograd's
+# backward thread makes its own at the first backward matmul), fails as "CUBLAS_STATUS_ALLOC_FAILED";
+# a plain cudaMalloc (a library's, the context's) as "CUDA error: out of memory". Both RuntimeErrors.
+OUT_OF_MEMORY_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is the device running out of memory (torch's OutOfMemoryError, or CUDA's own)."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in OUT_OF_MEMORY_MESSAGES))
 
 
 def no_kernels(index: int = 0) -> str | None:
@@ -192,7 +205,9 @@ def run_with_fallback(
         oom = None
         try:
             value, peak = _run_one(attempt, job, phase)
-        except torch.OutOfMemoryError as e:
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
             oom = str(e).splitlines()[0][:300]
         if oom is not None:
             # Freed here, after the handler: inside it the exception (and through its traceback

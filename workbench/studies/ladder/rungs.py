@@ -24,6 +24,7 @@ import torch
 
 from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
+from workbench.core.fallback import out_of_memory
 from workbench.core.memory.accounting import MemoryAccounting
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
@@ -83,9 +84,9 @@ def measure(
                 raise torch.OutOfMemoryError(f"{plan.name}: peak {out['measured_peak_bytes'] / 2**20:.1f} MiB "
                                              f"> budget {budget_mib:g} MiB")
             return out
-        except torch.OutOfMemoryError as e:
-            return {**row, "status": "oom", "reason": str(e)[:300]}
-        except Exception as e:  # a library missing or failing: say so, report no figure
+        except Exception as e:  # out of memory; else a library missing or failing: say so, report no figure
+            if out_of_memory(e):
+                return {**row, "status": "oom", "reason": str(e)[:300]}
             return {**row, "status": "not measured", "reason": f"{plan.placement} failed: {type(e).__name__}: {e}"[:300]}
     rows: list[dict[str, Any]] = []
     try:
@@ -103,7 +104,9 @@ def measure(
             probe = None if run_on.type == "cuda" else acc.take_window_peak_mib  # each step's peak; CUDA: the allocator's
             result = train(model, blocks, settings, device=run_on, optimizer=optimizer,
                            sinks=[rows.append, *sinks], extra={"rung": plan.name}, memory_probe=probe)
-    except torch.OutOfMemoryError as e:
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
         return {**row, "status": "oom", "reason": str(e)[:300]}
     timed = [r for r in rows if r["step"] > 1] or rows
     step_ms = sorted(r["step_ms"] for r in timed)[len(timed) // 2]  # median

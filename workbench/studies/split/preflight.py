@@ -38,6 +38,7 @@ import gc
 import torch
 
 from workbench.core.common import MiB, one_line, past_free_memory
+from workbench.core.fallback import out_of_memory
 from workbench.core.memory.plan import rung
 from workbench.core.memory.predict import simulate
 from workbench.studies.split.config import SplitConfig
@@ -97,7 +98,7 @@ class MemoryHold:
 def failure(e: BaseException) -> dict:
     """A measured run that raised: its row's status ("oom" for an out-of-memory error, else
     "error") and reason."""
-    return {"status": "oom" if isinstance(e, torch.OutOfMemoryError) else "error", "reason": one_line(e)}
+    return {"status": "oom" if out_of_memory(e) else "error", "reason": one_line(e)}
 
 
 def release(device: torch.device) -> None:
