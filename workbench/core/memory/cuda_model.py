@@ -10,7 +10,8 @@ cannot run CUDA kernels, not even fake ones: autograd cannot make a CUDA leaf's 
 
 - attention: `scaled_dot_product_attention` goes to the kernel torch's sdp_utils.cpp picks on the
   card (flash, then memory-efficient, then math; cuDNN attention is not modelled), called through
-  its aten op so autograd saves what that kernel saves (output + logsumexp, no S x S matrix);
+  its aten op so autograd saves what that kernel saves (flash and memory-efficient: output +
+  logsumexp, no S x S matrix; math, bf16 before sm_80: the composite kernel's fp32 S x S softmax);
 - dropout: `native_dropout`, as `at::dropout` picks for CUDA tensors (a 1-byte bool mask; the CPU
   keeps an fp32/bf16 noise tensor);
 - autocast: the CPU's autocast runs (it casts matmuls and linears as CUDA's does and keeps the
