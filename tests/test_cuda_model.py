@@ -373,6 +373,18 @@ def test_a_real_card_takes_its_presets_measured_context_and_its_own_size():
     assert cm.card_of("NVIDIA B200", 1, 100).context_bytes == cm.CONTEXT_BYTES
 
 
+def test_card_here_is_this_machines_card(monkeypatch):
+    with pytest.raises(ConfigError, match="--card here: this machine has no CUDA card"):
+        cm.card("here")
+    import types
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        name="Tesla T4", total_memory=15360 * MiB, major=7, minor=5))
+    here = cm.card(" Here ")
+    assert (here.name, here.total_bytes, here.sm) == ("Tesla T4", 15360 * MiB, 75)  # its own sm: fp16, math attention
+
+
 def test_an_empty_cache_in_the_timeline_gives_back_the_wholly_free_segments(tmp_path):
     big, small = 30 * MiB, 512
     cached = [(1, big), (2, small), (1, -1), (3, big)]

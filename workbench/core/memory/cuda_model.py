@@ -111,10 +111,15 @@ DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre car
 
 
 def card(spec: str | float | Card | None) -> Card | None:
-    """A card preset by name (case and spaces ignored) or a size in GiB (sm_80 assumed)."""
+    """A card preset by name (case and spaces ignored), a size in GiB (sm_80 assumed), or "here":
+    this machine's card (its memory and compute capability)."""
 
     if spec is None or isinstance(spec, Card):
         return spec
+    if str(spec).strip().lower() == "here":
+        if not torch.cuda.is_available():
+            raise ConfigError("--card here: this machine has no CUDA card; name one (e.g. 'T4 16GB') or give its GiB")
+        return card_at_hand()
     try:
         gib = float(spec)
     except (TypeError, ValueError):

@@ -68,8 +68,8 @@ def register(sub) -> None:
                    help="gradient checkpointing (default off)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch; --batch / M "
                    "accumulation steps (default: the whole batch)")
-    p.add_argument("--card", default=None, help="a card (e.g. 'RTX 4060 Ti 8GB', 'A100 80GB') or its GiB: "
-                   "fits or not, with the headroom (with --device cuda)")
+    p.add_argument("--card", default=None, help="a card (e.g. 'RTX 4060 Ti 8GB', 'A100 80GB'), its GiB, or 'here' "
+                   "(this machine's): fits or not, with the headroom (with --device cuda)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps to simulate, >= 2 (default: 2 on the CPU; 3 for CUDA, where the allocator model repeats "
                         "the last step until its cache is steady, which needs two like steps)")
