@@ -374,10 +374,11 @@ def test_a_real_card_takes_its_presets_measured_context_and_its_own_size():
 
 
 def test_card_here_is_this_machines_card(monkeypatch):
-    with pytest.raises(ConfigError, match="--card here: this machine has no CUDA card"):
-        cm.card("here")
     import types
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--card here: this machine has no CUDA card"):
+        cm.card("here")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
         name="Tesla T4", total_memory=15360 * MiB, major=7, minor=5))

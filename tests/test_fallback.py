@@ -153,7 +153,8 @@ def test_a_card_this_torch_has_no_kernels_for_is_unavailable_and_says_which_buil
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: card["name"])
     monkeypatch.setattr(torch.cuda, "_host_arch_key", lambda: "x86_64")
     why = unavailable("cuda")
-    assert why.startswith("torch ") and "has no kernels for NVIDIA GeForce GTX 1080 (sm_61; built for sm_75 and up)" in why
+    assert why.startswith("torch ") and "has no kernels for NVIDIA GeForce GTX 1080 (sm_61; built for sm_75, sm_80, " \
+        "sm_86, sm_90, sm_100, sm_120)" in why
     assert "for CUDA 12.6 (--index-url https://download.pytorch.org/whl/cu126)" in why  # torch's own table
     assert default_attempts(None) == (Attempt("cpu"),) and default_attempts(48)[0] == Attempt("cpu", 48.0)
     assert SplitConfig(device="auto").resolved_device() == "cpu"
@@ -172,7 +173,8 @@ def test_other_errors_are_not_swallowed():
     with pytest.raises(KeyError):
         run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), job)
     with pytest.raises(RuntimeError, match="shape"):
-        run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), _raising(RuntimeError("shape '[2, 3]' is invalid")))
+        run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")),
+                          _raising(RuntimeError("shape '[2, 3]' is invalid")))
 
 
 def _raising(error):

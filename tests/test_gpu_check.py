@@ -199,6 +199,14 @@ def test_the_trace_fits_the_card_and_its_precision(monkeypatch, tmp_path):
     cc[0], traced[:] = (9, 0), []
     out = gc.check_trace(gc.Options(out=tmp_path, model="embedded", tiny=True, seq=64))
     assert traced == [("embedded", 64, "bf16")] and "note" not in out
+    # CUDA's own out-of-memory error (a cuBLAS handle on a full card) steps down too; the tiny base does not
+    monkeypatch.setattr(gc, "_trace", lambda opts, precision: traced.append(opts.tiny) or (
+        {"status": "pass"} if opts.tiny else (_ for _ in ()).throw(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED"))))
+    traced[:] = []
+    assert gc.check_trace(gc.Options(out=tmp_path))["model"] == "embedded (tiny)" and traced == [False, True]
+    monkeypatch.setattr(gc, "_trace", lambda opts, precision: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    with pytest.raises(torch.OutOfMemoryError):
+        gc.check_trace(gc.Options(out=tmp_path, model="embedded", tiny=True, seq=64))
 
 
 def test_ladder_verdict():

@@ -7,9 +7,10 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
     default_attempts(budget_mib=48)                   # GPU then CPU on a GPU machine; else cpu@48 then cpu
 
 `run_with_fallback(attempts, job)` runs `job(attempt, budget)` on each attempt in turn. On
-running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own) at any point of the job (load, forward, backward, optimizer step,
-evaluation) it drops everything the attempt held, records the device, the phase and the error,
-and goes on to the next attempt with a fresh start. Any other error propagates. A pre-flight
+running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own) at any point of
+the job (load, forward, backward, optimizer step, evaluation) it drops everything the attempt
+held, records the device, the phase and the error, and goes on to the next attempt with a fresh
+start. Any other error propagates. A pre-flight
 check may skip an attempt whose predicted peak exceeds its budget (a CPU attempt without one: the
 memory this machine has free, so an attempt too big for it is a row, not the whole process killed
 by the kernel's OOM killer), and that is recorded too, and so is an attempt on a device this
@@ -77,6 +78,8 @@ class Attempt:
 # allocator, when the card is full. A cuBLAS handle, made on first use in each thread (autograd's
 # backward thread makes its own at the first backward matmul), fails as "CUBLAS_STATUS_ALLOC_FAILED";
 # a plain cudaMalloc (a library's, the context's) as "CUDA error: out of memory". Both RuntimeErrors.
+# Left out: "CUBLAS_STATUS_NOT_INITIALIZED", which a full card gives too, but so does a device-side
+# assert (an embedding index out of range): a bug is not to be fallen back from.
 OUT_OF_MEMORY_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
 
 
@@ -93,9 +96,11 @@ def no_kernels(index: int = 0) -> str | None:
     which start at sm_75): `is_available()` stays True and the first kernel fails with "no kernel
     image is available", an error no fallback catches. Read with torch's own compatibility table."""
     cuda = torch.cuda
+    if torch.version.cuda is None:  # a CPU or ROCm build: nothing to check
+        return None
     try:
         built = [cuda._extract_arch_version(a) for a in cuda.get_arch_list()]
-        if torch.version.cuda is None or not built:  # a CPU or ROCm build: nothing to check
+        if not built:
             return None
         major, minor = cuda.get_device_capability(index)
         cc = 10 * major + minor
@@ -105,11 +110,15 @@ def no_kernels(index: int = 0) -> str | None:
                     if any(cuda._code_compatible_with_device(cc, b) for b in by_arch.get(cuda._host_arch_key(), ()))]
     except (AttributeError, ValueError, IndexError):  # torch's private table moved: trust torch
         return None
-    fix = (f"install torch {torch.__version__.split('+')[0]} for CUDA {releases[-1]} "
-           f"(--index-url https://download.pytorch.org/whl/cu{releases[-1].replace('.', '')})" if releases
-           else "this card needs an older torch")
+    version = torch.__version__.split("+")[0]
+    index_url = "https://download.pytorch.org/whl" + ("/nightly" if "dev" in version else "")
+    fix = "no torch build of this release has them"
+    if releases:
+        cu = releases[-1]
+        fix = f"install torch {version} for CUDA {cu} (--index-url {index_url}/cu{cu.replace('.', '')})"
+    built_for = ", ".join(f"sm_{b}" for b in sorted(set(built)))
     return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for {cuda.get_device_name(index)} "
-            f"(sm_{cc}; built for sm_{min(built)} and up): {fix}")
+            f"(sm_{cc}; built for {built_for}): {fix}")
 
 
 def unavailable(device: str) -> str | None:

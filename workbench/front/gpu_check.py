@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from workbench.core.common import MiB, one_line
 from workbench.core.config import ConfigError
-from workbench.core.fallback import no_kernels
+from workbench.core.fallback import no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor
 from workbench.core.memory.plan import RUNGS
@@ -211,7 +211,9 @@ def check_trace(opts: Options) -> dict[str, Any]:
     precision = "bf16" if torch.cuda.get_device_capability(opts.device)[0] >= 8 else "fp16"
     try:
         return {**_trace(opts, precision), "model": opts.model, "precision": precision}
-    except torch.OutOfMemoryError as e:
+    except Exception as e:  # torch's or CUDA's own (a cuBLAS handle on a full card); the tiny base: no retry
+        if opts.tiny or not out_of_memory(e):
+            raise
         why = one_line(e, 160)  # (the error's frames, which hold the model, go with the except block)
     gc.collect()
     torch.cuda.empty_cache()

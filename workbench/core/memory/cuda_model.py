@@ -193,8 +193,11 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         # math: on CUDA the composite kernel, which computes in fp32 (16-bit inputs upcast) and keeps
         # the B x H x S x S softmax for backward; the CPU's SDPA would take its own flash kernel
         # (output and logsumexp). sdpa's entry turns a boolean mask into an additive one first.
-        # Not modelled: with attention dropout (GPT-2's 0.1) the composite's at::dropout runs inside
-        # aten on CPU tensors, so its mask is the CPU's fp32 noise, not CUDA's 1-byte mask.
+        # Not modelled: with attention dropout (GPT-2's 0.1; Llama, Qwen2, Phi and Pythia have none) the
+        # composite's at::dropout runs inside aten on CPU tensors, so it keeps the CPU's fp32 noise where
+        # CUDA's native_dropout keeps a 1-byte mask: 3-4 bytes an S x S element too many, over-predicted.
+        # (Passing the composite a bool dropout_mask would keep CUDA's bytes, but torch prints a
+        # C++ warning, "only for testing", that no Python filter catches.)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
             attn_mask = torch.where(attn_mask, zero, minus_inf)
