@@ -91,12 +91,14 @@ CARDS = {c.name: c for c in (
     Card("RTX 4090 24GB", 24 * GiB, 89),
     Card("T4 16GB", 15 * GiB, 75),
     # before sm_80 (bf16 emulated, no flash attention); torch's CUDA 12.9 and 13 builds start at sm_75,
-    # so a V100 or a P100 (Kaggle's) trains under a CUDA 12.6 build
+    # so a V100 or a P100 (Kaggle's) trains under a CUDA 12.6 build. The V100 16GB's and the P100's
+    # totals are torch's (get_device_properties as users post it: total_memory=16160MB, 16280MB; ECC
+    # takes its share), the others nominal
     Card("RTX 2060 6GB", 6 * GiB, 75),
     Card("RTX 2080 Ti 11GB", 11 * GiB, 75),
-    Card("V100 16GB", 16 * GiB, 70),
+    Card("V100 16GB", 16160 * MiB, 70),
     Card("V100 32GB", 32 * GiB, 70),
-    Card("P100 16GB", 16 * GiB, 60),
+    Card("P100 16GB", 16280 * MiB, 60),
     Card("L4 24GB", 23 * GiB, 89),
     Card("A10G 24GB", 23 * GiB, 86),
     Card("A100 40GB", 40 * GiB, 80),
