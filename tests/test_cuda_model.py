@@ -80,7 +80,13 @@ def test_kernel_choice_follows_sdp_utils():
     assert cm.sdpa_backend(t(f32), t(f32), t(f32)) == "efficient"  # flash needs 16 bits
     assert cm.sdpa_backend(t(bf), t(bf), t(bf), attn_mask=torch.empty(1, device="meta")) == "efficient"
     assert cm.sdpa_backend(t(bf, d=512), t(bf, d=512), t(bf, d=512)) == "efficient"  # head_dim > 256
-    assert cm.sdpa_backend(t(f32, d=60), t(f32, d=60), t(f32, d=60)) == "math"
+    # memory-efficient head sizes: a multiple of minimum_gemm_alignment (16 bytes with tensor cores, else 4
+    # fp32 elements from sm_80, else any)
+    assert cm.sdpa_backend(t(f32, d=60), t(f32, d=60), t(f32, d=60)) == "efficient"  # 60 % 4 == 0
+    assert cm.sdpa_backend(t(f32, d=62), t(f32, d=62), t(f32, d=62)) == "math"
+    assert cm.sdpa_backend(t(f32, d=62), t(f32, d=62), t(f32, d=62), sm=75) == "efficient"  # no fp32 tensor cores
+    assert cm.sdpa_backend(t(f16, d=60), t(f16, d=60), t(f16, d=60), sm=75) == "math"  # fp16: 8 with tensor cores
+    assert cm.sdpa_backend(t(f16, d=60), t(f16, d=60), t(f16, d=60), sm=60) == "efficient"  # Pascal: none
     assert cm.sdpa_backend(t(f16), t(f16), t(f16), sm=75) == "efficient"  # Turing: no flash
     assert cm.sdpa_backend(t(bf), t(bf), t(bf), sm=75) == "math"  # nor bf16 memory-efficient
     assert cm.sdpa_backend(t(f16, d=200), t(f16, d=200), t(f16, d=200), sm=89) == "flash"  # no grad here

@@ -164,7 +164,12 @@ def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, sm:
     if flash:
         return "flash"
     eff_dtypes = (torch.float16, torch.float32, torch.bfloat16) if sm >= 80 else (torch.float16, torch.float32)
-    if (sm >= 50 and d_qk == k.shape[-1] and d_qk % 8 == 0 and d_v % 8 == 0 and q.dtype in eff_dtypes):
+    # check_head_dim_size_mem_efficient: head sizes divisible by minimum_gemm_alignment, which is
+    # 128 bits where tensor cores are used (sm_80 up; 16 bits on sm_7x), else 4 elements from sm_80, else 1
+    half16 = q.dtype in (torch.float16, torch.bfloat16)
+    tensor_cores = sm >= 80 or (sm >= 70 and half16)
+    align = max(4 if sm >= 80 else 1, 128 // (16 if half16 else 32) if tensor_cores else 1)
+    if sm >= 50 and d_qk == k.shape[-1] and d_qk % align == 0 and d_v % align == 0 and q.dtype in eff_dtypes:
         return "efficient"
     return "math"
 
