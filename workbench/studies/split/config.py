@@ -118,8 +118,8 @@ class SplitConfig(Config):
             raise ConfigError(f"unknown host profile {self.host!r}; known: this-machine, {', '.join(hosts)}")
 
     def resolved_device(self) -> str:
-        """The device to run on: 'auto' picks the GPU where there is one; a device this machine
-        does not have is a one-line error."""
+        """The device to run on: 'auto' picks the GPU where there is one torch can run on; a device
+        this machine does not have (or this torch build has no kernels for) is a one-line error."""
         if self.device == "auto":
             return "cuda" if unavailable("cuda") is None else "cpu"
         missing = unavailable(self.device)
