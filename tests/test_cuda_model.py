@@ -249,6 +249,11 @@ def test_cuda_prediction_has_allocated_reserved_and_nvidia_smi(tmp_path):
     assert p.fits and p.headroom_bytes == 12 * 2**30 - p.needed_reserved_bytes - cm.CONTEXT_BYTES
     cpu = predict(str(path), "bf16", batch=2, seq=64)
     assert cpu.device == "cpu" and cpu.reserved_peak_bytes == 0 and cpu.kernels == {}
+    assert "emulated" not in p.note  # sm_86: bf16 is native
+    # before sm_80 the memory is bf16's, the speed is not: the prediction says so
+    t4 = predict(str(path), "bf16", batch=2, seq=64, device="cuda", card="T4 16GB")
+    assert "bf16 on T4 16GB (sm_75) is emulated" in t4.note and t4.kernels == {"math": p.kernels["flash"]}
+    assert "emulated" not in predict(str(path), "fp16", batch=2, seq=64, device="cuda", card="T4 16GB").note
 
 
 def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path):

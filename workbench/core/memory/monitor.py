@@ -85,10 +85,15 @@ def bf16_emulated(device: str | torch.device) -> str | None:
     if device.type != "cuda":
         return None
     major, minor = torch.cuda.get_device_capability(device)
-    if major >= 8:
+    return bf16_emulated_on(torch.cuda.get_device_name(device), 10 * major + minor)
+
+
+def bf16_emulated_on(card: str, sm: int) -> str | None:
+    """That line for a card by name and compute capability (x 10); None from sm_80 up."""
+    if sm >= 80:
         return None
-    return (f"bf16 on {torch.cuda.get_device_name(device)} (sm_{major}{minor}) is emulated (no bf16 tensor cores "
-            "before sm_80): expect fp32's speed or slower; fp16 with a GradScaler is this card's fast half precision")
+    return (f"bf16 on {card} (sm_{sm}) is emulated (no bf16 tensor cores before sm_80): expect fp32's speed "
+            "or slower; fp16 with a GradScaler is this card's fast half precision")
 
 
 def step_memory(device: str | torch.device, *, nvml=None) -> Callable[[], dict[str, float]] | None:

@@ -56,6 +56,7 @@ from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
+from workbench.core.memory.monitor import bf16_emulated_on
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
 from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.memory.zero3 import STREAM_NAMES
@@ -291,6 +292,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if n != plan.accum:
         note = (note + "; " if note else "") + (f"batch {batch} is not {plan.accum} equal micro-batches: {n} of "
                                                 f"{micro} instead (the batch per step kept)")
+    emulated = the_card and plan.placement != "cpu" and plan.precision.startswith("bf16") and \
+        bf16_emulated_on(the_card.name, the_card.sm)
+    if emulated:  # the memory is bf16's; the speed is not (auto-fit offers fp16-mixed there)
+        note = (note + "; " if note else "") + emulated
     if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
         raise ConfigError(f"{the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the weights "
                           f"alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, --precision bf16-true, "
