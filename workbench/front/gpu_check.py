@@ -41,7 +41,7 @@ from workbench.core.common import MiB, one_line
 from workbench.core.config import ConfigError
 from workbench.core.fallback import no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
-from workbench.core.memory.monitor import MemoryMonitor
+from workbench.core.memory.monitor import MemoryMonitor, bf16_native
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
 from workbench.core.models import load_config
@@ -208,7 +208,8 @@ def check_trace(opts: Options) -> dict[str, Any]:
     does not fit the card (Qwen2-0.5B's needs about 8.7 GB), the tiny embedded base's, and it says so."""
     import torch
 
-    precision = "bf16" if torch.cuda.get_device_capability(opts.device)[0] >= 8 else "fp16"
+    major, minor = torch.cuda.get_device_capability(opts.device)
+    precision = "bf16" if bf16_native(10 * major + minor) else "fp16"
     try:
         return {**_trace(opts, precision), "model": opts.model, "precision": precision}
     except Exception as e:  # torch's or CUDA's own (a cuBLAS handle on a full card); the tiny base: no retry

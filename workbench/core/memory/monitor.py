@@ -88,9 +88,15 @@ def bf16_emulated(device: str | torch.device) -> str | None:
     return bf16_emulated_on(torch.cuda.get_device_name(device), 10 * major + minor)
 
 
+def bf16_native(sm: int) -> bool:
+    """Whether a card of compute capability `sm` (x 10) has bf16 tensor cores (sm_80 up); before
+    it torch emulates bf16. The one place the rule lives (auto-fit, gpu-check, the warnings)."""
+    return sm >= 80
+
+
 def bf16_emulated_on(card: str, sm: int) -> str | None:
     """That line for a card by name and compute capability (x 10); None from sm_80 up."""
-    if sm >= 80:
+    if bf16_native(sm):
         return None
     return (f"bf16 on {card} (sm_{sm}) is emulated (no bf16 tensor cores before sm_80): expect fp32's speed "
             "or slower; fp16 with a GradScaler is this card's fast half precision")

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from workbench.core.common import MiB, mib_text
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
+from workbench.core.memory.monitor import bf16_native
 from workbench.core.memory.plan import Plan
 from workbench.core.memory.predict import predict
 from workbench.studies.ladder.card_records import CARD_RECORDS, card_reserved_errors, reserved_shortfall
@@ -96,7 +97,7 @@ def prediction_margin(plan: Plan, path=MARGINS_FILE, *, device: str = "cpu", rec
 
 def cost(plan: Plan, sm: int = cuda_model.DEFAULT_SM) -> float:
     """The prior cost of `plan` on a card of compute capability `sm` (x 10)."""
-    emulated = sm < 80 and plan.precision.startswith("bf16")
+    emulated = not bf16_native(sm) and plan.precision.startswith("bf16")
     c = COSTS["bf16_before_sm80"] if emulated else COSTS["precision"][plan.precision]
     c *= COSTS["optimizer"][plan.optimizer]
     c *= COSTS["checkpointing"] if plan.grad_checkpointing else 1.0
@@ -111,7 +112,7 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | N
     one has the same effective batch (micro-batch x accumulation = `batch`). `sm`: the compute
     capability (x 10) of the card searched for; before sm_80, where bf16 is emulated, fp16 autocast
     with a GradScaler (fp16-mixed) is offered beside bf16 for an fp32 or bf16-mixed setup."""
-    fp16 = ("fp16",) if sm is not None and sm < 80 and setup.precision in ("fp32", "bf16") else ()
+    fp16 = ("fp16",) if sm is not None and not bf16_native(sm) and setup.precision in ("fp32", "bf16") else ()
     precisions = dict.fromkeys([setup.precision, *(p for p in ("bf16", "bf16_true") if setup.precision == "fp32"),
                                 *(("bf16_true",) if setup.precision == "bf16" else ()), *fp16])
     optimizers = dict.fromkeys([setup.optimizer, "adamw8bit", "paged_adamw8bit"])
