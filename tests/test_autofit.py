@@ -143,11 +143,16 @@ def test_a_real_oom_steps_down_at_the_same_effective_batch(config, capsys):
         ran.append(plan)
         if len(ran) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory (first setup)")
+        if len(ran) == 2:  # CUDA's own, outside the caching allocator: the card is full all the same
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
         return "trained"
 
     plan, result, tries = run_with_step_down(choice, attempt, log=lambda s: None)
-    assert result == "trained" and plan is choice.fitting[1] and [t["status"] for t in tries] == ["oom", "ok"]
+    assert result == "trained" and plan is choice.fitting[2] and [t["status"] for t in tries] == ["oom", "oom", "ok"]
     assert all(BATCH % p.accum == 0 for p in ran)
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # not the card's memory: no step down
+        run_with_step_down(choice, lambda p: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory "
+                                                                                "access was encountered")))
     with pytest.raises(torch.OutOfMemoryError, match="no setup fits"):
         run_with_step_down(choice, lambda p: (_ for _ in ()).throw(torch.OutOfMemoryError("x")), log=lambda s: None)
 

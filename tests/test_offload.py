@@ -707,28 +707,37 @@ def test_a_run_on_a_card_is_held_to_the_host_memory_it_needs_at_least(monkeypatc
     assert hold.reason("reference").startswith("host memory: at least the run's fp32 copy of the weights")
 
 
-@pytest.mark.parametrize("fits", [True, False])
-def test_the_base_stays_on_the_cpu_after_its_perplexity_on_the_card(fits):
+_CARD_ERRORS = {"fits": None, "torch's": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB."),
+                "cuBLAS's": RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")}
+
+
+@pytest.mark.parametrize("error", list(_CARD_ERRORS))
+def test_the_base_stays_on_the_cpu_after_its_perplexity_on_the_card(error):
     """The base's perplexity moved it to the card (Module.to is in place) and it stayed there, a
     second model beside each run's own copy, counted in every run's `mem_mib`. Played: the card is
-    a device the base's `to` pretends to move to, or runs out of memory on."""
+    a device the base's `to` pretends to move to, or runs out of memory on (torch's error, or
+    CUDA's own: a cuBLAS handle on a full card); any other error is not a perplexity on the CPU."""
     from workbench.studies.split.runner import base_perplexity, heldout_ppl
 
     base = tiny_qwen()
     held = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
-    card, moves, real_to = torch.device("cuda"), [], base.to
+    card, moves, real_to, raises = torch.device("cuda"), [], base.to, [_CARD_ERRORS[error]]
 
     def to(device, *a, **k):
         moves.append(torch.device(device).type)
         if torch.device(device).type == "cpu":
             return real_to(device, *a, **k)
-        if not fits:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+        if raises[0] is not None:
+            raise raises[0]
         return base
 
     base.to = to
     assert base_perplexity(base, held, card) == pytest.approx(heldout_ppl(base, held))
     assert moves[:2] == ["cuda", "cpu"] and moves[-1] == "cpu"
+    if error == "fits":
+        raises[0] = RuntimeError("CUDA error: an illegal memory access was encountered")
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            base_perplexity(base, held, card)
 
 
 def test_zero_offload_is_destroyed_after_an_error_too(monkeypatch):

@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from workbench.core.common import MiB, mib_text
 from workbench.core.config import ConfigError
+from workbench.core.fallback import out_of_memory
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import bf16_native
 from workbench.core.memory.plan import Plan
@@ -225,14 +226,17 @@ class NoSetupFits(torch.OutOfMemoryError):
 
 def run_with_step_down(choice: SetupChoice, attempt: Callable[[Plan], Any], *,
                        log: Callable[[str], None] = print) -> tuple[Plan, Any, list[dict[str, Any]]]:
-    """Run `attempt(plan)` with the chosen setup; on a real out-of-memory error step down to the next
-    setup predicted to fit (the same effective batch). Returns (plan that ran, its result, tries);
-    raises NoSetupFits (an OutOfMemoryError, with the tries) when none ran."""
+    """Run `attempt(plan)` with the chosen setup; on a real out-of-memory error (torch's, or CUDA's
+    own: `fallback.out_of_memory`) step down to the next setup predicted to fit (the same effective
+    batch); any other error is raised. Returns (plan that ran, its result, tries); raises
+    NoSetupFits (an OutOfMemoryError, with the tries) when none ran."""
     tries = []
     for plan in choice.fitting:
         try:
             result = attempt(plan)
-        except torch.OutOfMemoryError as e:
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
             tries.append({"setup": plan.name, "status": "oom", "error": str(e)[:200]})
             log(f"auto-fit: {plan.name} ran out of memory; stepping down (same effective batch {choice.batch})")
             continue

@@ -38,6 +38,7 @@ import torch
 
 from workbench.core.common import Sink
 from workbench.core.data import corpus_blocks, target_corpus
+from workbench.core.fallback import out_of_memory
 from workbench.core.models import load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
 from workbench.core.training import evaluate_perplexity
@@ -85,7 +86,6 @@ class _RunSink:
 # ---------------------------------------------------------------- model and data
 def load_base(cfg: SplitConfig):
     """(model, tokenizer) of the run's base: the embedded base (built once, cached) or a real one."""
-
     return load_model(cfg.model, spec=cfg.spec())
 
 
@@ -93,7 +93,6 @@ def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch
     """(training batches, held-out blocks) from the target corpus: `iterations` batches of
     `batch_size` consecutive training blocks (from a seeded starting block, wrapping around), the
     same for every run; the first `eval_blocks` held-out blocks for perplexity."""
-
     train, held = corpus_blocks(tokenizer, target_corpus(cfg.corpus), cfg.seq_len, cfg.eval_blocks)
     start = int(torch.randint(0, len(train), (1,), generator=torch.Generator().manual_seed(cfg.seed)))
     batches = []
@@ -104,7 +103,6 @@ def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch
 
 
 def heldout_ppl(model, held: torch.Tensor) -> float:
-
     return evaluate_perplexity(model, held, batch_size=8)
 
 
@@ -113,7 +111,9 @@ def base_perplexity(base, held: torch.Tensor, device: torch.device) -> float:
     the card); the base is left on the CPU, so a card holds one run's copy at a time."""
     try:
         ppl = heldout_ppl(base.to(device), held)
-    except torch.OutOfMemoryError:  # a card too small for the fp32 weights (the runs may still fit)
+    except Exception as e:  # a card too small for the fp32 weights (the runs may still fit)
+        if not out_of_memory(e):  # CUDA's own (a cuBLAS handle) as well as torch's
+            raise
         ppl = None
     base.to("cpu")
     release(device)
