@@ -515,6 +515,8 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     (a run trains when the cap above what is held covers what the rung needs)."""
     import types
 
+    from torch.cuda._utils import _get_device_index
+
     from tests.conftest import tiny_config
 
     MiB, total, held = 2**20, 1000 * 2**20 * 1024, 100 * 2**20
@@ -533,7 +535,9 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     for attr, fn in dict(
             get_device_properties=lambda d: types.SimpleNamespace(name="NVIDIA H200", total_memory=total, major=9, minor=0),
             memory_reserved=lambda d: held, memory_allocated=lambda d: held - 10 * MiB, empty_cache=lambda: None,
-            set_per_process_memory_fraction=lambda f, d: fractions.append(f)).items():
+            # torch's own check: it raises ValueError for a device without an index ("cuda")
+            set_per_process_memory_fraction=lambda f, d: fractions.append(f) if _get_device_index(d) == 0 else None,
+            current_device=lambda: 0).items():
         monkeypatch.setattr(torch.cuda, attr, fn)
     monkeypatch.setattr(gpu_cap, "measure", measure)
     blocks = torch.zeros((4, 32), dtype=torch.long)

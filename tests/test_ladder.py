@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -549,6 +550,28 @@ def test_the_monitor_reads_the_drivers_reserve_where_nvml_has_a_v2_query(monkeyp
     assert row["cuda_allocated_mib"] == 90.0 and row["nvml_total_mib"] == 80_000.0
     nvml.nvmlDeviceGetMemoryInfo = v1  # a driver without the v2 query: no such column
     assert "nvml_driver_reserved_mib" not in MemoryMonitor("cuda:0").sample()
+
+
+def test_the_monitor_samples_the_card_it_was_given_from_its_own_thread(monkeypatch):
+    """CUDA's current device is per thread: after `torch.cuda.set_device(1)` a monitor on "cuda"
+    sampled card 0 from its thread (torch's figures) while NVML read card 1. Played: the main
+    thread's current card is 1, any other thread's 0, and each card answers its own figures."""
+    import threading
+
+    def card(device=None):  # torch's rule: a device without an index is the calling thread's current card
+        device = torch.device("cuda" if device is None else device)
+        return torch.cuda.current_device() if device.index is None else device.index
+
+    _fake_cuda_memory(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: int(threading.current_thread() is threading.main_thread()))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: (90 + 1000 * card(device)) * 2**20)
+    with MemoryMonitor("cuda", interval_s=0.01) as mon:
+        deadline = time.monotonic() + 30
+        while len(mon.rows) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert mon.device == torch.device("cuda", 1)
+    assert {r["cuda_allocated_mib"] for r in mon.rows} == {1090.0} and {r["nvml_used_mib"] for r in mon.rows} == {501.0}
 
 
 def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypatch):

@@ -29,6 +29,7 @@ import torch
 
 from workbench.core.memory.allocator import CachingAllocator
 from workbench.core.memory.live_bytes import LiveBytes, MiB
+from workbench.core.memory.monitor import indexed
 
 ALLOCATORS = ("live", "cuda")
 
@@ -131,10 +132,7 @@ class device_budget:
         if allocator not in ALLOCATORS:
             raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
         self.allocator = allocator
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # set_per_process_memory_fraction (unlike the statistics) needs the card's index
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = indexed(device)  # set_per_process_memory_fraction (unlike the statistics) needs the index
         self.budget_mib = budget_mib
         self._state: DeviceBudget | None = None
 

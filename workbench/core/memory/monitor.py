@@ -38,6 +38,16 @@ import torch
 from workbench.core.common import MiB, Sink
 
 
+def indexed(device: str | torch.device) -> torch.device:
+    """`device`, a CUDA one with its card's index: "cuda" is the current card when this is called.
+    torch's per-process memory fraction needs the index (it raises ValueError for "cuda"), and
+    CUDA's current device is per thread, so a sampling thread reading "cuda" reads card 0."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def open_nvml(device: torch.device, *, say: Callable[[str], None] | None = None):
     """An NVML handle for the CUDA `device`, or None (and one line saying why) without a driver.
     NVML numbers every card of the machine, CUDA only those CUDA_VISIBLE_DEVICES names, in its
@@ -49,7 +59,7 @@ def open_nvml(device: torch.device, *, say: Callable[[str], None] | None = None)
         import pynvml
 
         pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = indexed(device).index
         try:
             index = torch.cuda._get_nvml_device_index(index)
         except Exception:  # MIG UUIDs match no card's UUID ("device 0 is not visible"), or no UUIDs read
@@ -145,7 +155,7 @@ class MemoryMonitor:
     ):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
-        self.device = torch.device(device)
+        self.device = indexed(device)  # read from the sampling thread, whose current card is 0
         self.interval_s = interval_s
         self.sinks = list(sinks)
         self.live = live  # a LiveBytes (or anything with current_bytes), for CPU runs

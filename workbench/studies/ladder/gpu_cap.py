@@ -30,6 +30,7 @@ import torch
 from workbench.core.common import MiB, one_line
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
+from workbench.core.memory.monitor import indexed
 from workbench.core.memory.predict import predict
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import measure
@@ -83,7 +84,7 @@ def check_cap(opts) -> dict[str, Any]:
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, steps=TRIAL_STEPS, reference_model="")
     config, load, blocks, _ = model_at_hand(cfg)
-    dev = torch.device(opts.device)
+    dev = indexed(opts.device)  # set_per_process_memory_fraction raises ValueError for "cuda"
     card = cuda_model.card_at_hand(dev)
     workspaces = sum(n for _, n in card.cublas_workspaces)
 
