@@ -188,7 +188,7 @@ def _estimate(args) -> int:
             budget_mib = args.budget_mib
             setup = plan or RUNGS[names[0]]
             found = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
-                           allow_lora=args.allow_lora, progress=True)
+                           card=args.card, allow_lora=args.allow_lora, progress=True)
         elif plan is not None:
             preds = {plan.name: predict(config, plan, **kw)}
         else:  # each rung is a simulated step or more: 10-60 s for a 0.5B model here
