@@ -112,6 +112,17 @@ def test_auto_fit_to_a_card_fits_what_the_card_leaves_after_its_context(tiny_con
     assert choice[1] in RUNGS and choice[1] != "cpu"  # a rung on the card, not the fall-back of nothing fitting
 
 
+def test_auto_fit_to_a_card_before_sm_80_ranks_its_emulated_bf16_rungs_after_fp16(tiny_config, capsys):
+    """Every rung fits a tiny model; the fastest by the prior is pure bf16 on an Ampere card, but on a
+    T4 (sm_75) bf16 is emulated at fp32's speed or slower: fp16 autocast is its fast rung."""
+    chosen = {}
+    for card in ("A100 40GB", "T4 16GB"):
+        assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--card", card]) == 0
+        (line,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("auto-fit: ")]
+        chosen[card] = line[1]
+    assert chosen == {"A100 40GB": "bf16_true", "T4 16GB": "fp16"}
+
+
 def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):
     """`--rung all --card`: a column per rung, fits and headroom, not only for a single setup."""
     assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "all", "--card", "0.55"]) == 0

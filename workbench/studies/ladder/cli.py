@@ -197,7 +197,7 @@ def _estimate(args) -> int:
         choice = None
         if args.auto_fit:
             choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
-                              device=args.device)
+                              device=args.device, sm=cuda_card(args.card).sm if args.card is not None else None)
     if args.search:
         return _print_search(args, found, budget_mib, setup, budget_from)
     budget = int(args.budget_mib * MiB) if args.budget_mib else None

@@ -26,6 +26,7 @@ from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.fallback import out_of_memory
 from workbench.core.memory.accounting import MemoryAccounting
+from workbench.core.memory.monitor import bf16_native
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.memory.predict import predict
@@ -289,15 +290,17 @@ def auto_fit(
     predictions: dict[str, Any] | None = None,
     device: str | torch.device = "cuda",
     margin: float | None = None,
+    sm: int | None = None,
 ) -> FitChoice:
     """Pick the fastest rung predicted to fit `budget_mib` for `model` at `batch` x `seq`.
 
     `model` is a name, config.json path, PretrainedConfig or nn.Module (see predict.predict).
-    Speed: measured `step_ms` where given, else the rung's `speed_rank`. Rungs that place
-    nothing on the device (cpu) always fit and come last. `device`: the target; paged
-    optimizer state can page out only on CUDA, so elsewhere it counts in full. A rung fits when
-    its need plus `margin` (a fraction) is within the budget; None: each rung's measured margin
-    (workbench.studies.ladder.autofit.prediction_margin on `device`).
+    Speed: measured `step_ms` where given, else the rung's `speed_rank`; on a card of compute
+    capability `sm` (x 10) before sm_80, where bf16 is emulated (fp32's speed or slower), the bf16
+    rungs rank after fp32 and fp16. Rungs that place nothing on the device (cpu) always fit and
+    come last. `device`: the target; paged optimizer state can page out only on CUDA, so elsewhere
+    it counts in full. A rung fits when its need plus `margin` (a fraction) is within the budget;
+    None: each rung's measured margin (workbench.studies.ladder.autofit.prediction_margin on `device`).
     """
 
     budget = _check_budget(budget_mib)
@@ -312,7 +315,9 @@ def auto_fit(
         m = margin if margin is not None else prediction_margin(plan, device=str(device))[0]
         measured = (step_ms or {}).get(n)
         # Measured step times rank first (in ms); rungs without one follow, by their speed prior.
-        rank = (0, measured) if measured is not None else (1, plan.speed_rank)
+        emulated = sm is not None and not bf16_native(sm) and plan.precision.startswith("bf16")
+        rank = ((0, measured) if measured is not None else (3, plan.speed_rank) if plan.placement == "cpu"
+                else (2 if emulated else 1, plan.speed_rank))
         table.append({
             "rung": n, "tier": plan.tier, "predicted_peak_bytes": p.peak_bytes, "fit_bytes": need,
             "method": p.method, "margin": m, "fits": need * (1 + m) <= budget, "rank": rank,
