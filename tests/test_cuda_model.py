@@ -393,8 +393,14 @@ def test_card_here_is_this_machines_card(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
         name="Tesla T4", total_memory=15360 * MiB, major=7, minor=5))
+    # a desktop card: the display and another process use 1,500 MiB, this process's context 400 and
+    # its allocator holds 100; CUDA reports 13,460 free, and this process can have 13,560 of it
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (13460 * MiB, 15360 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 100 * MiB)
     here = cm.card(" Here ")
     assert (here.name, here.total_bytes, here.sm) == ("Tesla T4", 15360 * MiB, 75)  # its own sm: fp16, math attention
+    assert here.usable_bytes == 13560 * MiB and here.context_bytes == 1800 * MiB  # not the total less 500 modelled
+    assert here.context_source.startswith("measured now")
 
 
 def test_an_empty_cache_in_the_timeline_gives_back_the_wholly_free_segments(tmp_path):

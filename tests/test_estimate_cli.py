@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from workbench.cli import main
 from workbench.core.memory.plan import RUNGS
@@ -121,6 +122,34 @@ def test_auto_fit_to_a_card_before_sm_80_ranks_its_emulated_bf16_rungs_after_fp1
         (line,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("auto-fit: ")]
         chosen[card] = line[1]
     assert chosen == {"A100 40GB": "bf16_true", "T4 16GB": "fp16"}
+
+
+def test_card_here_fits_to_what_the_card_has_free_now(tiny_config, capsys, monkeypatch):
+    """A desktop card drives a display, and a shared card has other processes: `--card here` fits to
+    what CUDA reports free (with what this process holds), not to the card's total less a modelled
+    context. Played: a T4 whose display and other process use 1,800 MiB with this process's context."""
+    import types
+
+    import bitsandbytes  # noqa: F401  (imported as on a machine without CUDA, before CUDA is played)
+
+    MiB = 2**20
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        name="Tesla T4", total_memory=15360 * MiB, major=7, minor=5))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (13460 * MiB, 15360 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 100 * MiB)
+    assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "bf16", "--card", "here"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (context,) = [line.split() for line in out if line.strip().startswith("CUDA context")]
+    assert context[2:6] == ["1,800.0", "MiB", "measured", "now:"]
+    (reserved,) = [float(line.split()[2].replace(",", "")) for line in out if line.strip().startswith("reserved needed")]
+    (card,) = [line for line in out if line.strip().startswith("card Tesla T4")]
+    assert card.split("headroom ")[1] == f"{13560 - reserved:,.1f} MiB"
+    assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--precision", "bf16-mixed",
+                 "--search", "--card", "here"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith("budget 13,560 MiB (Tesla T4's 15,360 MiB less 1,800 MiB in use there, measured now: this "
+                         "process's CUDA context and what other processes use)")
 
 
 def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):

@@ -62,6 +62,8 @@ class Card:
     total_bytes: int  # what the card reports as total (nvidia-smi)
     sm: int  # compute capability x 10 (86: sm_86)
     context_bytes: int = CONTEXT_BYTES
+    # where context_bytes comes from; "here" (card_free_now) measures what is in use on the card now
+    context_source: str = "modelled (per-card constant)"
 
     @property
     def usable_bytes(self) -> int:
@@ -114,14 +116,14 @@ DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre car
 
 def card(spec: str | float | Card | None) -> Card | None:
     """A card preset by name (case and spaces ignored), a size in GiB (sm_80 assumed), or "here":
-    this machine's card (its memory and compute capability)."""
+    this machine's card as it is now (card_free_now: what CUDA reports free)."""
 
     if spec is None or isinstance(spec, Card):
         return spec
     if str(spec).strip().lower() == "here":
         if not torch.cuda.is_available():
             raise ConfigError("--card here: this machine has no CUDA card; name one (e.g. 'T4 16GB') or give its GiB")
-        return card_at_hand()
+        return card_free_now()
     try:
         gib = float(spec)
     except (TypeError, ValueError):
@@ -146,6 +148,19 @@ def card_at_hand(device="cuda") -> Card:
     """CUDA: this machine's card as a prediction's card (card_of: its preset's context, if any)."""
     props = torch.cuda.get_device_properties(device)
     return card_of(props.name, props.total_memory, props.major * 10 + props.minor)
+
+
+def card_free_now(device="cuda") -> Card:
+    """CUDA: this machine's card as this process finds it now. A desktop card drives a display and
+    others' processes share a card: what this process's allocator can take is what CUDA reports free
+    (their memory and this process's context already out) plus what it holds itself. The rest is
+    the card's "context" here, measured, so a prediction's fits and headroom are the card's as it is,
+    and its nvidia-smi figure is the whole card's."""
+    at_hand = card_at_hand(device)
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free - torch.cuda.memory_reserved(device)
+    return Card(at_hand.name, total, at_hand.sm, in_use,
+                "measured now: this process's CUDA context and what other processes use")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ class Prediction:
     reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments (on a card with room)
     needed_reserved_bytes: int = 0  # the least reserved cap the step runs under (cached blocks given back)
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
+    context_source: str = ""  # where context_bytes comes from (Card.context_source)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
     reserved_by_stream_bytes: dict[str, int] = field(default_factory=dict)  # a library's side streams: each one's cache
     segment_sizes: dict[str, int] = field(default_factory=dict)  # the allocator's segments at the end: MiB -> count
@@ -104,7 +105,8 @@ class Prediction:
 
     @property
     def nvidia_smi_bytes(self) -> int:
-        """What nvidia-smi would show in use for the process: reserved + the CUDA context (+ paged
+        """What nvidia-smi would show in use for the process (for the whole card with `--card here`,
+        whose context figure is all that is in use there now): reserved + the CUDA context (+ paged
         optimizer state, resident on the card while nothing presses it out)."""
         return self.reserved_peak_bytes + self.context_bytes + self.pageable_bytes if self.device == "cuda" else 0
 
@@ -144,7 +146,7 @@ class Prediction:
             **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
             "device": self.device, "allocated_peak_bytes": self.allocated_peak_bytes,
             "reserved_peak_bytes": self.reserved_peak_bytes, "needed_reserved_bytes": self.needed_reserved_bytes,
-            "context_bytes": self.context_bytes,
+            "context_bytes": self.context_bytes, "context_source": self.context_source,
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
             "fits": self.fits, "headroom_bytes": self.headroom_bytes,
             "reserved_by_stream_bytes": self.reserved_by_stream_bytes,
@@ -318,6 +320,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                     reserved_by_stream_bytes=({STREAM_NAMES.get(k, k): v for k, v in alloc.reserved_by_stream.items()}
                                               if report.timeline_streams else {}),
                     context_bytes=(the_card.context_bytes if the_card else cuda_model.CONTEXT_BYTES),
+                    context_source=(the_card or cuda_model.Card("", 0, sm)).context_source,
                     replayed_steps=alloc.replayed_steps, steady=alloc.steady, segment_sizes=alloc.segment_sizes)
         if alloc.steady is False:
             note = (note + "; " if note else "") + (f"the allocator's cache was still changing after {alloc.replayed_steps} "

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from workbench.core.common import MiB, mib_text, stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import CATEGORIES
-from workbench.core.memory.cuda_model import card as cuda_card
+from workbench.core.memory.cuda_model import Card, card as cuda_card
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES, plan_from_flags
 from workbench.core.memory.predict import CUDA_STEPS, predict
@@ -87,6 +87,7 @@ def register(sub) -> None:
     p.set_defaults(func=_estimate)
 
 
+_MODELLED = Card.context_source  # a preset's or a size's context: the per-card constant
 _FLAGS = ("precision", "optimizer", "trainable", "lora_rank", "lora_targets", "checkpointing", "micro_batch")
 
 
@@ -165,6 +166,9 @@ def _estimate(args) -> int:
         except ModelNotFoundError as e:
             print(f"workbench estimate: {e}", file=sys.stderr)
             return 2
+        card_spec = args.card
+        if args.card is not None:  # once: "here" reads what the card has free now
+            args.card = cuda_card(args.card)
         kw = dict(batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, card=args.card)
         if args.snapshot:
             if plan is None and len(names) != 1:
@@ -178,12 +182,14 @@ def _estimate(args) -> int:
         if (args.search or args.auto_fit) and args.budget_mib is None:
             card = cuda_card(args.card)
             if card.usable_bytes <= 0:
-                raise ConfigError(f"--card {args.card}: its {mib_text(card.total_bytes / MiB)} MiB do not hold the "
-                                  f"CUDA context ({mib_text(card.context_bytes / MiB)} MiB, modelled); give a larger "
-                                  "card, or --budget-mib for a budget of your own")
+                raise ConfigError(f"--card {card_spec}: its {mib_text(card.total_bytes / MiB)} MiB do not hold the "
+                                  f"CUDA context ({mib_text(card.context_bytes / MiB)} MiB, {card.context_source}); "
+                                  "give a larger card, or --budget-mib for a budget of your own")
             args.budget_mib = card.usable_bytes / MiB  # what the card leaves after its context
             budget_from = (f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less its CUDA context, "
-                           f"{mib_text(card.context_bytes / MiB)} MiB modelled")
+                           f"{mib_text(card.context_bytes / MiB)} MiB modelled" if card.context_source == _MODELLED else
+                           f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less "
+                           f"{mib_text(card.context_bytes / MiB)} MiB in use there, {card.context_source}")
         if args.search:
             budget_mib = args.budget_mib
             setup = plan or RUNGS[names[0]]
@@ -255,7 +261,7 @@ def _estimate(args) -> int:
                 print(f"  allocator        {p.replayed_steps} steps replayed, "
                       + ("until its cache repeated (a long run's peaks)" if p.steady else
                          "its cache still changing (peaks of those steps)" if p.steady is False else "as asked"))
-            print(f"  CUDA context     {p.context_bytes / MiB:>12,.1f} MiB  modelled (per-card constant)")
+            print(f"  CUDA context     {p.context_bytes / MiB:>12,.1f} MiB  {p.context_source}")
             print(f"  nvidia-smi       {p.nvidia_smi_bytes / MiB:>12,.1f} MiB  modelled (reserved + context)")
             print(f"  attention kernel {', '.join(f'{k} x{n}' for k, n in p.kernels.items()) or 'none'}  simulated")
             if p.host_bytes:
