@@ -253,7 +253,11 @@ def test_a_cuda_budget_collects_garbage_before_its_peak_starts_and_names_the_car
         calls.append(f"fraction {f:g} on {_get_device_index(device, optional=False)}")
 
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fraction)
+    # a notebook capped the process itself before (as torchtune emulates a smaller card): it comes back after
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5)
     budget = device_budget("cuda", budget_mib=256)
     assert budget.device == torch.device("cuda", 0)
     budget.__enter__()
     assert calls[:4] == ["gc.collect", "empty_cache", "reset_peak", "fraction 0.25 on 0"]
+    budget.__exit__(None, None, None)
+    assert calls[4:] == ["gc.collect", "fraction 0.5 on 0", "empty_cache"]

@@ -134,6 +134,7 @@ class device_budget:
         self.allocator = allocator
         self.device = indexed(device)  # set_per_process_memory_fraction (unlike the statistics) needs the index
         self.budget_mib = budget_mib
+        self._fraction = 1.0  # CUDA: the process's memory fraction before the budget's
         self._state: DeviceBudget | None = None
 
     def __enter__(self) -> DeviceBudget:
@@ -143,7 +144,8 @@ class device_budget:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-            if self.budget_mib is not None:
+            if self.budget_mib is not None:  # the fraction a notebook set before (torchtune's way) comes back after
+                self._fraction = torch.cuda.get_per_process_memory_fraction(self.device)
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_mib * MiB / total), self.device)
             self._state = DeviceBudget(self.device, self.budget_mib)
@@ -164,5 +166,5 @@ class device_budget:
         gc.collect()
         if self.device.type == "cuda":
             if self.budget_mib is not None:
-                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+                torch.cuda.set_per_process_memory_fraction(self._fraction, self.device)
             torch.cuda.empty_cache()

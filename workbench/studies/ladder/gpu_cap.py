@@ -86,6 +86,7 @@ def check_cap(opts) -> dict[str, Any]:
     config, load, blocks, _ = model_at_hand(cfg)
     dev = indexed(opts.device)  # set_per_process_memory_fraction raises ValueError for "cuda"
     card = cuda_model.card_at_hand(dev)
+    before = torch.cuda.get_per_process_memory_fraction(dev)  # a notebook's own cap comes back after each trial
     workspaces = sum(n for _, n in card.cublas_workspaces)
 
     def held() -> tuple[int, int]:
@@ -121,7 +122,7 @@ def check_cap(opts) -> dict[str, Any]:
                 try:
                     out = run(name)
                 finally:
-                    torch.cuda.set_per_process_memory_fraction(1.0, dev)
+                    torch.cuda.set_per_process_memory_fraction(before, dev)
                 if out.get("status") not in ("ok", "oom"):  # a failure other than memory is no answer
                     raise RuntimeError(out.get("reason") or out.get("status"))
                 return out["status"] == "ok"
