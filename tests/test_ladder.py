@@ -552,6 +552,21 @@ def test_the_monitor_reads_the_drivers_reserve_where_nvml_has_a_v2_query(monkeyp
     assert "nvml_driver_reserved_mib" not in MemoryMonitor("cuda:0").sample()
 
 
+def test_the_ladder_gives_back_the_thread_count_it_set(monkeypatch):
+    """`threads` set torch's thread count for the study and left it set for whatever a notebook's
+    kernel ran next (study 3 gives its own back); an error on the way gives it back too."""
+    before, seen = torch.get_num_threads(), []
+
+    def study(cfg, sinks, progress):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("a rung failed")
+
+    monkeypatch.setattr(runner, "_run_ladder", study)
+    with pytest.raises(RuntimeError, match="a rung failed"):
+        run_ladder(LadderConfig(base_size="tiny", threads=before + 1))
+    assert seen == [before + 1] and torch.get_num_threads() == before
+
+
 def test_the_monitor_samples_the_card_it_was_given_from_its_own_thread(monkeypatch):
     """CUDA's current device is per thread: after `torch.cuda.set_device(1)` a monitor on "cuda"
     sampled card 0 from its thread (torch's figures) while NVML read card 1. Played: the main

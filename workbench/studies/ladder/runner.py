@@ -125,9 +125,16 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
     auto-fit's search shows a bar on standard error (one tick per setup predicted; a large
     micro_batch has many divisors to try)."""
 
-    sinks = list(sinks)
+    threads = torch.get_num_threads()  # given back after: the next study in a notebook's kernel has its own
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _run_ladder(cfg, list(sinks), progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyResult:
     run = RunDir(STUDY, cfg.run_id())
     run.write_config(cfg.to_dict())
     config, load, blocks, data_note = model_at_hand(cfg)
