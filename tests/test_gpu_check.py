@@ -252,6 +252,24 @@ def _fake_checks(ladder_rows):
     }
 
 
+def test_each_check_leaves_the_card_to_the_next_with_nothing_cached(tmp_path, monkeypatch):
+    """The notebooks check runs its kernels as other processes: blocks the checks before it left in
+    this process's caching allocator were theirs to lack on a small card. Played: CUDA is started."""
+    emptied, seen = [], {}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+
+    def check(name):
+        def run(opts):
+            seen[name] = len(emptied)  # what was given back before this check began
+            return {"status": "pass"}
+        return run
+
+    found = {name: check(name) for name in ("environment", "ladder", "notebooks")}
+    gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)
+    assert seen == {"environment": 0, "ladder": 1, "notebooks": 2} and len(emptied) == 3
+
+
 def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_path):
     rows = [gr.rung_row("bf16", _pred(100), _measured(98, 110), {"nvml_used_peak_mib": 900.0,
                                                                    "nvml_used_before_mib": 700.0})]

@@ -114,12 +114,24 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
             results[name] = dict(NOT_RUN) if name != "environment" and opts.out_of_time() else fn(opts)
         except Exception as e:
             results[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+        release_card()
         results[name]["seconds"] = time.perf_counter() - t
         say(f"gpu-check {name}: {results[name].get('status')} ({results[name]['seconds']:.0f} s)")
         # written after every check: a check that hangs or a lease that ends keeps what came before
         summary = summarize(results, results.get("environment", {}).get("env", {}), time.perf_counter() - t0)
         write_results(opts.out, summary)
     return summary
+
+
+def release_card() -> None:
+    """Give the card back what a check left in this process's caching allocator before the next
+    check: the notebooks check's kernels are other processes, and on a small card the blocks cached
+    here would be their shortfall (its figures would count them too)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------
