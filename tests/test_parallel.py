@@ -16,7 +16,7 @@ import psutil
 import pytest
 from distributed import Client, LocalCluster
 
-from workbench.core.parallel import cluster, cores, run_many, threads_per_worker
+from workbench.core.parallel import cluster, cores, run_many, threads_per_worker, visible_cards
 
 RAN = []  # the sequential path runs here: what ran, in order
 
@@ -98,6 +98,27 @@ def test_local_cluster_listens_on_localhost_only():
         listening = [c.laddr for p in [me, *me.children(recursive=True)]
                      for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
         assert len(listening) >= 3 and {a.ip for a in listening} == {"127.0.0.1"}, listening
+
+
+def _card_seen():  # in the worker (os.environ.get itself would be pickled with this process's environment)
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_local_workers_take_a_card_each_on_a_machine_with_several(monkeypatch):
+    """Kaggle's two T4s: both workers' runs went to the first card (each process's "cuda" is its
+    current card, 0), the second idle. Played: torch counts two cards (the workers start no CUDA)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_cards() == ["0", "1"]
+    with cluster(2) as client:
+        assert sorted(client.run(_card_seen).values()) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,3,bogus")  # CUDA stops at the first it cannot use
+    assert visible_cards() == ["5", "3"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with cluster(2) as client:  # one card: both workers see what this process sees
+        assert set(client.run(_card_seen).values()) == {"5,3,bogus"}
 
 
 def test_existing_scheduler():

@@ -11,7 +11,9 @@ cores? Torch processes that share cores must share threads (FIELD_NOTES: 14x slo
 them all), so:
 - a LocalCluster has `workers` single-thread worker processes, and each gets
   OMP/MKL/OPENBLAS_NUM_THREADS = max(1, cores // workers) in its environment (and
-  torch.set_num_threads to match when torch is already imported);
+  torch.set_num_threads to match when torch is already imported); on a machine with several GPUs
+  each worker sees one of them in turn (CUDA_VISIBLE_DEVICES), so no card idles while another
+  takes two runs;
 - on an existing scheduler each task takes max(1, cores of its host // tasks that can run at once
   on that host), counted from the scheduler's list of workers when the task starts.
 
@@ -142,10 +144,33 @@ class _IgnoreInterrupt(WorkerPlugin):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+class _OneCardEach(WorkerPlugin):
+    """On a machine with several GPUs (Kaggle's two T4s), LocalCluster worker i sees only card
+    i mod cards (CUDA_VISIBLE_DEVICES, set before the worker starts CUDA): two workers train on both
+    cards, not both on the first, each run on a card of its own where there are as many as workers."""
+
+    def __init__(self, cards: list[str]):
+        self.cards = cards
+
+    def setup(self, worker) -> None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = self.cards[int(worker.name) % len(self.cards)]
+
+
+def visible_cards() -> list[str]:
+    """The CUDA cards this process may use, as CUDA_VISIBLE_DEVICES names them; [] without CUDA."""
+    import torch  # a cluster's parent only: its tasks need not import it
+
+    n = torch.cuda.device_count()
+    named = [c.strip() for c in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if c.strip()]
+    return named[:n] if named else [str(i) for i in range(n)]
+
+
 @contextlib.contextmanager
 def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
     """A Client on `scheduler`, or on a new LocalCluster of `workers` single-thread processes, each
-    with max(1, cores // workers) threads in its environment (closed on exit, its processes too)."""
+    with max(1, cores // workers) threads in its environment and, with several GPUs, a card of the
+    machine's in turn (closed on exit, its processes too). An existing scheduler's workers keep the
+    cards their launcher gave them."""
     if scheduler:
         try:  # an address checked first: a Client that fails on one hangs for a minute when collected
             resolve_address(scheduler)
@@ -169,6 +194,8 @@ def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
     try:
         with Client(local, set_as_default=False) as client:
             client.register_plugin(_IgnoreInterrupt(), name="workbench-ignore-sigint")
+            if len(cards := visible_cards()) > 1:  # one card: every worker shares it, as before
+                client.register_plugin(_OneCardEach(cards), name="workbench-one-card-each")
             yield client
     finally:
         local.close(timeout=30)
