@@ -118,6 +118,11 @@ def test_the_cli_starts_without_the_notebook_stack_and_charts_still_render_as_pl
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True,
                          env={**env, "PLOTLY_RENDERER": "json"}).stdout.split("\n")
     assert out[1] == "json"  # a user's own choice wins
+    # on Colab, which draws no plotly mimetype, plotly's own choice (its Colab renderer, in a kernel)
+    colab = "import os, workbench.core.charts; print(os.environ.get('PLOTLY_RENDERER'))"
+    out = subprocess.run([sys.executable, "-c", colab], capture_output=True, text=True, timeout=300, check=True,
+                         env={**env, "COLAB_NOTEBOOK_ID": "1"}).stdout.split("\n")
+    assert out[0] == "None"
 
 
 def test_a_figure_column_with_gaps_is_rounded_under_its_unit():

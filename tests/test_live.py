@@ -33,6 +33,20 @@ def test_live_chart_holds_every_row_and_the_budget():
     assert live.rows == 8
 
 
+def test_on_colab_the_live_chart_also_carries_html(monkeypatch):
+    """Colab frames each output and draws no plotly mimetype: the live chart was a blank box there.
+    HTML (plotly.js from its CDN, as plotly's Colab renderer loads it) goes beside the mimetype."""
+    live = LiveChart(display=False, min_interval_s=0)
+    for r in rows():
+        live(r)
+    monkeypatch.delenv("COLAB_NOTEBOOK_ID", raising=False)
+    assert list(live._bundle()) == ["application/vnd.plotly.v1+json"]  # elsewhere: the notebook stays small
+    monkeypatch.setenv("COLAB_NOTEBOOK_ID", "1")
+    bundle = live._bundle()
+    assert "application/vnd.plotly.v1+json" in bundle and "cdn.plot.ly" in bundle["text/html"]
+    assert "full 0 cpu" in bundle["text/html"]
+
+
 def test_a_run_wears_one_colour_in_every_panel_and_runs_differ():
     """plotly's cycle gave each new trace the next colour: a run's memory and speed lines wore
     other runs' legend colours, and the reader matched the wrong lines."""

@@ -23,12 +23,23 @@ import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
+
+
+def hosted_notebook() -> str | None:
+    """"colab" or "kaggle" where the notebook is one of theirs (plotly's own test), else None. Colab
+    frames each output and draws no plotly mimetype: plotly picks an HTML renderer there itself."""
+    if "COLAB_NOTEBOOK_ID" in os.environ:
+        return "colab"
+    return "kaggle" if os.path.exists("/kaggle/input") else None
+
+
 # Through the variable plotly reads when it first loads its renderers (at the first display):
 # setting `pio.renderers.default` here would load them now, and nbformat with them, ~1.7 s of every
-# command's start-up whether it shows a figure or not.
-os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype")
-if "plotly.io._renderers" in sys.modules:  # loaded before this module: set it there as well
-    pio.renderers.default = os.environ["PLOTLY_RENDERER"]
+# command's start-up whether it shows a figure or not. Not on Colab or Kaggle (their own renderer).
+if hosted_notebook() is None:
+    os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype")
+    if "plotly.io._renderers" in sys.modules:  # loaded before this module: set it there as well
+        pio.renderers.default = os.environ["PLOTLY_RENDERER"]
 pio.templates.default = "plotly_white"
 
 

@@ -32,7 +32,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from workbench.core.charts import palette  # (importing charts sets the plotly_mimetype renderer)
+from workbench.core.charts import hosted_notebook, palette  # (importing charts sets the plotly_mimetype renderer)
 
 TITLE_CHARS = 100  # a title's line at most (three panels, about 1,000 px wide)
 PANELS_PX, AXIS_TITLES_PX = 245, 52  # the panels' height; under them, the axes' ticks and titles
@@ -182,7 +182,13 @@ class LiveChart:
                           margin=dict(t=self._top, b=AXIS_TITLES_PX + legend, l=50, r=20))
 
     def _bundle(self) -> dict:
-        return pio.renderers["plotly_mimetype"].to_mimebundle(self._snapshot().to_dict())
+        """plotly's own mimetype; on Colab or Kaggle, whose front ends may not draw it, HTML beside it
+        (plotly.js from its CDN, as their renderers load it)."""
+        fig = self._snapshot()
+        bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
+        if hosted_notebook():
+            bundle["text/html"] = pio.to_html(fig, include_plotlyjs="cdn", full_html=False)
+        return bundle
 
     def draw(self) -> None:
         self._last_draw = time.monotonic()
@@ -191,7 +197,7 @@ class LiveChart:
 
             self._output.clear_output(wait=True)
             with self._output:
-                # plotly's own mimetype, whatever plotly's default renderer is
+                # plotly's own mimetype (and HTML on Colab or Kaggle), whatever plotly's default renderer is
                 ipy_display(self._bundle(), raw=True)
 
     def close(self) -> go.Figure:
