@@ -12,6 +12,7 @@ from workbench.core.config import ConfigError
 from workbench.core.fallback import Attempt, default_attempts, run_with_fallback, unavailable
 from workbench.core.memory.budget import device_budget
 from workbench.core.memory.live_bytes import LiveBytes
+from workbench.front.gpu_check import NO_GPU_LINE
 from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.preflight import failure
 
@@ -164,6 +165,27 @@ def test_a_card_this_torch_has_no_kernels_for_is_unavailable_and_says_which_buil
     card.update(cc=(7, 5), name="Tesla T4")  # a card the build has kernels for
     assert unavailable("cuda") is None and default_attempts(None)[0] == Attempt("cuda")
     assert SplitConfig(device="auto").resolved_device() == "cuda"
+
+
+def test_a_driver_older_than_the_torch_build_is_said_and_gpu_check_fails(monkeypatch, capsys):
+    """PyPI's torch is a CUDA 13 build; a notebook platform's driver may run CUDA 12.8 at most. torch
+    then warns, is_available() says False, and the studies said "CUDA finds no GPU" and gpu-check
+    "needs a GPU" (exit 0) on a machine with one. Played: the driver's answers to torch."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_isDriverSufficient", lambda: False, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12080, raising=False)
+    monkeypatch.setattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", {"12.6": {}, "12.9": {}, "13.0": {}, "13.2": {}})
+    why = unavailable("cuda")
+    assert why == (f"CUDA cannot start on this machine's GPU (torch {torch.__version__}): the NVIDIA driver runs "
+                   "CUDA 12.8 at most, older than this build's 13.0: install torch 2.13.0 for CUDA 12.9 "
+                   "(--index-url https://download.pytorch.org/whl/cu129) or a newer driver")
+    assert main(["gpu-check"]) == 1 and capsys.readouterr().out.startswith("workbench gpu-check: the NVIDIA driver")
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 11040, raising=False)  # no build of this release
+    assert unavailable("cuda").endswith("older than this build's 13.0: install a newer NVIDIA driver")
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 0, raising=False)  # no driver: no GPU
+    assert unavailable("cuda") == f"no CUDA device on this machine (torch {torch.__version__}: CUDA finds no GPU)"
+    assert main(["gpu-check"]) == 0 and capsys.readouterr().out.strip() == NO_GPU_LINE
 
 
 def test_other_errors_are_not_swallowed():

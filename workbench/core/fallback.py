@@ -121,12 +121,37 @@ def no_kernels(index: int = 0) -> str | None:
             f"(sm_{cc}; built for {built_for}): {fix}")
 
 
+def driver_too_old() -> str | None:
+    """Why CUDA finds no GPU where there is one: the NVIDIA driver is older than this torch build's
+    CUDA (PyPI's CUDA 13 build on a driver before the 580 series: a notebook platform's, say). torch
+    only warns, and is_available() says False. None: the driver suffices, or there is none."""
+    try:
+        if torch._C._cuda_isDriverSufficient():
+            return None
+        found = torch._C._cuda_getDriverVersion()  # the newest CUDA the driver runs, 12080 for 12.8; 0: no driver
+        releases = list(torch.cuda.PYTORCH_RELEASES_CODE_CC)
+    except AttributeError:  # a CPU build, or torch's private names moved: trust torch
+        return None
+    if not found:
+        return None
+    have = (found // 1000, found % 1000 // 10)
+    # a build runs on a driver of its CUDA major version, however old its minor (minor version compatibility)
+    runs = [v for v in releases if int(v.split(".")[0]) <= have[0]]
+    version = torch.__version__.split("+")[0]
+    fix = (f"install torch {version} for CUDA {runs[-1]} (--index-url https://download.pytorch.org/whl/"
+           f"cu{runs[-1].replace('.', '')}) or a newer driver" if runs else "install a newer NVIDIA driver")
+    return (f"the NVIDIA driver runs CUDA {have[0]}.{have[1]} at most, older than this build's "
+            f"{torch.version.cuda}: {fix}")
+
+
 def unavailable(device: str) -> str | None:
     """Why `device` does not exist on this machine, or torch cannot run on it (None: it can)."""
     dev = torch.device(device)  # cpu or cuda[:N] (Attempt.parse and SplitConfig allow no other)
     if dev.type == "cpu":
         return None
     if not torch.cuda.is_available():
+        if old := driver_too_old():
+            return f"CUDA cannot start on this machine's GPU (torch {torch.__version__}): {old}"
         why = "this torch build has no CUDA" if torch.version.cuda is None else "CUDA finds no GPU"
         return f"no CUDA device on this machine (torch {torch.__version__}: {why})"
     if dev.index is not None and dev.index >= torch.cuda.device_count():

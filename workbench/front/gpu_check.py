@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from workbench.core.common import MiB, one_line
 from workbench.core.config import ConfigError
-from workbench.core.fallback import no_kernels, out_of_memory
+from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor, bf16_native
 from workbench.core.memory.plan import RUNGS
@@ -310,6 +310,9 @@ def _main(args) -> int:
 
     opts = _options(args)
     if not torch.cuda.is_available():
+        if old := driver_too_old():  # a GPU machine that cannot run the check
+            print(f"workbench gpu-check: {old}")
+            return 1
         print(NO_GPU_LINE)
         return 0
     if missing := no_kernels(torch.cuda.current_device()):
