@@ -167,6 +167,27 @@ def test_a_card_this_torch_has_no_kernels_for_is_unavailable_and_says_which_buil
     assert SplitConfig(device="auto").resolved_device() == "cuda"
 
 
+def test_a_cuda_budget_says_when_the_process_already_holds_a_model_on_the_card(monkeypatch):
+    """A notebook's earlier cell left a model on the card: its bytes count in every peak and, under
+    torch's per-process fraction, against the budget, so strategies that fit fall back. Said in one
+    line; the cuBLAS workspaces a process keeps are not worth one."""
+    import warnings
+
+    held = {"bytes": 1900 * 2**20}
+    for name, fn in dict(current_device=lambda: 0, empty_cache=lambda: None,
+                         reset_peak_memory_stats=lambda d=None: None, memory_allocated=lambda d=None: held["bytes"],
+                         get_per_process_memory_fraction=lambda d: 1.0, set_per_process_memory_fraction=lambda f, d: None,
+                         get_device_properties=lambda d: type("P", (), {"total_memory": 16 * 2**30})()).items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    with pytest.warns(UserWarning, match=r"cuda:0 already holds 1,900 MiB of this process's tensors .* count in this "
+                                         r"run's peak and against its 4096 MiB budget; free them"):
+        device_budget("cuda", budget_mib=4096).__enter__()
+    held["bytes"] = 64 * 2**20  # two 32 MiB cuBLAS workspaces
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        device_budget("cuda", budget_mib=4096).__enter__()
+
+
 def test_a_driver_older_than_the_torch_build_is_said_and_gpu_check_fails(monkeypatch, capsys):
     """PyPI's torch is a CUDA 13 build; a notebook platform's driver may run CUDA 12.8 at most. torch
     then warns, is_available() says False, and the studies said "CUDA finds no GPU" and gpu-check

@@ -23,6 +23,7 @@ rounded, as max_memory_allocated) and `peak_reserved_mib` (as max_memory_reserve
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ from workbench.core.memory.live_bytes import LiveBytes, MiB
 from workbench.core.memory.monitor import indexed
 
 ALLOCATORS = ("live", "cuda")
+# What a process may hold on its card between runs without a word: the cuBLAS workspaces it keeps
+# (32 MiB per handle from sm_90, one per thread and stream that ran a matmul), not a model
+HELD_BYTES = 256 * MiB
 
 
 class PlayedCudaAllocator(LiveBytes):
@@ -144,6 +148,12 @@ class device_budget:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+            if (held := torch.cuda.memory_allocated(self.device)) > HELD_BYTES:
+                warnings.warn(f"{self.device} already holds {held / MiB:,.0f} MiB of this process's tensors (a model "
+                              "an earlier cell left there?): they count in this run's peak"
+                              + (f" and against its {self.budget_mib:g} MiB budget" if self.budget_mib else "")
+                              + "; free them (del the model, then torch.cuda.empty_cache()) or restart the kernel",
+                              stacklevel=2)
             if self.budget_mib is not None:  # the fraction a notebook set before (torchtune's way) comes back after
                 self._fraction = torch.cuda.get_per_process_memory_fraction(self.device)
                 total = torch.cuda.get_device_properties(self.device).total_memory
