@@ -130,14 +130,16 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
         == ranked[0].name  # without the margin the cheapest would have been taken
 
 
-def test_a_real_oom_steps_down_at_the_same_effective_batch(config, capsys):
+def test_a_real_oom_steps_down_at_the_same_effective_batch(config, capsys, monkeypatch):
     choice = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, keep=3, progress=True)
     assert len(choice.fitting) == 3
     # the progress bar ends where the search stops, and says why, not part way with time to go
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     left = len(candidates(_setup(), BATCH)) - len(choice.table)
     assert left > 0 and "100%" in last and f"stopped: 3 setups fit, the {left} left are slower" in last, last
-    ran = []
+    ran, released = [], []
+    # what a failed setup left cached goes back to the card before the next (cuBLAS takes its handle outside it)
+    monkeypatch.setattr(autofit, "release", lambda device: released.append((len(ran), str(device))))
 
     def attempt(plan):
         ran.append(plan)
@@ -149,12 +151,31 @@ def test_a_real_oom_steps_down_at_the_same_effective_batch(config, capsys):
 
     plan, result, tries = run_with_step_down(choice, attempt, log=lambda s: None)
     assert result == "trained" and plan is choice.fitting[2] and [t["status"] for t in tries] == ["oom", "oom", "ok"]
+    assert released == [(1, "cuda"), (2, "cuda")]
     assert all(BATCH % p.accum == 0 for p in ran)
     with pytest.raises(RuntimeError, match="illegal memory access"):  # not the card's memory: no step down
         run_with_step_down(choice, lambda p: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory "
                                                                                 "access was encountered")))
     with pytest.raises(torch.OutOfMemoryError, match="no setup fits"):
         run_with_step_down(choice, lambda p: (_ for _ in ()).throw(torch.OutOfMemoryError("x")), log=lambda s: None)
+
+
+def test_a_search_for_the_card_here_reads_what_is_free_once(config, monkeypatch):
+    """`search(card="here")` from Python judged each setup against what was free when that setup was
+    predicted (the card read anew each time); one budget for all. Played: a T4, 13,460 MiB free."""
+    import types
+
+    import bitsandbytes  # noqa: F401  (imported as on a machine without CUDA, before CUDA is played)
+
+    MiB, reads = 2**20, []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        name="Tesla T4", total_memory=15360 * MiB, major=7, minor=5))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: reads.append(1) or (13460 * MiB, 15360 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    choice = search(config, _setup(precision="bf16-mixed"), batch=BATCH, seq=SEQ, budget_mib=10_000, card="here", keep=2)
+    assert len(choice.table) >= 2 and len(reads) == 1
+    assert choice.plan.precision == "fp16"  # the card's own sm: bf16 is emulated on a T4
 
 
 def test_estimate_search_from_the_command_line(config, tmp_path, capsys):

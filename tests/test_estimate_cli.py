@@ -118,8 +118,10 @@ def test_auto_fit_to_a_card_before_sm_80_ranks_its_emulated_bf16_rungs_after_fp1
     T4 (sm_75) bf16 is emulated at fp32's speed or slower: fp16 autocast is its fast rung."""
     chosen = {}
     for card in ("A100 40GB", "T4 16GB"):
-        assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--card", card]) == 0
-        (line,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("auto-fit: ")]
+        assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit",
+                     "--card", card]) == 0
+        out = capsys.readouterr().out.splitlines()
+        (line,) = [line.split() for line in out if line.startswith("auto-fit: ")]
         chosen[card] = line[1]
     assert chosen == {"A100 40GB": "bf16_true", "T4 16GB": "fp16"}
 
@@ -138,11 +140,13 @@ def test_card_here_fits_to_what_the_card_has_free_now(tiny_config, capsys, monke
         name="Tesla T4", total_memory=15360 * MiB, major=7, minor=5))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (13460 * MiB, 15360 * MiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 100 * MiB)
-    assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "bf16", "--card", "here"]) == 0
+    assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--rung", "bf16",
+                 "--card", "here"]) == 0
     out = capsys.readouterr().out.splitlines()
     (context,) = [line.split() for line in out if line.strip().startswith("CUDA context")]
     assert context[2:6] == ["1,800.0", "MiB", "measured", "now:"]
-    (reserved,) = [float(line.split()[2].replace(",", "")) for line in out if line.strip().startswith("reserved needed")]
+    (reserved,) = [float(line.split()[2].replace(",", "")) for line in out
+                   if line.strip().startswith("reserved needed")]
     (card,) = [line for line in out if line.strip().startswith("card Tesla T4")]
     assert card.split("headroom ")[1] == f"{13560 - reserved:,.1f} MiB"
     assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--precision", "bf16-mixed",

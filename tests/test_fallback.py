@@ -176,11 +176,12 @@ def test_a_cuda_budget_says_when_the_process_already_holds_a_model_on_the_card(m
     held = {"bytes": 1900 * 2**20}
     for name, fn in dict(current_device=lambda: 0, empty_cache=lambda: None,
                          reset_peak_memory_stats=lambda d=None: None, memory_allocated=lambda d=None: held["bytes"],
-                         get_per_process_memory_fraction=lambda d: 1.0, set_per_process_memory_fraction=lambda f, d: None,
+                         get_per_process_memory_fraction=lambda d: 1.0,
+                         set_per_process_memory_fraction=lambda f, d: None,
                          get_device_properties=lambda d: type("P", (), {"total_memory": 16 * 2**30})()).items():
         monkeypatch.setattr(torch.cuda, name, fn)
-    with pytest.warns(UserWarning, match=r"cuda:0 already holds 1,900 MiB of this process's tensors .* count in this "
-                                         r"run's peak and against its 4096 MiB budget; free them"):
+    with pytest.warns(UserWarning, match=r"cuda:0 already holds 1,900 MiB of this process's memory .* counts in "
+                                         r"every run's peak and against a CUDA budget; free it"):
         device_budget("cuda", budget_mib=4096).__enter__()
     held["bytes"] = 64 * 2**20  # two 32 MiB cuBLAS workspaces
     with warnings.catch_warnings():
@@ -196,12 +197,28 @@ def test_a_driver_older_than_the_torch_build_is_said_and_gpu_check_fails(monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch._C, "_cuda_isDriverSufficient", lambda: False, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12080, raising=False)
+    import sys
+    import types
+
+    def no_nvml():
+        raise OSError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=no_nvml))
+    real_table = torch.cuda.PYTORCH_RELEASES_CODE_CC  # without NVML the driver's CUDA alone picks the build
     monkeypatch.setattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", {"12.6": {}, "12.9": {}, "13.0": {}, "13.2": {}})
     why = unavailable("cuda")
     assert why == (f"CUDA cannot start on this machine's GPU (torch {torch.__version__}): the NVIDIA driver runs "
                    "CUDA 12.8 at most, older than this build's 13.0: install torch 2.13.0 for CUDA 12.9 "
                    "(--index-url https://download.pytorch.org/whl/cu129) or a newer driver")
     assert main(["gpu-check"]) == 1 and capsys.readouterr().out.startswith("workbench gpu-check: the NVIDIA driver")
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+                                 nvmlDeviceGetHandleByIndex=lambda i: i,
+                                 nvmlDeviceGetCudaComputeCapability=lambda h: (6, 0))  # Kaggle's P100, without CUDA
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", real_table)
+    monkeypatch.setattr(torch.cuda, "_host_arch_key", lambda: "x86_64")
+    assert unavailable("cuda").endswith("install torch 2.13.0 for CUDA 12.6 (--index-url "
+                                        "https://download.pytorch.org/whl/cu126) or a newer driver")  # not 12.9's
     monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 11040, raising=False)  # no build of this release
     assert unavailable("cuda").endswith("older than this build's 13.0: install a newer NVIDIA driver")
     monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 0, raising=False)  # no driver: no GPU

@@ -268,6 +268,15 @@ def test_each_check_leaves_the_card_to_the_next_with_nothing_cached(tmp_path, mo
     found = {name: check(name) for name in ("environment", "ladder", "notebooks")}
     gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)
     assert seen == {"environment": 0, "ladder": 1, "notebooks": 2} and len(emptied) == 3
+    # a sticky CUDA error (a device-side assert) raises again when the cache is emptied: said, and the next runs
+
+    def sticky():
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", sticky)
+    summary = gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)
+    assert summary["checks"] == {"environment": "pass", "ladder": "pass", "notebooks": "pass"}
+    assert summary["results"]["ladder"]["release_error"].startswith("RuntimeError: CUDA error: device-side assert")
 
 
 def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_path):

@@ -579,7 +579,8 @@ def test_the_monitor_samples_the_card_it_was_given_from_its_own_thread(monkeypat
 
     _fake_cuda_memory(monkeypatch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: int(threading.current_thread() is threading.main_thread()))
+    main_thread = threading.main_thread()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: int(threading.current_thread() is main_thread))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: (90 + 1000 * card(device)) * 2**20)
     with MemoryMonitor("cuda", interval_s=0.01) as mon:
         deadline = time.monotonic() + 30

@@ -24,9 +24,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 
-
 def hosted_notebook() -> str | None:
-    """"colab" or "kaggle" where the notebook is one of theirs (plotly's own test), else None. Colab
+    """The hosted notebook this runs in, by plotly's own test: 'colab', 'kaggle', or None. Colab
     frames each output and draws no plotly mimetype: plotly picks an HTML renderer there itself."""
     if "COLAB_NOTEBOOK_ID" in os.environ:
         return "colab"

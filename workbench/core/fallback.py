@@ -106,40 +106,64 @@ def no_kernels(index: int = 0) -> str | None:
         cc = 10 * major + minor
         if any(cuda._code_compatible_with_device(cc, b) for b in built):
             return None
-        releases = [v for v, by_arch in cuda.PYTORCH_RELEASES_CODE_CC.items()
-                    if any(cuda._code_compatible_with_device(cc, b) for b in by_arch.get(cuda._host_arch_key(), ()))]
+        releases = _builds_for(cc)
     except (AttributeError, ValueError, IndexError):  # torch's private table moved: trust torch
         return None
-    version = torch.__version__.split("+")[0]
-    index_url = "https://download.pytorch.org/whl" + ("/nightly" if "dev" in version else "")
-    fix = "no torch build of this release has them"
-    if releases:
-        cu = releases[-1]
-        fix = f"install torch {version} for CUDA {cu} (--index-url {index_url}/cu{cu.replace('.', '')})"
+    fix = _install(releases[-1]) if releases else "no torch build of this release has them"
     built_for = ", ".join(f"sm_{b}" for b in sorted(set(built)))
     return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) has no kernels for {cuda.get_device_name(index)} "
             f"(sm_{cc}; built for {built_for}): {fix}")
+
+
+def _builds_for(cc: int) -> list[str]:
+    """The CUDA versions of this torch release's builds (torch's table) with kernels for a card of
+    compute capability `cc` (x 10) on this machine's architecture, oldest first."""
+    cuda = torch.cuda
+    return [v for v, by_arch in cuda.PYTORCH_RELEASES_CODE_CC.items()
+            if any(cuda._code_compatible_with_device(cc, b) for b in by_arch.get(cuda._host_arch_key(), ()))]
+
+
+def _install(cu: str) -> str:
+    version = torch.__version__.split("+")[0]
+    index_url = "https://download.pytorch.org/whl" + ("/nightly" if "dev" in version else "")
+    return f"install torch {version} for CUDA {cu} (--index-url {index_url}/cu{cu.replace('.', '')})"
+
+
+def _nvml_capability() -> int | None:
+    """The lowest compute capability (x 10) among this machine's cards, read through NVML (no CUDA
+    needed), or None where NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        ccs = [pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i))
+               for i in range(pynvml.nvmlDeviceGetCount())]
+        return min(10 * major + minor for major, minor in ccs) if ccs else None
+    except Exception:  # no NVML library or driver, or an old one
+        return None
 
 
 def driver_too_old() -> str | None:
     """Why CUDA finds no GPU where there is one: the NVIDIA driver is older than this torch build's
     CUDA (PyPI's CUDA 13 build on a driver before the 580 series: a notebook platform's, say). torch
     only warns, and is_available() says False. None: the driver suffices, or there is none."""
+    if torch.version.cuda is None:  # a CPU or ROCm build
+        return None
     try:
         if torch._C._cuda_isDriverSufficient():
             return None
         found = torch._C._cuda_getDriverVersion()  # the newest CUDA the driver runs, 12080 for 12.8; 0: no driver
-        releases = list(torch.cuda.PYTORCH_RELEASES_CODE_CC)
-    except AttributeError:  # a CPU build, or torch's private names moved: trust torch
+        cc = _nvml_capability()
+        releases = _builds_for(cc) if cc else list(torch.cuda.PYTORCH_RELEASES_CODE_CC)
+    except (AttributeError, RuntimeError, ValueError, IndexError):  # torch's private names moved: trust torch
         return None
     if not found:
         return None
     have = (found // 1000, found % 1000 // 10)
-    # a build runs on a driver of its CUDA major version, however old its minor (minor version compatibility)
+    # a build runs on a driver of its CUDA major version, however old its minor (minor version compatibility);
+    # of those, one with kernels for the card (a P100's newest is CUDA 12.6's)
     runs = [v for v in releases if int(v.split(".")[0]) <= have[0]]
-    version = torch.__version__.split("+")[0]
-    fix = (f"install torch {version} for CUDA {runs[-1]} (--index-url https://download.pytorch.org/whl/"
-           f"cu{runs[-1].replace('.', '')}) or a newer driver" if runs else "install a newer NVIDIA driver")
+    fix = f"{_install(runs[-1])} or a newer driver" if runs else "install a newer NVIDIA driver"
     return (f"the NVIDIA driver runs CUDA {have[0]}.{have[1]} at most, older than this build's "
             f"{torch.version.cuda}: {fix}")
 
@@ -199,9 +223,11 @@ Job = Callable[[Attempt, DeviceBudget, Phase], Any]
 Preflight = Callable[[Attempt], "tuple[float, str] | None"]
 
 
-def _free(device: str) -> None:
+def release(device: str | torch.device) -> None:
+    """Give back the device memory of a run that raised, once the caller has dropped what it held
+    and left the `except` block (the error's frames hold the run's tensors until then)."""
     gc.collect()
-    if device.startswith("cuda") and torch.cuda.is_available():
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
@@ -246,7 +272,7 @@ def run_with_fallback(
         if oom is not None:
             # Freed here, after the handler: inside it the exception (and through its traceback
             # the failed attempt's frames, model and activations) is still alive.
-            _free(attempt.device)
+            release(attempt.device)
             record({"attempt": str(attempt), "result": "oom", "phase": phase.name, "reason": oom})
             continue
         record({"attempt": str(attempt), "result": "ok", "phase": None, "peak_mib": peak})

@@ -114,7 +114,10 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
             results[name] = dict(NOT_RUN) if name != "environment" and opts.out_of_time() else fn(opts)
         except Exception as e:
             results[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
-        release_card()
+        try:  # a sticky CUDA error (a device-side assert) raises here again: said, and the next check runs
+            release_card()
+        except Exception as e:
+            results[name]["release_error"] = one_line(e)
         results[name]["seconds"] = time.perf_counter() - t
         say(f"gpu-check {name}: {results[name].get('status')} ({results[name]['seconds']:.0f} s)")
         # written after every check: a check that hangs or a lease that ends keeps what came before
@@ -129,8 +132,8 @@ def release_card() -> None:
     here would be their shortfall (its figures would count them too)."""
     import torch
 
-    gc.collect()
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (a collection costs a big process a second: not where CUDA never ran)
+        gc.collect()
         torch.cuda.empty_cache()
 
 

@@ -149,10 +149,10 @@ class device_budget:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             if (held := torch.cuda.memory_allocated(self.device)) > HELD_BYTES:
-                warnings.warn(f"{self.device} already holds {held / MiB:,.0f} MiB of this process's tensors (a model "
-                              "an earlier cell left there?): they count in this run's peak"
-                              + (f" and against its {self.budget_mib:g} MiB budget" if self.budget_mib else "")
-                              + "; free them (del the model, then torch.cuda.empty_cache()) or restart the kernel",
+                # the same text for every run: Python shows it once, not once per attempt and budget
+                warnings.warn(f"{self.device} already holds {held / MiB:,.0f} MiB of this process's memory (a model "
+                              "an earlier cell left there?): it counts in every run's peak and against a CUDA "
+                              "budget; free it (del the model, then torch.cuda.empty_cache()) or restart the kernel",
                               stacklevel=2)
             if self.budget_mib is not None:  # the fraction a notebook set before (torchtune's way) comes back after
                 self._fraction = torch.cuda.get_per_process_memory_fraction(self.device)

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from workbench.core.common import MiB, mib_text
 from workbench.core.config import ConfigError
-from workbench.core.fallback import out_of_memory
+from workbench.core.fallback import out_of_memory, release
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import bf16_native
 from workbench.core.memory.plan import Plan
@@ -98,14 +98,18 @@ def prediction_margin(plan: Plan, path=MARGINS_FILE, *, device: str = "cpu", rec
 
 def cost(plan: Plan, sm: int = cuda_model.DEFAULT_SM) -> float:
     """The prior cost of `plan` on a card of compute capability `sm` (x 10)."""
-    emulated = not bf16_native(sm) and plan.precision.startswith("bf16")
-    c = COSTS["bf16_before_sm80"] if emulated else COSTS["precision"][plan.precision]
+    c = COSTS["bf16_before_sm80"] if bf16_emulated_plan(plan, sm) else COSTS["precision"][plan.precision]
     c *= COSTS["optimizer"][plan.optimizer]
     c *= COSTS["checkpointing"] if plan.grad_checkpointing else 1.0
     c *= 1 + COSTS["accumulation_step"] * (plan.accum - 1)
     c *= COSTS.get(plan.placement, 1.0) if plan.placement in ("zero_offload", "zero_offload_params") else 1.0
     c *= COSTS["lora"] if plan.trainable in ("lora", "qlora") else 1.0
     return c
+
+
+def bf16_emulated_plan(plan: Plan, sm: int | None) -> bool:
+    """Whether `plan` trains in bf16 on a card (compute capability `sm` x 10) that emulates it."""
+    return sm is not None and not bf16_native(sm) and plan.precision.startswith("bf16")
 
 
 def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | None = None) -> list[Plan]:
@@ -194,7 +198,7 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
             bar.set_postfix_str(plan.name)
             t0 = time.perf_counter()
             m, src = margin_of(plan)
-            p = predict(model, plan, batch=batch, seq=seq, device=device, card=card)
+            p = predict(model, plan, batch=batch, seq=seq, device=device, card=the_card)  # "here" read once
             need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
             fits = need * (1 + m) <= budget
             choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan, sm), 3), "method": p.method,
@@ -239,8 +243,9 @@ def run_with_step_down(choice: SetupChoice, attempt: Callable[[Plan], Any], *,
                 raise
             tries.append({"setup": plan.name, "status": "oom", "error": str(e)[:200]})
             log(f"auto-fit: {plan.name} ran out of memory; stepping down (same effective batch {choice.batch})")
-            continue
-        tries.append({"setup": plan.name, "status": "ok", "error": ""})
-        return plan, result, tries
+        else:
+            tries.append({"setup": plan.name, "status": "ok", "error": ""})
+            return plan, result, tries
+        release("cuda")  # what the failed setup left cached, outside the `except` (its frames held the tensors)
     raise NoSetupFits(f"auto-fit: no setup fits {mib_text(choice.budget_bytes / MiB)} MiB "
                       f"(tried: {', '.join(t['setup'] for t in tries) or 'none predicted to fit'})", tries)

@@ -183,8 +183,10 @@ def _estimate(args) -> int:
             card = cuda_card(args.card)
             if card.usable_bytes <= 0:
                 raise ConfigError(f"--card {card_spec}: its {mib_text(card.total_bytes / MiB)} MiB do not hold the "
-                                  f"CUDA context ({mib_text(card.context_bytes / MiB)} MiB, {card.context_source}); "
-                                  "give a larger card, or --budget-mib for a budget of your own")
+                                  f"CUDA context ({mib_text(card.context_bytes / MiB)} MiB, modelled); give a larger "
+                                  "card, or --budget-mib for a budget of your own" if card.context_source == _MODELLED
+                                  else f"--card {card_spec}: nothing is free on {card.name} now "
+                                  f"({mib_text(card.context_bytes / MiB)} MiB in use, {card.context_source})")
             args.budget_mib = card.usable_bytes / MiB  # what the card leaves after its context
             budget_from = (f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less its CUDA context, "
                            f"{mib_text(card.context_bytes / MiB)} MiB modelled" if card.context_source == _MODELLED else
@@ -305,11 +307,13 @@ def _estimate(args) -> int:
         print(line)
     if cuda:
         print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
-              "smi: reserved + the CUDA context (modelled); device_map, zero_offload and zero_offload_params: the "
+              "smi: reserved + the CUDA context (modelled; with --card here, all in use on the card now, measured); "
+              "device_map, zero_offload and zero_offload_params: the "
               "card's share (simulated placement, host memory in the note)")
     if on_card:
         first = next(iter(preds.values()))
-        print(f"card: {first.card} ({first.card_bytes / MiB:,.0f} MiB) less the CUDA context and the reserved memory "
+        print(f"card: {first.card} ({first.card_bytes / MiB:,.0f} MiB) less the CUDA context ({first.context_source}) "
+              "and the reserved memory "
               "the step needs (needed: the least the allocator runs the step in, giving cached blocks back first; "
               "a card with room keeps them, to the reserved peak), with no margin; --budget-mib adds the "
               "prediction's measured margin")

@@ -26,13 +26,12 @@ from workbench.core.common import single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.fallback import out_of_memory
 from workbench.core.memory.accounting import MemoryAccounting
-from workbench.core.memory.monitor import bf16_native
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, infer_device_map
 from workbench.core.memory.plan import RUNGS, Plan, apply_trainable, make_plan_optimizer, rung
 from workbench.core.memory.predict import predict
 from workbench.core.memory.segments import reserved_by_stream, segment_sizes
 from workbench.core.training import BlockSampler, TrainSettings, train
-from workbench.studies.ladder.autofit import prediction_margin
+from workbench.studies.ladder.autofit import bf16_emulated_plan, prediction_margin
 
 # ------------------------------------------------------------------------------------------------
 # measuring a rung on the machine at hand
@@ -315,9 +314,8 @@ def auto_fit(
         m = margin if margin is not None else prediction_margin(plan, device=str(device))[0]
         measured = (step_ms or {}).get(n)
         # Measured step times rank first (in ms); rungs without one follow, by their speed prior.
-        emulated = sm is not None and not bf16_native(sm) and plan.precision.startswith("bf16")
         rank = ((0, measured) if measured is not None else (3, plan.speed_rank) if plan.placement == "cpu"
-                else (2 if emulated else 1, plan.speed_rank))
+                else (2 if bf16_emulated_plan(plan, sm) else 1, plan.speed_rank))
         table.append({
             "rung": n, "tier": plan.tier, "predicted_peak_bytes": p.peak_bytes, "fit_bytes": need,
             "method": p.method, "margin": m, "fits": need * (1 + m) <= budget, "rank": rank,

@@ -28,12 +28,10 @@ below where it starts, and its host share's state with it.
 
 On a card a run that does not fit raises torch.OutOfMemoryError (the plain step, or the weights
 alone, on a card too small: the case study 3 is for); `failure(e)` makes it the run's row, and
-`release(device)` gives back the memory it held, so the runs after it have the card.
+`fallback.release(device)` gives back the memory it held, so the runs after it have the card.
 """
 
 from __future__ import annotations
-
-import gc
 
 import torch
 
@@ -99,11 +97,3 @@ def failure(e: BaseException) -> dict:
     """A measured run that raised: its row's status ("oom" for an out-of-memory error, else
     "error") and reason."""
     return {"status": "oom" if out_of_memory(e) else "error", "reason": one_line(e)}
-
-
-def release(device: torch.device) -> None:
-    """Give back the device memory of a run that raised, once the caller has dropped its model and
-    engine and left the `except` block (the error's frames hold the run's tensors until then)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -38,7 +38,7 @@ import torch
 
 from workbench.core.common import Sink
 from workbench.core.data import corpus_blocks, target_corpus
-from workbench.core.fallback import out_of_memory
+from workbench.core.fallback import out_of_memory, release
 from workbench.core.models import load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
 from workbench.core.training import evaluate_perplexity
@@ -48,7 +48,7 @@ from workbench.studies.split.balance import balance_k
 from workbench.studies.split.config import STUDY, SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.hostbench import measure_host
-from workbench.studies.split.preflight import MemoryHold, failure, release
+from workbench.studies.split.preflight import MemoryHold, failure
 from workbench.studies.split.reference import plain_adamw
 from workbench.studies.split.zero_baseline import run_zero_offload
 
