@@ -147,7 +147,9 @@ class _IgnoreInterrupt(WorkerPlugin):
 class _OneCardEach(WorkerPlugin):
     """On a machine with several GPUs (Kaggle's two T4s), LocalCluster worker i sees only card
     i mod cards (CUDA_VISIBLE_DEVICES, set before the worker starts CUDA): two workers train on both
-    cards, not both on the first, each run on a card of its own where there are as many as workers."""
+    cards, not both on the first, each run on a card of its own where there are as many as workers.
+    It is set when the worker joins, before its first task: a worker that starts CUDA before that (a
+    preload of its own) keeps every card. In a worker "cuda:1" names no card: name "cuda"."""
 
     def __init__(self, cards: list[str]):
         self.cards = cards

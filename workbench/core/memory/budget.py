@@ -18,6 +18,9 @@ caps *live* tensor bytes, so a played 8 GB card fits more than a real one. With
 is malloc'd from (and freed to) the modelled allocator (allocator.CachingAllocator, modelled,
 one stream), the budget caps its reserved bytes, and the budget reports `peak_mib` (allocated,
 rounded, as max_memory_allocated) and `peak_reserved_mib` (as max_memory_reserved).
+
+On CUDA a fraction the process had set before (a notebook playing a smaller card, torchtune's way)
+is replaced by the budget's for the run, which is what the run's rows report, and given back after.
 """
 
 from __future__ import annotations
