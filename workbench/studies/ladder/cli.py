@@ -180,7 +180,7 @@ def _estimate(args) -> int:
             print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
         budget_from = "--budget-mib"
         if (args.search or args.auto_fit) and args.budget_mib is None:
-            card = cuda_card(args.card)
+            card = args.card
             if card.usable_bytes <= 0:
                 raise ConfigError(f"--card {card_spec}: its {mib_text(card.total_bytes / MiB)} MiB do not hold the "
                                   f"CUDA context ({mib_text(card.context_bytes / MiB)} MiB, modelled); give a larger "
@@ -205,7 +205,7 @@ def _estimate(args) -> int:
         choice = None
         if args.auto_fit:
             choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
-                              device=args.device, sm=cuda_card(args.card).sm if args.card is not None else None)
+                              device=args.device, sm=args.card.sm if args.card is not None else None)
     if args.search:
         return _print_search(args, found, budget_mib, setup, budget_from)
     budget = int(args.budget_mib * MiB) if args.budget_mib else None
