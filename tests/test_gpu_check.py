@@ -309,12 +309,51 @@ def test_summary_is_on_disk_after_each_check_so_a_killed_run_keeps_what_came_bef
         raise KeyboardInterrupt
 
     found["strategies"] = killed
+    found["trace"] = lambda opts: {"status": "pass"}
+    said = []
     with pytest.raises(KeyboardInterrupt):
-        gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)
+        gc.run_checks(gc.Options(out=tmp_path), found, say=said.append)
     saved = json.loads((tmp_path / "summary.json").read_text())
-    assert saved["checks"] == {"environment": "pass", "ladder": "pass"}
+    # the check it died in and the one it never reached are said, and the run is not a pass
+    assert saved["checks"] == {"environment": "pass", "ladder": "pass", "strategies": "killed", "trace": "pending"}
+    assert saved["status"] == "incomplete" and said[-1] == "gpu-check strategies: killed (KeyboardInterrupt); " \
+        "the checks after it did not run"
     assert saved["results"]["ladder"]["rows"][0]["rung"] == "bf16"
-    assert "| bf16 | ok |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| bf16 | ok |" in report and "## GPU check: incomplete" in report
+    assert "- trace: pending (not reached: the run ended before it began)" in report
+    # a SIGKILL leaves no handler to run: what is on disk while a check runs says it was running
+    seen = {}
+
+    def look(opts):
+        seen.update(json.loads((tmp_path / "summary.json").read_text())["checks"])
+        return {"status": "pass"}
+
+    found["strategies"] = look
+    assert gc.run_checks(gc.Options(out=tmp_path), found, say=lambda s: None)["status"] == "pass"
+    assert seen == {"environment": "pass", "ladder": "pass", "strategies": "running", "trace": "pending"}
+
+
+def test_sigterm_ends_the_run_with_the_check_it_ended_recorded(tmp_path):
+    """`timeout` (a lent card's hard limit) sends SIGTERM: gpu-check's handler makes it an exception,
+    so the check in progress is recorded as killed and the process exits 128 + 15."""
+    import os
+    import signal
+
+    def check(opts):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {"status": "pass"}
+
+    previous = signal.signal(signal.SIGTERM, gc._terminated)
+    try:
+        with pytest.raises(SystemExit) as e:
+            gc.run_checks(gc.Options(out=tmp_path), {"environment": check, "ladder": check}, say=lambda s: None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert e.value.code == 143
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["checks"] == {"environment": "killed", "ladder": "pending"}
+    assert saved["results"]["environment"]["error"].startswith("SIGTERM after")
 
 
 def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monkeypatch, tmp_path):
@@ -363,7 +402,7 @@ def test_only_runs_the_named_checks(tmp_path):
 
 def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
     found = gc.checks()
-    assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "split", "notebooks", "monitor"]
+    assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "split", "monitor", "notebooks"]
     assert found["split"] is split_check.check_split and found["cap"] is gpu_cap.check_cap
     sub = argparse.ArgumentParser().add_subparsers()
     gc.register(sub)
@@ -459,7 +498,8 @@ def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
 
     def execute(path, params, out, timeout_s=None):
         study = Path(path).stem.split("_", 1)[1]
-        calls.append({"notebook": Path(path).stem, "params": params, "out": Path(out), "root": results_root()})
+        calls.append({"notebook": Path(path).stem, "params": params, "out": Path(out), "root": results_root(),
+                      "timeout_s": timeout_s})
         if study == fail:
             raise RuntimeError("PapermillExecutionError: cell 4 raised\nTraceback ...")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -488,6 +528,24 @@ def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_read
     assert rows["strategies"]["used_gpu"] and rows["split"]["devices"] == ["this machine (cuda)"]
     assert not rows["ladder"]["used_gpu"] and rows["ladder"]["passed"]  # the CPU plays the card by design
     assert "| 03_split | ok |" in r["report"]
+
+
+def test_notebooks_check_keeps_to_the_time_budget(tmp_path):
+    """Papermill's limit is per cell: under --time-budget a cell's limit is what is left of it, and a
+    notebook that would begin past it is a 'not run' row (a failure) instead of a kill at the hard limit."""
+    import types
+
+    calls = []
+    left = iter([250.4, 40.0])
+    opts = types.SimpleNamespace(out=tmp_path, out_of_time=lambda: len(calls) >= 2, remaining_s=lambda: next(left))
+    r = gn.check_notebooks(opts, execute=_stand_in({"strategies": "cuda", "split": "cuda"}, calls))
+    assert [c["timeout_s"] for c in calls] == [250, 40]
+    assert [row["status"] for row in r["rows"]] == ["ok", "ok", "not run"] and r["status"] == "fail"
+    assert r["failures"] == ["03_split: the time budget (--time-budget) was spent before it began"]
+    # without a budget every cell has the whole limit
+    calls.clear()
+    gn.check_notebooks(gc.Options(out=tmp_path / "b"), execute=_stand_in({}, calls))
+    assert [c["timeout_s"] for c in calls] == [gn.NOTEBOOK_TIMEOUT_S] * 3
 
 
 def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_notebook_that_raised(tmp_path):
@@ -569,7 +627,7 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     monkeypatch.setattr(gpu_cap, "measure", measure)
     blocks = torch.zeros((4, 32), dtype=torch.long)
     monkeypatch.setattr(gpu_cap, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None, blocks, ""))
-    opts = types.SimpleNamespace(model="x", tiny=True, batch=1, seq=32, device="cuda", extra={})
+    opts = types.SimpleNamespace(model="x", tiny=True, batch=1, seq=32, device="cuda", extra={}, out_of_time=lambda: False)
     result = gpu_cap.check_cap(opts)
     rows = {r["rung"]: r for r in result["rows"]}
     assert set(rows) == set(gpu_cap.CAP_RUNGS) and all(r["status"] == "ok" for r in rows.values()), result
@@ -583,3 +641,13 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     # a notebook's own cap (torchtune's way of playing a smaller card) is what each trial gives back
     assert fractions and fractions[-1] == before and all(f == before for f in fractions[1::2])
     assert "### Reserved needed" in result["report"]
+    # under --time-budget no trial begins past it: the rung in its bisection keeps the trials it had
+    # and says why it ended; the next rung does not begin; the check fails (never a pass)
+    runs.clear()
+    opts.out_of_time = lambda: len(runs) >= 4  # two trials in, of the first rung
+    result = gpu_cap.check_cap(opts)
+    first, second = result["rows"]
+    assert first["status"] == second["status"] == "not measured" and result["status"] == "fail"
+    assert len(first["trials"]) == 2 and first["reason"].endswith("was spent after 2 trials")
+    assert second["trials"] == [] and "spent before it began" in second["reason"] and len(runs) == 4
+    assert fractions[-1] == before

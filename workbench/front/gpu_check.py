@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ from workbench.core.models import load_config
 from workbench.core.results import environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
-from workbench.front.gpu_report import ladder_verdict, rung_row, study1_verdict, summarize, write_results
+from workbench.front.gpu_report import TIME_SPENT, ladder_verdict, rung_row, study1_verdict, summarize, write_results
 from workbench.studies.ladder import gpu_cap
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import OFFLOADED, measure
@@ -80,8 +81,12 @@ class Options:
     def out_of_time(self) -> bool:
         return self.deadline_at is not None and time.perf_counter() > self.deadline_at
 
+    def remaining_s(self) -> float | None:
+        """Seconds left of the time budget (None: no budget)."""
+        return None if self.deadline_at is None else self.deadline_at - time.perf_counter()
 
-NOT_RUN = {"status": "not run", "reason": "the time budget (--time-budget) was spent before it began"}
+
+NOT_RUN = {"status": "not run", "reason": TIME_SPENT}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,30 +104,62 @@ def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
             "trace": check_trace, **gpu_cap.gpu_checks(), **split_gpu_check.gpu_checks(), **gpu_programs.gpu_checks()}
 
 
+class Terminated(SystemExit):
+    """SIGTERM (`timeout`'s at a lent card's hard limit, a closed lease) as an exception: the check it
+    ends is recorded as killed, and the finally blocks run (papermill shuts its kernel down)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)  # a shell's exit status for a process ended by that signal
+        self.signal_name = signal.Signals(signum).name
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # a pipe buffers, and a run killed at a hard limit would take its progress with it
+
+
 def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any]]] | None = None,
-               *, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every check (one failing does not stop the others), then write summary.json and report.md."""
+               *, say: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Run every check (one failing does not stop the others); summary.json and report.md are written
+    before the first and after every check, a check marked running while it runs and the ones after it
+    pending, so the files of a run killed part-way say where it ended (its status: incomplete)."""
     found = checks() if found is None else found
+    only = opts.extra.get("only")
+    names = [n for n in found if not only or n in only or n == "environment"]
     t0 = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    summary = summarize(results, {}, 0.0)
-    for name, fn in found.items():
-        if opts.extra.get("only") and name not in opts.extra["only"] and name != "environment":
-            continue
+    results: dict[str, dict[str, Any]] = {n: {"status": "pending"} for n in names}
+
+    def write() -> dict[str, Any]:
+        summary = summarize(results, results.get("environment", {}).get("env", {}), time.perf_counter() - t0)
+        write_results(opts.out, summary)
+        return summary
+
+    summary = write()
+    for name in names:
         t = time.perf_counter()
+        results[name] = {"status": "running"}
+        write()
         try:
-            results[name] = dict(NOT_RUN) if name != "environment" and opts.out_of_time() else fn(opts)
+            results[name] = dict(NOT_RUN) if name != "environment" and opts.out_of_time() else found[name](opts)
         except Exception as e:
             results[name] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+        except BaseException as e:  # SIGTERM (Terminated), ^C: this check is killed, and the run ends here
+            why = getattr(e, "signal_name", type(e).__name__)
+            results[name] = {"status": "killed", "error": f"{why} after {time.perf_counter() - t:.0f} s in this check",
+                             "seconds": time.perf_counter() - t}
+            say(f"gpu-check {name}: killed ({why}); the checks after it did not run")
+            write()
+            raise
         try:  # a sticky CUDA error (a device-side assert) raises here again: said, and the next check runs
             release_card()
         except Exception as e:
             results[name]["release_error"] = one_line(e)
         results[name]["seconds"] = time.perf_counter() - t
         say(f"gpu-check {name}: {results[name].get('status')} ({results[name]['seconds']:.0f} s)")
-        # written after every check: a check that hangs or a lease that ends keeps what came before
-        summary = summarize(results, results.get("environment", {}).get("env", {}), time.perf_counter() - t0)
-        write_results(opts.out, summary)
+        summary = write()
     return summary
 
 
@@ -321,6 +358,10 @@ def _main(args) -> int:
     if missing := no_kernels(torch.cuda.current_device()):
         print(f"workbench gpu-check: {missing}")
         return 1
-    summary = run_checks(opts)
+    previous = signal.signal(signal.SIGTERM, _terminated)  # a hard limit's SIGTERM: recorded, not lost
+    try:
+        summary = run_checks(opts)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"gpu-check: {summary['status']} in {summary['seconds']:.0f} s; see {opts.out / 'report.md'}")
     return 0 if summary["status"] == "pass" else 1

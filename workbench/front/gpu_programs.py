@@ -35,6 +35,7 @@ from workbench.core.common import one_line
 from workbench.core.memory.monitor import overhead
 from workbench.core.results import read_table, results_root, results_under
 from workbench.core.training import TrainSettings, train
+from workbench.front.gpu_report import TIME_SPENT
 from workbench.front.notebooks import available, run_notebook
 
 # the studies whose runs must have trained on the card (study 2's CPU plays the card by design)
@@ -96,9 +97,14 @@ def check_notebooks(opts, *, execute: Callable | None = None) -> dict[str, Any]:
             runs_csv = results_root() / nb.study / "runs.csv"
             before = len(read_table(runs_csv))
             out = opts.out / "notebooks" / f"{nb.name}.ipynb"
+            if opts.out_of_time():  # under --time-budget: a notebook that would begin past it is its row
+                rows.append(notebook_row(nb.name, nb.study, "not run", 0.0, out, TIME_SPENT, []))
+                continue
+            left = opts.remaining_s()  # and a cell (papermill's limit is per cell) ends with the budget
+            timeout_s = NOTEBOOK_TIMEOUT_S if left is None else max(1, min(NOTEBOOK_TIMEOUT_S, round(left)))
             t0 = time.perf_counter()
             try:
-                execute(nb.path, dict(nb.quick), out, timeout_s=NOTEBOOK_TIMEOUT_S)
+                execute(nb.path, dict(nb.quick), out, timeout_s=timeout_s)
                 status, error = "ok", None
             except Exception as e:
                 status, error = "error", one_line(e)
@@ -151,4 +157,5 @@ def check_monitor(opts, *, rounds: int = 4, steps: int = 15) -> dict[str, Any]:
 
 
 def gpu_checks() -> dict[str, Callable]:
-    return {"notebooks": check_notebooks, "monitor": check_monitor}
+    # the monitor first: seconds, where the notebooks take minutes and end a run under a hard limit
+    return {"monitor": check_monitor, "notebooks": check_notebooks}

@@ -21,6 +21,7 @@ from workbench.core.results import atomic_write_json, atomic_write_text
 # loosely. Memory predicted for CUDA models CUDA's kernels and allocator (DESIGN.md section 3).
 THRESHOLDS = {"allocated_pct": 15.0, "reserved_pct": 35.0}
 TIME_LIMIT_S = 600  # the whole check should fit in ten minutes
+TIME_SPENT = "the time budget (--time-budget) was spent before it began"
 
 
 def error_pct(predicted: float | None, measured: float | None) -> float | None:
@@ -113,11 +114,20 @@ def study1_verdict(runs: list[dict[str, Any]], allocated_before: int, allocated_
             "runs": [{k: r.get(k) for k in ("strategy", "status", "device_history", "peak_mem_mib")} for r in runs]}
 
 
+# a check's status while the run is under way: the files are rewritten after every check, so a run
+# killed part-way (a lent card's hard limit) leaves them saying which check it died in and which never began
+UNFINISHED = {"pending": "not reached: the run ended before it began",
+              "running": "the run ended in it (killed: no result), or is still in it",
+              "killed": "a signal or an interrupt ended the run in it: no result"}
+
+
 def summarize(results: dict[str, dict[str, Any]], env: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """The summary.json: every check's result, the overall status, versions and the card."""
+    """The summary.json: every check's result, the overall status (pass, fail, or incomplete while a
+    check is pending or running), versions and the card."""
     statuses = {name: r.get("status", "error") for name, r in results.items()}
     ok = bool(statuses) and all(s in ("pass", "not provided") for s in statuses.values())
-    return {"status": "pass" if ok else "fail", "checks": statuses, "results": results, "environment": env,
+    status = "incomplete" if any(s in UNFINISHED for s in statuses.values()) else "pass" if ok else "fail"
+    return {"status": status, "checks": statuses, "results": results, "environment": env,
             "seconds": seconds, "within_time_limit": seconds <= TIME_LIMIT_S, "thresholds": THRESHOLDS}
 
 
@@ -138,7 +148,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
              f"Card: {env.get('gpu', '?')} ({env.get('gpu_total_mib', 0):.0f} MiB), torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, {summary['seconds']:.0f} s"
              + ("" if summary["within_time_limit"] else f" (over the {TIME_LIMIT_S} s limit)") + ".", ""]
-    lines += [f"- {name}: {status}" for name, status in summary["checks"].items()]
+    lines += [f"- {name}: {status}" + (f" ({UNFINISHED[status]})" if status in UNFINISHED else "")
+              for name, status in summary["checks"].items()]
     ladder = summary["results"].get("ladder", {})
     if ladder.get("rows"):
         cols = ["rung", "status", "method", "predicted_allocated_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",

@@ -104,7 +104,10 @@ def check_cap(opts) -> dict[str, Any]:
                     replay_steps=TRIAL_STEPS)  # the cap a run of that many steps needs
         row = dict(rung=name, predicted_needed=p.needed_reserved_bytes, workspaces=workspaces,
                    predicted_reserved=p.reserved_peak_bytes)
+        tried: list[tuple[int, bool]] = []  # the trials so far, kept in a row that ends early
         try:
+            if opts.out_of_time():
+                raise TimeoutError("the time budget (--time-budget) was spent before it began")
             run(name)  # warm-up: the cuBLAS workspaces (one per thread and stream) are made, then stay allocated
             res0, alloc0 = held()
             free = run(name)  # uncapped: its peaks above what is held bound the bisection
@@ -117,6 +120,8 @@ def check_cap(opts) -> dict[str, Any]:
             lo = max(0, free["cuda_max_allocated_bytes"] - res0)
 
             def runs(cap: int) -> bool:
+                if opts.out_of_time():  # --time-budget: no trial begins past it
+                    raise TimeoutError(f"the time budget (--time-budget) was spent after {len(tried)} trials")
                 res, _ = held()
                 torch.cuda.set_per_process_memory_fraction(min(1.0, (res + cap) / card.total_bytes), dev)
                 try:
@@ -125,12 +130,13 @@ def check_cap(opts) -> dict[str, Any]:
                     torch.cuda.set_per_process_memory_fraction(before, dev)
                 if out.get("status") not in ("ok", "oom"):  # a failure other than memory is no answer
                     raise RuntimeError(out.get("reason") or out.get("status"))
+                tried.append((cap, out["status"] == "ok"))
                 return out["status"] == "ok"
 
-            least, tried = allocator.least_cap(runs, lo, hi, STEP)
+            least, _ = allocator.least_cap(runs, lo, hi, STEP)
             rows.append(cap_row(**row, least=least, uncapped=uncapped, tried=tried))
-        except Exception as e:  # one rung's failure is its row
-            rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=one_line(e)))
+        except Exception as e:  # one rung's failure is its row (with the trials it had)
+            rows.append(cap_row(**row, least=None, uncapped={}, tried=tried, reason=one_line(e)))
     return cap_verdict(rows)
 
 
