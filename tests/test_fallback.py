@@ -321,3 +321,23 @@ def test_a_cuda_budget_collects_garbage_before_its_peak_starts_and_names_the_car
     assert calls[:4] == ["gc.collect", "empty_cache", "reset_peak", "fraction 0.25 on 0"]
     budget.__exit__(None, None, None)
     assert calls[4:] == ["gc.collect", "fraction 0.5 on 0", "empty_cache"]
+
+
+def test_an_interrupted_run_leaves_nothing_alive_through_the_traceback_a_notebook_keeps():
+    """^C in a notebook is a KeyboardInterrupt (not an Exception): no row, the study ends, and IPython
+    keeps the traceback (sys.last_traceback), whose frames held the run's model on the card, in the
+    next run's peak and against its budget. The frames are cleared; the memory is given back."""
+    import weakref
+
+    seen = []
+
+    def job(attempt, budget, phase):
+        model = torch.nn.Linear(64, 64)
+        seen.append(weakref.ref(model))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as kept:  # held, as IPython holds it
+        run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), job)
+    gc.collect()
+    assert kept.value.__traceback__ is not None and seen[0]() is None
+    assert len(seen) == 1  # and no next attempt: an interrupt is not an out-of-memory error

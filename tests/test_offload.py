@@ -578,6 +578,39 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     assert len(list(out.glob("*/summary.json"))) == 4
 
 
+def test_an_interrupted_engine_run_leaves_no_engine_alive(tmp_path, monkeypatch, tiny_base):
+    """^C in a notebook during a run of the engine: a KeyboardInterrupt, not an Exception, so the
+    engine was never aborted, and its hooks (held by autograd, out of the collector's sight) kept
+    it, its model, masters, Adam state and pinned rings alive for the rest of the kernel; and the
+    traceback IPython keeps held them through its frames. Both are let go now."""
+    import gc
+    import weakref
+
+    from workbench.studies.split import engine as engine_module
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    engines, step = [], SplitEngine.step
+
+    def interrupted_step(self, *a, **kw):
+        if not engines:
+            engines.append(weakref.ref(self))
+        if self.iteration == 1:  # the second step of the first engine run
+            raise KeyboardInterrupt
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(SplitEngine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt) as kept:  # held, as IPython holds sys.last_traceback
+        run_split_study(SplitConfig.from_dict({**TINY, "k_sweep": [0.5], "adaptive": False}))
+    gc.collect()
+    assert kept.value.__traceback__ is not None and engines and engines[0]() is None
+    # a verdict the engine's step had not given yet (fp16, clipping) is given as skip: no worker waits on it
+    eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0, max_grad_norm=1.0)
+    eng._cur = engine_module._Iter(0, 0.0, 0.0, 1)
+    eng._cur.gate = engine_module._Gate(1.0, 0)
+    eng.abort()
+    assert eng._cur.gate.decided.is_set() and eng._cur.gate.skip
+
+
 def test_a_run_bigger_than_this_machine_is_a_skipped_row_not_the_study_killed(tmp_path, monkeypatch, tiny_base):
     """micro_batch 100,000 on the tiny base (about 146 GiB for a plain step): every measured run
     was started on this CPU, and the kernel's OOM killer took the study with it. Now each is a

@@ -23,8 +23,10 @@ here, "skipped".
 from __future__ import annotations
 
 import gc
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -231,6 +233,22 @@ def release(device: str | torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+@contextmanager
+def freed_on_interrupt(device: str | torch.device) -> Iterator[None]:
+    """On ^C (a notebook's interrupt: not an Exception, so no row, and the run ends), the finished
+    frames of its traceback are cleared of their locals and the device's memory given back before
+    it goes on. IPython keeps the last traceback (sys.last_traceback), and through its frames the
+    interrupted run's model, optimizer and activations would stay on the card, counted in the next
+    run's peak and against its budget. (The frame running the `with` is not cleared: executing.)"""
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, Exception):
+            traceback.clear_frames(e.__traceback__)
+            release(device)
+        raise
+
+
 def run_with_fallback(
     attempts: tuple[Attempt, ...],
     job: Job,
@@ -264,7 +282,8 @@ def run_with_fallback(
         phase = Phase()
         oom = None
         try:
-            value, peak = _run_one(attempt, job, phase)
+            with freed_on_interrupt(attempt.device):
+                value, peak = _run_one(attempt, job, phase)
         except Exception as e:
             if not out_of_memory(e):
                 raise

@@ -577,10 +577,15 @@ class SplitEngine:
         """After an error (out of memory on a card): the hooks removed and the host workers told to
         stop, without waiting for the step. The hooks on the parameters hold the engine, and through
         it the model, in a cycle through autograd that the garbage collector cannot see: without
-        this, a failed run's weights, masters and state stay in memory for good."""
+        this, a failed run's weights, masters and state stay in memory for good. A verdict not given
+        yet (an interrupt after backward, before it) is given as skip: a worker waiting on it would
+        keep the process from exiting (the pool's threads are joined at exit)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        gate = self._cur.gate if self._cur is not None else None
+        if gate is not None and not gate.decided.is_set():
+            gate.decide(skip=True, coef=None)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.copy_pool.shutdown(wait=False, cancel_futures=True)
 

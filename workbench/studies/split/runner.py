@@ -38,7 +38,7 @@ import torch
 
 from workbench.core.common import Sink
 from workbench.core.data import corpus_blocks, target_corpus
-from workbench.core.fallback import out_of_memory, release
+from workbench.core.fallback import freed_on_interrupt, out_of_memory, release
 from workbench.core.models import load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
 from workbench.core.training import evaluate_perplexity
@@ -216,9 +216,9 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
             if jsonl:
                 jsonl.close()
             live.flush()  # the rows it made, also those of a run that failed
-        if row:
-            if eng is not None:  # (one that failed in its constructor has aborted itself)
+            if eng is not None:  # its hooks keep it and the model alive after a failure or ^C (closed: nothing left)
                 eng.abort()
+        if row:
             model = eng = None
             release(device)
             runs.append({**head, **row})
@@ -337,7 +337,6 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
     `sinks` get every iteration of the engine's runs as a plain row (loss, cumulative tokens,
     tokens_per_s, k, labelled with `run` and `mode`; `mem_mib` on CUDA), run by run as each run
     ends (see _RunSink). The modelled half sends nothing: it is not a run."""
-
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
@@ -349,7 +348,8 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
                 rd.write_config({**cfg.to_dict(), "run": name})
                 return rd
 
-        runs, steps, events = measured_runs(cfg, sinks, run_dir)
+        with freed_on_interrupt(cfg.resolved_device()):  # ^C: the runs' model is not kept on the card by the traceback
+            runs, steps, events = measured_runs(cfg, sinks, run_dir)
         # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth: a per-core
         # figure that the host model scales to the named host's cores (on a shared machine a
         # multi-threaded measurement mostly measures the other processes: a 2-thread step was
