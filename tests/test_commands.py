@@ -230,3 +230,12 @@ def test_three_library_messages_no_user_can_act_on_are_dropped_and_no_other():
     assert "loss_type=None" in plain.stderr
     if plain.stdout.strip() == "True":  # bitsandbytes tries the hub kernel only on AVX512-BF16 CPUs
         assert "kernels-community" in plain.stderr
+
+
+def test_on_native_windows_the_package_says_in_one_line_to_use_wsl2():
+    """Without it, `import workbench` on Windows ended in `ModuleNotFoundError: No module named
+    'fcntl'` from deep in the results layer. Played: sys.platform before the import."""
+    probe = "import sys; sys.platform = 'win32'\ntry:\n    import workbench\nexcept ImportError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env(ROOT),
+                         timeout=120, cwd=ROOT)
+    assert out.stdout.strip() == "workbench runs on Linux; on Windows, run it in WSL2 (see README.md, 'On Windows')"

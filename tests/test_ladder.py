@@ -10,6 +10,7 @@ import json
 import os
 import re
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -471,7 +472,7 @@ def test_offloaded_rungs_on_cuda_are_never_measured_as_plain_bf16(name, monkeypa
     assert measure(name, load, blocks, batch=2, steps=2, device="cpu")["status"] == "skipped"
 
 
-def test_zero_and_device_map_settings():
+def test_zero_and_device_map_settings(monkeypatch):
     s2 = zero_config(RUNGS["zero_offload"], RUNGS["zero_offload"].settings(8, 3))
     s3 = zero_config(RUNGS["zero_offload_params"], RUNGS["zero_offload_params"].settings(8, 3))
     # the reduce bucket the simulation replays is the one the measured run is given
@@ -484,6 +485,16 @@ def test_zero_and_device_map_settings():
     assert s2["train_micro_batch_size_per_gpu"] * s2["gradient_accumulation_steps"] == 8
     with pytest.raises(ValueError):
         zero_config(RUNGS["bf16_ckpt"], RUNGS["bf16_ckpt"].settings(8, 3))
+    # under WSL2 pinned host memory is limited, and a pinned copy past it fails as "CUDA error: out
+    # of memory" (read as the card's): the host's copies are pageable there
+    monkeypatch.setattr(common.platform, "uname", lambda: types.SimpleNamespace(
+        system="Linux", release="5.15.167.4-microsoft-standard-WSL2"))
+    assert common.in_wsl()
+    s3 = zero_config(RUNGS["zero_offload_params"], RUNGS["zero_offload_params"].settings(8, 3))
+    assert s3["zero_optimization"]["offload_param"]["pin_memory"] is False
+    assert s3["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
+    monkeypatch.undo()
+    assert not common.in_wsl()  # this machine's own kernel
     model = torch.nn.Linear(256, 256)  # 257 KiB of fp32 weights
     mem = device_map_max_memory(sum(p.numel() * 4 for p in model.parameters()), 0)
     assert mem[0] == (256 * 256 + 256) * 4 // 2 and mem["cpu"] > 4 * mem[0]

@@ -2,10 +2,14 @@
 that are too small (see README.md)."""
 
 import logging
+import sys
 import warnings
 
 # Part of every run's key: a finished run made by another version is not reused.
 __version__ = "0.2.0"
+
+if sys.platform == "win32":  # fcntl's file locks, DeepSpeed's CPU Adam build, make: none of them there
+    raise ImportError("workbench runs on Linux; on Windows, run it in WSL2 (see README.md, 'On Windows')")
 
 
 class _DropMessage(logging.Filter):

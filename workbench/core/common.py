@@ -7,6 +7,7 @@
     PROJECT_ROOT the checkout (data/, notebooks/, results/ and .cache/ live beside workbench/)
     environ      os.environ with some values for a while (subprocesses started meanwhile inherit them)
     one_line     an exception as one line: its type and its message's first line
+    in_wsl       whether this is Linux under Windows (WSL2: pinned host memory is limited)
     single_process_env  the torch.distributed variables of a one-process group (rank 0 of 1) on a
                  free local port, for DeepSpeed
     stdout_to_stderr  standard output sent to standard error for a while (a `--json` command's
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import socket
 import sys
 from pathlib import Path
@@ -50,6 +52,13 @@ def environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def in_wsl() -> bool:
+    """Whether this is Linux under Windows' WSL2, where the CUDA driver is Windows' and pinned host
+    memory is limited (NVIDIA's "CUDA on WSL" guide, known limitations): a large pinned buffer can
+    fail as "CUDA error: out of memory", which reads as the card's."""
+    return "microsoft" in platform.uname().release.lower()
 
 
 def single_process_env() -> dict[str, str]:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbench.core.common import single_process_env
+from workbench.core.common import in_wsl, single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.fallback import out_of_memory
 from workbench.core.memory.accounting import MemoryAccounting
@@ -145,10 +145,13 @@ def zero_config(plan: Plan, settings: TrainSettings) -> dict[str, Any]:
     CPU Adam step) on the host; ZeRO-3 with the parameters on the host as well."""
     if plan.placement not in ("zero_offload", "zero_offload_params"):
         raise ValueError(f"{plan.name} is not a ZeRO rung")
-    zero: dict[str, Any] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    # the host's copies pinned (8 bytes a parameter and more), except under WSL2, whose pinned memory is
+    # limited: there they are pageable (slower transfers; the card's memory is the same)
+    pin = not in_wsl()
+    zero: dict[str, Any] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": pin},
                             "reduce_bucket_size": REDUCE_BUCKET_SIZE}  # what the prediction simulates
     if plan.placement == "zero_offload_params":
-        zero.update(stage=3, offload_param={"device": "cpu", "pin_memory": True})
+        zero.update(stage=3, offload_param={"device": "cpu", "pin_memory": pin})
     return {
         "train_micro_batch_size_per_gpu": settings.micro_batch,
         "gradient_accumulation_steps": settings.grad_accum,
@@ -238,6 +241,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
                 for sink in sinks:
                     sink(row)
             loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
+            placed += ", host copies pageable (WSL2 limits pinned memory)" if in_wsl() else ""
             snapshot = torch.cuda.memory_snapshot()
             by_stream = reserved_by_stream(snapshot, _deepspeed_streams(engine))
         finally:  # also after an error (out of memory): its gradient hooks would hold the model for good
