@@ -321,6 +321,26 @@ def test_a_cuda_budget_collects_garbage_before_its_peak_starts_and_names_the_car
     assert calls[:4] == ["gc.collect", "empty_cache", "reset_peak", "fraction 0.25 on 0"]
     budget.__exit__(None, None, None)
     assert calls[4:] == ["gc.collect", "fraction 0.5 on 0", "empty_cache"]
+    # without a budget the card is the limit: no fraction is set
+    calls.clear()
+    with device_budget("cuda"):
+        pass
+    assert not any(c.startswith("fraction") for c in calls)
+    # under WSL2 the driver spills past the card into system memory instead of running out: a run is
+    # capped at the card's room now (free, plus what this process holds), a budget at the smaller
+    import types
+
+    from workbench.core import common
+
+    monkeypatch.setattr(common.platform, "uname",
+                        lambda: types.SimpleNamespace(release="5.15.167.4-microsoft-standard-WSL2"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (600 * 2**20, 1024 * 2**20))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 40 * 2**20)
+    for mib, expected in ((None, 0.625), (256, 0.25), (900, 0.625)):
+        calls.clear()
+        with device_budget("cuda", budget_mib=mib):
+            pass
+        assert [c for c in calls if c.startswith("fraction")] == [f"fraction {expected:g} on 0", "fraction 0.5 on 0"]
 
 
 def test_an_interrupted_run_leaves_nothing_alive_through_the_traceback_a_notebook_keeps():

@@ -19,6 +19,10 @@ is malloc'd from (and freed to) the modelled allocator (allocator.CachingAllocat
 one stream), the budget caps its reserved bytes, and the budget reports `peak_mib` (allocated,
 rounded, as max_memory_allocated) and `peak_reserved_mib` (as max_memory_reserved).
 
+Under WSL2 a CUDA run without a budget is capped at the card's room when it begins (what CUDA reports
+free plus what this process holds): there the driver spills past the card into shared system memory,
+many times slower, where a card runs out of memory (microsoft/WSL#11050), and nothing falls back.
+
 On CUDA a fraction the process had set before (a notebook playing a smaller card, torchtune's way)
 is replaced by the budget's for the run, which is what the run's rows report, and given back after.
 """
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.core.common import in_wsl
 from workbench.core.memory.allocator import CachingAllocator
 from workbench.core.memory.live_bytes import LiveBytes, MiB
 from workbench.core.memory.monitor import indexed
@@ -142,6 +147,7 @@ class device_budget:
         self.device = indexed(device)  # set_per_process_memory_fraction (unlike the statistics) needs the index
         self.budget_mib = budget_mib
         self._fraction = 1.0  # CUDA: the process's memory fraction before the budget's
+        self._capped = False  # CUDA: whether the budget (or WSL2's room) set a fraction
         self._state: DeviceBudget | None = None
 
     def __enter__(self) -> DeviceBudget:
@@ -157,10 +163,16 @@ class device_budget:
                               "an earlier cell left there?): it counts in every run's peak and against a CUDA "
                               "budget; free it (del the model, then torch.cuda.empty_cache()) or restart the kernel",
                               stacklevel=2)
-            if self.budget_mib is not None:  # the fraction a notebook set before (torchtune's way) comes back after
+            cap = None if self.budget_mib is None else self.budget_mib * MiB
+            if in_wsl():  # WSL2's driver (Windows') spills past the card into shared system memory, many times
+                # slower, instead of running out: the cap is the card's room now, so that torch raises first
+                free, _ = torch.cuda.mem_get_info(self.device)
+                cap = min(cap or float("inf"), free + torch.cuda.memory_reserved(self.device))
+            if cap is not None:  # the fraction a notebook set before (torchtune's way) comes back after
                 self._fraction = torch.cuda.get_per_process_memory_fraction(self.device)
                 total = torch.cuda.get_device_properties(self.device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_mib * MiB / total), self.device)
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.device)
+                self._capped = True
             self._state = DeviceBudget(self.device, self.budget_mib)
         else:
             budget = int(self.budget_mib * MiB) if self.budget_mib is not None else None
@@ -178,6 +190,6 @@ class device_budget:
             state.live.__exit__(*exc)
         gc.collect()
         if self.device.type == "cuda":
-            if self.budget_mib is not None:
+            if self._capped:
                 torch.cuda.set_per_process_memory_fraction(self._fraction, self.device)
             torch.cuda.empty_cache()
