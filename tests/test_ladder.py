@@ -691,6 +691,15 @@ def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_pat
     kept = [json.loads(line)["rung"] for line in (run_dir / "rungs.jsonl").read_text().splitlines()]
     assert kept == ["fp32", "bf16_ckpt"] and measured == ["fp32", "bf16_ckpt"]
 
+    def dies_in_the_chart(row):  # killed again while the resumed run redraws the kept steps
+        if "loss" in row:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(cfg, sinks=[dies_in_the_chart])
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["rung"] for s in steps] == ["fp32"] * 2 + ["bf16_ckpt"] * 2 and measured == ["fp32", "bf16_ckpt"]
+
     def counts(name, *args, **kw):
         measured.append(name)
         return real(name, *args, **kw)

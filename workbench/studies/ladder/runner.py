@@ -48,8 +48,8 @@ from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
 from workbench.core.models import load_model, model_fingerprint
-from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, code_fingerprint, read_steps,
-                                    read_table, results_root, reuse_finished_runs)
+from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, atomic_write_text, code_fingerprint,
+                                    read_steps, read_table, results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
 from workbench.studies.ladder.autofit import NoSetupFits, run_with_step_down, search
 from workbench.studies.ladder.rungs import measure
@@ -305,12 +305,13 @@ def _resumed_steps(run: RunDir, finished: dict[str, dict], sinks: list[Sink]) ->
     sinks again); a rung cut short left steps that are dropped, and it runs again."""
     path = run.path / "steps.jsonl"
     kept = read_steps(path) if finished and path.exists() and path.stat().st_size else pd.DataFrame()
-    sink = run.steps_sink()
-    for row in kept[kept["rung"].isin(list(finished))].to_dict("records") if "rung" in kept else ():
-        sink(row)
+    rows = kept[kept["rung"].isin(list(finished))].to_dict("records") if "rung" in kept else []
+    # on disk whole before the charts get them: a kill while they redraw loses none of them
+    atomic_write_text(path, "".join(json.dumps(row, default=float) + "\n" for row in rows))
+    for row in rows:
         for s in _labelled(sinks, stage="ladder", budget_mib=finished[row["rung"]].get("budget_mib")):
             s(row)
-    return sink
+    return JsonlSink(path)
 
 
 def load_result() -> StudyResult | None:
