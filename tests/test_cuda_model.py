@@ -7,6 +7,7 @@ the caching allocator's rules.
 from __future__ import annotations
 
 import json
+import types
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from workbench.core import common
 from workbench.core.config import ConfigError
 from workbench.core.memory import allocator, cuda_model as cm, segments
 from workbench.core.memory.accounting import (EMPTY_CACHE, EMPTY_CACHE_SERIAL, MemoryAccounting, MemoryReport, PeakSnapshot)
@@ -279,6 +281,15 @@ def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path):
     assert paged.allocated_peak_bytes < plain.allocated_peak_bytes - state * 0.9
     assert paged.fit_bytes == paged.needed_reserved_bytes <= paged.reserved_peak_bytes
     assert paged.nvidia_smi_bytes == paged.reserved_peak_bytes + paged.context_bytes + state
+    # under WSL2 Windows' driver does not oversubscribe managed memory: the state cannot page out,
+    # so it must fit on the card beside the allocator's need (auto-fit chose the paged rung there
+    # exactly when the unpaged one did not fit, and it ran out of memory)
+    wsl = types.SimpleNamespace(release="5.15.167.4-microsoft-standard-WSL2")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(common.platform, "uname", lambda: wsl)
+        under_wsl = predict(str(path), "paged_adamw8bit", batch=1, seq=32, device="cuda")
+    assert not under_wsl.pages_out and under_wsl.fit_bytes == paged.fit_bytes + state
+    assert "cannot page out" in under_wsl.note and paged.pages_out
 
 
 def test_pure_bf16_rungs_halve_the_weights(tmp_path):

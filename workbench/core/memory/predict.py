@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from workbench.core.common import MiB
+from workbench.core.common import MiB, in_wsl
 from workbench.core.config import ConfigError
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
@@ -86,6 +86,8 @@ class Prediction:
     host_breakdown: dict[str, int] = field(default_factory=dict)  # offload rungs: host bytes per category at its peak
     placement: str = ""  # offload rungs: what lives where (the simulation's summary)
     pageable_bytes: int = 0  # device bytes that can page out to the host under pressure
+    # whether they can: not under WSL2, whose driver (Windows') does not oversubscribe managed memory
+    pages_out: bool = True
     phases: list[dict[str, Any]] = field(default_factory=list)
     device: str = "cpu"
     # CUDA only (device="cuda"): the allocator model's figures (modelled) and the card
@@ -118,10 +120,11 @@ class Prediction:
         the step runs under, since the allocator gives cached blocks back before it runs out (the
         reserved peak, what a card with room shows, can be higher); on the CPU the live bytes,
         which the CPU budget counts."""
+        paged = 0 if self.pages_out else self.pageable_bytes  # what of the paged state must fit anyway
         if self.device == "cuda" and self.reserved_peak_bytes:
             # paged state is outside the allocator's figures already
-            return self.needed_reserved_bytes or self.reserved_peak_bytes
-        return self.peak_bytes - self.pageable_bytes
+            return (self.needed_reserved_bytes or self.reserved_peak_bytes) + paged
+        return self.peak_bytes - self.pageable_bytes + paged
 
     @property
     def fits(self) -> bool | None:
@@ -286,6 +289,9 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             pageable = report.breakdown()["optimizer_state"]
             note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; it is counted "
                     "here but can page to the host under pressure (fit_bytes leaves it out)")
+            if in_wsl():
+                note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; under WSL2 "
+                        "(Windows' driver) it cannot page out to the host, so it must fit on the card too")
         elif plan.optimizer == "paged_adamw8bit":
             note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
@@ -329,7 +335,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         rung=plan.name, model=model_label(config), batch=batch, seq=seq, peak_bytes=int(peak),
         breakdown=breakdown, where=where, method=method, note=note, seconds=time.perf_counter() - t0,
         first_step_peak_bytes=report.first_step_peak_bytes,
-        host_bytes=int(host), host_breakdown=host_breakdown, placement=placement, pageable_bytes=int(pageable), phases=report.rows(), device=device,
+        host_bytes=int(host), host_breakdown=host_breakdown, placement=placement, pageable_bytes=int(pageable),
+        pages_out=not in_wsl(), phases=report.rows(), device=device,
         card=the_card.name if the_card else "", card_bytes=the_card.total_bytes if the_card else 0,
         kernels=dict(report.kernels or {}), **cuda,
     )
