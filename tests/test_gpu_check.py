@@ -164,6 +164,31 @@ def _fake_card(monkeypatch, calls: list, measure_takes_s: float = 0.0) -> None:
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
 
 
+def test_an_offload_rung_whose_host_state_is_past_the_free_memory_is_a_skipped_row(monkeypatch, tmp_path):
+    """ZeRO keeps 16 bytes a parameter on the host: Qwen2-0.5B's is 7.4 GiB, more than a laptop's
+    (or a WSL2 VM's, half the host's) free memory, where the OOM killer would end gpu-check itself."""
+    import types
+
+    from workbench.core import common
+
+    calls = []
+    _fake_card(monkeypatch, calls)
+    real = gc.predict
+
+    def with_host(config, name, **kw):
+        row = real(config, name, **kw).row()
+        return types.SimpleNamespace(row=lambda: {**row, "host_bytes": (7_600 if name == "zero_offload" else 0) * MiB})
+
+    monkeypatch.setattr(gc, "predict", with_host)
+    monkeypatch.setattr(common, "host_free_mib", lambda: 6_000.0)
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "zero_offload")))
+    assert [c[1] for c in calls if c[0] == "measure"] == ["bf16"]
+    row = out["rows"][1]
+    assert row["status"] == "skipped" and row["reason"] == ("its predicted host memory 7,600.0 MiB > the 6,000 MiB "
+                                                            "this machine has free")
+    assert out["status"] == "fail" and out["failures"] == [f"zero_offload: skipped: {row['reason']}"]
+
+
 @pytest.mark.parametrize("counted", [False, True])
 def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypatch, tmp_path, counted):
     """Plain by default (no dispatch mode: the step a user's training runs); --counted measures the

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from workbench.core.common import MiB, one_line
+from workbench.core.common import MiB, one_line, past_free_memory
 from workbench.core.config import ConfigError
 from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
@@ -214,6 +214,11 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         except Exception as e:
             p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         torch.cuda.empty_cache()
+        # an offload rung's host state (ZeRO: 16 bytes a parameter) past this machine's free memory
+        # would have the OOM killer end gpu-check (a laptop, a WSL2 VM with half the host's memory)
+        if short := past_free_memory(p.get("host_bytes", 0) / MiB):
+            rows.append(rung_row(name, p, {"status": "skipped", "reason": f"its predicted host memory {short}"}, {}))
+            continue
         nvml = {}
         try:
             with MemoryMonitor(opts.device, interval_s=0.05) as mon:
