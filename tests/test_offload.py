@@ -773,6 +773,52 @@ def test_the_base_stays_on_the_cpu_after_its_perplexity_on_the_card(error):
             base_perplexity(base, held, card)
 
 
+def test_a_killed_build_of_deepspeeds_cpu_adam_does_not_leave_every_later_run_waiting(tmp_path, monkeypatch):
+    """torch's JIT build holds a lock file that only its own `finally` removes: a kernel restarted
+    during DeepSpeed's first CPU Adam build (a minute or two, the notebook looking stuck) left it, and
+    every later build waited on it forever, without a word. A lock that old is a killed build's."""
+    import os
+    import time
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    from workbench.studies.split import zero_baseline
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # torch's own rule for the build's folder
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert common.clear_stale_build_lock() is None and lock.exists()  # a build under way is left to finish
+
+    def stale():
+        lock.touch()
+        old = time.time() - 3600
+        os.utime(lock, (old, old))
+
+    stale()
+    with pytest.warns(UserWarning, match=r"a build of cpu_adam killed 60 min ago left it"):
+        assert common.clear_stale_build_lock() is not None
+    assert not lock.exists()
+    # study 3's DeepSpeed backend and its ZeRO-Offload baseline clear it before they build
+    seen = []
+    monkeypatch.setattr(CPUAdamBuilder, "load", lambda self, verbose=False: seen.append(lock.exists()))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: seen.append(lock.exists()) or 1 / 0)
+    stale()
+    backend_status.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="killed"):
+            assert backend_status("deepspeed") == "ok"
+    finally:
+        backend_status.cache_clear()  # the real build's answer for the tests after
+    stale()
+    with pytest.warns(UserWarning, match="killed"):
+        rows, why = zero_baseline.run_zero_offload(torch.nn.Linear(2, 2), [torch.zeros(1, 4, dtype=torch.long)], 1e-3, 0.0)
+    assert seen == [False, False] and rows == [] and why.startswith("DeepSpeed ZeRO-Offload unavailable: ZeroDivision")
+
+
 def test_zero_offload_is_destroyed_after_an_error_too(monkeypatch):
     """DeepSpeed's gradient hooks hold the model (a cycle through autograd the collector cannot
     see): a ZeRO-Offload run that ran out of memory on a card kept the card's memory until the

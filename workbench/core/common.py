@@ -7,6 +7,7 @@
     PROJECT_ROOT the checkout (data/, notebooks/, results/ and .cache/ live beside workbench/)
     environ      os.environ with some values for a while (subprocesses started meanwhile inherit them)
     one_line     an exception as one line: its type and its message's first line
+    clear_stale_build_lock  the lock a killed JIT build of a C++ op left (every later build waits on it)
     in_wsl       whether this is Linux under Windows (WSL2: pinned host memory is limited)
     single_process_env  the torch.distributed variables of a one-process group (rank 0 of 1) on a
                  free local port, for DeepSpeed
@@ -21,6 +22,8 @@ import os
 import platform
 import socket
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -52,6 +55,31 @@ def environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# A JIT build of a C++ op (DeepSpeed's CPU Adam: a minute or two on first use) holds a lock file
+# that only the build's own `finally` removes. A process killed during it (a notebook kernel
+# restarted while it seemed stuck, a lent card's hard limit) leaves the lock, and every later build
+# of that op waits on it forever without a word (torch.utils.file_baton.FileBaton.wait).
+STALE_BUILD_LOCK_S = 600
+
+
+def clear_stale_build_lock(op: str = "cpu_adam") -> str | None:
+    """Remove the lock a killed JIT build of `op` left (older than STALE_BUILD_LOCK_S), saying so
+    in a warning; returns what was removed, or None. Where torch builds `op` is torch's own rule."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(op, verbose=False)) / "lock"
+    try:
+        age_s = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age_s < STALE_BUILD_LOCK_S:  # a build under way (here or in another process): left to finish
+        return None
+    lock.unlink(missing_ok=True)
+    said = f"removed {lock}: a build of {op} killed {age_s / 60:,.0f} min ago left it, and every build waited on it"
+    warnings.warn(said, stacklevel=2)
+    return said
 
 
 def in_wsl() -> bool:

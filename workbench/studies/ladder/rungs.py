@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbench.core.common import in_wsl, single_process_env
+from workbench.core.common import clear_stale_build_lock, in_wsl, single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.fallback import out_of_memory
 from workbench.core.memory.accounting import MemoryAccounting
@@ -219,6 +219,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
         linear = torch.nn.functional.linear
         engine = None
         try:
+            clear_stale_build_lock("cpu_adam")  # the offloaded optimizer is DeepSpeed's CPU Adam, built on first use
             engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                               config=zero_config(plan, settings))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.core.common import one_line
+from workbench.core.common import clear_stale_build_lock, one_line
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ def backend_status(name: str) -> str:
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
+        clear_stale_build_lock("cpu_adam")
         CPUAdamBuilder().load(verbose=False)  # JIT build on first use (~1 min), cached after
     except Exception as e:  # ImportError, ninja/compiler failures, ...
         return f"DeepSpeedCPUAdam unavailable: {one_line(e, 200)}"

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from workbench.core.common import one_line, single_process_env
+from workbench.core.common import clear_stale_build_lock, one_line, single_process_env
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE  # DeepSpeed's default
 
 
@@ -52,6 +52,7 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
             "steps_per_print": 10**9,
             "gradient_clipping": max_grad_norm,  # 0: off (DeepSpeed's default), as in the engine
         }
+        clear_stale_build_lock("cpu_adam")  # the offloaded optimizer is DeepSpeed's CPU Adam, built on first use
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     except Exception as e:  # build failures, missing package, unsupported device
         return [], f"DeepSpeed ZeRO-Offload unavailable: {one_line(e, 200)}"
