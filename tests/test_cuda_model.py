@@ -78,8 +78,13 @@ def test_kernel_choice_follows_sdp_utils():
 
     bf, f32, f16 = torch.bfloat16, torch.float32, torch.float16
     assert cm.sdpa_backend(t(bf), t(bf), t(bf), is_causal=True) == "flash"
-    assert cm.sdpa_backend(t(bf), t(bf, h=2), t(bf, h=2)) == "flash"  # grouped K/V
+    assert cm.sdpa_backend(t(bf), t(bf, h=2), t(bf, h=2), enable_gqa=True) == "flash"  # grouped K/V
     assert cm.sdpa_backend(t(f32), t(f32), t(f32)) == "efficient"  # flash needs 16 bits
+    # memory-efficient attention takes no grouped K/V (check_batch_size_and_num_heads_dense<false>): math
+    assert cm.sdpa_backend(t(f32), t(f32, h=2), t(f32, h=2), enable_gqa=True) == "math"
+    assert cm.sdpa_backend(t(f16), t(f16, h=2), t(f16, h=2), enable_gqa=True, sm=75) == "math"  # a T4's fp16
+    assert cm.sdpa_backend(t(bf), t(bf, h=2), t(bf, h=2)) == "math"  # nor flash without enable_gqa
+    assert cm.sdpa_backend(t(bf), t(bf, h=3), t(bf, h=3), enable_gqa=True) == "math"  # 4 % 3: no grouping
     assert cm.sdpa_backend(t(bf), t(bf), t(bf), attn_mask=torch.empty(1, device="meta")) == "efficient"
     assert cm.sdpa_backend(t(bf, d=512), t(bf, d=512), t(bf, d=512)) == "efficient"  # head_dim > 256
     # memory-efficient head sizes: a multiple of minimum_gemm_alignment (16 bytes with tensor cores, else 4
@@ -92,6 +97,26 @@ def test_kernel_choice_follows_sdp_utils():
     assert cm.sdpa_backend(t(f16), t(f16), t(f16), sm=75) == "efficient"  # Turing: no flash
     assert cm.sdpa_backend(t(bf), t(bf), t(bf), sm=75) == "math"  # nor bf16 memory-efficient
     assert cm.sdpa_backend(t(f16, d=200), t(f16, d=200), t(f16, d=200), sm=89) == "flash"  # no grad here
+
+
+def test_a_boolean_mask_is_made_additive_per_call_and_kept_by_the_memory_efficient_kernel(tmp_path):
+    """sdpa's entry turns a boolean mask into an additive one in q's dtype, padded to 16 elements
+    (preprocess_mask), in every call: each layer makes its own, which the memory-efficient kernel
+    keeps for backward. The model passed the shared boolean mask through (1 byte, unpadded), so a
+    sliding-window model past its window (Mistral-7B-v0.1 from 4k tokens) was predicted gigabytes
+    low. And grouped K/V heads outside flash (fp32 here) run the math kernel, not memory-efficient."""
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 4, 20, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        chosen = {}
+        out = cm.cuda_sdpa(q, k, v, attn_mask=torch.ones(1, 1, 20, 20, dtype=torch.bool), sm=89, chosen=chosen)
+        kept = out.grad_fn._saved_attn_bias
+    assert chosen == {"efficient": 1} and kept.dtype == torch.float16 and kept.shape == (1, 1, 20, 20)
+    assert kept.untyped_storage().nbytes() == 20 * 32 * 2  # its rows padded from 20 to 32 elements
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))  # 4 query heads, 2 K/V heads
+    fp32 = predict(str(path), "fp32", batch=1, seq=32, device="cuda")
+    bf16 = predict(str(path), "bf16", batch=1, seq=32, device="cuda")
+    assert set(fp32.kernels) == {"math"} and set(bf16.kernels) == {"flash"}
 
 
 def test_the_math_kernel_keeps_the_fp32_score_matrix_as_cuda_runs_it():

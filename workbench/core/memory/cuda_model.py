@@ -166,13 +166,22 @@ def card_free_now(device="cuda") -> Card:
 # ------------------------------------------------------------------------------------------------
 # attention: the kernel sdp_utils.cpp picks (torch 2.13 rules, default priority flash > efficient > math)
 
-def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, sm: int = DEFAULT_SM) -> str:
-    """'flash', 'efficient' or 'math' for these inputs on a card of compute capability `sm`."""
+def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, *,
+                 sm: int = DEFAULT_SM) -> str:
+    """'flash', 'efficient' or 'math' for these inputs on a card of compute capability `sm`.
+
+    Grouped K/V heads (Llama, Qwen2, Mistral: transformers passes enable_gqa=True when there is no
+    mask) only flash takes: memory-efficient attention checks the heads with
+    check_batch_size_and_num_heads_dense<false /*supports_gqa*/>, so without flash (fp32, bf16 before
+    sm_80, fp16 on a T4) such a call runs the math kernel, with its S x S scores."""
     d_qk, d_v = q.shape[-1], v.shape[-1]
     grad = q.requires_grad or k.requires_grad or v.requires_grad
     half = (torch.float16, torch.bfloat16) if sm >= 80 else (torch.float16,)
+    same_heads = q.shape[-3] == k.shape[-3] == v.shape[-3]
+    # check_grouped_query_attention: K and V with the same heads, a divisor of the query's
+    grouped = enable_gqa and k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0
     flash = (attn_mask is None and d_qk == k.shape[-1] == d_v and d_qk <= 256 and 80 <= sm <= 121
-             and q.dtype in half and not (is_causal and q.shape[-2] != k.shape[-2]))
+             and q.dtype in half and not (is_causal and q.shape[-2] != k.shape[-2]) and (same_heads or grouped))
     if flash and grad and sm in (86, 87, 88, 89, 120, 121):
         # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
         flash = d_qk <= 192 or (dropout_p == 0 and d_qk > 224)
@@ -184,13 +193,10 @@ def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, sm:
     half16 = q.dtype in (torch.float16, torch.bfloat16)
     tensor_cores = sm >= 80 or (sm >= 70 and half16)
     align = max(4 if sm >= 80 else 1, 128 // (16 if half16 else 32) if tensor_cores else 1)
-    if sm >= 50 and d_qk == k.shape[-1] and d_qk % align == 0 and d_v % align == 0 and q.dtype in eff_dtypes:
+    if (sm >= 50 and same_heads and d_qk == k.shape[-1] and d_qk % align == 0 and d_v % align == 0
+            and q.dtype in eff_dtypes):
         return "efficient"
     return "math"
-
-
-def _repeat_kv(t, heads):
-    return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], dim=-3)
 
 
 def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -200,29 +206,33 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list
         dt = torch.get_autocast_dtype("cpu")
         q, k, v = (t.to(dt) if t.dtype == torch.float32 else t for t in (q, k, v))
-    backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, sm=sm)
+    backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, sm=sm)
     if chosen is not None:
         chosen[backend] = chosen.get(backend, 0) + 1
     with torch.autocast("cpu", enabled=False):
-        if backend == "flash":  # flash takes grouped K/V as they are
+        if backend == "flash":  # flash takes grouped K/V as they are (and no mask)
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
                                                                         scale=scale)[0]
+        # sdpa's entry (attention.cpp) turns a boolean mask into an additive one in q's dtype once the
+        # kernel is chosen, in every call: each layer makes its own S x S mask, which the memory-efficient
+        # kernel keeps for backward (a sliding-window model's mask past its window, a padding mask)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
+            attn_mask = torch.where(attn_mask.logical_not(), minus_inf, zero)  # convert_boolean_attn_mask
         if backend == "efficient":
-            heads = q.shape[-3]
+            if attn_mask is not None and attn_mask.shape[-1] % 16:  # preprocess_mask: pad_bias to 16 elements
+                last = attn_mask.shape[-1]
+                attn_mask = torch.nn.functional.pad(attn_mask, (0, 16 - last % 16))[..., :last]
             return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, _repeat_kv(k, heads), _repeat_kv(v, heads), attn_mask, q.requires_grad or k.requires_grad,
-                dropout_p, is_causal, scale=scale)[0]
+                q, k, v, attn_mask, q.requires_grad or k.requires_grad, dropout_p, is_causal, scale=scale)[0]
         # math: on CUDA the composite kernel, which computes in fp32 (16-bit inputs upcast) and keeps
         # the B x H x S x S softmax for backward; the CPU's SDPA would take its own flash kernel
-        # (output and logsumexp). sdpa's entry turns a boolean mask into an additive one first.
+        # (output and logsumexp). Grouped K/V it repeats to the query's heads itself (enable_gqa).
         # Not modelled: with attention dropout (GPT-2's 0.1; Llama, Qwen2, Phi and Pythia have none) the
         # composite's at::dropout runs inside aten on CPU tensors, so it keeps the CPU's fp32 noise where
         # CUDA's native_dropout keeps a 1-byte mask: 3-4 bytes an S x S element too many, over-predicted.
         # (Passing the composite a bool dropout_mask would keep CUDA's bytes, but torch prints a
         # C++ warning, "only for testing", that no Python filter catches.)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
-            attn_mask = torch.where(attn_mask, zero, minus_inf)
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                   scale=scale, enable_gqa=enable_gqa)[0]
 
