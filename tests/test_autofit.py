@@ -80,6 +80,10 @@ def test_before_ampere_fp16_mixed_is_offered_and_chosen(config):
     assert "fp16" in precisions(_setup(), sm=75) and "fp16" in precisions(_setup(precision="bf16-mixed"), sm=75)
     assert "fp16" not in precisions(_setup(), sm=80) | precisions(_setup())  # bf16 runs natively from sm_80
     assert "fp16" not in precisions(_setup(precision="bf16-true"), sm=75)  # pure fp16 without loss scaling: no
+    # QLoRA: peft's prepare_model_for_kbit_training upcasts every weight but the 4-bit ones to fp32, so a
+    # "bf16-true" QLoRA trains in fp32 without autocast; ranked as pure bf16 it came first in every search
+    assert "bf16_true" in precisions(_setup(trainable="lora"))
+    assert "bf16_true" not in precisions(_setup(trainable="qlora"))
     t4 = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, card="T4 16GB", keep=1)
     assert t4.plan.precision == "fp16" and t4.table[0]["setup"].startswith("fp16-mixed") and len(t4.table) == 1
 

@@ -483,3 +483,17 @@ def test_a_prediction_needs_less_than_its_reserved_peak_where_the_cache_holds_fr
     assert "flattened on the card" in p.placement
     assert p.needed_reserved_bytes < p.reserved_peak_bytes and p.fit_bytes == p.needed_reserved_bytes
     assert p.headroom_bytes == p.card_bytes - p.needed_reserved_bytes - p.context_bytes
+
+
+def test_a_pure_half_qlora_says_its_weights_train_in_fp32(tmp_path):
+    """peft's prepare_model_for_kbit_training casts every weight but the 4-bit ones back to fp32, so
+    `--precision bf16-true --trainable qlora` trains them in fp32 without autocast: predicted as
+    run, and said (the search no longer offers it as the fast pure-bf16 setup: test_autofit)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    plan = plan_from_flags(precision="bf16-true", optimizer="adamw_torch", trainable="qlora", batch=1)
+    p = predict(str(path), plan, batch=1, seq=32, device="cuda")
+    assert "keeps every weight but the 4-bit ones in fp32" in p.note and set(p.kernels) == {"math"}
+    mixed = predict(str(path), plan_from_flags(precision="bf16-mixed", optimizer="adamw_torch", trainable="qlora",
+                                               batch=1), batch=1, seq=32, device="cuda")
+    assert "4-bit ones in fp32" not in mixed.note and set(mixed.kernels) == {"flash"}

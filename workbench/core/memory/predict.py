@@ -296,6 +296,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
                     "page out (--device cuda)")
+    if plan.trainable == "qlora" and plan.pure_half:  # what the step simulated did: said, not changed
+        note = (note + "; " if note else "") + ("QLoRA: peft's prepare_model_for_kbit_training keeps every weight but "
+                                                "the 4-bit ones in fp32, so a pure-half setup trains them in fp32 "
+                                                "(no autocast: bf16-mixed runs them in half precision)")
     micro, n = plan.split(batch)
     if n != plan.accum:
         note = (note + "; " if note else "") + (f"batch {batch} is not {plan.accum} equal micro-batches: {n} of "

@@ -118,8 +118,11 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | N
     capability (x 10) of the card searched for; before sm_80, where bf16 is emulated, fp16 autocast
     with a GradScaler (fp16-mixed) is offered beside bf16 for an fp32 or bf16-mixed setup."""
     fp16 = ("fp16",) if sm is not None and not bf16_native(sm) and setup.precision in ("fp32", "bf16") else ()
-    precisions = dict.fromkeys([setup.precision, *(p for p in ("bf16", "bf16_true") if setup.precision == "fp32"),
-                                *(("bf16_true",) if setup.precision == "bf16" else ()), *fp16])
+    # pure bf16 is offered except to QLoRA: peft's prepare_model_for_kbit_training upcasts every weight
+    # but the 4-bit ones to fp32, so "bf16-true" there trains in fp32 without autocast (slower, not faster)
+    pure = () if setup.trainable == "qlora" else ("bf16_true",)
+    precisions = dict.fromkeys([setup.precision, *(p for p in ("bf16", *pure) if setup.precision == "fp32"),
+                                *(pure if setup.precision == "bf16" else ()), *fp16])
     optimizers = dict.fromkeys([setup.optimizer, "adamw8bit", "paged_adamw8bit"])
     trainables = dict.fromkeys([setup.trainable, *(("lora",) if allow_lora and setup.trainable == "full" else ())])
     placements = dict.fromkeys([setup.placement, "zero_offload", "zero_offload_params"] if setup.placement == "device"
