@@ -256,6 +256,21 @@ def test_bad_arguments_are_one_clear_line(tiny_config, capsys, args, message):
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_sequence_past_a_rotary_models_positions_says_how_to_predict_a_context_extension(tmp_path, capsys):
+    """Llama-3-8B's config states 8,192 positions; RoPE has no position table, so 16k tokens is a
+    context extension, which raises the config's limit. GPT-2's learned table ends there."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY, "max_position_embeddings": 64}))
+    assert main(["estimate", "--model", str(path), "--seq", "128"]) == 2
+    assert capsys.readouterr().err.strip().endswith("or raise max_position_embeddings in its config (with rope "
+                                                    "scaling) to predict a context extension")
+    gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_positions": 64, "n_embd": 64, "n_layer": 2,
+            "n_head": 4, "vocab_size": 512}
+    path.write_text(json.dumps(gpt2))
+    assert main(["estimate", "--model", str(path), "--seq", "128"]) == 2
+    assert capsys.readouterr().err.strip().endswith("use a sequence length of at most 64")
+
+
 def test_a_config_that_is_not_a_model_config(tmp_path, capsys):
     path = tmp_path / "train_config.json"
     path.write_text(json.dumps({"learning_rate": 1e-4, "epochs": 3}))

@@ -71,8 +71,13 @@ def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
 
     limit = max_positions(config)
     if limit is not None and seq_len > limit:
+        # a rotary model has no position table: past its trained context is context extension, which
+        # raises the config's limit (with rope scaling); a learned table (GPT-2, OPT) ends there
+        rotary = getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)
         raise ConfigError(f"sequence length {seq_len} is longer than {name} allows ({limit} positions); "
-                          f"use a sequence length of at most {limit}")
+                          f"use a sequence length of at most {limit}"
+                          + (", or raise max_position_embeddings in its config (with rope scaling) to predict a "
+                             "context extension" if rotary else ""))
 
 
 @dataclass(frozen=True)
