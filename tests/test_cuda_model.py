@@ -269,6 +269,8 @@ def test_cuda_prediction_has_allocated_reserved_and_nvidia_smi(tmp_path):
     p = predict(str(path), "bf16", batch=2, seq=64, device="cuda", card="RTX 3060 12GB")
     ws = 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)  # two cuBLAS handles on sm_86
     assert p.kernels == {"flash": CUDA_STEPS * TINY["num_hidden_layers"]}  # one per layer and simulated step
+    ckpt = predict(str(path), "bf16_ckpt", batch=2, seq=64, device="cuda", card="RTX 3060 12GB")
+    assert ckpt.kernels == {"flash": 2 * p.kernels["flash"]}  # checkpointed: recomputed in backward too
     assert p.allocated_peak_bytes >= p.peak_bytes + ws
     assert p.reserved_peak_bytes >= p.allocated_peak_bytes and p.reserved_peak_bytes % (2 * MiB) == 0
     assert p.nvidia_smi_bytes == p.reserved_peak_bytes + cm.CONTEXT_BYTES

@@ -335,6 +335,7 @@ def cuda_step(sm: int = DEFAULT_SM):
     def choices_as_now():  # called in the forward: a layer running on the host recomputes on the host
         recompute = CudaChoices(sm)
         recompute.suspended = int(any(m.suspended for m in CudaChoices.active))
+        recompute.kernels = mode.kernels  # a recomputed attention is a kernel call too
         return contextlib.nullcontext(), recompute
 
     def checkpoint_with_choices(function, *args, **kwargs):
