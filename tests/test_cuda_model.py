@@ -499,3 +499,14 @@ def test_a_pure_half_qlora_says_its_weights_train_in_fp32(tmp_path):
     mixed = predict(str(path), plan_from_flags(precision="bf16-mixed", optimizer="adamw_torch", trainable="qlora",
                                                batch=1), batch=1, seq=32, device="cuda")
     assert "4-bit ones in fp32" not in mixed.note and set(mixed.kernels) == {"flash"}
+
+
+def test_a_prediction_says_when_the_allocator_is_set_to_expandable_segments(tmp_path, monkeypatch):
+    """torch's own out-of-memory message suggests expandable segments; the allocator model plays the
+    default segments, so a user who set them is told what the reserved figures are."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments: True")
+    assert "sets expandable_segments here" in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert "expandable" not in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
+import os
 import signal
 import time
 import traceback
@@ -183,7 +184,9 @@ def check_environment(opts: Options) -> dict[str, Any]:
     env = environment()
     props = torch.cuda.get_device_properties(0)
     env.update(gpu=props.name, gpu_total_mib=props.total_memory / MiB, cuda=torch.version.cuda,
-               capability=f"{props.major}.{props.minor}")
+               capability=f"{props.major}.{props.minor}",
+               # the allocator's settings (expandable segments change every reserved figure); "" when unset
+               alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     for lib in ("accelerate", "bitsandbytes", "deepspeed", "torchao", "papermill", "pynvml"):
         try:
             env[lib] = getattr(importlib.import_module(lib), "__version__", "installed")

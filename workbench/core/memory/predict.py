@@ -43,6 +43,7 @@ replays its allocations through the caching allocator (modelled): see workbench/
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,13 @@ from workbench.core.training import train
 
 CUDA_STEPS = 3  # steps simulated for a CUDA target: the allocator model repeats the third relative to the second
 ACCUM_SIMULATED: int | None = 3  # micro-batches simulated per CPU step with accumulation (docstring)
+
+
+def expandable_segments() -> bool:
+    """Whether this process's CUDA allocator is set to expandable segments (PYTORCH_CUDA_ALLOC_CONF,
+    as torch's own out-of-memory message suggests), which the allocator model does not play."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return "expandable_segments:true" in conf
 
 
 @dataclass
@@ -296,6 +304,11 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
                     "page out (--device cuda)")
+    if device == "cuda" and expandable_segments():
+        note = (note + "; " if note else "") + ("PYTORCH_CUDA_ALLOC_CONF sets expandable_segments here: the reserved "
+                                                "figures model the default allocator's segments (with expandable "
+                                                "ones a card's reserved peak is usually nearer the allocated one; "
+                                                "not modelled)")
     if plan.trainable == "qlora" and plan.pure_half:  # what the step simulated did: said, not changed
         note = (note + "; " if note else "") + ("QLoRA: peft's prepare_model_for_kbit_training keeps every weight but "
                                                 "the 4-bit ones in fp32, so a pure-half setup trains them in fp32 "
