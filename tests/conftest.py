@@ -50,6 +50,17 @@ def results_dir(tmp_path, monkeypatch):
     return d
 
 
+WSL2_RELEASE = "5.15.167.4-microsoft-standard-WSL2"  # Linux under Windows: "microsoft" in the kernel's release
+LINUX_RELEASE = "6.8.0-49-generic"
+
+
+def played_uname(release: str):
+    """A stand-in for platform.uname on a Linux machine whose kernel is `release` (common.in_wsl reads it)."""
+    import platform
+
+    return lambda: platform.uname_result("Linux", "host", release, "#1 SMP", "x86_64")
+
+
 def subprocess_env(root: Path) -> dict[str, str]:
     """This environment for a `python -c` child that imports the project from `root`, with any
     PYTHONPATH already set kept after it (packages on PYTHONPATH, as a lent card's bundle puts them)."""

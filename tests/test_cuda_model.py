@@ -23,6 +23,7 @@ from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_fla
 from workbench.core.memory.predict import CUDA_STEPS, predict, simulate
 from workbench.core.memory.snapshot import dump, predicted_snapshot, snapshot_from_report
 from workbench.core.training import train
+from tests.conftest import LINUX_RELEASE, WSL2_RELEASE, played_uname
 
 MiB = 2**20
 TINY = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
@@ -100,18 +101,24 @@ def test_kernel_choice_follows_sdp_utils():
 
 
 def test_a_boolean_mask_is_made_additive_per_call_and_kept_by_the_memory_efficient_kernel(tmp_path):
-    """sdpa's entry turns a boolean mask into an additive one in q's dtype, padded to 16 elements
-    (preprocess_mask), in every call: each layer makes its own, which the memory-efficient kernel
-    keeps for backward. The model passed the shared boolean mask through (1 byte, unpadded), so a
-    sliding-window model past its window (Mistral-7B-v0.1 from 4k tokens) was predicted gigabytes
-    low. And grouped K/V heads outside flash (fp32 here) run the math kernel, not memory-efficient."""
-    with FakeTensorMode():
-        q, k, v = (torch.empty(1, 4, 20, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
-        chosen = {}
-        out = cm.cuda_sdpa(q, k, v, attn_mask=torch.ones(1, 1, 20, 20, dtype=torch.bool), sm=89, chosen=chosen)
-        kept = out.grad_fn._saved_attn_bias
-    assert chosen == {"efficient": 1} and kept.dtype == torch.float16 and kept.shape == (1, 1, 20, 20)
-    assert kept.untyped_storage().nbytes() == 20 * 32 * 2  # its rows padded from 20 to 32 elements
+    """sdpa's entry turns a boolean mask into an additive one in q's dtype, padded to 8 elements where
+    its strides are not multiples of 8 (preprocess_mask), in every call: each layer makes its own,
+    which the memory-efficient kernel keeps for backward. The model passed the shared boolean mask
+    through (1 byte, unpadded), so a sliding-window model past its window (Mistral-7B-v0.1 from 4k
+    tokens) was predicted gigabytes low. And grouped K/V heads outside flash (fp32 here) run the math
+    kernel, not memory-efficient."""
+    def kept(s):
+        with FakeTensorMode():
+            q, k, v = (torch.empty(1, 4, s, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+            chosen = {}
+            out = cm.cuda_sdpa(q, k, v, attn_mask=torch.ones(1, 1, s, s, dtype=torch.bool), sm=89, chosen=chosen)
+            assert chosen == {"efficient": 1}
+            return out.grad_fn._saved_attn_bias
+
+    bias = kept(20)
+    assert bias.dtype == torch.float16 and bias.shape == (1, 1, 20, 20)
+    assert bias.untyped_storage().nbytes() == 20 * 24 * 2  # its rows padded from 20 to 24 elements
+    assert kept(24).untyped_storage().nbytes() == 24 * 24 * 2  # strides multiples of 8: not padded
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))  # 4 query heads, 2 K/V heads
     fp32 = predict(str(path), "fp32", batch=1, seq=32, device="cuda")
@@ -285,10 +292,11 @@ def test_cuda_prediction_has_allocated_reserved_and_nvidia_smi(tmp_path):
     assert "emulated" not in predict(str(path), "fp16", batch=2, seq=64, device="cuda", card="T4 16GB").note
 
 
-def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path):
+def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path, monkeypatch):
     """bitsandbytes' paged state is CUDA managed memory (cudaMallocManaged), which torch's
     max_memory_allocated / reserved never see (an H200 measured 4,904 MiB allocated for the paged
     rung of Qwen2-0.5B, 946 MiB under the unpaged one's): the replay leaves it out, nvidia-smi not."""
+    monkeypatch.setattr(common.platform, "uname", played_uname(LINUX_RELEASE))
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))
     plain = predict(str(path), "adamw8bit", batch=1, seq=32, device="cuda")
@@ -311,9 +319,8 @@ def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path):
     # under WSL2 Windows' driver does not oversubscribe managed memory: the state cannot page out,
     # so it must fit on the card beside the allocator's need (auto-fit chose the paged rung there
     # exactly when the unpaged one did not fit, and it ran out of memory)
-    wsl = types.SimpleNamespace(release="5.15.167.4-microsoft-standard-WSL2")
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(common.platform, "uname", lambda: wsl)
+        m.setattr(common.platform, "uname", played_uname(WSL2_RELEASE))
         under_wsl = predict(str(path), "paged_adamw8bit", batch=1, seq=32, device="cuda")
     assert not under_wsl.pages_out and under_wsl.fit_bytes == paged.fit_bytes + state
     assert "cannot page out" in under_wsl.note and paged.pages_out
@@ -510,3 +517,6 @@ def test_a_prediction_says_when_the_allocator_is_set_to_expandable_segments(tmp_
     assert "sets expandable_segments here" in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert "expandable" not in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch 2.13's own name for it
+    assert "sets expandable_segments here" in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note

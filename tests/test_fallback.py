@@ -15,6 +15,7 @@ from workbench.core.memory.live_bytes import LiveBytes
 from workbench.front.gpu_check import NO_GPU_LINE
 from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.preflight import failure
+from tests.conftest import LINUX_RELEASE, WSL2_RELEASE, played_uname
 
 
 def test_budget_raises_the_same_error_as_cuda_and_releases_memory():
@@ -301,7 +302,10 @@ def test_a_cuda_budget_collects_garbage_before_its_peak_starts_and_names_the_car
 
     from torch.cuda._utils import _get_device_index
 
+    from workbench.core import common
+
     calls = []
+    monkeypatch.setattr(common.platform, "uname", played_uname(LINUX_RELEASE))  # not WSL2
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc.collect") or 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
@@ -328,19 +332,22 @@ def test_a_cuda_budget_collects_garbage_before_its_peak_starts_and_names_the_car
     assert not any(c.startswith("fraction") for c in calls)
     # under WSL2 the driver spills past the card into system memory instead of running out: a run is
     # capped at the card's room now (free, plus what this process holds), a budget at the smaller
-    import types
-
-    from workbench.core import common
-
     monkeypatch.setattr(common.platform, "uname",
-                        lambda: types.SimpleNamespace(release="5.15.167.4-microsoft-standard-WSL2"))
+                        played_uname(WSL2_RELEASE))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (600 * 2**20, 1024 * 2**20))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 40 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.75)
     for mib, expected in ((None, 0.625), (256, 0.25), (900, 0.625)):
         calls.clear()
         with device_budget("cuda", budget_mib=mib):
             pass
-        assert [c for c in calls if c.startswith("fraction")] == [f"fraction {expected:g} on 0", "fraction 0.5 on 0"]
+        assert [c for c in calls if c.startswith("fraction")] == [f"fraction {expected:g} on 0", "fraction 0.75 on 0"]
+    # without a budget, a notebook's own smaller fraction (playing a smaller card) is not widened
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5)
+    calls.clear()
+    with device_budget("cuda"):
+        pass
+    assert [c for c in calls if c.startswith("fraction")] == ["fraction 0.5 on 0", "fraction 0.5 on 0"]
 
 
 def test_an_interrupted_run_leaves_nothing_alive_through_the_traceback_a_notebook_keeps():

@@ -521,10 +521,10 @@ def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
     """Executes nothing: writes the executed notebook and appends the runs.csv rows a study would."""
     import pandas as pd
 
-    def execute(path, params, out, timeout_s=None):
+    def execute(path, params, out, timeout_s=None, deadline=None):
         study = Path(path).stem.split("_", 1)[1]
         calls.append({"notebook": Path(path).stem, "params": params, "out": Path(out), "root": results_root(),
-                      "timeout_s": timeout_s})
+                      "timeout_s": timeout_s, "deadline": deadline})
         if study == fail:
             raise RuntimeError("PapermillExecutionError: cell 4 raised\nTraceback ...")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -555,22 +555,34 @@ def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_read
     assert "| 03_split | ok |" in r["report"]
 
 
-def test_notebooks_check_keeps_to_the_time_budget(tmp_path):
-    """Papermill's limit is per cell: under --time-budget a cell's limit is what is left of it, and a
-    notebook that would begin past it is a 'not run' row (a failure) instead of a kill at the hard limit."""
+def test_notebooks_check_keeps_to_the_time_budget(tmp_path, monkeypatch):
+    """Papermill's limit is per cell: under --time-budget each cell's limit is what is left of the
+    budget (nbclient's timeout_func), and a notebook that would begin past it is a 'not run' row (a
+    failure) instead of a kill at the hard limit."""
+    import time
     import types
 
+    import papermill
+
+    from workbench.front import notebooks
+
     calls = []
-    left = iter([250.4, 40.0])
-    opts = types.SimpleNamespace(out=tmp_path, out_of_time=lambda: len(calls) >= 2, remaining_s=lambda: next(left))
+    opts = types.SimpleNamespace(out=tmp_path, out_of_time=lambda: len(calls) >= 2, deadline_at=1234.5)
     r = gn.check_notebooks(opts, execute=_stand_in({"strategies": "cuda", "split": "cuda"}, calls))
-    assert [c["timeout_s"] for c in calls] == [250, 40]
+    assert [(c["timeout_s"], c["deadline"]) for c in calls] == [(gn.NOTEBOOK_TIMEOUT_S, 1234.5)] * 2
     assert [row["status"] for row in r["rows"]] == ["ok", "ok", "not run"] and r["status"] == "fail"
     assert r["failures"] == ["03_split: the time budget (--time-budget) was spent before it began"]
-    # without a budget every cell has the whole limit
-    calls.clear()
-    gn.check_notebooks(gc.Options(out=tmp_path / "b"), execute=_stand_in({}, calls))
-    assert [c["timeout_s"] for c in calls] == [gn.NOTEBOOK_TIMEOUT_S] * 3
+    # run_notebook hands papermill (nbclient) a limit per cell: what is left, at most timeout_s, at least 1
+    seen = {}
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: seen.update(kw))
+    now = time.perf_counter()
+    notebooks.run_notebook(notebooks.STUDIES["03_split"].path, {}, tmp_path / "x.ipynb", timeout_s=300,
+                           deadline=now + 120)
+    assert seen["execution_timeout"] == 300 and 100 <= seen["timeout_func"](None) <= 120
+    assert notebooks.cell_limit(300, now + 900)(None) == 300 and notebooks.cell_limit(300, now - 5)(None) == 1
+    seen.clear()
+    notebooks.run_notebook(notebooks.STUDIES["03_split"].path, {}, tmp_path / "x.ipynb", timeout_s=300)
+    assert "timeout_func" not in seen  # without a budget: papermill's own per-cell limit
 
 
 def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_notebook_that_raised(tmp_path):
@@ -652,7 +664,8 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     monkeypatch.setattr(gpu_cap, "measure", measure)
     blocks = torch.zeros((4, 32), dtype=torch.long)
     monkeypatch.setattr(gpu_cap, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None, blocks, ""))
-    opts = types.SimpleNamespace(model="x", tiny=True, batch=1, seq=32, device="cuda", extra={}, out_of_time=lambda: False)
+    opts = types.SimpleNamespace(model="x", tiny=True, batch=1, seq=32, device="cuda", extra={},
+                                 out_of_time=lambda: False)
     result = gpu_cap.check_cap(opts)
     rows = {r["rung"]: r for r in result["rows"]}
     assert set(rows) == set(gpu_cap.CAP_RUNGS) and all(r["status"] == "ok" for r in rows.values()), result
@@ -670,7 +683,11 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     # and says why it ended; the next rung does not begin; the check fails (never a pass)
     runs.clear()
     opts.out_of_time = lambda: len(runs) >= 4  # two trials in, of the first rung
+    predicted, real_predict = [], gpu_cap.predict
+    monkeypatch.setattr(gpu_cap, "predict", lambda config, name, **kw: predicted.append(name) or real_predict(
+        config, name, **kw))
     result = gpu_cap.check_cap(opts)
+    assert predicted == [gpu_cap.CAP_RUNGS[0]]  # the rung past the budget is not even predicted
     first, second = result["rows"]
     assert first["status"] == second["status"] == "not measured" and result["status"] == "fail"
     assert len(first["trials"]) == 2 and first["reason"].endswith("was spent after 2 trials")

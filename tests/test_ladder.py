@@ -40,6 +40,7 @@ from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with
 from workbench.studies.ladder.figures import BUDGET_NOTE, report_section
 from workbench.studies.ladder.rungs import auto_fit, measure, zero_config
 from workbench.studies.ladder.runner import CPU_MARGIN, LadderConfig, load_result, run_ladder
+from tests.conftest import LINUX_RELEASE, WSL2_RELEASE, played_uname
 
 
 @pytest.fixture(scope="module")
@@ -487,14 +488,15 @@ def test_zero_and_device_map_settings(monkeypatch):
         zero_config(RUNGS["bf16_ckpt"], RUNGS["bf16_ckpt"].settings(8, 3))
     # under WSL2 pinned host memory is limited, and a pinned copy past it fails as "CUDA error: out
     # of memory" (read as the card's): the host's copies are pageable there
-    monkeypatch.setattr(common.platform, "uname", lambda: types.SimpleNamespace(
-        system="Linux", release="5.15.167.4-microsoft-standard-WSL2"))
+    monkeypatch.setattr(common.platform, "uname", played_uname(WSL2_RELEASE))
     assert common.in_wsl()
     s3 = zero_config(RUNGS["zero_offload_params"], RUNGS["zero_offload_params"].settings(8, 3))
     assert s3["zero_optimization"]["offload_param"]["pin_memory"] is False
     assert s3["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
-    monkeypatch.undo()
-    assert not common.in_wsl()  # this machine's own kernel
+    monkeypatch.setattr(common.platform, "uname", played_uname(LINUX_RELEASE))
+    assert not common.in_wsl()
+    assert zero_config(RUNGS["zero_offload"], RUNGS["zero_offload"].settings(8, 3))["zero_optimization"][
+        "offload_optimizer"]["pin_memory"] is True
     model = torch.nn.Linear(256, 256)  # 257 KiB of fp32 weights
     mem = device_map_max_memory(sum(p.numel() * 4 for p in model.parameters()), 0)
     assert mem[0] == (256 * 256 + 256) * 4 // 2 and mem["cpu"] > 4 * mem[0]

@@ -609,6 +609,15 @@ def test_an_interrupted_engine_run_leaves_no_engine_alive(tmp_path, monkeypatch,
     eng._cur.gate = engine_module._Gate(1.0, 0)
     eng.abort()
     assert eng._cur.gate.decided.is_set() and eng._cur.gate.skip
+    # an engine whose constructor runs out of memory (calibrating, at k=1 on a card) aborts with no
+    # iteration yet: the error is the card's, not an AttributeError, which made the row "error", not "oom"
+
+    def full(self, *a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(SplitEngine, "calibrate", full)
+    with pytest.raises(torch.OutOfMemoryError):
+        SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=1.0)
 
 
 def test_a_run_bigger_than_this_machine_is_a_skipped_row_not_the_study_killed(tmp_path, monkeypatch, tiny_base):
@@ -815,7 +824,8 @@ def test_a_killed_build_of_deepspeeds_cpu_adam_does_not_leave_every_later_run_wa
         backend_status.cache_clear()  # the real build's answer for the tests after
     stale()
     with pytest.warns(UserWarning, match="killed"):
-        rows, why = zero_baseline.run_zero_offload(torch.nn.Linear(2, 2), [torch.zeros(1, 4, dtype=torch.long)], 1e-3, 0.0)
+        rows, why = zero_baseline.run_zero_offload(torch.nn.Linear(2, 2), [torch.zeros(1, 4, dtype=torch.long)],
+                                                   1e-3, 0.0)
     assert seen == [False, False] and rows == [] and why.startswith("DeepSpeed ZeRO-Offload unavailable: ZeroDivision")
 
 

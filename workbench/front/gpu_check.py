@@ -45,7 +45,7 @@ from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor, bf16_native
 from workbench.core.memory.plan import RUNGS
-from workbench.core.memory.predict import predict
+from workbench.core.memory.predict import ALLOC_CONF_VARS, predict
 from workbench.core.models import load_config
 from workbench.core.results import environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
@@ -82,10 +82,6 @@ class Options:
     def out_of_time(self) -> bool:
         return self.deadline_at is not None and time.perf_counter() > self.deadline_at
 
-    def remaining_s(self) -> float | None:
-        """Seconds left of the time budget (None: no budget)."""
-        return None if self.deadline_at is None else self.deadline_at - time.perf_counter()
-
 
 NOT_RUN = {"status": "not run", "reason": TIME_SPENT}
 
@@ -107,7 +103,8 @@ def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
 
 class Terminated(SystemExit):
     """SIGTERM (`timeout`'s at a lent card's hard limit, a closed lease) as an exception: the check it
-    ends is recorded as killed, and the finally blocks run (papermill shuts its kernel down)."""
+    ends is recorded as killed, and finally blocks run. (A notebook's kernel, in a session of its own,
+    exits when this process does: ipykernel watches its parent.)"""
 
     def __init__(self, signum: int):
         super().__init__(128 + signum)  # a shell's exit status for a process ended by that signal
@@ -185,8 +182,8 @@ def check_environment(opts: Options) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     env.update(gpu=props.name, gpu_total_mib=props.total_memory / MiB, cuda=torch.version.cuda,
                capability=f"{props.major}.{props.minor}",
-               # the allocator's settings (expandable segments change every reserved figure); "" when unset
-               alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+               # the allocator's settings (expandable segments change every reserved figure); {} when unset
+               alloc_conf={v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ})
     for lib in ("accelerate", "bitsandbytes", "deepspeed", "torchao", "papermill", "pynvml"):
         try:
             env[lib] = getattr(importlib.import_module(lib), "__version__", "installed")

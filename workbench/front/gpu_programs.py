@@ -100,11 +100,9 @@ def check_notebooks(opts, *, execute: Callable | None = None) -> dict[str, Any]:
             if opts.out_of_time():  # under --time-budget: a notebook that would begin past it is its row
                 rows.append(notebook_row(nb.name, nb.study, "not run", 0.0, out, TIME_SPENT, []))
                 continue
-            left = opts.remaining_s()  # and a cell (papermill's limit is per cell) ends with the budget
-            timeout_s = NOTEBOOK_TIMEOUT_S if left is None else max(1, min(NOTEBOOK_TIMEOUT_S, round(left)))
             t0 = time.perf_counter()
-            try:
-                execute(nb.path, dict(nb.quick), out, timeout_s=timeout_s)
+            try:  # papermill's limit is per cell: under a budget each cell's is what is left of it
+                execute(nb.path, dict(nb.quick), out, timeout_s=NOTEBOOK_TIMEOUT_S, deadline=opts.deadline_at)
                 status, error = "ok", None
             except Exception as e:
                 status, error = "error", one_line(e)

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -235,6 +236,15 @@ def kernel_transport(ip: str | None = None) -> dict[str, Any]:
     return {"KernelManager": {"transport": "ipc", **({"ip": ip} if ip else {})}}
 
 
+def cell_limit(timeout_s: int | None, deadline: float) -> Callable[[Any], int]:
+    """nbclient's timeout_func: a cell's limit in seconds, what is left before `deadline` (at most
+    `timeout_s`, at least 1)."""
+    def limit(cell) -> int:
+        left = max(1, int(deadline - time.perf_counter()))
+        return left if timeout_s is None else min(timeout_s, left)
+    return limit
+
+
 def run_notebook(
     notebook: str | Path,
     parameters: dict[str, Any],
@@ -243,10 +253,13 @@ def run_notebook(
     cwd: str | Path | None = None,
     log_output: bool = False,
     timeout_s: int | None = None,
+    deadline: float | None = None,
     progress: str | None = None,
 ) -> Path:
     """Execute a notebook with papermill; raises papermill's PapermillExecutionError on failure.
 
+    `timeout_s`: each cell's limit (papermill's is per cell); `deadline`: a time.perf_counter() the
+    whole notebook ends by (each cell's limit is then what is left of it, at least a second).
     `progress`: a label for papermill's bar of executed cells on stderr (a study's training cell
     runs for minutes, and without it a headless run shows nothing in that time); None: no bar."""
     import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
@@ -275,6 +288,7 @@ def run_notebook(
             stdout_file=None,
             execution_timeout=timeout_s,
             **kernel,
+            **({"timeout_func": cell_limit(timeout_s, deadline)} if deadline is not None else {}),
         )
     finally:
         if sockets:

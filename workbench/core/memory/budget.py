@@ -19,9 +19,10 @@ is malloc'd from (and freed to) the modelled allocator (allocator.CachingAllocat
 one stream), the budget caps its reserved bytes, and the budget reports `peak_mib` (allocated,
 rounded, as max_memory_allocated) and `peak_reserved_mib` (as max_memory_reserved).
 
-Under WSL2 a CUDA run without a budget is capped at the card's room when it begins (what CUDA reports
-free plus what this process holds): there the driver spills past the card into shared system memory,
-many times slower, where a card runs out of memory (microsoft/WSL#11050), and nothing falls back.
+Under WSL2 a CUDA run in this context (study 1's attempts), budget or not, is capped at the card's
+room when it begins (what CUDA reports free plus what this process holds, and no wider than a
+fraction the notebook set): there the driver spills past the card into shared system memory, many
+times slower, where a card runs out of memory (microsoft/WSL#11050), and nothing falls back.
 
 On CUDA a fraction the process had set before (a notebook playing a smaller card, torchtune's way)
 is replaced by the budget's for the run, which is what the run's rows report, and given back after.
@@ -164,13 +165,16 @@ class device_budget:
                               "budget; free it (del the model, then torch.cuda.empty_cache()) or restart the kernel",
                               stacklevel=2)
             cap = None if self.budget_mib is None else self.budget_mib * MiB
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            # the fraction a notebook set before (torchtune's way) comes back after
+            self._fraction = torch.cuda.get_per_process_memory_fraction(self.device)
             if in_wsl():  # WSL2's driver (Windows') spills past the card into shared system memory, many times
                 # slower, instead of running out: the cap is the card's room now, so that torch raises first
+                # (and never wider than the notebook's own fraction when there is no budget)
                 free, _ = torch.cuda.mem_get_info(self.device)
-                cap = min(cap or float("inf"), free + torch.cuda.memory_reserved(self.device))
-            if cap is not None:  # the fraction a notebook set before (torchtune's way) comes back after
-                self._fraction = torch.cuda.get_per_process_memory_fraction(self.device)
-                total = torch.cuda.get_device_properties(self.device).total_memory
+                room = free + torch.cuda.memory_reserved(self.device)
+                cap = min(cap, room) if cap is not None else min(room, self._fraction * total)
+            if cap is not None:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.device)
                 self._capped = True
             self._state = DeviceBudget(self.device, self.budget_mib)

@@ -218,11 +218,13 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         # kernel keeps for backward (a sliding-window model's mask past its window, a padding mask)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
-            attn_mask = torch.where(attn_mask.logical_not(), minus_inf, zero)  # convert_boolean_attn_mask
+            attn_mask = torch.where(attn_mask, zero, minus_inf)  # convert_boolean_attn_mask
         if backend == "efficient":
-            if attn_mask is not None and attn_mask.shape[-1] % 16:  # preprocess_mask: pad_bias to 16 elements
+            # preprocess_mask: a mask whose strides (all but the last) are not multiples of 8 elements is
+            # padded by 8 - S % 8 and sliced back (pad_bias<8>), a copy the kernel keeps
+            if attn_mask is not None and (any(st % 8 for st in attn_mask.stride()[:-1]) or attn_mask.stride(-1) != 1):
                 last = attn_mask.shape[-1]
-                attn_mask = torch.nn.functional.pad(attn_mask, (0, 16 - last % 16))[..., :last]
+                attn_mask = torch.nn.functional.pad(attn_mask, (0, 8 - last % 8))[..., :last]
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 q, k, v, attn_mask, q.requires_grad or k.requires_grad, dropout_p, is_causal, scale=scale)[0]
         # math: on CUDA the composite kernel, which computes in fp32 (16-bit inputs upcast) and keeps

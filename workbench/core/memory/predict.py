@@ -68,11 +68,13 @@ CUDA_STEPS = 3  # steps simulated for a CUDA target: the allocator model repeats
 ACCUM_SIMULATED: int | None = 3  # micro-batches simulated per CPU step with accumulation (docstring)
 
 
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch 2.13 reads both (c10 AllocatorConfig.h)
+
+
 def expandable_segments() -> bool:
-    """Whether this process's CUDA allocator is set to expandable segments (PYTORCH_CUDA_ALLOC_CONF,
-    as torch's own out-of-memory message suggests), which the allocator model does not play."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    return "expandable_segments:true" in conf
+    """Whether this process's CUDA allocator is set to expandable segments (as torch's own
+    out-of-memory message suggests), which the allocator model does not play."""
+    return any("expandable_segments:true" in os.environ.get(v, "").replace(" ", "").lower() for v in ALLOC_CONF_VARS)
 
 
 @dataclass
@@ -305,7 +307,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
                     "page out (--device cuda)")
     if device == "cuda" and expandable_segments():
-        note = (note + "; " if note else "") + ("PYTORCH_CUDA_ALLOC_CONF sets expandable_segments here: the reserved "
+        note = (note + "; " if note else "") + ("PYTORCH_ALLOC_CONF sets expandable_segments here: the reserved "
                                                 "figures model the default allocator's segments (with expandable "
                                                 "ones a card's reserved peak is usually nearer the allocated one; "
                                                 "not modelled)")

@@ -100,14 +100,18 @@ def check_cap(opts) -> dict[str, Any]:
 
     rows = []
     for name in opts.extra.get("cap_rungs") or CAP_RUNGS:
-        p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda", card=card,
-                    replay_steps=TRIAL_STEPS)  # the cap a run of that many steps needs
+        try:  # neither a spent budget nor a failed prediction ends the check: each is the rung's row
+            if opts.out_of_time():
+                raise TimeoutError("the time budget (--time-budget) was spent before it began")
+            p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
+                        card=card, replay_steps=TRIAL_STEPS)  # the cap a run of that many steps needs
+        except Exception as e:
+            rows.append({"rung": name, "status": "not measured", "reason": one_line(e), "trials": [], "passed": False})
+            continue
         row = dict(rung=name, predicted_needed=p.needed_reserved_bytes, workspaces=workspaces,
                    predicted_reserved=p.reserved_peak_bytes)
         tried: list[tuple[int, bool]] = []  # the trials so far, kept in a row that ends early
         try:
-            if opts.out_of_time():
-                raise TimeoutError("the time budget (--time-budget) was spent before it began")
             run(name)  # warm-up: the cuBLAS workspaces (one per thread and stream) are made, then stay allocated
             res0, alloc0 = held()
             free = run(name)  # uncapped: its peaks above what is held bound the bisection

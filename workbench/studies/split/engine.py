@@ -583,7 +583,8 @@ class SplitEngine:
         for h in self._handles:
             h.remove()
         self._handles = []
-        gate = self._cur.gate if self._cur is not None else None
+        cur = getattr(self, "_cur", None)  # (none yet when the constructor's calibration failed)
+        gate = cur.gate if cur is not None else None
         if gate is not None and not gate.decided.is_set():
             gate.decide(skip=True, coef=None)
         self.pool.shutdown(wait=False, cancel_futures=True)
