@@ -297,17 +297,15 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             note = f"CPU only: nothing is on the device; host memory {host / MiB:,.0f} MiB at its own peak (simulated)"
         if plan.optimizer == "paged_adamw8bit" and device == "cuda":
             pageable = report.breakdown()["optimizer_state"]
-            note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; it is counted "
-                    "here but can page to the host under pressure (fit_bytes leaves it out)")
-            if in_wsl():
-                note = ("paged 8-bit state lives in CUDA unified memory outside torch's allocator; under WSL2 "
-                        "(Windows' driver) it cannot page out to the host, so it must fit on the card too")
+            note = "paged 8-bit state lives in CUDA unified memory outside torch's allocator; " + (
+                "under WSL2 (Windows' driver) it cannot page out to the host, so it must fit on the card too"
+                if in_wsl() else "it is counted here but can page to the host under pressure (fit_bytes leaves it out)")
         elif plan.optimizer == "paged_adamw8bit":
             note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
                     "page out (--device cuda)")
     if device == "cuda" and expandable_segments():
-        note = (note + "; " if note else "") + ("PYTORCH_ALLOC_CONF sets expandable_segments here: the reserved "
+        note = (note + "; " if note else "") + ("PYTORCH_(CUDA_)ALLOC_CONF sets expandable_segments here: the reserved "
                                                 "figures model the default allocator's segments (with expandable "
                                                 "ones a card's reserved peak is usually nearer the allocated one; "
                                                 "not modelled)")
