@@ -64,9 +64,11 @@ def main() -> int:
     off, on, samples, ratios, ratio = result["off_s"], result["on_s"], result["samples"], result["round_ratios"], result["ratio"]
     print(f"  total off {off:.2f} s, on {on:.2f} s, {samples} samples; median of the rounds' on/off "
           f"{statistics.median(ratios):.3f}; load average {os.getloadavg()[0]:.2f}; target <= {TARGET}: "
-          f"{'met' if ratio <= TARGET else 'NOT met'}")
+          f"{'met' if ratio <= TARGET else 'NOT met'}; the monitor opened, started and stopped around nothing: "
+          f"{1e3 * result['start_stop_s']:.1f} ms")
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio, "unit": "ratio (with / without monitor)",
                 "median_round_ratio": statistics.median(ratios), "threads": args.threads,
+                "start_stop_ms": 1e3 * result["start_stop_s"],
                 "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval} threads={args.threads} order=ABBA "
                           f"device={device.type}",
                 "load_avg": os.getloadavg()[0]})

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from workbench.cli import main
-from workbench.core.memory import segments
+from workbench.core.memory import cuda_model as cm, segments
 from workbench.core.memory.allocator import least_cap
 from workbench.core.memory.monitor import overhead
 from workbench.core.memory.plan import RUNGS
@@ -496,6 +496,7 @@ def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, 
     (["--batch", "0"], "--batch must be at least 1, got 0"),
     (["--seq", "-4"], "--seq must be at least 1, got -4"),
     (["--model", "data/configs/qwen2-0.5.json"], "'data/configs/qwen2-0.5.json': no such file or directory"),
+    (["--rungs", "fp32,cpu"], "--rungs: cpu is no rung that uses the GPU; rungs: fp32, fp16"),
 ])
 def test_a_bad_argument_is_one_line_even_without_a_gpu(args, error, monkeypatch, capsys):
     """A command prepared here for a lent card's one call must fail here, not on the card."""
@@ -504,6 +505,14 @@ def test_a_bad_argument_is_one_line_even_without_a_gpu(args, error, monkeypatch,
     assert main(["gpu-check", *args]) == 2
     out = capsys.readouterr()
     assert error in out.err and "\n" not in out.err.strip() and gc.NO_GPU_LINE not in out.out
+
+
+def test_rungs_names_the_ladder_checks_rungs_in_the_order_given(tmp_path):
+    parser = argparse.ArgumentParser()
+    gc.register(parser.add_subparsers())
+    opts = gc._options(parser.parse_args(["gpu-check", "--rungs", "bf16,fp32", "--out", str(tmp_path)]))
+    assert opts.rungs == ("bf16", "fp32")
+    assert gc._options(parser.parse_args(["gpu-check", "--out", str(tmp_path)])).rungs == ()  # every GPU rung
 
 
 def test_a_check_that_brings_its_own_report_section_has_it_in_the_report(tmp_path):
@@ -616,20 +625,43 @@ def test_monitor_overhead_alternates_the_order_and_divides_the_totals():
     assert seen == ["off", "on"] + ["off", "on", "on", "off", "off", "on"]  # warm-up, then ABBA
     assert r["ratio"] == pytest.approx(r["on_s"] / r["off_s"]) and 1.4 < r["ratio"] < 3
     assert len(r["round_ratios"]) == 3 and r["samples"] == len(r["rows"]) >= 3
+    assert 0 < r["start_stop_s"] < 0.02  # a monitor around nothing: no sleep, no run (the thread joins at once)
 
 
 def test_monitor_check_runs_here_and_judges_its_rows(tmp_path):
-    r = gp.check_monitor(gc.Options(out=tmp_path, device="cpu"), rounds=1, steps=2)
+    r = gp.check_monitor(gc.Options(out=tmp_path, device="cpu"), rounds=1, steps=2, run_s=0)
     assert r["status"] == "pass", r["failures"]
+    assert r["steps"] == 2  # run_s=0: the workload as asked
+    assert "Opening, starting and stopping it around nothing took" in r["report"] and r["start_stop_s"] > 0
     assert r["peaks_mib"]["rss_mib"] > 50 and r["overhead_ratio"] > 0
     assert "Memory monitor on cpu" in r["report"] and "target <= 1.01" in r["report"]
     # on a card a row without NVML's figure is a failure, whatever the cost
     rows = [{"cuda_allocated_mib": 1.0, "cuda_reserved_mib": 2.0, "cuda_max_allocated_mib": 1.0}]
     fake = {"rows": rows, "ratio": 1.002, "off_s": 1.0, "on_s": 1.002, "round_ratios": [1.002],
-            "median_round_ratio": 1.002, "samples": 1, "interval_s": 0.5, "rounds": 1}
+            "median_round_ratio": 1.002, "samples": 1, "interval_s": 0.5, "rounds": 1, "start_stop_s": 0.002}
     v = gp.monitor_verdict(fake, "cuda:0")
     assert v["status"] == "fail" and v["failures"] == ["monitor rows without nvml_used_mib"] and v["target_met"]
     assert gp.monitor_verdict({**fake, "rows": [{**rows[0], "nvml_used_mib": 900.0}]}, "cuda:0")["status"] == "pass"
+
+
+def test_the_monitor_workload_is_lengthened_to_last_long_enough_to_time(monkeypatch):
+    """A card runs the 15-step workload in 0.3 s, where the monitor's once-a-run start is what is
+    timed: the check scales the steps from one timed run (after a warm-up) to last about run_s."""
+    made, clock = [], {"t": 0.0}
+
+    def workload(device, steps):
+        made.append(steps)
+
+        def run():
+            clock["t"] += 0.02 * steps  # 20 ms a step
+        return run, 1000
+
+    monkeypatch.setattr(gp, "monitor_workload", workload)
+    monkeypatch.setattr(gp.time, "perf_counter", lambda: clock["t"])
+    run, steps = gp.workload_lasting("cpu", 15, 3.0)
+    assert steps == 150 and made == [15, 150]  # 0.3 s a run -> ten times the steps
+    assert gp.workload_lasting("cpu", 200, 3.0)[1] == 200 and made[-1] == 200  # long enough already
+    assert gp.workload_lasting("cpu", 15, 0)[1] == 15
 
 
 def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monkeypatch):
@@ -641,22 +673,32 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
 
     from tests.conftest import tiny_config
 
-    MiB, total, held = 2**20, 1000 * 2**20 * 1024, 100 * 2**20
+    MiB, total = 2**20, 1000 * 2**20 * 1024
     need = {"bf16_true_lora": 700 * MiB + 3, "zero_offload": 900 * MiB}
     fractions, runs, before = [], [], 0.9
+    # The card's process after a run: a 100 MiB segment kept by the cuBLAS workspaces made inside it,
+    # 60 MiB of it free and used by the next run, until the workspaces are released (as on the H200)
+    state = {"held": 100 * MiB, "room": 60 * MiB}
+
+    def release():
+        state.update(held=10 * MiB, room=0)  # what is left after the workspaces: a small live block
 
     def measure(name, load, blocks, **kw):
         assert kw["counted"] is False and kw["steps"] == gpu_cap.TRIAL_STEPS
+        held, room = state["held"], state["room"]
         cap = fractions[-1] * total - held if fractions and fractions[-1] != before else None
         runs.append((name, cap))
-        if cap is not None and cap < need[name]:
+        state.update(held=100 * MiB, room=60 * MiB)  # every run makes the workspaces again
+        if cap is not None and cap + room < need[name]:
             return {"status": "oom", "reason": "CUDA out of memory"}
         return {"status": "ok", "cuda_max_allocated_bytes": held + need[name] - 50 * MiB,
                 "cuda_max_reserved_bytes": held + need[name] + 300 * MiB}
 
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", release, raising=False)
     for attr, fn in dict(
             get_device_properties=lambda d: types.SimpleNamespace(name="NVIDIA H200", total_memory=total, major=9, minor=0),
-            memory_reserved=lambda d: held, memory_allocated=lambda d: held - 10 * MiB, empty_cache=lambda: None,
+            memory_reserved=lambda d: state["held"], memory_allocated=lambda d: state["held"] - 10 * MiB,
+            empty_cache=lambda: None, synchronize=lambda d=None: None,
             # torch's own check: it raises ValueError for a device without an index ("cuda")
             set_per_process_memory_fraction=lambda f, d: fractions.append(f) if _get_device_index(d) == 0 else None,
             current_device=lambda: 0, get_per_process_memory_fraction=lambda d: before).items():
@@ -671,9 +713,15 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     assert set(rows) == set(gpu_cap.CAP_RUNGS) and all(r["status"] == "ok" for r in rows.values()), result
     for name, r in rows.items():
         least = r["measured_least_cap_mib"] * MiB
-        assert least >= need[name] > least - gpu_cap.STEP  # found above what the process held
+        # what the step needs, found above what the process held once the workspaces were released:
+        # not 60 MiB less, which a trial drawing on the held segment's free room would have found
+        assert least >= need[name] > least - gpu_cap.STEP
         assert r["uncapped_reserved_mib"] == (need[name] + 300 * MiB) / MiB  # above what was held
-        assert len(r["trials"]) >= 3
+        assert r["held_reserved_mib"] == 10 and r["workspaces_released"] and len(r["trials"]) >= 3
+        # the prediction is compared whole: the workspaces it models were made inside each trial's cap
+        p = gpu_cap.predict(tiny_config("qwen2"), name, batch=1, seq=32, n_blocks=4, device="cuda",
+                            card=cm.card_at_hand(0), replay_steps=gpu_cap.TRIAL_STEPS)
+        assert r["predicted_needed_mib"] == round(p.needed_reserved_bytes / MiB, 1)
     # a warm-up and an uncapped run per rung, then capped trials; every cap lifted after its trial
     assert [c for n, c in runs if n == "zero_offload"][:2] == [None, None]
     # a notebook's own cap (torchtune's way of playing a smaller card) is what each trial gives back
@@ -693,3 +741,15 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     assert len(first["trials"]) == 2 and first["reason"].endswith("was spent after 2 trials")
     assert second["trials"] == [] and "spent before it began" in second["reason"] and len(runs) == 4
     assert fractions[-1] == before
+    # a torch that cannot release the workspaces: they are held through the trials, so the modelled
+    # workspaces come off the prediction, and the row and the report say so
+    monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces")
+    opts.out_of_time, opts.extra = (lambda: False), {"cap_rungs": ("bf16_true_lora",)}
+    result = gpu_cap.check_cap(opts)
+    (row,) = result["rows"]
+    ws = sum(n for _, n in cm.card_at_hand(0).cublas_workspaces)
+    assert not row["workspaces_released"] and row["held_reserved_mib"] == 100
+    p = real_predict(tiny_config("qwen2"), "bf16_true_lora", batch=1, seq=32, n_blocks=4, device="cuda",
+                     card=cm.card_at_hand(0), replay_steps=gpu_cap.TRIAL_STEPS)
+    assert row["predicted_needed_mib"] == round((p.needed_reserved_bytes - ws) / MiB, 1)
+    assert "workspaces held throughout and left out for bf16_true_lora" in result["report"]

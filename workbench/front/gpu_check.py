@@ -319,6 +319,8 @@ def register(sub) -> None:
     p.add_argument("--counted", action="store_true", help="measure the device rungs under the live-bytes count")
     names = ", ".join(n for n in checks() if n != "environment")  # the environment is always read
     p.add_argument("--only", default="", help=f"comma-separated checks to run ({names})")
+    p.add_argument("--rungs", default="", help="comma-separated ladder rungs for the ladder check (default: every "
+                                               "rung that uses the GPU), measured in this order")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no check and no ladder rung after this many seconds (they are reported 'not run'); "
                         "leave room for the longest one (a rung: up to a minute) under a hard limit")
@@ -343,6 +345,10 @@ def _options(args) -> Options:
     unknown = [n for n in opts.extra["only"] if n not in found]
     if unknown:
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
+    rungs = tuple(s for s in args.rungs.split(",") if s)
+    if bad := [r for r in rungs if r not in gpu_rungs(RUNGS)]:
+        raise ConfigError(f"--rungs: {', '.join(bad)} is no rung that uses the GPU; rungs: {', '.join(gpu_rungs(RUNGS))}")
+    opts = dataclasses.replace(opts, rungs=rungs)
     # A --model given is loaded as a config here; the default is the checkout's own file (relative to
     # its root, where `make gpu-check` runs), and the embedded base (--quick) takes minutes to build.
     if not args.quick and args.model != Options.model:

@@ -232,8 +232,17 @@ def overhead(run: Callable[[], Any], device: str | torch.device = "cpu", *, roun
     and stop included; on CUDA after a synchronize), after gc.collect(), in the order off, on | on,
     off | ... (ABBA: neither side always runs second, and a linear drift of the machine's load hits
     both alike), after one untimed warm-up of each. `ratio` is the total time with the monitor over
-    the total without, from this one run; the monitor's rows are returned too (what it read)."""
+    the total without, from this one run; the monitor's rows are returned too (what it read).
+    `start_stop_s`: what a monitor costs a run once, whatever the run's length (opened, started and
+    stopped around nothing: NVML's handle, the thread, the last row), the median of five; a run much
+    shorter than a real one measures this rather than the sampling."""
     device = torch.device(device)
+
+    def start_stop() -> float:
+        t0 = time.perf_counter()
+        with MemoryMonitor(device, interval_s=interval_s):
+            pass
+        return time.perf_counter() - t0
 
     def timed(monitor: bool) -> tuple[float, list[dict[str, Any]]]:
         rows: list[dict[str, Any]] = []
@@ -257,6 +266,7 @@ def overhead(run: Callable[[], Any], device: str | torch.device = "cpu", *, roun
         ratios.append(secs[True] / secs[False])
         say(f"  round {i + 1} ({'off' if i % 2 == 0 else 'on'} first): off {secs[False]:.2f} s, "
             f"on {secs[True]:.2f} s, on/off {ratios[-1]:.3f}")
-    return {"ratio": on / off, "off_s": off, "on_s": on, "round_ratios": ratios,
+    fixed = statistics.median(start_stop() for _ in range(5))
+    return {"ratio": on / off, "off_s": off, "on_s": on, "round_ratios": ratios, "start_stop_s": fixed,
             "median_round_ratio": statistics.median(ratios), "samples": len(rows), "rows": rows,
             "rounds": rounds, "interval_s": interval_s, "device": str(device)}
