@@ -12,6 +12,7 @@ import torch
 
 from tests.conftest import tiny_config
 from workbench.core.memory import allocator
+from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import EMPTY_CACHE
 from workbench.core.memory.plan import rung
 from workbench.core.memory.predict import predict, simulate
@@ -170,3 +171,46 @@ def test_the_least_reserved_cap_is_the_least_cap_a_replay_runs_under():
         assert lower <= scanned <= upper
         assert allocator.least_reserved(events, {}, upper=upper, steps_of=steps_of, simulated_steps=3,
                                         until=allocator.STEADY) == scanned, seed
+
+
+def test_a_fresh_process_makes_the_backward_workspace_inside_a_freed_block_and_pays_a_segment():
+    """What the H200's allocator trace showed (2026-11-26): the backward's first matmul makes its
+    32 MiB cuBLAS workspace after its output, from the freed 298 MiB logits block; the rest of that
+    segment cannot take the next step's logits, which need a new one. Made before the step ("held"),
+    the workspace has a segment of its own and the logits' segment is reused."""
+    MiB = 2**20
+    logits, grad, ws = 297 * MiB, 400 * MiB, 32 * MiB  # grad: the first mm's output (fp32's tied embedding's)
+    step = [(1, logits), (1, -1), (2, grad), (3, logits), (2, -1), (3, -1)]  # forward, backward's first mm, next step
+    fresh = allocator.replay(step, {}, [("cuBLAS workspace (backward)", ws, 2)])  # right after event 2 (the mm's output)
+    held = allocator.replay(step, {}, [("cuBLAS workspace (backward)", ws)])
+    assert held.reserved_peak_bytes == (32 + 298 + 400) * MiB  # the logits' segment is reused
+    assert fresh.reserved_peak_bytes == (298 + 400 + 298) * MiB  # the workspace split the cached 298 MiB block
+    assert fresh.allocated_peak_bytes == held.allocated_peak_bytes
+    # the lower bound of the least cap counts the workspace from where it is made
+    assert allocator.live_rounded_peak(step, {}, [("w", ws, 2)]) == logits + grad + ws
+    assert allocator.live_rounded_peak([(1, logits), (1, -1), (2, grad)], {}, [("w", ws, 2)]) == grad + ws
+    assert allocator.live_rounded_peak([(1, logits), (1, -1), (2, 8 * MiB)], {}, [("w", ws, 2)]) == logits
+
+
+def test_the_workspaces_are_placed_after_the_first_cublas_op_of_forward_and_of_backward():
+    from workbench.core.memory import cuda_model as cm
+
+    card = cm.card("H100 80GB")
+    ops = ["setup", "forward: embedding.default", "forward: addmm.default", "forward: mm.default", "",
+           "backward: _log_softmax_backward_data.default", "backward: mm.default", "backward: bmm.default"]
+    (f, nf, at_f), (b, nb, at_b) = cm.workspaces_in(card, ops)
+    assert (at_f, at_b) == (2, 6) and nf == nb == card.cublas_workspace_bytes and "backward" in b
+    assert [len(w) for w in cm.workspaces_in(card, ops, "held")] == [2, 2]  # before the step
+    assert cm.workspaces_in(card, None) == card.cublas_workspaces
+    with pytest.raises(ValueError):
+        cm.workspaces_in(card, ops, "warm")
+
+
+def test_a_cuda_prediction_is_of_a_fresh_process_by_default_and_places_the_same_bytes():
+    """Both states, predicted for one tiny model step; the default is the fresh process."""
+    kw = dict(batch=2, seq=64, device="cuda", card="H100 80GB", replay_steps=3)
+    fresh, held = (predict(tiny_config("qwen2"), "lora", workspaces=w, **kw) for w in ("fresh", "held"))
+    assert predict(tiny_config("qwen2"), "lora", **kw).reserved_peak_bytes == fresh.reserved_peak_bytes
+    assert fresh.allocated_peak_bytes == held.allocated_peak_bytes  # the same bytes, placed elsewhere
+    with pytest.raises(ConfigError, match="unknown workspaces 'warm'"):
+        predict(tiny_config("qwen2"), "lora", workspaces="warm", **kw)

@@ -51,8 +51,8 @@ class _Block:
     __slots__ = ("seg", "offset", "size", "free", "prev", "next", "id", "tag")  # tag: who holds it (replay's)
 
     def __init__(self, seg, offset, size, bid):
-        self.seg, self.offset, self.size, self.free, self.prev, self.next, self.id = seg, offset, size, True, None, None, bid
-        self.tag = None
+        self.seg, self.offset, self.size, self.free, self.prev, self.next, self.id, self.tag = \
+            seg, offset, size, True, None, None, bid, None
 
 
 class CachingAllocator:
@@ -233,7 +233,9 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     """Replay a timeline of (serial, nbytes) allocations, (serial, -1) frees and (0, EMPTY_CACHE)
     empty_cache calls through the allocator.
 
-    `extra_allocs`: (name, nbytes) made before the step (cuBLAS workspaces) and never freed.
+    `extra_allocs`: (name, nbytes) made before the step, or (name, nbytes, i) made right after event
+    i (a fresh process's cuBLAS workspaces, made inside the first matmul of their thread:
+    cuda_model.workspaces_in), and never freed.
     `steady_from`: the event index the last step starts at (its peaks are reported separately).
     `outside`: categories allocated outside torch's allocator (a paged optimizer's state lives in
     CUDA managed memory, cudaMallocManaged): left out of the replay, as max_memory_allocated does.
@@ -253,9 +255,8 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     role_of: dict = {}  # key -> its category
     cat = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "temporaries", "workspace"), 0)
     state = {"best": dict(cat), "alloc": 0, "res": 0}
-    for name, n in extra_allocs:
-        b = a.malloc(n)
-        cat["workspace"] += b.size
+    first, after = _placed(extra_allocs)
+    cat["workspace"] += sum(a.malloc(n).size for n in first)
 
     def act(key, n, role, stream, steady):
         if n == EMPTY_CACHE:
@@ -290,6 +291,7 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
         b = act(serial, n, roles.get(serial, "temporaries"), streams.get(serial, 0), i >= steady_from)
         if template and b is not None:
             b.tag = made.get(serial, serial)
+        cat["workspace"] += sum(a.malloc(w).size for w in after.get(i, ()))
 
     def signature(step):
         return tuple((base, seg[:2], total, tuple((b.size, None if b.free else _relative(b.tag, step))
@@ -326,28 +328,35 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
 
 
 def _replayed(events, steps_of, simulated_steps: int, until: int | str | None) -> tuple[list, int]:
-    """The simulated events a replay of `until` steps runs (all, or cut after step n), and how many
-    simulated steps they are."""
+    """The simulated events a replay of `until` steps runs (all, or cut after step n), and how many steps."""
     if until is None or steps_of is None or not simulated_steps:
         return events, 0
     stop = simulated_steps if until == STEADY else min(int(until), simulated_steps)
     return events[:next((i for i, k in enumerate(steps_of) if k >= stop), len(events))], stop
 
 
+def _placed(extra_allocs) -> tuple[list[int], dict[int, list[int]]]:
+    """extra_allocs as (bytes made before the first event, {event index: bytes made right after it})."""
+    first, after = [], {}
+    for _, n, *at in extra_allocs:
+        (after.setdefault(at[0], []) if at and at[0] is not None else first).append(n)
+    return first, after
+
+
 def live_rounded_peak(events, roles: dict[int, str], extra_allocs=(), outside: tuple[str, ...] = ()) -> int:
     """The most bytes live at once, each allocation rounded as the allocator rounds it: a lower
     bound of its allocated (and so reserved) bytes under any cap, whatever it caches or splits."""
-    live, now = {}, sum(round_size(n) for _, n in extra_allocs)
+    first, after = _placed(extra_allocs)
+    live, now = {}, sum(round_size(n) for n in first)
     peak = now
-    for serial, n in events:
-        if n == EMPTY_CACHE or (outside and roles.get(serial, "temporaries") in outside):
-            continue
-        if n >= 0:
+    for i, (serial, n) in enumerate(events):
+        if n >= 0 and not (outside and roles.get(serial, "temporaries") in outside):
             live[serial] = round_size(n)
             now += live[serial]
-            peak = max(peak, now)
-        else:
-            now -= live.pop(serial, 0)
+        elif n < 0:  # a free (what was left out is not live), or an empty_cache (serial 0: nothing)
+            now -= live.pop(serial, 0) if n != EMPTY_CACHE else 0
+        now += sum(round_size(w) for w in after.get(i, ()))
+        peak = max(peak, now)
     return peak
 
 

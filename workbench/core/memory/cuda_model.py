@@ -26,6 +26,9 @@ replayed through the rules of c10/cuda/CUDACachingAllocator.cpp gives the alloca
 block sizes, what `max_memory_allocated` reports) and the reserved peak (segments,
 `max_memory_reserved`). nvidia-smi adds the CUDA context (a per-card constant, modelled) to the
 reserved figure; the cuBLAS workspaces (`Card.cublas_workspaces`) are allocations inside it.
+Where they are made matters (`workspaces_in`): in a fresh process, each thread's first cuBLAS call
+makes its workspace right after that call's output, from whatever cached block fits, and it is
+never freed; a process that has run a matmul before holds them already.
 """
 
 from __future__ import annotations
@@ -82,6 +85,37 @@ class Card:
         handles, the forward's thread and autograd's device thread for backward."""
         ws = self.cublas_workspace_bytes
         return [("cuBLAS workspace (forward)", ws), ("cuBLAS workspace (backward)", ws)]
+
+
+# aten ops that call cuBLAS (as the dispatch mode sees them: linear and matmul arrive decomposed)
+CUBLAS_OPS = ("mm.", "addmm.", "bmm.", "baddbmm.", "addbmm.", "addmv.", "mv.", "_scaled_mm.")
+WORKSPACES = ("fresh", "held")
+
+
+def workspaces_in(card: "Card", ops: list[str] | None, workspaces: str = "fresh") -> list[tuple]:
+    """The cuBLAS workspaces as the allocator replay takes them (allocator.replay's extra_allocs).
+
+    "fresh" (a training script's own process, a kernel's first run): torch makes a handle's workspace
+    inside its first cuBLAS call (CublasHandlePool.cpp, getCurrentCUDABlasHandle: one per handle and
+    stream), through the caching allocator, after the call's output: the forward's on the thread
+    that runs the model, backward's on autograd's device thread. Each is placed right after the
+    output of the first cuBLAS op of its phase in the simulated timeline (`ops`, the report's
+    timeline_ops); a cached free block it fits is split, and the rest of that segment can no longer
+    hold what it held before. On the H200 (2026-11-26) the backward's workspace took a freed 298 MiB
+    logits block this way, and the next step's logits needed a segment more (+298 MiB reserved).
+    "held": a process that has made them already (a notebook kernel that trained before): both
+    exist before the step, each in its own segment. Without ops (a report with no timeline), held."""
+    if workspaces not in WORKSPACES:
+        raise ValueError(f"workspaces must be one of {', '.join(WORKSPACES)}, got {workspaces!r}")
+    names = card.cublas_workspaces
+    if workspaces == "held" or not ops:
+        return list(names)
+    at = {}
+    for i, op in enumerate(ops):
+        phase, _, name = op.partition(": ")
+        if phase in ("forward", "backward") and phase not in at and name.startswith(CUBLAS_OPS):
+            at[phase] = i
+    return [(name, n, at.get(phase)) for (name, n), phase in zip(names, ("forward", "backward"))]
 
 
 CARDS = {c.name: c for c in (

@@ -48,6 +48,20 @@ def indexed(device: str | torch.device) -> torch.device:
     return device
 
 
+def release_held(device) -> bool:
+    """CUDA: give back what this process holds that a fresh one would not: garbage, the cuBLAS
+    workspaces (torch's `_cuda_clearCublasWorkspaces`, which its test suite calls before a leak check)
+    and then every wholly free cached segment, so the next run on `device` makes its workspaces as a
+    fresh process does (cuda_model.workspaces_in). False where this torch cannot release them."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    return clear is not None
+
+
 def open_nvml(device: torch.device, *, say: Callable[[str], None] | None = None):
     """An NVML handle for the CUDA `device`, or None (and one line saying why) without a driver.
     NVML numbers every card of the machine, CUDA only those CUDA_VISIBLE_DEVICES names, in its

@@ -228,7 +228,7 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
 
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int | None = None,
             n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
-            instrumented: bool = False, replay_steps: int | None = None) -> Prediction:
+            instrumented: bool = False, replay_steps: int | None = None, workspaces: str = "fresh") -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
@@ -240,7 +240,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     default: the plain step. `steps`: training steps simulated (default 2 on the CPU, where the
     second is the steady state; 3 for CUDA, whose allocator model repeats the third relative to the
     second). `replay_steps` (CUDA): how many steps the allocator replays, for comparing with a run of
-    that many; default: until its cache is steady (the reserved peak of a long run). Raises ConfigError for an
+    that many; default: until its cache is steady (the reserved peak of a long run). `workspaces`
+    (CUDA): "fresh" (the default: a process whose first matmuls make the cuBLAS workspaces inside the
+    step, as a training script's does) or "held" (a process that made them before: a notebook kernel
+    that trained already); cuda_model.workspaces_in. Raises ConfigError for an
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
@@ -251,6 +254,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"unknown device {device!r}; choose cpu or cuda")
+    if workspaces not in cuda_model.WORKSPACES:
+        raise ConfigError(f"unknown workspaces {workspaces!r}; choose {' or '.join(cuda_model.WORKSPACES)}")
     the_card = cuda_model.card(card)
     if the_card is not None and device != "cuda":
         raise ConfigError("--card describes a CUDA card; use it with --device cuda")
@@ -329,14 +334,14 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
         last = min(replay_steps or report.steps, report.steps) - 1  # the last step replayed as simulated
         steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
-        workspaces = (the_card or cuda_model.Card("", 0, sm)).cublas_workspaces
+        made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), report.timeline_ops, workspaces)
         outside = ("optimizer_state",) if pageable else ()
         run = dict(steps_of=report.timeline_steps, simulated_steps=report.steps, until=replay_steps or allocator.STEADY)
-        alloc = allocator.replay(report.timeline, report.timeline_roles, workspaces, steady_from=steady_from,
+        alloc = allocator.replay(report.timeline, report.timeline_roles, made, steady_from=steady_from,
                                  outside=outside, streams=report.timeline_streams, **run)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
-                    needed_reserved_bytes=allocator.least_reserved(report.timeline, report.timeline_roles, workspaces,
+                    needed_reserved_bytes=allocator.least_reserved(report.timeline, report.timeline_roles, made,
                                                                     outside, upper=alloc.reserved_peak_bytes,
                                                                     streams=report.timeline_streams, **run),
                     allocated_breakdown=alloc.by_category_at_peak,

@@ -82,16 +82,18 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
     card = cuda_model.card_of(env["gpu"], int(env["gpu_total_mib"] * MiB), int(ladder["sm"]))
     model = opts["model"] if Path(opts["model"]).is_absolute() else str(PROJECT_ROOT / opts["model"])
     rows = []
-    for r in ladder.get("rows", []):
+    for k, r in enumerate(ladder.get("rows", [])):
         measured_alloc, measured_res = r.get("cuda_max_allocated_mib"), r.get("cuda_max_reserved_mib")
         if r.get("status") != "ok" or not measured_alloc or not measured_res or r["rung"] not in RUNGS:
             continue
         counted = r.get("accounted_peak_mib") is not None and RUNGS[r["rung"]].placement == "device"
+        ws = workspaces_of(opts, k)
         p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
-                    instrumented=counted, replay_steps=opts["steps"])  # the allocator replays the steps the card ran
+                    instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
+                    workspaces=ws)
         # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
         alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
-        row = {"rung": r["rung"], "method": p.method, "counted": counted,
+        row = {"rung": r["rung"], "method": p.method, "counted": counted, "workspaces": ws,
                "predicted_allocated_mib": round(alloc, 1), "cuda_max_allocated_mib": measured_alloc,
                "error_vs_allocated_pct": round(100 * (alloc / measured_alloc - 1), 2),
                "predicted_reserved_mib": round(res, 1) if res else None, "cuda_max_reserved_mib": measured_res,
@@ -104,6 +106,15 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
     atomic_write_json(out, {"record": record_dir.name, "card": card.name, "options": opts, "git_commit": git_commit(),
                             "written": now(), "rows": rows})
     return out
+
+
+def workspaces_of(options: dict, k: int) -> str:
+    """How the process held the cuBLAS workspaces when the record's k-th ladder rung ran: "fresh" where
+    gpu-check released them before each rung (its options say so, from 2026-11-26 on), else fresh
+    for the first rung only (no earlier check of gpu-check makes them) and held after it."""
+    if options.get("workspaces") == "released before each rung":
+        return "fresh"
+    return "fresh" if k == 0 else "held"
 
 
 def reserved_shortfall(placement: str, rows: list[dict]) -> tuple[float, str]:

@@ -31,7 +31,6 @@ torch.cuda's calls and the rung's run (tests/test_gpu_check.py); `check_cap` mea
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ import torch
 from workbench.core.common import MiB, one_line
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
-from workbench.core.memory.monitor import indexed
+from workbench.core.memory.monitor import indexed, release_held
 from workbench.core.memory.predict import predict
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import measure
@@ -163,19 +162,6 @@ def check_cap(opts) -> dict[str, Any]:
         except Exception as e:  # one rung's failure is its row (with the trials it had)
             rows.append(cap_row(**row, least=None, uncapped={}, tried=tried, reason=one_line(e)))
     return cap_verdict(rows)
-
-
-def release_held(dev) -> bool:
-    """Give back what the process holds that a fresh one would not: garbage, the cuBLAS workspaces
-    (torch's own `_cuda_clearCublasWorkspaces`, what its test suite calls before a leak check) and
-    then every wholly free cached segment. False where this torch cannot release the workspaces."""
-    gc.collect()
-    torch.cuda.synchronize(dev)
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-    return clear is not None
 
 
 def gpu_checks():
