@@ -181,7 +181,8 @@ def test_a_fresh_process_makes_the_backward_workspace_inside_a_freed_block_and_p
     MiB = 2**20
     logits, grad, ws = 297 * MiB, 400 * MiB, 32 * MiB  # grad: the first mm's output (fp32's tied embedding's)
     step = [(1, logits), (1, -1), (2, grad), (3, logits), (2, -1), (3, -1)]  # forward, backward's first mm, next step
-    fresh = allocator.replay(step, {}, [("cuBLAS workspace (backward)", ws, 2)])  # right after event 2 (the mm's output)
+    # made right after event 2, the first mm's output
+    fresh = allocator.replay(step, {}, [("cuBLAS workspace (backward)", ws, 2)])
     held = allocator.replay(step, {}, [("cuBLAS workspace (backward)", ws)])
     assert held.reserved_peak_bytes == (32 + 298 + 400) * MiB  # the logits' segment is reused
     assert fresh.reserved_peak_bytes == (298 + 400 + 298) * MiB  # the workspace split the cached 298 MiB block

@@ -29,7 +29,8 @@ torch.cuda.memory._record_memory_history(enabled=None)
 with gzip.open(f"{out}/{rung}_snapshot.pickle.gz", "wb") as f:
     pickle.dump(snap, f)
 MiB = 2**20
-print(rung, "allocated", m.get("cuda_max_allocated_bytes", 0) / MiB, "reserved", m.get("cuda_max_reserved_bytes", 0) / MiB)
+print(rung, "allocated", m.get("cuda_max_allocated_bytes", 0) / MiB,
+      "reserved", m.get("cuda_max_reserved_bytes", 0) / MiB)
 segs = {}
 trace = snap["device_traces"][0]
 def where(e):
@@ -48,7 +49,9 @@ for i, e in enumerate(trace):
         segs.pop(addr, None)
     elif a == "alloc" and size in (32 * MiB, 8 * MiB + 128 * 1024) or (a == "alloc" and size >= 500 * MiB):
         seg = next(((s, n) for s, n in segs.items() if s <= addr < s + n), (None, 0))
-        print(f"[{i}] alloc {size / MiB:.2f} MiB in a {seg[1] / MiB:.1f} MiB segment (offset {(addr - (seg[0] or 0)) / MiB:.1f})  {where(e)}")
+        print(f"[{i}] alloc {size / MiB:.2f} MiB in a {seg[1] / MiB:.1f} MiB segment "
+              f"(offset {(addr - (seg[0] or 0)) / MiB:.1f})  {where(e)}")
     elif a == "free_completed" and size >= 500 * MiB:
         print(f"[{i}] free {size / MiB:.1f} MiB")
-print("segments at the end:", sorted(round(s["total_size"] / MiB, 1) for s in snap["segments"] if s["total_size"] >= 100 * MiB))
+print("segments at the end:",
+      sorted(round(s["total_size"] / MiB, 1) for s in snap["segments"] if s["total_size"] >= 100 * MiB))

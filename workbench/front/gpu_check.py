@@ -353,7 +353,8 @@ def _options(args) -> Options:
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
     rungs = tuple(s for s in args.rungs.split(",") if s)
     if bad := [r for r in rungs if r not in gpu_rungs(RUNGS)]:
-        raise ConfigError(f"--rungs: {', '.join(bad)} is no rung that uses the GPU; rungs: {', '.join(gpu_rungs(RUNGS))}")
+        raise ConfigError(f"--rungs: {', '.join(bad)} is no rung that uses the GPU; "
+                          f"rungs: {', '.join(gpu_rungs(RUNGS))}")
     opts = dataclasses.replace(opts, rungs=rungs)
     # A --model given is loaded as a config here; the default is the checkout's own file (relative to
     # its root, where `make gpu-check` runs), and the embedded base (--quick) takes minutes to build.
