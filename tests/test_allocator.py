@@ -215,3 +215,26 @@ def test_a_cuda_prediction_is_of_a_fresh_process_by_default_and_places_the_same_
     assert fresh.allocated_peak_bytes == held.allocated_peak_bytes  # the same bytes, placed elsewhere
     with pytest.raises(ConfigError, match="unknown workspaces 'warm'"):
         predict(tiny_config("qwen2"), "lora", workspaces="warm", **kw)
+
+
+def test_a_held_workspace_stays_where_a_run_before_made_it():
+    """"held" (a process that ran the step before): the first step replayed fresh, all it made freed,
+    the cache emptied, then the step. The backward's workspace keeps the 298 MiB segment it was cut
+    from, so the step's logits need one more; a workspace made before the step in a segment of its own
+    (the model before 2026-11-26) lets them reuse it."""
+    from workbench.core.memory import cuda_model as cm
+    from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
+
+    MiB = 2**20
+    events = [(1, 297 * MiB), (1, -1), (2, 400 * MiB), (2, -1), (3, 297 * MiB), (3, -1)]
+    steps = [0, 0, 0, 0, 1, 1]
+    ev, st, roles, streams, n = cm.after_a_run(events, steps, {1: "activations"}, None)
+    assert ev[:n] == [(-2, 297 * MiB), (-2, -1), (-3, 400 * MiB), (-3, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE)]
+    assert ev[n:] == events and st == [-1] * n + steps and roles[-2] == "activations" and streams is None
+    ev2, *_, n2 = cm.after_a_run([(1, MiB), (2, MiB), (2, -1), (3, MiB)], [0, 0, 0, 1], {}, {2: 7})
+    assert ev2[:n2] == [(-2, MiB), (-3, MiB), (-3, -1), (-2, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE)]  # live: freed
+    ws = [("cuBLAS workspace (backward)", 32 * MiB, 2)]  # made after the first step's grad (event 2)
+    held = allocator.replay(ev, roles, ws, steady_from=n)
+    assert held.steady_reserved_peak_bytes == (298 + 298 + 400) * MiB  # the workspace's 298 MiB segment kept
+    before = allocator.replay(events, {}, [("cuBLAS workspace (backward)", 32 * MiB)])
+    assert before.reserved_peak_bytes == (32 + 298 + 400) * MiB

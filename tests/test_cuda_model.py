@@ -520,3 +520,37 @@ def test_a_prediction_says_when_the_allocator_is_set_to_expandable_segments(tmp_
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch 2.13's own name for it
     assert "sets expandable_segments here" in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note
+
+
+def test_the_math_kernel_adds_the_mask_in_place_as_on_a_card_and_computes_what_sdpa_computes():
+    """torch's composite, called on fake tensors, adds the mask out of place (its branch for tensor
+    subclasses): an S x S block a card never makes (the H200's trace: bmm's scores and the softmax,
+    two per layer). The CUDA model runs the real-tensor branch op for op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=g) for h in (4, 2, 2))
+    for causal, mask in ((True, None), (False, torch.randn(16, 16, generator=g))):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                enable_gqa=True)
+        got = cm.math_attention(q, k, v, mask, is_causal=causal, enable_gqa=True)
+        assert torch.allclose(got, want, atol=1e-5)
+    half = cm.math_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True, enable_gqa=True)
+    assert half.dtype == torch.bfloat16  # computed in fp32, returned in the inputs' dtype
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode() as fake:
+        fq, fk, fv = (fake.from_tensor(t.requires_grad_()) for t in (q, k, v))
+        with Ops() as ops:
+            cm.cuda_sdpa(fq, fk, fv, is_causal=True, enable_gqa=True, sm=90)  # fp32, grouped: math
+    assert "aten.add_.Tensor" in ops.seen and "aten.add.Tensor" not in ops.seen
+    assert sum(op.startswith("aten.bmm") for op in ops.seen) == 2 and "aten._safe_softmax.default" in ops.seen

@@ -8,10 +8,12 @@ A prediction for a CUDA card runs the same training step over fake *CPU* tensors
 cannot run CUDA kernels, not even fake ones: autograd cannot make a CUDA leaf's accumulator), with
 `cuda_step()` active, which makes the choices CUDA would make (simulated):
 
-- attention: `scaled_dot_product_attention` goes to the kernel torch's sdp_utils.cpp picks on the
-  card (flash, then memory-efficient, then math; cuDNN attention is not modelled), called through
-  its aten op so autograd saves what that kernel saves (flash and memory-efficient: output +
-  logsumexp, no S x S matrix; math, bf16 before sm_80: the composite kernel's fp32 S x S softmax);
+- attention (workbench.core.memory.cuda_attention): `scaled_dot_product_attention` goes to the kernel
+  torch's sdp_utils.cpp picks on the card (flash, then memory-efficient, then math; cuDNN attention
+  is not modelled), called through its aten op so autograd saves what that kernel saves (flash and
+  memory-efficient: output + logsumexp, no S x S matrix), or for math (fp32 where flash does not
+  run, bf16 before sm_80) the composite kernel op for op as it runs on real tensors (its fp32 S x S
+  softmax kept);
 - dropout: `native_dropout`, as `at::dropout` picks for CUDA tensors (a 1-byte bool mask; the CPU
   keeps an fp32/bf16 noise tensor);
 - autocast: the CPU's autocast runs (it casts matmuls and linears as CUDA's does and keeps the
@@ -44,6 +46,8 @@ from torch.overrides import TorchFunctionMode
 from workbench.core import training
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
+from workbench.core.memory.accounting import EMPTY_CACHE, EMPTY_CACHE_SERIAL
+from workbench.core.memory.cuda_attention import DEFAULT_SM, cuda_sdpa, math_attention, sdpa_backend  # noqa: F401
 
 GiB = 2**30
 
@@ -103,8 +107,8 @@ def workspaces_in(card: "Card", ops: list[str] | None, workspaces: str = "fresh"
     timeline_ops); a cached free block it fits is split, and the rest of that segment can no longer
     hold what it held before. On the H200 (2026-11-26) the backward's workspace took a freed 298 MiB
     logits block this way, and the next step's logits needed a segment more (+298 MiB reserved).
-    "held": a process that has made them already (a notebook kernel that trained before): both
-    exist before the step, each in its own segment. Without ops (a report with no timeline), held."""
+    "held": both exist before the step, each in its own segment. This is the ops-less case (a report
+    with no timeline); `predict(workspaces="held")` replays a run before the step (`after_a_run`)."""
     if workspaces not in WORKSPACES:
         raise ValueError(f"workspaces must be one of {', '.join(WORKSPACES)}, got {workspaces!r}")
     names = card.cublas_workspaces
@@ -116,6 +120,29 @@ def workspaces_in(card: "Card", ops: list[str] | None, workspaces: str = "fresh"
         if phase in ("forward", "backward") and phase not in at and name.startswith(CUBLAS_OPS):
             at[phase] = i
     return [(name, n, at.get(phase)) for (name, n), phase in zip(names, ("forward", "backward"))]
+
+
+def after_a_run(events, steps_of, roles: dict, streams: dict | None):
+    """The timeline of a process that has run this step before ("held" workspaces: a notebook kernel
+    that trained already, a gpu-check rung after another): the first step replayed as a fresh process
+    runs it (`workspaces_in`'s positions make the workspaces inside it), everything it made freed and
+    the cache emptied (`torch.cuda.empty_cache()`, as gpu-check and the studies do between runs), then
+    the step. A workspace stays where that first run made it, in a segment it keeps with the rest of
+    that segment free (on the H200: fp32 after bf16_true_lora reserved 9,792 MiB, first in its process
+    10,378). The prefix's serials are negated (-s - 1) and its steps are -1, so replay's step logic
+    (cuts, the steady state) sees only the step. Returns (events, steps_of, roles, streams, prefix length)."""
+    n = next((i for i, k in enumerate(steps_of) if k >= 1), len(events))
+    live: dict[int, None] = {}
+    for serial, nbytes in events[:n]:
+        if nbytes >= 0:
+            live[serial] = None
+        elif nbytes == -1:
+            live.pop(serial, None)
+    prefix = [(serial if nbytes == EMPTY_CACHE else -serial - 1, nbytes) for serial, nbytes in events[:n]]
+    prefix += [(-serial - 1, -1) for serial in live] + [(EMPTY_CACHE_SERIAL, EMPTY_CACHE)]
+    roles = {**roles, **{-k - 1: r for k, r in roles.items()}}
+    streams = {**(streams or {}), **{-k - 1: st for k, st in (streams or {}).items()}} or None
+    return prefix + list(events), [-1] * len(prefix) + list(steps_of), roles, streams, len(prefix)
 
 
 CARDS = {c.name: c for c in (
@@ -145,7 +172,6 @@ CARDS = {c.name: c for c in (
     # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB
     Card("H200 141GB", 143771 * MiB, 90, context_bytes=1384 * MiB),
 )}
-DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre card
 
 
 def card(spec: str | float | Card | None) -> Card | None:
@@ -195,82 +221,6 @@ def card_free_now(device="cuda") -> Card:
     in_use = total - free - torch.cuda.memory_reserved(device)
     return Card(at_hand.name, total, at_hand.sm, in_use,
                 "measured now: this process's CUDA context and what other processes use")
-
-
-# ------------------------------------------------------------------------------------------------
-# attention: the kernel sdp_utils.cpp picks (torch 2.13 rules, default priority flash > efficient > math)
-
-def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, *,
-                 sm: int = DEFAULT_SM) -> str:
-    """'flash', 'efficient' or 'math' for these inputs on a card of compute capability `sm`.
-
-    Grouped K/V heads (Llama, Qwen2, Mistral: transformers passes enable_gqa=True when there is no
-    mask) only flash takes: memory-efficient attention checks the heads with
-    check_batch_size_and_num_heads_dense<false /*supports_gqa*/>, so without flash (fp32, bf16 before
-    sm_80, fp16 on a T4) such a call runs the math kernel, with its S x S scores."""
-    d_qk, d_v = q.shape[-1], v.shape[-1]
-    grad = q.requires_grad or k.requires_grad or v.requires_grad
-    half = (torch.float16, torch.bfloat16) if sm >= 80 else (torch.float16,)
-    same_heads = q.shape[-3] == k.shape[-3] == v.shape[-3]
-    # check_grouped_query_attention: K and V with the same heads, a divisor of the query's
-    grouped = enable_gqa and k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0
-    flash = (attn_mask is None and d_qk == k.shape[-1] == d_v and d_qk <= 256 and 80 <= sm <= 121
-             and q.dtype in half and not (is_causal and q.shape[-2] != k.shape[-2]) and (same_heads or grouped))
-    if flash and grad and sm in (86, 87, 88, 89, 120, 121):
-        # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
-        flash = d_qk <= 192 or (dropout_p == 0 and d_qk > 224)
-    if flash:
-        return "flash"
-    eff_dtypes = (torch.float16, torch.float32, torch.bfloat16) if sm >= 80 else (torch.float16, torch.float32)
-    # check_head_dim_size_mem_efficient: head sizes divisible by minimum_gemm_alignment, which is
-    # 128 bits where tensor cores are used (sm_80 up; 16 bits on sm_7x), else 4 elements from sm_80, else 1
-    half16 = q.dtype in (torch.float16, torch.bfloat16)
-    tensor_cores = sm >= 80 or (sm >= 70 and half16)
-    align = max(4 if sm >= 80 else 1, 128 // (16 if half16 else 32) if tensor_cores else 1)
-    if (sm >= 50 and same_heads and d_qk == k.shape[-1] and d_qk % align == 0 and d_v % align == 0
-            and q.dtype in eff_dtypes):
-        return "efficient"
-    return "math"
-
-
-def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-              sm: int = DEFAULT_SM, chosen: dict | None = None):
-    """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors;
-    the math kernel is composite, so it runs as CUDA would run it)."""
-    if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list
-        dt = torch.get_autocast_dtype("cpu")
-        q, k, v = (t.to(dt) if t.dtype == torch.float32 else t for t in (q, k, v))
-    backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, sm=sm)
-    if chosen is not None:
-        chosen[backend] = chosen.get(backend, 0) + 1
-    with torch.autocast("cpu", enabled=False):
-        if backend == "flash":  # flash takes grouped K/V as they are (and no mask)
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
-                                                                        scale=scale)[0]
-        # sdpa's entry (attention.cpp) turns a boolean mask into an additive one in q's dtype once the
-        # kernel is chosen, in every call: each layer makes its own S x S mask, which the memory-efficient
-        # kernel keeps for backward (a sliding-window model's mask past its window, a padding mask)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
-            attn_mask = torch.where(attn_mask, zero, minus_inf)  # convert_boolean_attn_mask
-        if backend == "efficient":
-            # preprocess_mask: a mask whose strides (all but the last) are not multiples of 8 elements is
-            # padded by 8 - S % 8 and sliced back (pad_bias<8>), a copy the kernel keeps
-            if attn_mask is not None and (any(st % 8 for st in attn_mask.stride()[:-1]) or attn_mask.stride(-1) != 1):
-                last = attn_mask.shape[-1]
-                attn_mask = torch.nn.functional.pad(attn_mask, (0, 8 - last % 8))[..., :last]
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, attn_mask, q.requires_grad or k.requires_grad, dropout_p, is_causal, scale=scale)[0]
-        # math: on CUDA the composite kernel, which computes in fp32 (16-bit inputs upcast) and keeps
-        # the B x H x S x S softmax for backward; the CPU's SDPA would take its own flash kernel
-        # (output and logsumexp). Grouped K/V it repeats to the query's heads itself (enable_gqa).
-        # Not modelled: with attention dropout (GPT-2's 0.1; Llama, Qwen2, Phi and Pythia have none) the
-        # composite's at::dropout runs inside aten on CPU tensors, so it keeps the CPU's fp32 noise where
-        # CUDA's native_dropout keeps a 1-byte mask: 3-4 bytes an S x S element too many, over-predicted.
-        # (Passing the composite a bool dropout_mask would keep CUDA's bytes, but torch prints a
-        # C++ warning, "only for testing", that no Python filter catches.)
-        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
-                                                                  scale=scale, enable_gqa=enable_gqa)[0]
 
 
 # ------------------------------------------------------------------------------------------------

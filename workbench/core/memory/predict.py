@@ -333,17 +333,20 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     cuda: dict[str, Any] = {}
     if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
         last = min(replay_steps or report.steps, report.steps) - 1  # the last step replayed as simulated
-        steady_from = next((i for i, s in enumerate(report.timeline_steps) if s >= last), 0)
-        made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), report.timeline_ops, workspaces)
+        made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), report.timeline_ops)
+        events, steps_of, roles, streams = (report.timeline, report.timeline_steps, report.timeline_roles,
+                                            report.timeline_streams)
+        if workspaces == "held" and any(len(w) == 3 and w[2] is not None for w in made):  # made by a run before
+            events, steps_of, roles, streams, _ = cuda_model.after_a_run(events, steps_of, roles, streams)
+        steady_from = next((i for i, s in enumerate(steps_of) if s >= last), 0)
         outside = ("optimizer_state",) if pageable else ()
-        run = dict(steps_of=report.timeline_steps, simulated_steps=report.steps, until=replay_steps or allocator.STEADY)
-        alloc = allocator.replay(report.timeline, report.timeline_roles, made, steady_from=steady_from,
-                                 outside=outside, streams=report.timeline_streams, **run)
+        run = dict(steps_of=steps_of, simulated_steps=report.steps, until=replay_steps or allocator.STEADY)
+        alloc = allocator.replay(events, roles, made, steady_from=steady_from, outside=outside, streams=streams, **run)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
-                    needed_reserved_bytes=allocator.least_reserved(report.timeline, report.timeline_roles, made,
-                                                                    outside, upper=alloc.reserved_peak_bytes,
-                                                                    streams=report.timeline_streams, **run),
+                    needed_reserved_bytes=allocator.least_reserved(events, roles, made, outside,
+                                                                    upper=alloc.reserved_peak_bytes,
+                                                                    streams=streams, **run),
                     allocated_breakdown=alloc.by_category_at_peak,
                     reserved_by_stream_bytes=({STREAM_NAMES.get(k, k): v for k, v in alloc.reserved_by_stream.items()}
                                               if report.timeline_streams else {}),

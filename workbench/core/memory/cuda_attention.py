@@ -1,0 +1,115 @@
+"""The attention kernel a CUDA card runs, chosen and run on fake CPU tensors (the CUDA model's part
+for `scaled_dot_product_attention`; workbench.core.memory.cuda_model routes SDPA here).
+
+`sdpa_backend` picks the kernel as torch's sdp_utils.cpp does for the card's compute capability;
+`cuda_sdpa` runs it through its aten op (flash and memory-efficient: their meta kernels, which save
+what the card's kernels save), or `math_attention`, the composite math kernel as it runs on a card's
+real tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre card
+
+
+
+def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, *,
+                 sm: int = DEFAULT_SM) -> str:
+    """'flash', 'efficient' or 'math' for these inputs on a card of compute capability `sm`.
+
+    Grouped K/V heads (Llama, Qwen2, Mistral: transformers passes enable_gqa=True when there is no
+    mask) only flash takes: memory-efficient attention checks the heads with
+    check_batch_size_and_num_heads_dense<false /*supports_gqa*/>, so without flash (fp32, bf16 before
+    sm_80, fp16 on a T4) such a call runs the math kernel, with its S x S scores."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    grad = q.requires_grad or k.requires_grad or v.requires_grad
+    half = (torch.float16, torch.bfloat16) if sm >= 80 else (torch.float16,)
+    same_heads = q.shape[-3] == k.shape[-3] == v.shape[-3]
+    # check_grouped_query_attention: K and V with the same heads, a divisor of the query's
+    grouped = enable_gqa and k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0
+    flash = (attn_mask is None and d_qk == k.shape[-1] == d_v and d_qk <= 256 and 80 <= sm <= 121
+             and q.dtype in half and not (is_causal and q.shape[-2] != k.shape[-2]) and (same_heads or grouped))
+    if flash and grad and sm in (86, 87, 88, 89, 120, 121):
+        # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
+        flash = d_qk <= 192 or (dropout_p == 0 and d_qk > 224)
+    if flash:
+        return "flash"
+    eff_dtypes = (torch.float16, torch.float32, torch.bfloat16) if sm >= 80 else (torch.float16, torch.float32)
+    # check_head_dim_size_mem_efficient: head sizes divisible by minimum_gemm_alignment, which is
+    # 128 bits where tensor cores are used (sm_80 up; 16 bits on sm_7x), else 4 elements from sm_80, else 1
+    half16 = q.dtype in (torch.float16, torch.bfloat16)
+    tensor_cores = sm >= 80 or (sm >= 70 and half16)
+    align = max(4 if sm >= 80 else 1, 128 // (16 if half16 else 32) if tensor_cores else 1)
+    if (sm >= 50 and same_heads and d_qk == k.shape[-1] and d_qk % align == 0 and d_v % align == 0
+            and q.dtype in eff_dtypes):
+        return "efficient"
+    return "math"
+
+
+def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+              sm: int = DEFAULT_SM, chosen: dict | None = None):
+    """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors;
+    the math kernel is composite, so it runs as CUDA would run it)."""
+    if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list
+        dt = torch.get_autocast_dtype("cpu")
+        q, k, v = (t.to(dt) if t.dtype == torch.float32 else t for t in (q, k, v))
+    backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, sm=sm)
+    if chosen is not None:
+        chosen[backend] = chosen.get(backend, 0) + 1
+    with torch.autocast("cpu", enabled=False):
+        if backend == "flash":  # flash takes grouped K/V as they are (and no mask)
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                        scale=scale)[0]
+        # sdpa's entry (attention.cpp) turns a boolean mask into an additive one in q's dtype once the
+        # kernel is chosen, in every call: each layer makes its own S x S mask, which the memory-efficient
+        # kernel keeps for backward (a sliding-window model's mask past its window, a padding mask)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
+            attn_mask = torch.where(attn_mask, zero, minus_inf)  # convert_boolean_attn_mask
+        if backend == "efficient":
+            # preprocess_mask: a mask whose strides (all but the last) are not multiples of 8 elements is
+            # padded by 8 - S % 8 and sliced back (pad_bias<8>), a copy the kernel keeps
+            if attn_mask is not None and (any(st % 8 for st in attn_mask.stride()[:-1]) or attn_mask.stride(-1) != 1):
+                last = attn_mask.shape[-1]
+                attn_mask = torch.nn.functional.pad(attn_mask, (0, 8 - last % 8))[..., :last]
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, attn_mask, q.requires_grad or k.requires_grad, dropout_p, is_causal, scale=scale)[0]
+        # math: on CUDA the composite kernel, which computes in fp32 (16-bit inputs upcast) and keeps
+        # the B x H x S x S softmax for backward; the CPU's SDPA would take its own flash kernel
+        # (output and logsumexp). Grouped K/V it repeats to the query's heads itself (enable_gqa).
+        return math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def math_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """attention.cpp's `_scaled_dot_product_attention_math` as it runs on a card's real tensors, op for op.
+    Called on fake tensors, torch's own composite takes its branch for tensor subclasses, which adds the
+    mask out of place (`areAnyTensorSubclassLike`: a B x H x S x S copy per call that no card makes);
+    a real tensor adds it in place. On the H200 (2026-11-26) the card's trace had two S x S blocks per
+    fp32 layer (bmm's scores, freed, and the softmax) where the composite on fake tensors made three:
+    the allocated peak alike, the allocator's layout not (one 520 MiB segment fewer predicted).
+    Not modelled: with attention dropout (GPT-2's 0.1; Llama, Qwen2, Phi and Pythia have none)
+    at::dropout runs on CPU tensors, so it keeps the CPU's fp32 noise where CUDA's native_dropout keeps
+    a 1-byte mask: 3-4 bytes an S x S element too many, over-predicted."""
+    origin = q.dtype
+    # allowFP16BF16ReductionMathSDP is off by default: 16-bit inputs are computed in fp32
+    q, k, v = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
+    negative = scale is not None and scale < 0
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)))  # calculate_scale().sqrt()
+    query = q * (-factor if negative else factor)
+    if is_causal:  # the causal mask, made additive (convert_boolean_attn_mask)
+        causal = torch.ones(query.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        attn_mask = torch.where(causal.logical_not(), -math.inf, torch.scalar_tensor(0.0, dtype=query.dtype))
+    if enable_gqa and q.size(-3) != k.size(-3):  # pre_process_group_query_attention_input
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    attn = torch.matmul(query, k.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = torch.dropout(attn, dropout_p, True)
+    return torch.matmul(attn, v).to(origin)
