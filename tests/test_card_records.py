@@ -110,12 +110,9 @@ def test_the_committed_card_records_give_every_simulated_placement_its_reserved_
     rows = card_reserved_errors()
     assert {r["placement"] for r in rows} >= {"device", "zero_offload", "device_map"}
     assert all("re-predicted" in r["record"] for r in rows)
-    for placement in ("zero_offload", "device_map"):
+    for placement in ("device", "zero_offload", "device_map"):
         assert reserved_shortfall(placement, rows)[0] < 5
-    # the worst on-card miss: fp32 measured in a fresh process on 2026-11-26 (one 520 MiB segment not
-    # explained), past the 5% target; auto-fit keeps it as the margin for setups on the card
-    pct, why = reserved_shortfall("device", rows)
-    assert 5 < pct < 6 and "fp32 on the NVIDIA H200, h200-2026-11-26" in why
+    assert reserved_shortfall("device", rows)[0] > 0  # some on-card rung is under-predicted
 
 
 @pytest.mark.slow

@@ -282,7 +282,7 @@ def test_cuda_prediction_has_allocated_reserved_and_nvidia_smi(tmp_path):
     assert p.reserved_peak_bytes >= p.allocated_peak_bytes and p.reserved_peak_bytes % (2 * MiB) == 0
     assert p.nvidia_smi_bytes == p.reserved_peak_bytes + cm.CONTEXT_BYTES
     assert p.allocated_peak_bytes <= p.needed_reserved_bytes <= p.reserved_peak_bytes
-    assert p.fits and p.headroom_bytes == 12 * 2**30 - p.needed_reserved_bytes - cm.CONTEXT_BYTES
+    assert p.fits and p.headroom_bytes == 12 * 2**30 - p.reserved_peak_bytes - cm.CONTEXT_BYTES
     cpu = predict(str(path), "bf16", batch=2, seq=64)
     assert cpu.device == "cpu" and cpu.reserved_peak_bytes == 0 and cpu.kernels == {}
     assert "emulated" not in p.note  # sm_86: bf16 is native
@@ -314,7 +314,7 @@ def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path, monke
     assert state > 0 and paged.pageable_bytes == state and plain.pageable_bytes == 0
     assert paged.peak_bytes == plain.peak_bytes  # the same tensors: only where they live differs
     assert paged.allocated_peak_bytes < plain.allocated_peak_bytes - state * 0.9
-    assert paged.fit_bytes == paged.needed_reserved_bytes <= paged.reserved_peak_bytes
+    assert paged.fit_bytes == paged.reserved_peak_bytes >= paged.needed_reserved_bytes
     assert paged.nvidia_smi_bytes == paged.reserved_peak_bytes + paged.context_bytes + state
     # under WSL2 Windows' driver does not oversubscribe managed memory: the state cannot page out,
     # so it must fit on the card beside the allocator's need (auto-fit chose the paged rung there
@@ -483,15 +483,16 @@ def test_the_least_reserved_cap_counts_the_cached_blocks_the_allocator_gives_bac
 
 def test_a_prediction_needs_less_than_its_reserved_peak_where_the_cache_holds_freed_weights():
     """DeepSpeed ZeRO-Offload flattened on the card: the weights' old blocks stay cached (the reserved
-    peak a large card shows), but a card near its limit gets them back; fits compares the need."""
+    peak a large card shows), and the model has a card near its limit get them back; fits compares the
+    reserved peak, since the H200's least cap was 18.7% above the modelled need."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
     p = predict(config, "zero_offload", batch=1, seq=32, device="cuda", card="RTX 4090 24GB")
     assert "flattened on the card" in p.placement
-    assert p.needed_reserved_bytes < p.reserved_peak_bytes and p.fit_bytes == p.needed_reserved_bytes
-    assert p.headroom_bytes == p.card_bytes - p.needed_reserved_bytes - p.context_bytes
+    assert p.needed_reserved_bytes < p.reserved_peak_bytes and p.fit_bytes == p.reserved_peak_bytes
+    assert p.headroom_bytes == p.card_bytes - p.reserved_peak_bytes - p.context_bytes
 
 
 def test_a_pure_half_qlora_says_its_weights_train_in_fp32(tmp_path):
@@ -554,3 +555,9 @@ def test_the_math_kernel_adds_the_mask_in_place_as_on_a_card_and_computes_what_s
             cm.cuda_sdpa(fq, fk, fv, is_causal=True, enable_gqa=True, sm=90)  # fp32, grouped: math
     assert "aten.add_.Tensor" in ops.seen and "aten.add.Tensor" not in ops.seen
     assert sum(op.startswith("aten.bmm") for op in ops.seen) == 2 and "aten._safe_softmax.default" in ops.seen
+    # a card's step under a dispatch mode (the live-bytes count) takes torch's subclass branch: out of place
+    with FakeTensorMode() as fake:
+        fq, fk, fv = (fake.from_tensor(t) for t in (q, k, v))
+        with Ops() as ops:
+            cm.cuda_sdpa(fq, fk, fv, is_causal=True, enable_gqa=True, sm=90, under_a_mode=True)
+    assert "aten.add.Tensor" in ops.seen and "aten.add_.Tensor" not in ops.seen

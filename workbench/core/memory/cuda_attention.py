@@ -51,7 +51,7 @@ def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable
 
 
 def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-              sm: int = DEFAULT_SM, chosen: dict | None = None):
+              sm: int = DEFAULT_SM, chosen: dict | None = None, under_a_mode: bool = False):
     """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors;
     the math kernel is composite, so it runs as CUDA would run it)."""
     if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list
@@ -81,6 +81,9 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         # math: on CUDA the composite kernel, which computes in fp32 (16-bit inputs upcast) and keeps
         # the B x H x S x S softmax for backward; the CPU's SDPA would take its own flash kernel
         # (output and logsumexp). Grouped K/V it repeats to the query's heads itself (enable_gqa).
+        if under_a_mode:  # a dispatch mode makes every tensor subclass-like: torch's composite, as it runs then
+            return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                      scale=scale, enable_gqa=enable_gqa)[0]
         return math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -88,7 +91,9 @@ def math_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     """attention.cpp's `_scaled_dot_product_attention_math` as it runs on a card's real tensors, op for op.
     Called on fake tensors, torch's own composite takes its branch for tensor subclasses, which adds the
     mask out of place (`areAnyTensorSubclassLike`: a B x H x S x S copy per call that no card makes);
-    a real tensor adds it in place. On the H200 (2026-11-26) the card's trace had two S x S blocks per
+    a real tensor adds it in place, unless a Python dispatch mode is on (`anyModeEnabled`: then every
+    tensor is subclass-like, so a card's step under the live-bytes count adds out of place too:
+    `cuda_sdpa(under_a_mode=True)` keeps torch's composite). On the H200 (2026-11-26) the card's trace had two S x S blocks per
     fp32 layer (bmm's scores, freed, and the softmax) where the composite on fake tensors made three:
     the allocated peak alike, the allocator's layout not (one 520 MiB segment fewer predicted).
     Not modelled: with attention dropout (GPT-2's 0.1; Llama, Qwen2, Phi and Pythia have none)

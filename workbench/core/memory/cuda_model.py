@@ -249,9 +249,10 @@ class CudaChoices(TorchFunctionMode):
 
     active: list["CudaChoices"] = []  # entered instances, innermost last
 
-    def __init__(self, sm: int = DEFAULT_SM):
+    def __init__(self, sm: int = DEFAULT_SM, under_a_mode: bool = False):
         super().__init__()
         self.sm = sm
+        self.under_a_mode = under_a_mode  # the card's run is under a dispatch mode (cuda_attention.cuda_sdpa)
         self.kernels: dict[str, int] = {}  # attention kernels chosen, for the report
         self.suspended = 0
 
@@ -281,7 +282,7 @@ class CudaChoices(TorchFunctionMode):
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "scaled_dot_product_attention":
-            return cuda_sdpa(*args, **kwargs, sm=self.sm, chosen=self.kernels)
+            return cuda_sdpa(*args, **kwargs, sm=self.sm, chosen=self.kernels, under_a_mode=self.under_a_mode)
         if func is torch.nn.functional.dropout:
             x = args[0]
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
@@ -303,8 +304,9 @@ class CudaChoices(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def cuda_step(sm: int = DEFAULT_SM):
-    """The simulated step makes CUDA's choices; fp16 autocast and the GradScaler run on fake CPU tensors."""
+def cuda_step(sm: int = DEFAULT_SM, under_a_mode: bool = False):
+    """The simulated step makes CUDA's choices; fp16 autocast and the GradScaler run on fake CPU tensors.
+    `under_a_mode`: as a card runs the step under a Python dispatch mode (the live-bytes count)."""
     original = training.autocast
 
     def autocast(device, precision):
@@ -319,7 +321,7 @@ def cuda_step(sm: int = DEFAULT_SM):
     checkpoint = modeling_utils.checkpoint
 
     def choices_as_now():  # called in the forward: a layer running on the host recomputes on the host
-        recompute = CudaChoices(sm)
+        recompute = CudaChoices(sm, under_a_mode)
         recompute.suspended = int(any(m.suspended for m in CudaChoices.active))
         recompute.kernels = mode.kernels  # a recomputed attention is a kernel call too
         return contextlib.nullcontext(), recompute
@@ -331,7 +333,7 @@ def cuda_step(sm: int = DEFAULT_SM):
 
     training.autocast = autocast
     modeling_utils.checkpoint = checkpoint_with_choices
-    mode = CudaChoices(sm)
+    mode = CudaChoices(sm, under_a_mode)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*GradScaler is enabled, but CUDA is not available.*")

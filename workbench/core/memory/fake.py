@@ -95,13 +95,15 @@ class FakeStep:
     choices: ContextManager  # CUDA's kernel, dropout and autocast choices for a cuda target; else nothing
 
 
-def fake_step(model: torch.nn.Module, *, n_blocks: int, seq: int, target: str = "cpu", sm: int | None = None) -> FakeStep:
-    """Make the meta `model` fake and build what a simulated step of it needs (see FakeStep)."""
+def fake_step(model: torch.nn.Module, *, n_blocks: int, seq: int, target: str = "cpu", sm: int | None = None,
+              under_a_mode: bool = False) -> FakeStep:
+    """Make the meta `model` fake and build what a simulated step of it needs (see FakeStep).
+    `under_a_mode`: the step as a card runs it under a Python dispatch mode (the live-bytes count)."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakeify(model, fake_mode)
     with fake_mode:
         blocks = torch.zeros((n_blocks, seq), dtype=torch.long)
     twins = [fake_mode.from_tensor(t) for t in model_tensors(model) if not isinstance(t, FakeTensor)]
     cuda = torch.device(target).type == "cuda"
-    choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM) if cuda else contextlib.nullcontext()
+    choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM, under_a_mode) if cuda else contextlib.nullcontext()
     return FakeStep(fake_mode, model, blocks, twins, cuda, choices)

@@ -321,7 +321,8 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
         on_card = [k for k, v in dmap.items() if v not in ("cpu", "disk")]
         summary = {"modules_on_device": len(on_card), "modules_on_host": len(dmap) - len(on_card),
                    "device_map": {k: (DEVICE if v not in ("cpu", "disk") else HOST) for k, v in dmap.items()}}
-    step = fake_step(model, n_blocks=n_blocks or batch * steps, seq=seq, target=target, sm=sm)
+    step = fake_step(model, n_blocks=n_blocks or batch * steps, seq=seq, target=target, sm=sm,
+                     under_a_mode=instrumented)
     handles: list = []
     optimizer = None
     if not zero:

@@ -103,7 +103,7 @@ class Prediction:
     # CUDA only (device="cuda"): the allocator model's figures (modelled) and the card
     allocated_peak_bytes: int = 0  # max_memory_allocated: rounded blocks + cuBLAS workspaces
     reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments (on a card with room)
-    needed_reserved_bytes: int = 0  # the least reserved cap the step runs under (cached blocks given back)
+    needed_reserved_bytes: int = 0  # the least reserved cap it runs under, modelled (measured low on a card)
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
     context_source: str = ""  # where context_bytes comes from (Card.context_source)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
@@ -125,15 +125,16 @@ class Prediction:
     @property
     def fit_bytes(self) -> int:
         """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the
-        allocator's reserved bytes, which a budget caps (a card's memory or
-        set_per_process_memory_fraction; paged state is managed memory, outside it): the least cap
-        the step runs under, since the allocator gives cached blocks back before it runs out (the
-        reserved peak, what a card with room shows, can be higher); on the CPU the live bytes,
-        which the CPU budget counts."""
+        allocator's reserved peak, which a budget caps (a card's memory or
+        set_per_process_memory_fraction; paged state is managed memory, outside it); on the CPU the
+        live bytes, which the CPU budget counts. Not `needed_reserved_bytes`, the least cap modelled by
+        replaying under caps: on the H200 (2026-11-26) the least cap a step trained under was above it
+        by 5.4% (bf16_true_lora, which gave back nothing under a cap: 3,456 MiB against 3,446 uncapped)
+        and 18.7% (zero_offload), where the reserved peak was 0.5% under and 13% over the least cap."""
         paged = 0 if self.pages_out else self.pageable_bytes  # what of the paged state must fit anyway
         if self.device == "cuda" and self.reserved_peak_bytes:
             # paged state is outside the allocator's figures already
-            return (self.needed_reserved_bytes or self.reserved_peak_bytes) + paged
+            return self.reserved_peak_bytes + paged
         return self.peak_bytes - self.pageable_bytes + paged
 
     @property
@@ -187,7 +188,7 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     check_step(config, seq, steps)
     device = torch.device("cpu")
     step = fake_step(apply_trainable(build_meta_model(config), plan), n_blocks=n_blocks or batch * steps, seq=seq,
-                     target=target, sm=sm)
+                     target=target, sm=sm, under_a_mode=instrumented)
     model, settings = step.model, plan.settings(batch, steps)
     optimizer = make_plan_optimizer(model, plan, settings, device, target=target)  # outside fake mode (bnb reads values)
     with (unpacked_for_fake_inputs(), step.fake_mode,

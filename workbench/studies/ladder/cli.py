@@ -220,8 +220,9 @@ def _estimate(args) -> int:
         out = {
             "model": args.model, "batch": args.batch, "seq": args.seq, "budget_bytes": budget, "device": args.device,
             "labels": {"peak_bytes": "simulated (live tensor bytes)", "allocated_peak_bytes": "modelled (allocator)",
-                       "reserved_peak_bytes": "modelled (allocator, on a card with room)",
-                       "needed_reserved_bytes": "modelled (allocator, the least cap it runs under: what fits compares)",
+                       "reserved_peak_bytes": "modelled (allocator, on a card with room: what fits compares)",
+                       "needed_reserved_bytes": "modelled (allocator, the least cap it runs under; 5-19% low on "
+                                                "the H200, not compared)",
                        "nvidia_smi_bytes": "modelled (reserved + context)"},
             "predictions": [
                 {**{k: v for k, v in p.row().items() if k != "model"},
@@ -256,9 +257,10 @@ def _estimate(args) -> int:
                 print(f"  {c:<16} {b / MiB:>14,.1f} MiB {p.allocated_breakdown.get(c, 0) / MiB:>18,.1f} MiB")
             print(f"  {'cuBLAS workspace':<16} {'':>18} {p.allocated_breakdown.get('workspace', 0) / MiB:>18,.1f} MiB")
             print(f"  allocated peak   {p.allocated_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_allocated)")
-            print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved on a card with room)")
-            print(f"  reserved needed  {p.needed_reserved_bytes / MiB:>12,.1f} MiB  modelled (the least cap it runs under: "
-                  "cached blocks given back; what fits compares)")
+            print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved on a card "
+                  "with room; what fits compares)")
+            print(f"  reserved needed  {p.needed_reserved_bytes / MiB:>12,.1f} MiB  modelled (the least cap it runs under, "
+                  "cached blocks given back; a card needed 5-19% more, so fits does not use it)")
             if p.replayed_steps:
                 print(f"  allocator        {p.replayed_steps} steps replayed, "
                       + ("until its cache repeated (a long run's peaks)" if p.steady else
