@@ -481,7 +481,7 @@ def test_the_least_reserved_cap_counts_the_cached_blocks_the_allocator_gives_bac
     assert allocator.least_reserved(held, {}, upper=big + 2 * MiB + bigger) == big + 2 * MiB + bigger
 
 
-def test_a_prediction_needs_less_than_its_reserved_peak_where_the_cache_holds_freed_weights():
+def test_freed_weights_in_the_cache_make_the_modelled_need_lower_but_fits_compares_the_peak():
     """DeepSpeed ZeRO-Offload flattened on the card: the weights' old blocks stay cached (the reserved
     peak a large card shows), and the model has a card near its limit get them back; fits compares the
     reserved peak, since the H200's least cap was 18.7% above the modelled need."""
