@@ -30,7 +30,7 @@ block sizes, what `max_memory_allocated` reports) and the reserved peak (segment
 reserved figure; the cuBLAS workspaces (`Card.cublas_workspaces`) are allocations inside it.
 Where they are made matters (`workspaces_in`): in a fresh process, each thread's first cuBLAS call
 makes its workspace right after that call's output, from whatever cached block fits, and it is
-never freed; a process that has run a matmul before holds them already.
+never freed; a process that ran the step before holds them where that run made them (`after_a_run`).
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None):
     runs it (`workspaces_in`'s positions make the workspaces inside it), everything it made freed and
     the cache emptied (`torch.cuda.empty_cache()`, as gpu-check and the studies do between runs), then
     the step. A workspace stays where that first run made it, in a segment it keeps with the rest of
-    that segment free (on the H200: fp32 after bf16_true_lora reserved 9,792 MiB, first in its process
-    10,378). The prefix's serials are negated (-s - 1) and its steps are -1, so replay's step logic
+    that segment free (on the H200, measured after fp32 in one process: bf16_ckpt 9,342 MiB reserved,
+    9,356 so predicted; adamw8bit 6,384 and 6,382). A process that ran another setup before is not this
+    case (fp32 after bf16_true_lora: 9,792 measured, 10,352 so predicted). The prefix's serials are negated (-s - 1) and its steps are -1, so replay's step logic
     (cuts, the steady state) sees only the step. Returns (events, steps_of, roles, streams, prefix length)."""
     n = next((i for i, k in enumerate(steps_of) if k >= 1), len(events))
     live: dict[int, None] = {}

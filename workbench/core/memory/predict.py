@@ -243,8 +243,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     second). `replay_steps` (CUDA): how many steps the allocator replays, for comparing with a run of
     that many; default: until its cache is steady (the reserved peak of a long run). `workspaces`
     (CUDA): "fresh" (the default: a process whose first matmuls make the cuBLAS workspaces inside the
-    step, as a training script's does) or "held" (a process that made them before: a notebook kernel
-    that trained already); cuda_model.workspaces_in. Raises ConfigError for an
+    step, as a training script's does; cuda_model.workspaces_in) or "held" (a process that ran this
+    step before, a notebook kernel that trained already: cuda_model.after_a_run). Raises ConfigError for an
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
