@@ -130,8 +130,9 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None):
     the step. A workspace stays where that first run made it, in a segment it keeps with the rest of
     that segment free (on the H200, measured after fp32 in one process: bf16_ckpt 9,342 MiB reserved,
     9,356 so predicted; adamw8bit 6,384 and 6,382). A process that ran another setup before is not this
-    case (fp32 after bf16_true_lora: 9,792 measured, 10,352 so predicted). The prefix's serials are negated (-s - 1) and its steps are -1, so replay's step logic
-    (cuts, the steady state) sees only the step. Returns (events, steps_of, roles, streams, prefix length)."""
+    case (fp32 after bf16_true_lora: 9,792 measured, 10,352 so predicted). The prefix's serials are
+    negated (-s - 1) and its steps are -1, so replay's step logic (cuts, the steady state) sees only
+    the step. Returns (events, steps_of, roles, streams, prefix length)."""
     n = next((i for i, k in enumerate(steps_of) if k >= 1), len(events))
     live: dict[int, None] = {}
     for serial, nbytes in events[:n]:
