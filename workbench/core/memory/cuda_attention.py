@@ -73,7 +73,8 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         if backend == "efficient":
             # preprocess_mask: a mask whose strides (all but the last) are not multiples of 8 elements is
             # padded by 8 - S % 8 and sliced back (pad_bias<8>), a copy the kernel keeps
-            if attn_mask is not None and (any(st % 8 for st in attn_mask.stride()[:-1]) or attn_mask.stride(-1) != 1):
+            unaligned = attn_mask is not None and any(st % 8 for st in attn_mask.stride()[:-1])
+            if attn_mask is not None and (unaligned or attn_mask.stride(-1) != 1):
                 last = attn_mask.shape[-1]
                 attn_mask = torch.nn.functional.pad(attn_mask, (0, 8 - last % 8))[..., :last]
             return torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -93,9 +94,10 @@ def math_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     mask out of place (`areAnyTensorSubclassLike`: a B x H x S x S copy per call that no card makes);
     a real tensor adds it in place, unless a Python dispatch mode is on (`anyModeEnabled`: then every
     tensor is subclass-like, so a card's step under the live-bytes count adds out of place too:
-    `cuda_sdpa(under_a_mode=True)` keeps torch's composite). On the H200 (2026-11-26) the card's trace had two S x S blocks per
-    fp32 layer (bmm's scores, freed, and the softmax) where the composite on fake tensors made three:
-    the allocated peak alike, the allocator's layout not (one 520 MiB segment fewer predicted).
+    `cuda_sdpa(under_a_mode=True)` keeps torch's composite). On the H200 (2026-11-26) the card's trace
+    had two S x S blocks per fp32 layer (bmm's scores, freed, and the softmax) where the composite on
+    fake tensors made three: the allocated peak alike, the allocator's layout not (one 520 MiB segment
+    fewer predicted).
     Not modelled: with attention dropout (GPT-2's 0.1; Llama, Qwen2, Phi and Pythia have none)
     at::dropout runs on CPU tensors, so it keeps the CPU's fp32 noise where CUDA's native_dropout keeps
     a 1-byte mask: 3-4 bytes an S x S element too many, over-predicted."""

@@ -257,10 +257,10 @@ def _estimate(args) -> int:
                 print(f"  {c:<16} {b / MiB:>14,.1f} MiB {p.allocated_breakdown.get(c, 0) / MiB:>18,.1f} MiB")
             print(f"  {'cuBLAS workspace':<16} {'':>18} {p.allocated_breakdown.get('workspace', 0) / MiB:>18,.1f} MiB")
             print(f"  allocated peak   {p.allocated_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_allocated)")
-            print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved on a card "
-                  "with room; what fits compares)")
-            print(f"  reserved needed  {p.needed_reserved_bytes / MiB:>12,.1f} MiB  modelled (the least cap it runs under, "
-                  "cached blocks given back; a card needed 5-19% more, so fits does not use it)")
+            print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved "
+                  "on a card with room; what fits compares)")
+            print(f"  reserved needed  {p.needed_reserved_bytes / MiB:>12,.1f} MiB  modelled (the least cap it runs "
+                  "under, cached blocks given back; a card needed 5-19% more, so fits does not use it)")
             if p.replayed_steps:
                 print(f"  allocator        {p.replayed_steps} steps replayed, "
                       + ("until its cache repeated (a long run's peaks)" if p.steady else
