@@ -43,7 +43,7 @@ from workbench.core.common import MiB, one_line, past_free_memory
 from workbench.core.config import ConfigError
 from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
-from workbench.core.memory.monitor import MemoryMonitor, bf16_native, release_held
+from workbench.core.memory.monitor import MemoryMonitor, bf16_native, can_release_workspaces, release_held
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import ALLOC_CONF_VARS, predict
 from workbench.core.models import load_config
@@ -203,7 +203,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     rows, tracebacks = [], {}
     # each rung measured as a fresh process runs it: its first matmuls make the cuBLAS workspaces (a
     # rung after another in one process found them made, and reserved up to 8% less on the H200)
-    fresh = release_held(opts.device)
+    fresh = can_release_workspaces()  # release_held below, before each rung's measurement
     workspaces = "fresh" if fresh else "held"
     for name in opts.rungs or gpu_rungs(RUNGS):
         if opts.out_of_time():

@@ -55,11 +55,15 @@ def release_held(device) -> bool:
     fresh process does (cuda_model.workspaces_in). False where this torch cannot release them."""
     gc.collect()
     torch.cuda.synchronize(device)
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+    if can_release_workspaces():
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
-    return clear is not None
+    return can_release_workspaces()
+
+
+def can_release_workspaces() -> bool:
+    """Whether this torch can release the cuBLAS workspaces (`release_held`), asked without doing it."""
+    return hasattr(torch._C, "_cuda_clearCublasWorkspaces")
 
 
 def open_nvml(device: torch.device, *, say: Callable[[str], None] | None = None):

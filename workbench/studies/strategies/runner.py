@@ -117,7 +117,7 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int,
             if cuda:  # the card at hand's compute capability picks the attention kernel
                 card = cuda_model.card_at_hand(device) if torch.cuda.is_available() else None
                 p = predict(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, device="cuda", card=card)
-                _PREDICTIONS[key] = (p.fit_bytes / 2**20, "CUDA-modelled prediction of the reserved peak")
+                _PREDICTIONS[key] = (p.fit_bytes / 2**20, "CUDA-modelled prediction of the reserved memory at its peak")
             else:  # as the played budget's live-bytes count (a dispatch mode) runs the step
                 report = simulate(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, instrumented=True)
                 _PREDICTIONS[key] = (report.run_peak_bytes(cfg.steps()) / 2**20,
