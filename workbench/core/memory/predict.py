@@ -130,7 +130,7 @@ class Prediction:
         live bytes, which the CPU budget counts. Not `needed_reserved_bytes`, the least cap modelled by
         replaying under caps: on the H200 (2026-11-26) the least cap a step trained under was above it
         by 5.4% (bf16_true_lora, which gave back nothing under a cap: 3,456 MiB against 3,446 uncapped)
-        and 18.7% (zero_offload), where the reserved peak was 0.5% under and 13% over the least cap."""
+        and 18.7% (zero_offload), where the predicted reserved peak was 0.5% under and 13% over it."""
         paged = 0 if self.pages_out else self.pageable_bytes  # what of the paged state must fit anyway
         if self.device == "cuda" and self.reserved_peak_bytes:
             # paged state is outside the allocator's figures already

@@ -38,7 +38,7 @@ import torch
 from workbench.core.common import MiB, one_line
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
-from workbench.core.memory.monitor import indexed, release_held
+from workbench.core.memory.monitor import can_release_workspaces, indexed, release_held
 from workbench.core.memory.predict import predict
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import measure
@@ -105,8 +105,7 @@ def check_cap(opts) -> dict[str, Any]:
     card = cuda_model.card_at_hand(dev)
     before = torch.cuda.get_per_process_memory_fraction(dev)  # a notebook's own cap comes back after each trial
     workspaces = 0  # released before each run (below), so the prediction is compared whole
-    released = release_held(dev)  # also a probe: False where this torch cannot release the workspaces
-    if not released:
+    if not can_release_workspaces():  # then held() cannot release them either: they stay through the trials
         workspaces = sum(n for _, n in card.cublas_workspaces)
 
     def held() -> tuple[int, int]:
