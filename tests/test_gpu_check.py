@@ -657,10 +657,10 @@ def test_the_monitor_workload_is_lengthened_to_last_long_enough_to_time(monkeypa
         return run, 1000
 
     monkeypatch.setattr(gp, "monitor_workload", workload)
-    monkeypatch.setattr(gp.time, "perf_counter", lambda: clock["t"])
-    run, steps = gp.workload_lasting("cpu", 15, 3.0)
+    now = lambda: clock["t"]  # noqa: E731
+    run, steps = gp.workload_lasting("cpu", 15, 3.0, clock=now)
     assert steps == 150 and made == [15, 150]  # 0.3 s a run -> ten times the steps
-    assert gp.workload_lasting("cpu", 200, 3.0)[1] == 200 and made[-1] == 200  # long enough already
+    assert gp.workload_lasting("cpu", 200, 3.0, clock=now)[1] == 200 and made[-1] == 200  # long enough already
     assert gp.workload_lasting("cpu", 15, 0)[1] == 15
 
 

@@ -162,7 +162,8 @@ def check_monitor(opts, *, rounds: int = 4, steps: int = 15, run_s: float = RUN_
     return {**monitor_verdict(overhead(run, opts.device, rounds=rounds), str(opts.device)), "steps": steps}
 
 
-def workload_lasting(device: Any, steps: int, run_s: float) -> tuple[Callable[[], Any], int]:
+def workload_lasting(device: Any, steps: int, run_s: float,
+                     clock: Callable[[], float] = time.perf_counter) -> tuple[Callable[[], Any], int]:
     """`monitor_workload` with enough steps that one run lasts about `run_s` here (at least `steps`):
     timed once after a warm-up, then scaled. On the H200 (2026-11-26) the 15 steps took 0.3 s, and
     the check timed the monitor's start and stop (NVML's handle) more than its sampling: 1.11x, where
@@ -179,10 +180,10 @@ def workload_lasting(device: Any, steps: int, run_s: float) -> tuple[Callable[[]
             torch.cuda.synchronize(device)
 
     sync()
-    t0 = time.perf_counter()
+    t0 = clock()
     run()
     sync()
-    secs = time.perf_counter() - t0
+    secs = clock() - t0
     if secs >= run_s:
         return run, steps
     more = math.ceil(steps * run_s / max(secs, 1e-3))
