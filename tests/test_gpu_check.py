@@ -611,21 +611,28 @@ def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_n
 # the monitor check (issue 11 item 7): its cost measured ABBA, its rows judged
 
 def test_monitor_overhead_alternates_the_order_and_divides_the_totals():
+    """On a clock of the test's own (the monitor's thread is real): a run takes 40 ms with the
+    monitor's thread alive and 20 ms without, and every reading of the clock 1 us. No sleep, so no
+    bound that a loaded machine could break."""
     import threading
-    import time
 
-    seen = []
+    seen, now = [], [0.0]
+
+    def clock():
+        now[0] += 1e-6
+        return now[0]
 
     def run():  # slower while the monitor's thread is alive: the ratio must show it
         on = any(t.name == "workbench-memory-monitor" for t in threading.enumerate())
         seen.append("on" if on else "off")
-        time.sleep(0.04 if on else 0.02)
+        now[0] += 0.04 if on else 0.02
 
-    r = overhead(run, "cpu", rounds=3, interval_s=0.005)
+    r = overhead(run, "cpu", rounds=3, interval_s=0.005, clock=clock)
     assert seen == ["off", "on"] + ["off", "on", "on", "off", "off", "on"]  # warm-up, then ABBA
-    assert r["ratio"] == pytest.approx(r["on_s"] / r["off_s"]) and 1.4 < r["ratio"] < 3
-    assert len(r["round_ratios"]) == 3 and r["samples"] == len(r["rows"]) >= 3
-    assert 0 < r["start_stop_s"] < 0.02  # a monitor around nothing: no sleep, no run (the thread joins at once)
+    assert r["on_s"] == pytest.approx(3 * 0.04 + 3e-6) and r["off_s"] == pytest.approx(3 * 0.02 + 3e-6)
+    assert r["ratio"] == pytest.approx(r["on_s"] / r["off_s"]) and r["round_ratios"] == pytest.approx([2.0] * 3, rel=1e-3)
+    assert r["samples"] == len(r["rows"]) >= 3  # the monitor sampled in real time inside the runs
+    assert r["start_stop_s"] == pytest.approx(1e-6)  # a monitor around nothing: no run inside it
 
 
 def test_monitor_check_runs_here_and_judges_its_rows(tmp_path):

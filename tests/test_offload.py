@@ -323,6 +323,37 @@ def test_backward_fit_recovers_the_slowdown_from_measured_k():
     assert backward_fit([(0.0, 0.3), (0.5, 0.05), (1.0, 0.02)]) is None
 
 
+def test_adaptive_engine_keeps_its_start_k_until_a_backward_after_warm_up_is_measured(monkeypatch):
+    """The first balance used to run on the calibrated rates, which hold no backward time (t_B = 0),
+    and the second on the first iteration's backward, which pays for warm-up: on an H200 the
+    adaptive k went 0, 0.777, 0, ... k now moves only once a later backward's row is in (rows lag
+    step() by one call: at step 3, rows 0 and 1)."""
+    eng_ref, decisions = [], []
+
+    def wants_half(rates, include_transfer=True):  # a balance that always asks for k = 0.5
+        eng = eng_ref[0]
+        if eng._cur is None and eng.iteration < 5:  # called by step() to decide, not by a row's k_next
+            decisions.append((eng.iteration, rates.t_backward_s))
+        return 0.5
+
+    monkeypatch.setattr(engine_mod, "balance_k", wants_half)
+    base, data = tiny_qwen(), batches(512, 5)
+    eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0, adaptive=True, k_every=1)
+    eng_ref.append(eng)
+    for b in data:
+        eng.step(b)
+    eng.finish()
+    ks = [r["k_actual"] for r in eng.rows]
+    assert ks[:3] == [0.0, 0.0, 0.0] and ks[3] > 0.2
+    # at step 4 only k = 0 has been measured, but k = 0.5 is in use and its row is to come: no probe
+    # (on the H200 such a probe sent k from 0 to 0.223 one step before the fit)
+    assert ks[4] == ks[3] and not any(r["k_probe"] for r in eng.rows)
+    # every decision was made on a measured backward after the first iteration: row 1's, then row 2's
+    assert [i for i, _ in decisions] == [3, 4]
+    assert decisions[0][1] == pytest.approx(eng.rows[1]["backward_ms"] / 1e3) and decisions[0][1] > 0
+    eng.close()
+
+
 def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkeypatch):
     """Backward is measured at one k only while the balance keeps k: the engine moves k once to
     measure the slowdown, then balances with it."""

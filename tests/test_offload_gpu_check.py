@@ -98,6 +98,31 @@ def test_verdict_passes_and_compares_with_baselines():
     assert "k=1 vs ZeRO: 2.22x" in md and "torchao: not installed" in md and "| k=0.5 | ok |" in md
 
 
+def test_settled_times_the_iterations_after_the_last_move_of_k():
+    """On an H200 the adaptive run's k went 0, 0.777, 0, 0.223, 1, 1: its tokens/s over the measured
+    iterations mixed the search with the k it chose. The iterations after its last move are timed
+    apart; a run whose k still moved at the end has no settled figure."""
+    ks = [0.0, 0.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0]
+    ms = [100.0, 90.0, 90.0, 70.0, 40.0, 40.0, 50.0, 50.0]
+    rows = [_row(i, k=k, ms=m) for i, (k, m) in enumerate(zip(ks, ms))]
+    st = sg.settled(rows, warmup=2)
+    assert st["settled_k"] == 1.0 and st["settled_from"] == 4
+    assert st["settled_tokens_per_s"] == pytest.approx(4000 / 0.18)  # 4 iterations of 1000 tokens in 180 ms
+    # the last move inside the warm-up: only the measured iterations count
+    st = sg.settled([_row(i, k=1.0 if i else 0.0) for i in range(4)], warmup=2)
+    assert st["settled_from"] == 1 and st["settled_tokens_per_s"] == pytest.approx(2000 / 0.2)
+    assert sg.settled([_row(0), _row(1), _row(2), _row(3, k=1.0)], warmup=1)["settled_k"] is None  # moved last
+    run = sg.run_row("adaptive", rows, [e for i in range(8) for e in _events(i)], warmup=2, k_target=None,
+                     **sg.settled(rows, warmup=2))
+    fixed = sg.run_row("k=1", [_row(i, k=1.0, ms=40.0) for i in range(4)], [e for i in range(4) for e in _events(i)],
+                       warmup=1, k_target=1.0)
+    md = sg.split_markdown({**sg.split_verdict([], [fixed, run], [], LIMIT), "model": "m", "pinned_bytes": 1})
+    assert "adaptive after its last move (k=1 from iteration 4): 22,222 tokens/s; the fastest fixed k: k=1, 25,000" in md
+    unsettled = sg.run_row("adaptive", rows[:4], [], warmup=2, k_target=None, **sg.settled(rows[:4], warmup=2))
+    md = sg.split_markdown({**sg.split_verdict([], [unsettled], [], LIMIT), "model": "m", "pinned_bytes": 1})
+    assert "not settled within the run" in md
+
+
 def test_verdict_failures():
     parity = [{"run": "fp32", "max_abs_diff": 1.0, "worst_param": "a", "atol": 1e-5, "passed": False}]
     runs = _good_runs()
@@ -143,6 +168,7 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     report. On a card the same code measures the card."""
 
     monkeypatch.setattr(sg, "ITERATIONS", 3)
+    monkeypatch.setattr(sg, "ADAPTIVE_ITERATIONS", 5)
     monkeypatch.setattr(sg, "WARMUP", 1)
     monkeypatch.setattr(sg, "K_SWEEP", (0.0, 1.0))
     monkeypatch.setattr(sg, "QUICK", {**sg.QUICK, "batch": 8})
@@ -159,7 +185,8 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     assert {b["run"]: b["status"] for b in r["baselines"]}["DeepSpeed ZeRO-Offload"] == "unavailable"
     assert "### Study 3 split engine on the card: pass" in r["report"]
     adaptive = next(x for x in r["runs"] if x["run"] == "adaptive")
-    assert len(adaptive["k_path"]) == 3 and "- adaptive: k by iteration" in r["report"]
+    assert len(adaptive["k_path"]) == 5 and "- adaptive: k by iteration" in r["report"]
+    assert "settled_k" in adaptive and all(len(x["k_path"]) == 3 for x in r["runs"] if x["run"] != "adaptive")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the split check measures the card")

@@ -245,7 +245,8 @@ class MemoryMonitor:
 
 
 def overhead(run: Callable[[], Any], device: str | torch.device = "cpu", *, rounds: int = 4, interval_s: float = 0.5,
-             say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+             say: Callable[[str], None] = lambda s: None,
+             clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """What a MemoryMonitor around `run()` costs it: each call timed from outside (the monitor's start
     and stop included; on CUDA after a synchronize), after gc.collect(), in the order off, on | on,
     off | ... (ABBA: neither side always runs second, and a linear drift of the machine's load hits
@@ -253,24 +254,25 @@ def overhead(run: Callable[[], Any], device: str | torch.device = "cpu", *, roun
     the total without, from this one run; the monitor's rows are returned too (what it read).
     `start_stop_s`: what a monitor costs a run once, whatever the run's length (opened, started and
     stopped around nothing: NVML's handle, the thread, the last row), the median of five; a run much
-    shorter than a real one measures this rather than the sampling."""
+    shorter than a real one measures this rather than the sampling. `clock`: seconds (a test's own
+    clock; the monitor's sampling keeps real time)."""
     device = torch.device(device)
 
     def start_stop() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         with MemoryMonitor(device, interval_s=interval_s):
             pass
-        return time.perf_counter() - t0
+        return clock() - t0
 
     def timed(monitor: bool) -> tuple[float, list[dict[str, Any]]]:
         rows: list[dict[str, Any]] = []
         gc.collect()  # the previous run's garbage is collected here, not inside the timed call
-        t0 = time.perf_counter()
+        t0 = clock()
         with MemoryMonitor(device, interval_s=interval_s, sinks=[rows.append]) if monitor else contextlib.nullcontext():
             run()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the monitor stops after the card's work, not before
-        return time.perf_counter() - t0, rows
+        return clock() - t0, rows
 
     timed(False), timed(True)  # warm-up: allocation, kernel selection, psutil, NVML
     off = on = 0.0

@@ -33,7 +33,11 @@ One iteration:
    moved) give the next k (balance.balance_k) every `k_every` iterations when adaptive. Backward
    itself slows down as the host does more beside it, so it is fitted against k over the recent
    iterations (balance.backward_fit; the last fit is kept while k stays put); until two k's have
-   been measured, k is moved once by K_PROBE to measure it (the row says `k_probe`).
+   been measured, k is moved once by K_PROBE to measure it (the row says `k_probe`), unless the k in
+   use already lies K_SPREAD from the measured ones (its row is still to come). Until the row
+   of a backward after the first iteration is in, k stays where it started: before it, the rates
+   hold no backward time (0) or only the first iteration's, which pays for warm-up (on an H200 the
+   first two decisions made on them sent k to 0.777 and back to 0).
 
 Decisions known only after backward (fp16 overflow, global-norm gradient clipping) are made by
 SPECULATION, so that the host updates keep overlapping backward: until backward has ended, a
@@ -450,9 +454,11 @@ class SplitEngine:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """Run one training iteration on a (batch, seq) block of token ids; returns the loss."""
         probe = False
-        if self.adaptive and self.iteration > 0 and self.iteration % self.k_every == 0:
+        if self.adaptive and self._backward_obs and self.iteration % self.k_every == 0:
             k = balance_k(self.current_rates(), self.include_transfer)
-            if self._fit is None and self._backward_obs and not self._probing and abs(k - self.k_actual) < K_SPREAD:
+            # a probe only while the k in use adds no spread: a k set since the last row in (rows lag) will
+            unspread = all(abs(self.k_actual - k_obs) < K_SPREAD for k_obs, _ in self._backward_obs)
+            if self._fit is None and unspread and not self._probing and abs(k - self.k_actual) < K_SPREAD:
                 k, probe = (self.k_actual - K_PROBE if self.k_actual >= K_PROBE else self.k_actual + K_PROBE), True
                 self._probing = True  # until its row is in (rows lag step() by one call)
             self.set_k(k)

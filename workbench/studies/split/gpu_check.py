@@ -15,7 +15,8 @@ On the CUDA card, on one small randomly initialised Qwen2-style model and random
   the share of host parameters already updated when it ended;
 - rates: alpha (accelerator / host update time per parameter) and the transfer rates through the
   pinned staging rings (GB/s), as the engine measured them;
-- tokens/s against k (static sweep and adaptive) beside DeepSpeed ZeRO-Offload and torchao's
+- tokens/s against k (static sweep and adaptive; the adaptive run is longer, and its iterations
+  after its last move of k are timed apart) beside DeepSpeed ZeRO-Offload and torchao's
   CPUOffloadOptimizer on the same model and data (a row saying why, where one cannot run);
 - the pinned bytes (the staging rings only; bounded whatever the model).
 
@@ -36,6 +37,9 @@ from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.zero_baseline import run_zero_offload
 
 ITERATIONS, WARMUP = 6, 2  # per run; the first WARMUP iterations are left out of every mean
+# the adaptive run: its first decision comes at iteration 3 (rows lag a step), a fit of backward
+# against k two steps after it; longer, so that the iterations after its last move can be timed apart
+ADAPTIVE_ITERATIONS = 12
 K_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
 LR, WEIGHT_DECAY, CLIP = 1e-3, 0.01, 0.05  # CLIP: small enough that every step is clipped
 PARITY_ATOL_LR = 1e-2  # tolerance in units of lr (clipping's norm is summed in another order)
@@ -98,6 +102,22 @@ def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMU
         "timeline_problems": timeline_problems(ev),
         **extra,
     }
+
+
+def settled(rows: list[dict], warmup: int = WARMUP) -> dict[str, Any]:
+    """An adaptive run after its last move of k: that k, the iteration it was first used in, and
+    the tokens/s of those iterations (warm-up left out); the figures None where fewer than two
+    iterations ran at the last k (it never settled within the run)."""
+    start = 0
+    for i in range(1, len(rows)):
+        if rows[i]["k_actual"] != rows[i - 1]["k_actual"]:
+            start = i
+    keep = [r for r in rows[start:] if r["iteration"] >= warmup]
+    ms = sum(r["iteration_ms"] for r in keep)
+    if len(keep) < 2 or ms <= 0:
+        return {"settled_k": None, "settled_from": None, "settled_tokens_per_s": None}
+    return {"settled_k": keep[0]["k_actual"], "settled_from": rows[start]["iteration"],
+            "settled_tokens_per_s": sum(r["tokens"] for r in keep) / (ms / 1e3)}
 
 
 def baseline_row(name: str, rows: list[dict] | None, reason: str | None, warmup: int = WARMUP) -> dict[str, Any]:
@@ -181,10 +201,20 @@ def split_markdown(result: dict[str, Any]) -> str:
             lines.append("| " + " | ".join(_f(r.get(c), ".3g" if c in ("alpha", "accel_idle_share",
                                                                      "host_done_before_bwd_end_share", "k_actual")
                                               else ".1f") for c in cols) + " |")
+    fixed = [r for r in result.get("runs", []) if r.get("status") == "ok" and r.get("k_target") is not None
+             and r.get("precision", "fp32") == "fp32" and r.get("tokens_per_s")]
     for r in result.get("runs", []):
         if r.get("run") == "adaptive" and r.get("k_path"):
             lines.append(f"- adaptive: k by iteration {', '.join(f'{k:g}' for k in r['k_path'])}; backward's measured "
                          f"slowdown with every update on the host: {_f(r.get('interference_ms'))} ms")
+            if r.get("settled_tokens_per_s"):
+                best = max(fixed, key=lambda x: x["tokens_per_s"]) if fixed else None
+                than = f"; the fastest fixed k: {best['run']}, {best['tokens_per_s']:,.0f} tokens/s" if best else ""
+                lines.append(f"- adaptive after its last move (k={r['settled_k']:.3g} from iteration "
+                             f"{r['settled_from']}): {r['settled_tokens_per_s']:,.0f} tokens/s{than} "
+                             "(measured, not judged)")
+            elif "settled_k" in r:
+                lines.append("- adaptive: k still moved in its last two iterations (not settled within the run)")
     for c in result.get("comparisons", []):
         if c["speedup"] is not None:
             lines.append(f"- {c['best_engine_run']} vs {c['baseline']}: {c['speedup']:.2f}x tokens/s")
@@ -291,7 +321,7 @@ def check_split(opts) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     device = torch.device(getattr(opts, "device", "cuda"))
     batches = [torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g).to(device)
-               for _ in range(ITERATIONS)]
+               for _ in range(max(ITERATIONS, ADAPTIVE_ITERATIONS))]
     n_params = sum(p.numel() for p in base.parameters())
 
     parity, kernels = [], []
@@ -310,13 +340,15 @@ def check_split(opts) -> dict[str, Any]:
     specs.append(("fp16 k=0", dict(k=0.0, precision="fp16"), 0.0))
     for name, kw, k in specs:
         try:
-            rows, events, _, _, _ = _engine(base, batches, **kw)
-            runs.append(run_row(name, rows, events, warmup=WARMUP, k_target=k, precision=kw.get("precision", "fp32")))
+            adaptive = kw.get("adaptive", False)
+            rows, events, _, _, _ = _engine(base, batches[:ADAPTIVE_ITERATIONS if adaptive else ITERATIONS], **kw)
+            runs.append(run_row(name, rows, events, warmup=WARMUP, k_target=k, precision=kw.get("precision", "fp32"),
+                                **(settled(rows, WARMUP) if adaptive else {})))
         except Exception as e:
             runs.append({"run": name, "status": "error", "reason": f"{type(e).__name__}: {e}"[:300], "k_target": k})
 
-    zrows, zreason = run_zero_offload(copy.deepcopy(base).to(device), batches, LR, WEIGHT_DECAY, "fp32")
-    trows, treason = _torchao_rows(base, batches)
+    zrows, zreason = run_zero_offload(copy.deepcopy(base).to(device), batches[:ITERATIONS], LR, WEIGHT_DECAY, "fp32")
+    trows, treason = _torchao_rows(base, batches[:ITERATIONS])
     baselines = [baseline_row("DeepSpeed ZeRO-Offload", zrows, zreason, warmup=WARMUP),
                  baseline_row("torchao CPUOffloadOptimizer", trows, treason, warmup=WARMUP)]
     limit = _cuda.staging_bytes(4, 8 * 2**20, torch.float32)  # the engine's default rings, fp32
@@ -324,7 +356,8 @@ def check_split(opts) -> dict[str, Any]:
     result["kernel_differences"] = kernels
     result.update(model=f"Qwen2-style, {n_params / 1e6:.1f}M parameters, batch {shape['batch']} x {shape['seq']}",
                   n_params=n_params, pinned_bytes=max((r.get("pinned_bytes") or 0) for r in runs),
-                  pinned_limit_bytes=limit, iterations=ITERATIONS, warmup=WARMUP)
+                  pinned_limit_bytes=limit, iterations=ITERATIONS, adaptive_iterations=ADAPTIVE_ITERATIONS,
+                  warmup=WARMUP)
     result["report"] = split_markdown(result)
     return result
 
