@@ -117,7 +117,8 @@ def test_settled_times_the_iterations_after_the_last_move_of_k():
     fixed = sg.run_row("k=1", [_row(i, k=1.0, ms=40.0) for i in range(4)], [e for i in range(4) for e in _events(i)],
                        warmup=1, k_target=1.0)
     md = sg.split_markdown({**sg.split_verdict([], [fixed, run], [], LIMIT), "model": "m", "pinned_bytes": 1})
-    assert "adaptive after its last move (k=1 from iteration 4): 22,222 tokens/s; the fastest fixed k: k=1, 25,000" in md
+    assert ("adaptive after its last move (k=1 from iteration 4): 22,222 tokens/s; "
+            "the fastest fixed k: k=1, 25,000") in md
     unsettled = sg.run_row("adaptive", rows[:4], [], warmup=2, k_target=None, **sg.settled(rows[:4], warmup=2))
     md = sg.split_markdown({**sg.split_verdict([], [unsettled], [], LIMIT), "model": "m", "pinned_bytes": 1})
     assert "not settled within the run" in md
