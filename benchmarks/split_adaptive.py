@@ -11,11 +11,16 @@ measured, recomputed every iteration from measured rates). Each run takes
 round forward and the next reversed (k0, k1, adaptive | adaptive, k1, k0 | ...), so that a drift
 of load from other processes hits every run alike; each figure is the median over the rounds.
 It prints, per run, tokens/s and backward time, and for the adaptive run the k it settled on (its
-last iteration's k), its tokens/s relative to the faster fixed k, and backward's slowdown with
-every update on the host as the engine fitted it.
+last iteration's k), its tokens/s relative to the faster fixed k, backward's slowdown with every
+update on the host as the engine fitted it, and the tokens/s of its measured iterations after its
+last move of k (the search left out; the headline ratio keeps it in).
 
 On a CPU-only machine the "accelerator" is the CPU too: this shows what the balance chooses when
-the host's work slows backward (here it must, with two cores), not GPU speed.
+the host's work slows backward (here it must, with two cores), not GPU speed. On two cores an
+engine whose host worker has run torch's parallel CPU ops stays slower after k reaches 1 (1.37x a
+step, measured 2026-11-26; none with OMP_NUM_THREADS=1): the adaptive run's tokens/s after its last
+move trail k=1's for that reason too, not only for the k it chose (README, "Measured on an H200
+(2026-11-26)").
 
 Last line: `split_adaptive: VALUE` (adaptive tokens/s over the best fixed k's; 1.0 = as fast).
 A row goes to results/benchmarks.csv with versions and hardware.
@@ -38,6 +43,7 @@ import transformers  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 from workbench.studies.split.adam import AdamHP  # noqa: E402
 from workbench.studies.split.engine import SplitEngine  # noqa: E402
+from workbench.studies.split.gpu_check import settled  # noqa: E402
 
 NAME = "split_adaptive"
 VERSION = 1
@@ -53,13 +59,15 @@ def one_run(base, batches, warmup: int, **kw) -> dict:
             eng.step(b)
         eng.finish()
         rows = eng.rows[warmup:]
+        after = settled(eng.rows, warmup)  # the iterations after the last move of k (adaptive)
     finally:
         eng.close()
     ms = sum(r["iteration_ms"] for r in rows)
     return {"tokens_per_s": sum(r["tokens"] for r in rows) / (ms / 1e3),
             "backward_ms": statistics.median(r["backward_ms"] for r in rows),
             "k_last": rows[-1]["k_actual"], "interference_ms": (rows[-1].get("t_interference_s") or float("nan")) * 1e3,
-            "probes": sum(bool(r.get("k_probe")) for r in eng.rows)}
+            "probes": sum(bool(r.get("k_probe")) for r in eng.rows),
+            "settled_tokens_per_s": after["settled_tokens_per_s"], "settled_from": after["settled_from"]}
 
 
 def main() -> int:
@@ -90,7 +98,9 @@ def main() -> int:
             r = got[name][-1]
             print(f"  round {rnd + 1} {name:<9} {r['tokens_per_s']:>9,.0f} tokens/s  backward {r['backward_ms']:>7.1f} ms"
                   + (f"  k settled at {r['k_last']:.2f} ({r['probes']} probe(s)); backward's slowdown "
-                     f"{r['interference_ms']:.1f} ms" if name == "adaptive" else ""))
+                     f"{r['interference_ms']:.1f} ms; after its last move "
+                     + (f"(iteration {r['settled_from']} on) {r['settled_tokens_per_s']:,.0f} tokens/s"
+                        if r["settled_tokens_per_s"] else "(not settled)") if name == "adaptive" else ""))
     med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in got.items()}
     best_fixed = max(("k=0", "k=1"), key=med.get)
     ratio = med["adaptive"] / med[best_fixed]

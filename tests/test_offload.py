@@ -30,7 +30,7 @@ from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.figures import (host_table, idle_figure, operating_point_table, report_section,
                                               throughput_figure)
-from workbench.studies.split.layers import last_arriving, split_layers
+from workbench.studies.split.layers import last_arriving, probe_k, split_layers
 from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
     validation_points)
 from workbench.studies.split.preflight import MemoryHold
@@ -323,6 +323,22 @@ def test_backward_fit_recovers_the_slowdown_from_measured_k():
     assert backward_fit([(0.0, 0.3), (0.5, 0.05), (1.0, 0.02)]) is None
 
 
+def test_a_probe_moves_k_far_enough_for_a_fit():
+    """K_PROBE = 0.25 from k = 0 took one layer of 19% on the CPU twin's benchmark model: a spread
+    under K_SPREAD = 0.2, so no fit of backward against k, and the engine probed again and again
+    (4 probes, adaptive 0.70x the faster fixed k). The probe now goes farther where the layers'
+    sizes round the share back within the spread."""
+    order, sizes = ["emb", "l0", "l1", "l2"], {"emb": 20, "l0": 21, "l1": 40, "l2": 19}
+    assert last_arriving(order, sizes, 0.25)[1] == pytest.approx(0.19)  # the step alone: too little
+    up = probe_k(order, sizes, 0.0, 0.25, 0.2)
+    assert last_arriving(order, sizes, up)[1] == pytest.approx(0.59) and up < 0.45  # the next layer, no farther
+    down = probe_k(order, sizes, 0.59, 0.25, 0.2)  # downward where it can: 0.34 holds 0.19
+    assert down == pytest.approx(0.34) and last_arriving(order, sizes, down)[1] == pytest.approx(0.19)
+    # one layer holds everything past the share in use: the probe takes it (half of it must fit under k)
+    far = probe_k(["a", "b"], {"a": 90, "b": 10}, 0.1, 0.25, 0.2)
+    assert far == pytest.approx(0.55) and last_arriving(["a", "b"], {"a": 90, "b": 10}, far)[1] == 1.0
+
+
 def test_adaptive_engine_keeps_its_start_k_until_a_backward_after_warm_up_is_measured(monkeypatch):
     """The first balance used to run on the calibrated rates, which hold no backward time (t_B = 0),
     and the second on the first iteration's backward, which pays for warm-up: on an H200 the
@@ -360,9 +376,9 @@ def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkey
 
     seen = []
 
-    def keep_k(rates, include_transfer=True):  # a balance that never moves k by itself
+    def keep_k(rates, include_transfer=True):  # a balance that always asks for the start, k = 0
         seen.append(rates)
-        return eng_ref[0].k_actual
+        return 0.0
 
     eng_ref = []
     monkeypatch.setattr(engine_mod, "balance_k", keep_k)
@@ -379,6 +395,9 @@ def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkey
     eng.finish()
     probes = [r for r in eng.rows if r["k_probe"]]
     assert len(probes) == 1 and probes[0]["k_actual"] >= 0.2  # moved up from 0, once
+    # k stays at the probe until the probe's row is in (the balance, asking for 0, is not heard), then goes back
+    i = probes[0]["iteration"]
+    assert eng.rows[i + 1]["k_actual"] == probes[0]["k_actual"] and eng.rows[i + 2]["k_actual"] == 0.0
     assert all(r["k_actual"] == 0.0 for r in eng.rows if r["iteration"] < probes[0]["iteration"])
     # before a second k there is no slowdown measured: None, not a 0 that reads as "none"
     assert all(r["t_interference_s"] is None for r in eng.rows if r["iteration"] < probes[0]["iteration"])

@@ -33,8 +33,9 @@ One iteration:
    moved) give the next k (balance.balance_k) every `k_every` iterations when adaptive. Backward
    itself slows down as the host does more beside it, so it is fitted against k over the recent
    iterations (balance.backward_fit; the last fit is kept while k stays put); until two k's have
-   been measured, k is moved once by K_PROBE to measure it (the row says `k_probe`), unless the k in
-   use already lies K_SPREAD from the measured ones (its row is still to come). Until the row
+   been measured, k is moved once by K_PROBE or more to measure it (the row says `k_probe`; k stays
+   there until its row is in), unless the k in use already lies K_SPREAD from the measured ones
+   (its row is still to come). Until the row
    of a backward after the first iteration is in, k stays where it started: before it, the rates
    hold no backward time (0) or only the first iteration's, which pays for warm-up (on an H200 the
    first two decisions made on them sent k to 0.777 and back to 0).
@@ -82,12 +83,13 @@ from workbench.core.memory.monitor import bf16_emulated
 from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP, BackendUnavailable, ParamAdam, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
-from workbench.studies.split.layers import guessed_arrival_order, last_arriving, split_layers
+from workbench.studies.split.layers import guessed_arrival_order, last_arriving, probe_k, split_layers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # adaptive k: backward is measured at the last BACKWARD_OBS iterations' k; while they all lie within
-# K_SPREAD of each other and the balance would not move k that far, k moves by K_PROBE once to
-# measure how backward depends on it (downward where it can: less on the accelerator, no more memory)
+# K_SPREAD of each other and the balance would not move k that far, k moves once by K_PROBE (farther
+# where whole layers round the share back within K_SPREAD: layers.probe_k) to measure how backward
+# depends on it, and stays there until the probe's row is in
 BACKWARD_OBS, K_SPREAD, K_PROBE = 8, 0.2, 0.25
 HOST, ACCEL = "host", "accelerator"
 
@@ -454,13 +456,13 @@ class SplitEngine:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """Run one training iteration on a (batch, seq) block of token ids; returns the loss."""
         probe = False
-        if self.adaptive and self._backward_obs and self.iteration % self.k_every == 0:
+        if self.adaptive and self._backward_obs and not self._probing and self.iteration % self.k_every == 0:
             k = balance_k(self.current_rates(), self.include_transfer)
             # a probe only while the k in use adds no spread: a k set since the last row in (rows lag) will
             unspread = all(abs(self.k_actual - k_obs) < K_SPREAD for k_obs, _ in self._backward_obs)
-            if self._fit is None and unspread and not self._probing and abs(k - self.k_actual) < K_SPREAD:
-                k, probe = (self.k_actual - K_PROBE if self.k_actual >= K_PROBE else self.k_actual + K_PROBE), True
-                self._probing = True  # until its row is in (rows lag step() by one call)
+            if self._fit is None and unspread and abs(k - self.k_actual) < K_SPREAD:
+                k, probe = probe_k(self.order, self.sizes, self.k_actual, K_PROBE, K_SPREAD), True
+                self._probing = True  # k stays there until its row is in (rows lag step() by one call)
             self.set_k(k)
         it = _Iter(self.iteration, self.k_target, self.k_actual, input_ids.numel())
         it.probe = probe

@@ -102,3 +102,16 @@ def last_arriving(order: list[str], sizes: dict[str, int], k: float) -> tuple[se
             break
     return chosen, held / total if total else 0.0
 
+
+
+def probe_k(order: list[str], sizes: dict[str, int], k_actual: float, step: float, spread: float) -> float:
+    """A k to move to once, to measure backward at a second share: `step` from the share in use
+    (downward where it can: less on the accelerator, no more memory there), farther where whole
+    layers would round the share back to within `spread` of it (a fit needs that spread)."""
+    down = k_actual >= step
+    k = k_actual - step if down else k_actual + step
+    while 0.0 < k < 1.0:
+        if abs(last_arriving(order, sizes, k)[1] - k_actual) >= spread:
+            return k
+        k = round(k - 0.05 if down else k + 0.05, 6)
+    return 0.0 if down else 1.0
