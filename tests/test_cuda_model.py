@@ -19,6 +19,7 @@ from workbench.core import common
 from workbench.core.config import ConfigError
 from workbench.core.memory import allocator, cuda_model as cm, segments
 from workbench.core.memory.accounting import (EMPTY_CACHE, EMPTY_CACHE_SERIAL, MemoryAccounting, MemoryReport, PeakSnapshot)
+from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags, rung
 from workbench.core.memory.predict import CUDA_STEPS, predict, simulate
 from workbench.core.memory.snapshot import dump, predicted_snapshot, snapshot_from_report
@@ -399,6 +400,28 @@ def test_predicted_snapshot_replays_to_the_allocator_figures(tmp_path):
     assert "total_reserved: 24.0MiB" in _memory_viz.segsum(snap)  # torch's own reader parses it
     cats = {f["filename"] for e in snap["device_traces"][0] for f in e["frames"]}
     assert {"weights", "activations", "gradients", "optimizer_state"} <= cats
+
+
+def test_the_snapshot_makes_the_workspaces_where_the_prediction_does(tmp_path):
+    """A fresh process makes each cuBLAS workspace inside its thread's first matmul, right after the
+    output (cuda_model.workspaces_in); the prediction places them there, and so does the exported
+    snapshot: each workspace's allocation follows that op's output in the trace, and the segments
+    it ends with are those of the allocator replay the prediction makes of the same timeline."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    snap = predicted_snapshot(str(path), "bf16", batch=2, seq=64)
+    report = simulate(model_config(str(path)), rung("bf16"), batch=2, seq=64, steps=CUDA_STEPS, target="cuda",
+                      sm=cm.DEFAULT_SM)
+    made = cm.workspaces_in(cm.Card("", 0, cm.DEFAULT_SM), report.timeline_ops)
+    assert [w[2] is not None for w in made] == [True, True]  # placed inside the step, not before it
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    at = [i for i, e in enumerate(allocs) if e["frames"][0]["filename"] == "workspace"]
+    assert len(at) == 2 and at[0] > 0  # not the trace's first allocations
+    for i, phase in zip(at, ("forward", "backward")):
+        op = allocs[i - 1]["frames"][0]["name"]  # the allocation just before: the first matmul's output
+        assert op.startswith(phase + ": ") and op.partition(": ")[2].startswith(cm.CUBLAS_OPS), op
+    replayed = allocator.replay(report.timeline, report.timeline_roles, made, streams=report.timeline_streams)
+    assert sum(s["total_size"] for s in snap["segments"]) == sum(replayed.reserved_by_stream.values())
 
 
 def test_a_measured_cpu_step_exports_the_same_snapshot(tmp_path):

@@ -35,7 +35,9 @@ from workbench.core.memory.predict import CUDA_STEPS, simulate
 
 def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any]:
     """The `_dump_snapshot` dict of an accounted run's timeline (device 0; the default stream, and
-    a library's side streams where the report names them: `timeline_streams`)."""
+    a library's side streams where the report names them: `timeline_streams`). `extra_allocs`: as
+    allocator.replay takes them, (name, bytes) made before the step or (name, bytes, i) made right
+    after timeline event i (a fresh process's cuBLAS workspaces: cuda_model.workspaces_in)."""
     if report.timeline is None:
         raise ValueError("this report has no timeline: account the step with MemoryAccounting(timeline=True)")
     a = CachingAllocator()
@@ -53,10 +55,15 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         # as the card's trace does: events carry the size asked for, the block its rounded size
         trace.append({"action": "alloc", "addr": a.address(b), "size": nbytes, "stream": stream, "frames": frames})
 
-    for i, (name, nbytes) in enumerate(extra_allocs):
-        alloc(("extra", i), nbytes, [{"filename": "workspace", "line": 0, "name": name}])
+    after: dict[int, list] = {}
+    for j, (name, nbytes, *at) in enumerate(extra_allocs):
+        frames = [{"filename": "workspace", "line": 0, "name": name}]
+        if at and at[0] is not None:
+            after.setdefault(at[0], []).append((("extra", j), nbytes, frames))
+        else:
+            alloc(("extra", j), nbytes, frames)
     roles, ops = report.timeline_roles or {}, report.timeline_ops or [""] * len(report.timeline)
-    for (serial, nbytes), op, step in zip(report.timeline, ops, report.timeline_steps):
+    for i, ((serial, nbytes), op, step) in enumerate(zip(report.timeline, ops, report.timeline_steps)):
         if nbytes == EMPTY_CACHE:
             before = [(seg, base, total) for seg, base, total, _ in a.segment_blocks()]
             a.release_cached()
@@ -72,6 +79,8 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
                 trace.append({"action": action, "addr": a.address(b), "size": asked, "stream": b.seg[1],
                               "frames": frames})
             a.free(b)
+        for key, n, frames in after.pop(i, ()):  # made right after this event, as replay makes them
+            alloc(key, n, frames)
     held = {id(b): (frames, asked) for b, frames, asked in live.values()}
     segments = []
     for seg, base, total, blocks in a.segment_blocks():
@@ -91,7 +100,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
 
 def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = CUDA_STEPS, card=None) -> dict[str, Any]:
     """Simulate `plan` for a CUDA card (the steps `predict` simulates for one) and return its snapshot
-    (cuBLAS workspaces included)."""
+    (cuBLAS workspaces included, made where a fresh process makes them, as `predict` places them)."""
 
     c = cuda_model.card(card) or cuda_model.Card("", 0, cuda_model.DEFAULT_SM)
     plan = rung(plan)
@@ -100,7 +109,7 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = CUDA_S
                                  card_bytes=c.usable_bytes if c.total_bytes else None).device
     else:
         report = simulate(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm)
-    return snapshot_from_report(report, c.cublas_workspaces)
+    return snapshot_from_report(report, cuda_model.workspaces_in(c, report.timeline_ops))
 
 
 def dump(snapshot: dict[str, Any], path: str | Path) -> Path:
