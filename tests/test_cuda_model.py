@@ -268,6 +268,28 @@ def test_a_freed_block_is_reused_only_on_its_own_stream():
                                                                              77: 2 * MiB}
 
 
+def test_the_cache_at_an_out_of_memory_error_from_a_cards_trace():
+    """tools/segment_probe.py RUNG OUT CAP reads a capped run's trace (torch's TraceEntry fields):
+    the segments left when it ran out, each with the bytes live in it, biggest free room first;
+    what was freed before the error is not counted, nor anything after it."""
+    a, b = 0x7F0000000000, 0x7F0040000000
+    trace = [{"action": "segment_alloc", "addr": a, "size": 20 * MiB},
+             {"action": "alloc", "addr": a, "size": 8 * MiB}, {"action": "alloc", "addr": a + 8 * MiB, "size": 8 * MiB},
+             {"action": "segment_alloc", "addr": b, "size": 40 * MiB}, {"action": "alloc", "addr": b, "size": 30 * MiB},
+             {"action": "segment_alloc", "addr": 0x7F0080000000, "size": 2 * MiB},
+             {"action": "segment_free", "addr": 0x7F0080000000, "size": 2 * MiB},  # given back before the error
+             {"action": "free_requested", "addr": a, "size": 8 * MiB},  # not yet usable: still live
+             {"action": "free_completed", "addr": a, "size": 8 * MiB},
+             {"action": "oom", "size": 64 * MiB, "device_free": 10 * MiB},
+             {"action": "alloc", "addr": b + 30 * MiB, "size": 4 * MiB}]  # after the error: not counted
+    st = segments.at_oom(trace)
+    assert (st["requested"], st["device_free"], st["reserved"], st["live"]) == (64 * MiB, 10 * MiB, 60 * MiB, 38 * MiB)
+    assert [(r["size"], r["live"], r["free"]) for r in st["segments"]] == [(20 * MiB, 8 * MiB, 12 * MiB),
+                                                                          (40 * MiB, 30 * MiB, 10 * MiB)]
+    assert st["wholly_free"] == 0
+    assert segments.at_oom(trace[:-2]) is None  # no error: no state
+
+
 # ------------------------------------------------------------------------------------------------
 # the prediction
 

@@ -1,6 +1,7 @@
 """Where does a fresh process's first run put the cuBLAS workspaces, and which segments does it make?
 
     python3 tools/segment_probe.py RUNG OUT_DIR     # on a CUDA machine, from the checkout's root
+    python3 tools/segment_probe.py RUNG OUT_DIR CAP_MIB     # the same run under a cap, as gpu-check's cap check
 
 Runs one ladder rung (Qwen2-0.5B, batch 1 x 512, 3 steps, as gpu-check's ladder check) in this
 process under torch's memory history, writes OUT_DIR/RUNG_snapshot.pickle.gz (the snapshot, for
@@ -8,29 +9,56 @@ pytorch.org/memory_viz) and prints every segment of 100 MiB or more as it is mad
 32 MiB allocation (the cuBLAS workspaces on sm_90) with the segment it landed in, and every
 allocation of 500 MiB or more. Its output on the H200 of 2026-11-26 is
 data/measured/h200-2026-11-26/segment_probe.log: the evidence for cuda_model.workspaces_in.
+
+With CAP_MIB, the run is made as the cap check makes a trial: one run uncapped first (kernels
+chosen, libraries' lazy state made), then what a fresh process would not hold given back
+(monitor.release_held), then the run under `set_per_process_memory_fraction` with CAP_MIB above
+what the process holds. If it runs out of memory, it prints the cache at that moment
+(segments.at_oom): the request, and every segment with its free room. On the H200 of 2026-11-26
+bf16_true_lora failed under a cap of 3,440 MiB though it reserved 3,446 uncapped and allocated
+2,925 at most, where the model's replay runs under 3,270: this shows which segments held the spare.
 """
 import gzip
 import pickle
 import sys
 
 import torch
+from workbench.core.memory.monitor import release_held
+from workbench.core.memory.segments import at_oom
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.runner import model_at_hand
 from workbench.studies.ladder.rungs import measure
 
 rung, out = sys.argv[1], sys.argv[2]
+cap_mib = float(sys.argv[3]) if len(sys.argv) > 3 else None
+MiB = 2**20
+dev = torch.device("cuda", 0)
 cfg = LadderConfig(model="data/configs/qwen2-0.5b.json", base_size="default", micro_batch=1, seq_len=512, steps=3,
                    reference_model="")
 config, load, blocks, _ = model_at_hand(cfg)
+if cap_mib is not None:  # as the cap check's trials
+    measure(rung, load, blocks, batch=1, steps=3, device=dev, counted=False)
+    release_held(dev)
+    held = torch.cuda.memory_reserved(dev)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (held + cap_mib * MiB) / total), dev)
+    print(f"cap {cap_mib:,.0f} MiB above {held / MiB:,.1f} MiB held")
 torch.cuda.memory._record_memory_history(max_entries=400000)
-m = measure(rung, load, blocks, batch=1, steps=3, device=torch.device("cuda", 0), counted=False)
+m = measure(rung, load, blocks, batch=1, steps=3, device=dev, counted=False)
 snap = torch.cuda.memory._snapshot()
 torch.cuda.memory._record_memory_history(enabled=None)
-with gzip.open(f"{out}/{rung}_snapshot.pickle.gz", "wb") as f:
+name = rung if cap_mib is None else f"{rung}_cap{cap_mib:.0f}"
+with gzip.open(f"{out}/{name}_snapshot.pickle.gz", "wb") as f:
     pickle.dump(snap, f)
-MiB = 2**20
-print(rung, "allocated", m.get("cuda_max_allocated_bytes", 0) / MiB,
+print(rung, m.get("status"), "allocated", m.get("cuda_max_allocated_bytes", 0) / MiB,
       "reserved", m.get("cuda_max_reserved_bytes", 0) / MiB)
+state = at_oom(snap["device_traces"][0])
+if state:
+    print(f"out of memory asking {state['requested'] / MiB:,.2f} MiB: reserved {state['reserved'] / MiB:,.1f}, "
+          f"live {state['live'] / MiB:,.1f}, wholly free {state['wholly_free'] / MiB:,.1f} MiB; "
+          f"CUDA free {(state['device_free'] or 0) / MiB:,.0f} MiB")
+    for r in state["segments"][:40]:
+        print(f"  segment {r['size'] / MiB:9.1f} MiB  live {r['live'] / MiB:9.2f}  free {r['free'] / MiB:9.2f}")
 segs = {}
 trace = snap["device_traces"][0]
 def where(e):

@@ -46,3 +46,38 @@ def segment_difference(predicted: dict[str, int] | None, measured: dict[str, int
             f"measured {sum(measured.values())} ({total(measured):,.0f} MiB)")
     return head + ("; the same sizes" if not worst else
                    "; predicted less measured: " + ", ".join(f"{diff[k]:+d} x {k} MiB" for k in worst))
+
+
+def at_oom(trace) -> dict | None:
+    """The cache at a run's out-of-memory error, from a `torch.cuda.memory._record_memory_history`
+    trace (a snapshot's device_traces[0]); None without an "oom" event. Before it raises, torch gives
+    back every wholly free cached segment (release_cached_blocks), so what is left is segments with
+    something live in them: each one's size and the bytes live in it (trace events carry the bytes
+    asked for, not the rounded blocks), biggest free room first. The question it answers: where a
+    capped run failed with reserved memory to spare, which segments held the spare."""
+    segs: dict[int, int] = {}
+    live: dict[int, int] = {}
+    oom = None
+    for e in trace:
+        act = e["action"]
+        if act == "segment_alloc":
+            segs[e["addr"]] = e["size"]
+        elif act == "segment_free":
+            segs.pop(e["addr"], None)
+        elif act == "alloc":
+            live[e["addr"]] = e["size"]
+        elif act == "free_completed":
+            live.pop(e["addr"], None)
+        elif act == "oom":
+            oom = e
+            break
+    if oom is None:
+        return None
+    rows = []
+    for base, size in segs.items():
+        used = sum(n for addr, n in live.items() if base <= addr < base + size)
+        rows.append({"size": size, "live": used, "free": size - used})
+    rows.sort(key=lambda r: -r["free"])
+    return {"requested": oom["size"], "device_free": oom.get("device_free"), "reserved": sum(segs.values()),
+            "live": sum(r["live"] for r in rows), "wholly_free": sum(r["size"] for r in rows if not r["live"]),
+            "segments": rows}
