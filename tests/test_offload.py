@@ -323,6 +323,27 @@ def test_backward_fit_recovers_the_slowdown_from_measured_k():
     assert backward_fit([(0.0, 0.3), (0.5, 0.05), (1.0, 0.02)]) is None
 
 
+def test_a_kept_fit_is_measured_again_once_it_has_aged(monkeypatch):
+    """On the CPU twin a probe made in a slow spell gave a flat line ("no slowdown"), and k stayed at
+    0 for the rest of the run. A fit kept REFIT_AFTER iterations past the last row that gave one is
+    measured again: a second probe. Backward is pinned flat here, so every fit says no slowdown."""
+    monkeypatch.setattr(engine_mod, "balance_k", lambda rates, include_transfer=True: 0.0)  # always the start
+    monkeypatch.setattr(engine_mod, "REFIT_AFTER", 4)
+    learn = SplitEngine._learn
+    monkeypatch.setattr(SplitEngine, "_learn", lambda self, row: learn(self, {**row, "backward_ms": 100.0}))
+    base, data = tiny_qwen(), batches(512, 20)
+    eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0, adaptive=True, k_every=1)
+    for b in data:
+        eng.step(b)
+    eng.finish()
+    probes = [r["iteration"] for r in eng.rows if r["k_probe"]]
+    assert eng._fit == pytest.approx((0.1, 0.0))  # flat: no slowdown
+    # the first probe at step 3; its rows (3 and 4, held) leave the window of 8 with row 12, so the last
+    # row to give a fit is 11; past 11 + REFIT_AFTER the next decision probes again (at step 16)
+    assert probes == [3, 16]
+    eng.close()
+
+
 def test_a_probe_moves_k_far_enough_for_a_fit():
     """K_PROBE = 0.25 from k = 0 took one layer of 19% on the CPU twin's benchmark model: a spread
     under K_SPREAD = 0.2, so no fit of backward against k, and the engine probed again and again
@@ -348,12 +369,12 @@ def test_adaptive_engine_keeps_its_start_k_until_a_backward_after_warm_up_is_mea
 
     def wants_half(rates, include_transfer=True):  # a balance that always asks for k = 0.5
         eng = eng_ref[0]
-        if eng._cur is None and eng.iteration < 5:  # called by step() to decide, not by a row's k_next
+        if eng._cur is None and eng.iteration < 6:  # called by step() to decide, not by a row's k_next
             decisions.append((eng.iteration, rates.t_backward_s))
         return 0.5
 
     monkeypatch.setattr(engine_mod, "balance_k", wants_half)
-    base, data = tiny_qwen(), batches(512, 5)
+    base, data = tiny_qwen(), batches(512, 6)
     eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0, adaptive=True, k_every=1)
     eng_ref.append(eng)
     for b in data:
@@ -364,8 +385,9 @@ def test_adaptive_engine_keeps_its_start_k_until_a_backward_after_warm_up_is_mea
     # at step 4 only k = 0 has been measured, but k = 0.5 is in use and its row is to come: no probe
     # (on the H200 such a probe sent k from 0 to 0.223 one step before the fit)
     assert ks[4] == ks[3] and not any(r["k_probe"] for r in eng.rows)
-    # every decision was made on a measured backward after the first iteration: row 1's, then row 2's
-    assert [i for i, _ in decisions] == [3, 4]
+    # every decision was made on a measured backward after the first iteration (row 1's at step 3);
+    # after the move none at step 4, whose rows are all at the old k: the next waits for row 3's
+    assert [i for i, _ in decisions] == [3, 5]
     assert decisions[0][1] == pytest.approx(eng.rows[1]["backward_ms"] / 1e3) and decisions[0][1] > 0
     eng.close()
 

@@ -32,13 +32,14 @@ One iteration:
 4. measurements (backward time, per-parameter update times on both sides, seconds per byte
    moved) give the next k (balance.balance_k) every `k_every` iterations when adaptive. Backward
    itself slows down as the host does more beside it, so it is fitted against k over the recent
-   iterations (balance.backward_fit; the last fit is kept while k stays put); until two k's have
-   been measured, k is moved once by K_PROBE or more to measure it (the row says `k_probe`; k stays
-   there until its row is in), unless the k in use already lies K_SPREAD from the measured ones
-   (its row is still to come). Until the row
-   of a backward after the first iteration is in, k stays where it started: before it, the rates
-   hold no backward time (0) or only the first iteration's, which pays for warm-up (on an H200 the
-   first two decisions made on them sent k to 0.777 and back to 0).
+   iterations (balance.backward_fit; the last fit is kept while k stays put, for REFIT_AFTER
+   iterations). Until two k's have been measured, and again when the kept fit has aged, k is
+   moved once by K_PROBE or more to measure it (the row says `k_probe`). After any move, k stays
+   put until the row of its first iteration at the new k is in: a decision made before it would
+   rest on the old k's rows only. Until the row of a backward after the first iteration is in, k
+   stays where it started: before it, the rates hold no backward time (0) or only the first
+   iteration's, which pays for warm-up (on an H200 the first two decisions made on them sent k to
+   0.777 and back to 0).
 
 Decisions known only after backward (fp16 overflow, global-norm gradient clipping) are made by
 SPECULATION, so that the host updates keep overlapping backward: until backward has ended, a
@@ -89,8 +90,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # adaptive k: backward is measured at the last BACKWARD_OBS iterations' k; while they all lie within
 # K_SPREAD of each other and the balance would not move k that far, k moves once by K_PROBE (farther
 # where whole layers round the share back within K_SPREAD: layers.probe_k) to measure how backward
-# depends on it, and stays there until the probe's row is in
+# depends on it
 BACKWARD_OBS, K_SPREAD, K_PROBE = 8, 0.2, 0.25
+# a fit kept this many iterations after the last row that gave one is measured again (a probe): one made on
+# a few noisy iterations (on the CPU twin, a probe in a slow spell gave "no slowdown" and k stayed at 0)
+# would otherwise stand for the rest of the run
+REFIT_AFTER = 4 * BACKWARD_OBS
 HOST, ACCEL = "host", "accelerator"
 
 
@@ -226,8 +231,9 @@ class SplitEngine:
         self.order = guessed_arrival_order(self.layers)
         self.order_measured = False
         self._backward_obs: collections.deque = collections.deque(maxlen=BACKWARD_OBS)  # (k_actual, backward s)
-        self._probing = False
+        self._moved_at: int | None = None  # adaptive: the first iteration at a new k, until its row is in
         self._fit: tuple[float, float] | None = None  # the last (t_B, I) fitted; kept while k stays put
+        self._fit_at = 0  # the iteration of the last row that gave a fit
 
         # ---- hooks: gradients out as they become final; weights waited for module by module
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.slots]
@@ -456,14 +462,18 @@ class SplitEngine:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """Run one training iteration on a (batch, seq) block of token ids; returns the loss."""
         probe = False
-        if self.adaptive and self._backward_obs and not self._probing and self.iteration % self.k_every == 0:
+        # after a move, the next decision waits for a row at the new k: until then the rows are the old
+        # k's, which the move was decided on (rows lag step() by one call)
+        if self.adaptive and self._backward_obs and self._moved_at is None and self.iteration % self.k_every == 0:
             k = balance_k(self.current_rates(), self.include_transfer)
-            # a probe only while the k in use adds no spread: a k set since the last row in (rows lag) will
             unspread = all(abs(self.k_actual - k_obs) < K_SPREAD for k_obs, _ in self._backward_obs)
-            if self._fit is None and unspread and abs(k - self.k_actual) < K_SPREAD:
+            stale = self._fit is None or self.iteration - self._fit_at > REFIT_AFTER
+            if stale and unspread and abs(k - self.k_actual) < K_SPREAD:
                 k, probe = probe_k(self.order, self.sizes, self.k_actual, K_PROBE, K_SPREAD), True
-                self._probing = True  # k stays there until its row is in (rows lag step() by one call)
+            before = self.k_actual
             self.set_k(k)
+            if self.k_actual != before:
+                self._moved_at = self.iteration
         it = _Iter(self.iteration, self.k_target, self.k_actual, input_ids.numel())
         it.probe = probe
         it.host_numel = sum(s.numel for s in self.slots.values() if s.side == HOST)
@@ -689,9 +699,11 @@ class SplitEngine:
         if row["iteration"] > 0:  # the first iteration also pays for warm-up
             self._backward_obs.append((row["k_actual"], r["backward_s"]))
             # backward without host work and its slowdown, once measured at two k (kept while k stays put)
-            self._fit = backward_fit(list(self._backward_obs), K_SPREAD) or self._fit
-        if row["k_probe"]:
-            self._probing = False
+            fit = backward_fit(list(self._backward_obs), K_SPREAD)
+            if fit is not None:
+                self._fit, self._fit_at = fit, row["iteration"]
+        if self._moved_at is not None and row["iteration"] >= self._moved_at:
+            self._moved_at = None  # a row at the new k is in: the next decision can use it
 
     def current_rates(self) -> Rates:
         """alpha, t_B, t_U and the transfer times as the engine knows them now (for balance_k)."""
