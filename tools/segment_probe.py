@@ -1,7 +1,8 @@
 """Where does a fresh process's first run put the cuBLAS workspaces, and which segments does it make?
 
     python3 tools/segment_probe.py RUNG OUT_DIR     # on a CUDA machine, from the checkout's root
-    python3 tools/segment_probe.py RUNG OUT_DIR CAP_MIB     # the same run under a cap, as gpu-check's cap check
+    python3 tools/segment_probe.py RUNG OUT_DIR --cap MIB     # the same run under a cap, as the cap check's
+    python3 tools/segment_probe.py fp32 OUT_DIR --after bf16_true_lora     # after another rung's run
 
 Runs one ladder rung (Qwen2-0.5B, batch 1 x 512, 3 steps, as gpu-check's ladder check) in this
 process under torch's memory history, writes OUT_DIR/RUNG_snapshot.pickle.gz (the snapshot, for
@@ -10,17 +11,24 @@ pytorch.org/memory_viz) and prints every segment of 100 MiB or more as it is mad
 allocation of 500 MiB or more. Its output on the H200 of 2026-11-26 is
 data/measured/h200-2026-11-26/segment_probe.log: the evidence for cuda_model.workspaces_in.
 
-With CAP_MIB, the run is made as the cap check makes a trial: one run uncapped first (kernels
+With --cap, the run is made as the cap check makes a trial: one run uncapped first (kernels
 chosen, libraries' lazy state made), then what a fresh process would not hold given back
 (monitor.release_held), then the run under `set_per_process_memory_fraction` with CAP_MIB above
-what the process holds. If it runs out of memory, it prints the cache at that moment
+what the process holds (MIB). If it runs out of memory, it prints the cache at that moment
 (segments.at_oom): the request, and every segment with its free room. On the H200 of 2026-11-26
 bf16_true_lora failed under a cap of 3,440 MiB though it reserved 3,446 uncapped and allocated
 2,925 at most, where the model's replay runs under 3,270: this shows which segments held the spare.
+
+With --after, another rung runs first in the process, then garbage is collected and the cache
+emptied (the cuBLAS workspaces kept where that run made them), as gpu-check's ladder ran its rungs
+before it released the workspaces between them. On that H200, fp32 after bf16_true_lora reserved
+9,792 MiB (25 segments of 18 MiB fewer than in a fresh process, which reserved 10,378); a replay of
+bf16_true_lora's step before fp32's predicts 10,352: the trace shows what the model is missing.
 """
+import argparse
+import gc
 import gzip
 import pickle
-import sys
 
 import torch
 from workbench.core.memory.monitor import release_held
@@ -29,13 +37,24 @@ from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.runner import model_at_hand
 from workbench.studies.ladder.rungs import measure
 
-rung, out = sys.argv[1], sys.argv[2]
-cap_mib = float(sys.argv[3]) if len(sys.argv) > 3 else None
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("rung")
+ap.add_argument("out")
+ap.add_argument("--cap", type=float, default=None, help="MiB above what the process holds")
+ap.add_argument("--after", default=None, help="a rung run first in this process")
+args = ap.parse_args()
+rung, out, cap_mib = args.rung, args.out, args.cap
 MiB = 2**20
 dev = torch.device("cuda", 0)
 cfg = LadderConfig(model="data/configs/qwen2-0.5b.json", base_size="default", micro_batch=1, seq_len=512, steps=3,
                    reference_model="")
 config, load, blocks, _ = model_at_hand(cfg)
+if args.after:
+    first = measure(args.after, load, blocks, batch=1, steps=3, device=dev, counted=False)
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"after {args.after} ({first.get('status')}, reserved {first.get('cuda_max_reserved_bytes', 0) / MiB:,.0f} "
+          f"MiB): {torch.cuda.memory_reserved(dev) / MiB:,.1f} MiB still reserved")
 if cap_mib is not None:  # as the cap check's trials
     measure(rung, load, blocks, batch=1, steps=3, device=dev, counted=False)
     release_held(dev)
@@ -47,7 +66,7 @@ torch.cuda.memory._record_memory_history(max_entries=400000)
 m = measure(rung, load, blocks, batch=1, steps=3, device=dev, counted=False)
 snap = torch.cuda.memory._snapshot()
 torch.cuda.memory._record_memory_history(enabled=None)
-name = rung if cap_mib is None else f"{rung}_cap{cap_mib:.0f}"
+name = rung + (f"_after_{args.after}" if args.after else "") + (f"_cap{cap_mib:.0f}" if cap_mib is not None else "")
 with gzip.open(f"{out}/{name}_snapshot.pickle.gz", "wb") as f:
     pickle.dump(snap, f)
 print(rung, m.get("status"), "allocated", m.get("cuda_max_allocated_bytes", 0) / MiB,
