@@ -238,3 +238,48 @@ def test_a_held_workspace_stays_where_a_run_before_made_it():
     assert held.steady_reserved_peak_bytes == (298 + 298 + 400) * MiB  # the workspace's 298 MiB segment kept
     before = allocator.replay(events, {}, [("cuBLAS workspace (backward)", 32 * MiB)])
     assert before.reserved_peak_bytes == (32 + 298 + 400) * MiB
+
+
+def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
+    """The ladder's runs load a pure-half plan in fp32 onto the card and cast it there
+    (cuda_model.cast_on_card). The fp32 embedding's segment, freed by its cast, gives the next cast
+    weight a block, so empty_cache keeps it, and the step's 300 MiB activation is cut from its free
+    room instead of a segment of its own (on the H200 this made bf16_true_lora's segments the card's,
+    size for size). LoRA's fp32 adapter (serial 3) is not cast: peft makes it after the cast."""
+    from workbench.core.memory import cuda_model as cm
+    from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
+
+    events = [(1, 260 * MiB), (2, 8 * MiB), (3, MiB), (4, 300 * MiB), (4, -1)]
+    steps, ops = [0, 0, 0, 0, 0], ["setup"] * 3 + ["forward: mm.default", "forward: mm.default"]
+    made = [("cuBLAS workspace (forward)", 32 * MiB, 3), ("held", 32 * MiB)]
+    ev, st, roles, ws = cm.cast_on_card(events, steps, ops, {3: "weights"}, (1, 2), made)
+    t1, t2 = ev[0][0], ev[1][0]
+    assert ev[:2] == [(t1, 520 * MiB), (t2, 16 * MiB)] and t1 < 0 and t2 < 0  # the fp32 model on the card first
+    assert ev[2:8] == [(1, 260 * MiB), (t1, -1), (2, 8 * MiB), (t2, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (3, MiB)]
+    assert ev[8:] == events[3:] and st == [0] * len(ev) and roles[t1] == roles[t2] == "weights" == roles[3]
+    assert ws == [("cuBLAS workspace (forward)", 32 * MiB, 3 + 5), ("held", 32 * MiB)]  # after event 3, as before
+    direct = allocator.replay(events, {}, [])
+    cast = allocator.replay(ev, roles, [])
+    assert sorted(direct.segment_sizes.items()) == [("2", 1), ("20", 1), ("260", 1), ("300", 1)]
+    assert sorted(cast.segment_sizes.items()) == [("2", 1), ("260", 1), ("520", 1)]  # the 300 MiB went in the 520's room
+    # nothing to cast (an fp32 plan): the timeline as it was
+    assert cm.cast_on_card(events, steps, ops, {}, (), made) == (events, steps, {}, made)
+
+
+def test_a_prediction_casts_only_the_16_bit_weights_and_only_when_asked():
+    """predict(cast_on_card=True) for a pure-half plan: the 16-bit weights (not LoRA's fp32 adapters);
+    an fp32 plan has none to cast, so its prediction is the same."""
+    cfg = tiny_config("qwen2")
+    lora = simulate(cfg, rung("bf16_true_lora"), batch=1, seq=32, steps=3, target="cuda", sm=90)
+    full = simulate(cfg, rung("bf16_true"), batch=1, seq=32, steps=3, target="cuda", sm=90)
+    assert simulate(cfg, rung("fp32"), batch=1, seq=32, steps=3, target="cuda", sm=90).timeline_casts == ()
+    sizes = dict(full.timeline)
+    cast_bytes = sum(sizes[s] for s in full.timeline_casts)
+    weights = sum(nb for s, nb in full.timeline if nb > 0 and full.timeline_roles.get(s) == "weights")
+    assert 0 < cast_bytes == weights  # every weight of a pure-bf16 plan is cast
+    lora_sizes = dict(lora.timeline)
+    lora_weights = sum(nb for s, nb in lora.timeline if nb > 0 and lora.timeline_roles.get(s) == "weights")
+    assert sum(lora_sizes[s] for s in lora.timeline_casts) == cast_bytes < lora_weights  # the adapters are not
+    kw = dict(batch=1, seq=32, device="cuda", card=8)
+    a, b = predict(cfg, "fp32", cast_on_card=True, **kw), predict(cfg, "fp32", **kw)
+    assert (a.reserved_peak_bytes, a.allocated_peak_bytes) == (b.reserved_peak_bytes, b.allocated_peak_bytes)

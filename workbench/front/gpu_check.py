@@ -215,7 +215,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             # --counted measures the device rungs under the live-bytes count
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
-                        workspaces=workspaces).row()
+                        workspaces=workspaces, cast_on_card=True).row()  # measure() casts a pure-half plan there
         except Exception as e:
             p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         release_held(opts.device)

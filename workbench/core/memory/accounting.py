@@ -97,6 +97,7 @@ class MemoryReport:
     timeline_ops: list[str] | None = None  # the phase and op of each timeline event
     sums: list[tuple[bool, tuple[int, ...]]] = field(default_factory=list)  # autograd's gradient sums (in place, shape)
     timeline_streams: dict[int, int] | None = None  # the stream of each allocation off the default one (placed runs)
+    timeline_casts: tuple[int, ...] = ()  # weights a loader casts to 16 bits on the card (cuda_model.cast_on_card)
 
     @property
     def peak_bytes(self) -> int:
@@ -358,6 +359,9 @@ class MemoryAccounting(LiveBytes):
                 super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, args, {})
                 return args[0]
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def serials_of(self, tensors) -> list[int]:  # the timeline serials of these tensors' storages
+        return [self._serial[id(t.untyped_storage())] for t in tensors if id(t.untyped_storage()) in self._serial]
 
     def report(self) -> MemoryReport:
         r = MemoryReport(self.device_type, self.peak, dict(self.phase_peaks), self.step, sums=list(self.sums))

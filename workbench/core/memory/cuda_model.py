@@ -130,7 +130,8 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None):
     the step. A workspace stays where that first run made it, in a segment it keeps with the rest of
     that segment free (on the H200, measured after fp32 in one process: bf16_ckpt 9,342 MiB reserved,
     9,356 so predicted; adamw8bit 6,384 and 6,382). A process that ran another setup before is not this
-    case (fp32 after bf16_true_lora: 9,792 measured, 10,352 so predicted). The prefix's serials are
+    case (fp32 after bf16_true_lora: 9,792 measured, 10,352 so predicted; a replay of bf16_true_lora's
+    step cast on the card before fp32's gave 9,790, but predict has no option for it). The prefix's serials are
     negated (-s - 1) and its steps are -1, so replay's step logic (cuts, the steady state) sees only
     the step. Returns (events, steps_of, roles, streams, prefix length)."""
     n = next((i for i, k in enumerate(steps_of) if k >= 1), len(events))
@@ -145,6 +146,35 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None):
     roles = {**roles, **{-k - 1: r for k, r in roles.items()}}
     streams = {**(streams or {}), **{-k - 1: st for k, st in (streams or {}).items()}} or None
     return prefix + list(events), [-1] * len(prefix) + list(steps_of), roles, streams, len(prefix)
+
+
+def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
+    """The timeline of a setup whose weights reach the card in fp32 and are cast to 16 bits there
+    (`model.to("cuda")` then `model.to(torch.bfloat16)`, as this workbench's measured runs load a
+    pure-half plan): each weight in `casts` (serials) first as an fp32 tensor of twice its bytes,
+    all of them, then cast one at a time (its 16-bit tensor made, the fp32 one freed); then the
+    garbage collected and the cache emptied (empty_cache: a segment part of which a cast weight
+    took stays). The other setup events follow, then the steps. On the H200 (2026-11-26) the
+    16-bit weights cut from the freed fp32 embedding's 520 MiB segment kept it, and the forward's
+    cuBLAS workspace went there: bf16_true_lora's segments came out as the card's, size for size.
+    `made` (workspaces_in's positions) is shifted with the events. Returns (events, steps_of,
+    roles, made)."""
+    n = next((i for i, op in enumerate(ops) if op != "setup"), len(events))
+    cast = set(casts)
+    weights = [(s, nb) for s, nb in events[:n] if nb > 0 and s in cast]
+    if not weights:  # nothing to cast (an fp32 or mixed-precision plan): the timeline as it is
+        return events, steps_of, roles, made
+    twin = {s: -(10**12) - s for s, _ in weights}  # serials no event uses (after_a_run negates from -1 down)
+    load = [(twin[s], 2 * nb) for s, nb in weights]
+    for s, nb in weights:
+        load += [(s, nb), (twin[s], -1)]
+    load.append((EMPTY_CACHE_SERIAL, EMPTY_CACHE))
+    rest = [(s, nb) for s, nb in events[:n] if not (nb > 0 and s in cast)]
+    shift = len(load) + len(rest) - n
+    step0 = steps_of[0] if steps_of else 0
+    return (load + rest + list(events[n:]), [step0] * (len(load) + len(rest)) + list(steps_of[n:]),
+            {**roles, **{t: "weights" for t in twin.values()}},
+            [(w[0], w[1], w[2] + shift) if len(w) == 3 and w[2] is not None else w for w in made])
 
 
 CARDS = {c.name: c for c in (

@@ -56,6 +56,7 @@ from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
+from workbench.core.memory.live_bytes import model_tensors
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
 from workbench.core.memory.monitor import bf16_emulated_on
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
@@ -196,10 +197,14 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
                            plain_engine=not instrumented) as acc):
         acc.watch(model)
         acc.alias(step.twins)
+        # a pure-half plan casts the weights to 16 bits (apply_trainable): a loader that moves them to the
+        # card first casts them there (cuda_model.cast_on_card); LoRA's fp32 adapters come after, uncast
+        casts = acc.serials_of(t for t in model_tensors(model) if t.dtype == plan.half_dtype) if plan.pure_half else []
         with step.choices as mode:
             train(model, step.blocks, settings, device=device, optimizer=optimizer,
                   run_micro_batches=None if step.cuda or timeline else ACCUM_SIMULATED)
     report = acc.report()
+    report.timeline_casts = tuple(casts)
     report.kernels = dict(mode.kernels) if step.cuda else {}
     return report
 
@@ -229,7 +234,8 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
 
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int | None = None,
             n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
-            instrumented: bool = False, replay_steps: int | None = None, workspaces: str = "fresh") -> Prediction:
+            instrumented: bool = False, replay_steps: int | None = None, workspaces: str = "fresh",
+            cast_on_card: bool = False) -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
@@ -244,7 +250,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     that many; default: until its cache is steady (the reserved peak of a long run). `workspaces`
     (CUDA): "fresh" (the default: a process whose first matmuls make the cuBLAS workspaces inside the
     step, as a training script's does; cuda_model.workspaces_in) or "held" (a process that ran this
-    step before, a notebook kernel that trained already: cuda_model.after_a_run). Raises ConfigError for an
+    step before, a notebook kernel that trained already: cuda_model.after_a_run). `cast_on_card` (CUDA,
+    pure-half plans): the weights reach the card in fp32 and are cast to 16 bits there, as this
+    workbench's own runs load them (cuda_model.cast_on_card); default: they arrive in their dtype, as
+    `from_pretrained(torch_dtype=...)` loads them. Raises ConfigError for an
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
@@ -337,6 +346,9 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), report.timeline_ops)
         events, steps_of, roles, streams = (report.timeline, report.timeline_steps, report.timeline_roles,
                                             report.timeline_streams)
+        if cast_on_card and report.timeline_casts:
+            events, steps_of, roles, made = cuda_model.cast_on_card(events, steps_of, report.timeline_ops, roles,
+                                                                    report.timeline_casts, made)
         if workspaces == "held" and any(len(w) == 3 and w[2] is not None for w in made):  # made by a run before
             events, steps_of, roles, streams, _ = cuda_model.after_a_run(events, steps_of, roles, streams)
         steady_from = next((i for i, s in enumerate(steps_of) if s >= last), 0)

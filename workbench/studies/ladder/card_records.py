@@ -90,7 +90,7 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
         ws = workspaces_of(opts, k)
         p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
                     instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
-                    workspaces=ws)
+                    workspaces=ws, cast_on_card=True)  # the ladder's measure() casts a pure-half plan on the card
         # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
         alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
         row = {"rung": r["rung"], "method": p.method, "counted": counted, "workspaces": ws,

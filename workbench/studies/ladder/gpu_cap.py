@@ -123,7 +123,7 @@ def check_cap(opts) -> dict[str, Any]:
             if opts.out_of_time():
                 raise TimeoutError("the time budget (--time-budget) was spent before it began")
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
-                        card=card, replay_steps=TRIAL_STEPS)  # the cap a run of that many steps needs
+                        card=card, replay_steps=TRIAL_STEPS, cast_on_card=True)  # as measure() loads: a run's cap
         except Exception as e:
             rows.append({"rung": name, "status": "not measured", "reason": one_line(e), "trials": [], "passed": False})
             continue
