@@ -261,7 +261,8 @@ def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
     direct = allocator.replay(events, {}, [])
     cast = allocator.replay(ev, roles, [])
     assert sorted(direct.segment_sizes.items()) == [("2", 1), ("20", 1), ("260", 1), ("300", 1)]
-    assert sorted(cast.segment_sizes.items()) == [("2", 1), ("260", 1), ("520", 1)]  # the 300 MiB went in the 520's room
+    # the 300 MiB activation went in the 520 MiB segment's room
+    assert sorted(cast.segment_sizes.items()) == [("2", 1), ("260", 1), ("520", 1)]
     # nothing to cast (an fp32 plan): the timeline as it was
     assert cm.cast_on_card(events, steps, ops, {}, (), made) == (events, steps, {}, made)
 
