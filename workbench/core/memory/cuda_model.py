@@ -122,29 +122,33 @@ def workspaces_in(card: "Card", ops: list[str] | None, workspaces: str = "fresh"
     return [(name, n, at.get(phase)) for (name, n), phase in zip(names, ("forward", "backward"))]
 
 
-def after_a_run(events, steps_of, roles: dict, streams: dict | None):
+def after_a_run(events, steps_of, roles: dict, streams: dict | None, before=None):
     """The timeline of a process that has run this step before ("held" workspaces: a notebook kernel
     that trained already, a gpu-check rung after another): the first step replayed as a fresh process
     runs it (`workspaces_in`'s positions make the workspaces inside it), everything it made freed and
     the cache emptied (`torch.cuda.empty_cache()`, as gpu-check and the studies do between runs), then
     the step. A workspace stays where that first run made it, in a segment it keeps with the rest of
     that segment free (on the H200, measured after fp32 in one process: bf16_ckpt 9,342 MiB reserved,
-    9,356 so predicted; adamw8bit 6,384 and 6,382). A process that ran another setup before is not this
-    case (fp32 after bf16_true_lora: 9,792 measured, 10,352 so predicted; a replay of bf16_true_lora's
-    step cast on the card before fp32's gave 9,790, but predict has no option for it). The prefix's serials are
-    negated (-s - 1) and its steps are -1, so replay's step logic (cuts, the steady state) sees only
-    the step. Returns (events, steps_of, roles, streams, prefix length)."""
-    n = next((i for i, k in enumerate(steps_of) if k >= 1), len(events))
+    9,356 so predicted; adamw8bit 6,384 and 6,382). The prefix's serials are negated (-s - 1) and
+    its steps are -1, so replay's step logic (cuts, the steady state) sees only the step. `before`:
+    (events, steps_of, roles) of another setup whose first step is replayed instead, a process that
+    trained that setup first (its streams taken as the default one's). fp32 after bf16_true_lora,
+    both loaded as gpu-check loads them (cast_on_card): 9,792 MiB measured, 9,790 so predicted, and
+    10,352 with fp32's own step before it.
+    Returns (events, steps_of, roles, streams, prefix length)."""
+    b_events, b_steps, b_roles = before if before is not None else (events, steps_of, roles)
+    n = next((i for i, k in enumerate(b_steps) if k >= 1), len(b_events))
     live: dict[int, None] = {}
-    for serial, nbytes in events[:n]:
+    for serial, nbytes in b_events[:n]:
         if nbytes >= 0:
             live[serial] = None
         elif nbytes == -1:
             live.pop(serial, None)
-    prefix = [(serial if nbytes == EMPTY_CACHE else -serial - 1, nbytes) for serial, nbytes in events[:n]]
+    prefix = [(serial if nbytes == EMPTY_CACHE else -serial - 1, nbytes) for serial, nbytes in b_events[:n]]
     prefix += [(-serial - 1, -1) for serial in live] + [(EMPTY_CACHE_SERIAL, EMPTY_CACHE)]
-    roles = {**roles, **{-k - 1: r for k, r in roles.items()}}
-    streams = {**(streams or {}), **{-k - 1: st for k, st in (streams or {}).items()}} or None
+    roles = {**roles, **{-k - 1: r for k, r in b_roles.items()}}
+    if before is None:
+        streams = {**(streams or {}), **{-k - 1: st for k, st in (streams or {}).items()}} or None
     return prefix + list(events), [-1] * len(prefix) + list(steps_of), roles, streams, len(prefix)
 
 

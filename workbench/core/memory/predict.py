@@ -235,7 +235,7 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int | None = None,
             n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
             instrumented: bool = False, replay_steps: int | None = None, workspaces: str = "fresh",
-            cast_on_card: bool = False) -> Prediction:
+            cast_on_card: bool = False, after: str | Plan | None = None) -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
@@ -253,7 +253,9 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     step before, a notebook kernel that trained already: cuda_model.after_a_run). `cast_on_card` (CUDA,
     pure-half plans): the weights reach the card in fp32 and are cast to 16 bits there, as this
     workbench's own runs load them (cuda_model.cast_on_card); default: they arrive in their dtype, as
-    `from_pretrained(torch_dtype=...)` loads them. Raises ConfigError for an
+    `from_pretrained(torch_dtype=...)` loads them. `after` (with "held"): the setup whose run made the
+    workspaces (its first step replayed in place of this one's: a process that trained it first, as
+    gpu-check's ladder ran rungs after the first); default: this setup. Raises ConfigError for an
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
@@ -349,8 +351,16 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         if cast_on_card and report.timeline_casts:
             events, steps_of, roles, made = cuda_model.cast_on_card(events, steps_of, report.timeline_ops, roles,
                                                                     report.timeline_casts, made)
+        before = None
+        if workspaces == "held" and after is not None and rung(after).name != plan.name:  # made by another setup's run
+            o = simulate(config, rung(after), batch=batch, seq=seq, steps=steps, target=device, sm=sm,
+                         instrumented=instrumented)
+            made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), o.timeline_ops)
+            before = (o.timeline, o.timeline_steps, o.timeline_roles)
+            if cast_on_card and o.timeline_casts:
+                *before, made = cuda_model.cast_on_card(*before[:2], o.timeline_ops, before[2], o.timeline_casts, made)
         if workspaces == "held" and any(len(w) == 3 and w[2] is not None for w in made):  # made by a run before
-            events, steps_of, roles, streams, _ = cuda_model.after_a_run(events, steps_of, roles, streams)
+            events, steps_of, roles, streams, _ = cuda_model.after_a_run(events, steps_of, roles, streams, before)
         steady_from = next((i for i, s in enumerate(steps_of) if s >= last), 0)
         outside = ("optimizer_state",) if pageable else ()
         run = dict(steps_of=steps_of, simulated_steps=report.steps, until=replay_steps or allocator.STEADY)

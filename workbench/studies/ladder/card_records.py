@@ -88,12 +88,14 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
             continue
         counted = r.get("accounted_peak_mib") is not None and RUNGS[r["rung"]].placement == "device"
         ws = workspaces_of(opts, k)
+        # held: the workspaces where the record's first rung made them (its run came first in the process)
+        first = ladder["rows"][0]["rung"] if ws == "held" else None
         p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
                     instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
-                    workspaces=ws, cast_on_card=True)  # the ladder's measure() casts a pure-half plan on the card
+                    workspaces=ws, cast_on_card=True, after=first)  # measure() casts a pure-half plan on the card
         # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
         alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
-        row = {"rung": r["rung"], "method": p.method, "counted": counted, "workspaces": ws,
+        row = {"rung": r["rung"], "method": p.method, "counted": counted, "workspaces": ws, "after": first,
                "predicted_allocated_mib": round(alloc, 1), "cuda_max_allocated_mib": measured_alloc,
                "error_vs_allocated_pct": round(100 * (alloc / measured_alloc - 1), 2),
                "predicted_reserved_mib": round(res, 1) if res else None, "cuda_max_reserved_mib": measured_res,
