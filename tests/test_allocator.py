@@ -284,3 +284,29 @@ def test_a_prediction_casts_only_the_16_bit_weights_and_only_when_asked():
     kw = dict(batch=1, seq=32, device="cuda", card=8)
     a, b = predict(cfg, "fp32", cast_on_card=True, **kw), predict(cfg, "fp32", **kw)
     assert (a.reserved_peak_bytes, a.allocated_peak_bytes) == (b.reserved_peak_bytes, b.allocated_peak_bytes)
+
+
+def test_held_workspaces_after_another_setup_replay_that_setups_first_step():
+    """gpu-check's ladder ran its rungs one after another in one process, so a later rung found the
+    cuBLAS workspaces where the first rung's first step made them: after_a_run(before=...) replays
+    that setup's first step instead of the rung's own (predict(workspaces="held", after=...))."""
+    from workbench.core.memory import cuda_model as cm
+    from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
+
+    other = ([(1, 297 * MiB), (1, -1), (2, 400 * MiB), (2, -1), (3, 297 * MiB), (3, -1)], [0, 0, 0, 0, 1, 1],
+             {1: "activations"})
+    events, steps = [(1, 100 * MiB), (1, -1), (2, 100 * MiB), (2, -1)], [0, 0, 1, 1]
+    ev, st, roles, streams, n = cm.after_a_run(events, steps, {2: "temporaries"}, {1: 5}, before=other)
+    assert ev[:n] == [(-2, 297 * MiB), (-2, -1), (-3, 400 * MiB), (-3, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE)]
+    assert ev[n:] == events and st == [-1] * n + steps and streams == {1: 5}  # the other's events on the default stream
+    assert roles[-2] == "activations" and roles[2] == "temporaries"
+    cfg = tiny_config("qwen2")
+    kw = dict(batch=1, seq=32, device="cuda", card=8, workspaces="held")
+    same, itself = predict(cfg, "lora", **kw), predict(cfg, "lora", after="lora", **kw)
+    assert (same.reserved_peak_bytes, same.allocated_peak_bytes) == (itself.reserved_peak_bytes,
+                                                                     itself.allocated_peak_bytes)
+    assert predict(cfg, "lora", after="fp32", **kw).reserved_peak_bytes > 0
+    with pytest.raises(ConfigError, match="unknown"):
+        predict(cfg, "lora", after="fp33", **kw)
+    with pytest.raises(ConfigError, match="use it with workspaces='held'"):
+        predict(cfg, "lora", after="fp32", **{**kw, "workspaces": "fresh"})

@@ -124,10 +124,15 @@ def test_the_committed_re_prediction_is_what_this_checkout_predicts():
     env = json.loads((record / "summary.json").read_text())["environment"]
     card = cm.card_of(env["gpu"], int(env["gpu_total_mib"] * 2**20), 90)
     p = predict(str(CONFIGS / "qwen2-0.5b.json"), "zero_offload", batch=1, seq=512, device="cuda", card=card,
-                replay_steps=3, workspaces="held")  # the record's steps; it ran after fp32 in one process
+                replay_steps=3, workspaces="held", cast_on_card=True, after="fp32")  # it ran after fp32 in one process
     assert card_records.workspaces_of(json.loads((record / "summary.json").read_text())["results"]["ladder"]
                                       .get("options", {}), 13) == "held"
     assert card_records.workspaces_of({}, 0) == "fresh"  # the first rung of a process makes them
     assert card_records.workspaces_of({"workspaces": "released before each rung"}, 13) == "fresh"
     assert again["zero_offload"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
     assert again["zero_offload"]["predicted_allocated_mib"] == round(p.allocated_peak_bytes / 2**20, 1)
+    # a pure-half rung: cast on the card as measure() loads it, after the record's first rung (fp32)
+    p = predict(str(CONFIGS / "qwen2-0.5b.json"), "bf16_true_lora", batch=1, seq=512, device="cuda", card=card,
+                replay_steps=3, workspaces="held", instrumented=True, cast_on_card=True, after="fp32")
+    assert again["bf16_true_lora"]["after"] == "fp32" and again["bf16_true_lora"]["counted"]
+    assert again["bf16_true_lora"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)

@@ -268,6 +268,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         raise ConfigError(f"unknown device {device!r}; choose cpu or cuda")
     if workspaces not in cuda_model.WORKSPACES:
         raise ConfigError(f"unknown workspaces {workspaces!r}; choose {' or '.join(cuda_model.WORKSPACES)}")
+    if after is not None and workspaces != "held":
+        raise ConfigError("after names the setup that ran first in the process; use it with workspaces='held'")
     the_card = cuda_model.card(card)
     if the_card is not None and device != "cuda":
         raise ConfigError("--card describes a CUDA card; use it with --device cuda")
