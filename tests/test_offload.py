@@ -89,8 +89,11 @@ def reference(model, data, fused=True) -> tuple[dict, list]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
-def run_engine(model, data, k_schedule=None, **kw) -> tuple[SplitEngine, list]:
+def run_engine(model, data, k_schedule=None, made=None, **kw) -> tuple[SplitEngine, list]:
+    """`made(engine)` is called before the first step (a stubbed balance that reads the engine)."""
     eng = SplitEngine(model, hp=HP, **kw)
+    if made is not None:
+        made(eng)
     losses = []
     for i, b in enumerate(data):
         if k_schedule is not None:
@@ -331,11 +334,7 @@ def test_a_kept_fit_is_measured_again_once_it_has_aged(monkeypatch):
     monkeypatch.setattr(engine_mod, "REFIT_AFTER", 4)
     learn = SplitEngine._learn
     monkeypatch.setattr(SplitEngine, "_learn", lambda self, row: learn(self, {**row, "backward_ms": 100.0}))
-    base, data = tiny_qwen(), batches(512, 20)
-    eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0, adaptive=True, k_every=1)
-    for b in data:
-        eng.step(b)
-    eng.finish()
+    eng, _ = run_engine(tiny_qwen(), batches(512, 20), k=0.0, adaptive=True, k_every=1)
     probes = [r["iteration"] for r in eng.rows if r["k_probe"]]
     assert eng._fit == pytest.approx((0.1, 0.0))  # flat: no slowdown
     # the first probe at step 3; its rows (3 and 4, held) leave the window of 8 with row 12, so the last
@@ -374,12 +373,7 @@ def test_adaptive_engine_keeps_its_start_k_until_a_backward_after_warm_up_is_mea
         return 0.5
 
     monkeypatch.setattr(engine_mod, "balance_k", wants_half)
-    base, data = tiny_qwen(), batches(512, 6)
-    eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0, adaptive=True, k_every=1)
-    eng_ref.append(eng)
-    for b in data:
-        eng.step(b)
-    eng.finish()
+    eng, _ = run_engine(tiny_qwen(), batches(512, 6), made=eng_ref.append, k=0.0, adaptive=True, k_every=1)
     ks = [r["k_actual"] for r in eng.rows]
     assert ks[:3] == [0.0, 0.0, 0.0] and ks[3] > 0.2
     # at step 4 only k = 0 has been measured, but k = 0.5 is in use and its row is to come: no probe
@@ -409,12 +403,7 @@ def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkey
     learn = SplitEngine._learn
     monkeypatch.setattr(SplitEngine, "_learn",
                         lambda self, row: learn(self, {**row, "backward_ms": 100 + 50 * (1 - row["k_actual"])}))
-    base, data = tiny_qwen(), batches(512, 7)
-    eng = SplitEngine(copy.deepcopy(base), hp=HP, k=0.0, adaptive=True, k_every=1)
-    eng_ref.append(eng)
-    for b in data:
-        eng.step(b)
-    eng.finish()
+    eng, _ = run_engine(tiny_qwen(), batches(512, 7), made=eng_ref.append, k=0.0, adaptive=True, k_every=1)
     probes = [r for r in eng.rows if r["k_probe"]]
     assert len(probes) == 1 and probes[0]["k_actual"] >= 0.2  # moved up from 0, once
     # k stays at the probe until the probe's row is in (the balance, asking for 0, is not heard), then goes back
