@@ -5,8 +5,8 @@
 
 What it counts: tokens/s of `SplitEngine` on a small random Qwen2 (hidden 256, 6 layers, vocab
 4096; batch 4 x 128, fp32, the default torch fused AdamW on the host) at k = 0, k = 1 and adaptive
-(k = 0 at the start; from the third iteration on, when a backward after warm-up has been
-measured, recomputed every iteration from measured rates). Each run takes
+(k = 0 at the start; from the fourth iteration on (index 3), when a backward after warm-up has
+been measured, recomputed from measured rates, waiting after each move for a row at the new k). Each run takes
 `--iterations` steps; the first `--warmup` are left out. The runs go in alternating order, one
 round forward and the next reversed (k0, k1, adaptive | adaptive, k1, k0 | ...), so that a drift
 of load from other processes hits every run alike; each figure is the median over the rounds.

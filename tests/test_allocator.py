@@ -263,6 +263,10 @@ def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
     assert sorted(direct.segment_sizes.items()) == [("2", 1), ("20", 1), ("260", 1), ("300", 1)]
     # the 300 MiB activation went in the 520 MiB segment's room
     assert sorted(cast.segment_sizes.items()) == [("2", 1), ("260", 1), ("520", 1)]
+    # a free during the load (its op is "", not "setup") does not end it: the weight after it is cast too
+    ev2, *_ = cm.cast_on_card([(1, 2 * MiB), (9, MiB), (9, -1), (2, 2 * MiB), (4, MiB)], [0] * 5,
+                              ["setup", "setup", "", "setup", "forward: mm.default"], {}, (1, 2), [])
+    assert [nb for s, nb in ev2 if s < -1 and nb > 0] == [4 * MiB, 4 * MiB]
     # nothing to cast (an fp32 plan): the timeline as it was
     assert cm.cast_on_card(events, steps, ops, {}, (), made) == (events, steps, {}, made)
 
@@ -286,7 +290,7 @@ def test_a_prediction_casts_only_the_16_bit_weights_and_only_when_asked():
     assert (a.reserved_peak_bytes, a.allocated_peak_bytes) == (b.reserved_peak_bytes, b.allocated_peak_bytes)
 
 
-def test_held_workspaces_after_another_setup_replay_that_setups_first_step():
+def test_held_workspaces_after_another_setup_replay_that_setups_first_step(monkeypatch):
     """gpu-check's ladder ran its rungs one after another in one process, so a later rung found the
     cuBLAS workspaces where the first rung's first step made them: after_a_run(before=...) replays
     that setup's first step instead of the rung's own (predict(workspaces="held", after=...))."""
@@ -302,10 +306,21 @@ def test_held_workspaces_after_another_setup_replay_that_setups_first_step():
     assert roles[-2] == "activations" and roles[2] == "temporaries"
     cfg = tiny_config("qwen2")
     kw = dict(batch=1, seq=32, device="cuda", card=8, workspaces="held")
-    same, itself = predict(cfg, "lora", **kw), predict(cfg, "lora", after="lora", **kw)
-    assert (same.reserved_peak_bytes, same.allocated_peak_bytes) == (itself.reserved_peak_bytes,
-                                                                     itself.allocated_peak_bytes)
-    assert predict(cfg, "lora", after="fp32", **kw).reserved_peak_bytes > 0
+    seen = []
+    real = cm.after_a_run
+
+    def spy(*args):
+        seen.append(args[4])
+        return real(*args)
+
+    monkeypatch.setattr(cm, "after_a_run", spy)
+    predict(cfg, "lora", **kw)
+    predict(cfg, "lora", after="fp32", **kw)
+    fp32 = simulate(cfg, rung("fp32"), batch=1, seq=32, steps=3, target="cuda", sm=cm.DEFAULT_SM)
+    assert seen[0] is None  # held after its own step
+    assert seen[1][0] == fp32.timeline and seen[1][1] == fp32.timeline_steps  # after fp32's: its timeline
+    with pytest.raises(ConfigError, match="only a setup trained on the card"):
+        predict(cfg, "lora", after="zero_offload", **kw)
     with pytest.raises(ConfigError, match="unknown"):
         predict(cfg, "lora", after="fp33", **kw)
     with pytest.raises(ConfigError, match="use it with workspaces='held'"):

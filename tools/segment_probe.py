@@ -21,9 +21,10 @@ bf16_true_lora failed under a cap of 3,440 MiB though it reserved 3,446 uncapped
 
 With --after, another rung runs first in the process, then garbage is collected and the cache
 emptied (the cuBLAS workspaces kept where that run made them), as gpu-check's ladder ran its rungs
-before it released the workspaces between them. On that H200, fp32 after bf16_true_lora reserved
-9,792 MiB (25 segments of 18 MiB fewer than in a fresh process, which reserved 10,378); a replay of
-bf16_true_lora's step before fp32's predicts 10,352: the trace shows what the model is missing.
+before it released the workspaces between them; the memory history is recorded from before that
+run, so the segments it leaves are in the trace. On that H200, fp32 after bf16_true_lora reserved
+9,792 MiB (139 segments of 18 MiB, against 180 in a fresh process, which reserved 10,378); the
+model, with bf16_true_lora cast on the card as the ladder loads it, predicts 9,790.
 """
 import argparse
 import gc
@@ -49,7 +50,8 @@ dev = torch.device("cuda", 0)
 cfg = LadderConfig(model="data/configs/qwen2-0.5b.json", base_size="default", micro_batch=1, seq_len=512, steps=3,
                    reference_model="")
 config, load, blocks, _ = model_at_hand(cfg)
-if args.after:
+if args.after:  # recorded from here: the segments the first run leaves are made in the trace
+    torch.cuda.memory._record_memory_history(max_entries=400000)
     first = measure(args.after, load, blocks, batch=1, steps=3, device=dev, counted=False)
     gc.collect()
     torch.cuda.empty_cache()
@@ -62,7 +64,8 @@ if cap_mib is not None:  # as the cap check's trials
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, (held + cap_mib * MiB) / total), dev)
     print(f"cap {cap_mib:,.0f} MiB above {held / MiB:,.1f} MiB held")
-torch.cuda.memory._record_memory_history(max_entries=400000)
+if not args.after:  # (with --after it records already)
+    torch.cuda.memory._record_memory_history(max_entries=400000)
 m = measure(rung, load, blocks, batch=1, steps=3, device=dev, counted=False)
 snap = torch.cuda.memory._snapshot()
 torch.cuda.memory._record_memory_history(enabled=None)

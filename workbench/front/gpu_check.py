@@ -204,7 +204,6 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     # each rung measured as a fresh process runs it: its first matmuls make the cuBLAS workspaces (a
     # rung after another in one process found them made, and reserved up to 8% less on the H200)
     fresh = can_release_workspaces()  # release_held below, before each rung's measurement
-    workspaces = "fresh" if fresh else "held"
     for name in opts.rungs or gpu_rungs(RUNGS):
         if opts.out_of_time():
             rows.append(rung_row(name, {}, dict(NOT_RUN), {}))
@@ -213,9 +212,13 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         try:
             # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless
             # --counted measures the device rungs under the live-bytes count
+            # held (this torch cannot release them): the first rung makes the workspaces, the rest find them
+            first = (opts.rungs or gpu_rungs(RUNGS))[0]
+            ws, after = ("fresh", None) if fresh or name == first else ("held", first)
+            after = after if after and RUNGS[after].placement == "device" else None  # else: after itself
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
-                        workspaces=workspaces, cast_on_card=True).row()  # measure() casts a pure-half plan there
+                        workspaces=ws, after=after, cast_on_card=True).row()  # measure() casts a pure-half plan
         except Exception as e:
             p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         release_held(opts.device)

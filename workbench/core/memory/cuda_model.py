@@ -163,7 +163,8 @@ def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
     cuBLAS workspace went there: bf16_true_lora's segments came out as the card's, size for size.
     `made` (workspaces_in's positions) is shifted with the events. Returns (events, steps_of,
     roles, made)."""
-    n = next((i for i, op in enumerate(ops) if op != "setup"), len(events))
+    # the load: everything before the first op of a step (a free during it is tagged "", not "setup")
+    n = next((i for i, op in enumerate(ops) if op.startswith(("forward", "backward", "optimizer"))), len(events))
     cast = set(casts)
     weights = [(s, nb) for s, nb in events[:n] if nb > 0 and s in cast]
     if not weights:  # nothing to cast (an fp32 or mixed-precision plan): the timeline as it is

@@ -235,7 +235,8 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int | None = None,
             n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
             instrumented: bool = False, replay_steps: int | None = None, workspaces: str = "fresh",
-            cast_on_card: bool = False, after: str | Plan | None = None) -> Prediction:
+            cast_on_card: bool = False, after: str | Plan | None = None,
+            after_instrumented: bool | None = None) -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
     `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
@@ -255,7 +256,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     workbench's own runs load them (cuda_model.cast_on_card); default: they arrive in their dtype, as
     `from_pretrained(torch_dtype=...)` loads them. `after` (with "held"): the setup whose run made the
     workspaces (its first step replayed in place of this one's: a process that trained it first, as
-    gpu-check's ladder ran rungs after the first); default: this setup. Raises ConfigError for an
+    gpu-check's ladder ran rungs after the first; `after_instrumented`: whether it ran under the
+    live-bytes count, default as this one); default: this setup. Raises ConfigError for an
     unknown rung, a non-positive shape or a card smaller than the weights alone,
     ModelNotFoundError for a config that is not a model's.
     """
@@ -270,6 +272,9 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         raise ConfigError(f"unknown workspaces {workspaces!r}; choose {' or '.join(cuda_model.WORKSPACES)}")
     if after is not None and workspaces != "held":
         raise ConfigError("after names the setup that ran first in the process; use it with workspaces='held'")
+    if after is not None and rung(after).placement != "device":
+        raise ConfigError(f"after={rung(after).name} trains {rung(after).placement}: only a setup trained on the card "
+                          "is replayed before this one")
     the_card = cuda_model.card(card)
     if the_card is not None and device != "cuda":
         raise ConfigError("--card describes a CUDA card; use it with --device cuda")
@@ -356,7 +361,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         before = None
         if workspaces == "held" and after is not None and rung(after).name != plan.name:  # made by another setup's run
             o = simulate(config, rung(after), batch=batch, seq=seq, steps=steps, target=device, sm=sm,
-                         instrumented=instrumented)
+                         instrumented=instrumented if after_instrumented is None else after_instrumented)
             made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), o.timeline_ops)
             before = (o.timeline, o.timeline_steps, o.timeline_roles)
             if cast_on_card and o.timeline_casts:

@@ -90,9 +90,11 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
         ws = workspaces_of(opts, k)
         # held: the workspaces where the record's first rung made them (its run came first in the process)
         first = ladder["rows"][0]["rung"] if ws == "held" else None
+        first_counted = ladder["rows"][0].get("accounted_peak_mib") is not None  # it ran under the count or not
         p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
                     instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
-                    workspaces=ws, cast_on_card=True, after=first)  # measure() casts a pure-half plan on the card
+                    workspaces=ws, cast_on_card=True,  # measure() casts a pure-half plan on the card
+                    after=first, after_instrumented=first_counted)
         # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
         alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
         row = {"rung": r["rung"], "method": p.method, "counted": counted, "workspaces": ws, "after": first,

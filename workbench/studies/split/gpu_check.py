@@ -107,7 +107,7 @@ def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMU
 def settled(rows: list[dict], warmup: int = WARMUP) -> dict[str, Any]:
     """An adaptive run after its last move of k: that k, the iteration it was first used in, and
     the tokens/s of those iterations (warm-up left out); the figures None where fewer than two
-    iterations ran at the last k (it never settled within the run)."""
+    measured iterations (after warm-up) ran at the last k."""
     start = 0
     for i in range(1, len(rows)):
         if rows[i]["k_actual"] != rows[i - 1]["k_actual"]:
@@ -214,7 +214,8 @@ def split_markdown(result: dict[str, Any]) -> str:
                              f"{r['settled_from']}): {r['settled_tokens_per_s']:,.0f} tokens/s{than} "
                              "(measured, not judged)")
             elif "settled_k" in r:
-                lines.append("- adaptive: k still moved in its last two iterations (not settled within the run)")
+                lines.append("- adaptive: fewer than two measured iterations at its last k "
+                             "(not settled within the run)")
     for c in result.get("comparisons", []):
         if c["speedup"] is not None:
             lines.append(f"- {c['best_engine_run']} vs {c['baseline']}: {c['speedup']:.2f}x tokens/s")
