@@ -244,8 +244,8 @@ def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
     """The ladder's runs load a pure-half plan in fp32 onto the card and cast it there
     (cuda_model.cast_on_card). The fp32 embedding's segment, freed by its cast, gives the next cast
     weight a block, so empty_cache keeps it, and the step's 300 MiB activation is cut from its free
-    room instead of a segment of its own (on the H200 this made bf16_true_lora's segments the card's,
-    size for size). LoRA's fp32 adapter (serial 3) is not cast: peft makes it after the cast."""
+    room instead of a segment of its own (on the H200 this made bf16_true_lora's segments the card's
+    but one 2 MiB one). LoRA's fp32 adapter (serial 3) is not cast: peft makes it after the cast."""
     from workbench.core.memory import cuda_model as cm
     from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
 

@@ -204,7 +204,10 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     # each rung measured as a fresh process runs it: its first matmuls make the cuBLAS workspaces (a
     # rung after another in one process found them made, and reserved up to 8% less on the H200)
     fresh = can_release_workspaces()  # release_held below, before each rung's measurement
-    for name in opts.rungs or gpu_rungs(RUNGS):
+    # held (this torch cannot release them): the first rung makes the workspaces, the rest find them
+    names = opts.rungs or gpu_rungs(RUNGS)
+    first = names[0] if RUNGS[names[0]].placement == "device" else None  # else each held rung after itself
+    for name in names:
         if opts.out_of_time():
             rows.append(rung_row(name, {}, dict(NOT_RUN), {}))
             continue
@@ -212,10 +215,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         try:
             # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless
             # --counted measures the device rungs under the live-bytes count
-            # held (this torch cannot release them): the first rung makes the workspaces, the rest find them
-            first = (opts.rungs or gpu_rungs(RUNGS))[0]
-            ws, after = ("fresh", None) if fresh or name == first else ("held", first)
-            after = after if after and RUNGS[after].placement == "device" else None  # else: after itself
+            ws, after = ("fresh", None) if fresh or name == names[0] else ("held", first)
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
                         workspaces=ws, after=after, cast_on_card=True).row()  # measure() casts a pure-half plan

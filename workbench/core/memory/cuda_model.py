@@ -160,7 +160,7 @@ def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
     garbage collected and the cache emptied (empty_cache: a segment part of which a cast weight
     took stays). The other setup events follow, then the steps. On the H200 (2026-11-26) the
     16-bit weights cut from the freed fp32 embedding's 520 MiB segment kept it, and the forward's
-    cuBLAS workspace went there: bf16_true_lora's segments came out as the card's, size for size.
+    cuBLAS workspace went there: bf16_true_lora's segments came out as the card's but one 2 MiB one.
     `made` (workspaces_in's positions) is shifted with the events. Returns (events, steps_of,
     roles, made)."""
     # the load: everything before the first op of a step (a free during it is tagged "", not "setup")
