@@ -386,6 +386,35 @@ def test_adaptive_engine_keeps_its_start_k_until_a_backward_after_warm_up_is_mea
     eng.close()
 
 
+@pytest.mark.parametrize("k_every", [1, 2])
+def test_an_adaptive_run_too_short_to_recompute_k_says_so_and_the_study_does_not_run_it(k_every, tmp_path,
+                                                                                       monkeypatch):
+    """With too few iterations (or too large a k_every) an adaptive run never recomputed k: it was a
+    static run at k_start, labelled adaptive. The engine now warns, and the study does not run it."""
+    first = engine_mod.first_decision(k_every)
+    assert first == {1: 3, 2: 4}[k_every]
+    with pytest.warns(UserWarning, match=rf"adaptive k was never recomputed: {first} iterations ran, and the first "
+                                         rf"decision comes at iteration {first} \(k_every={k_every}\); k stayed at 0"):
+        eng, _ = run_engine(tiny_qwen(), batches(512, first), k=0.0, adaptive=True, k_every=k_every)
+    assert eng.decisions == []
+    eng.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one iteration more: k is recomputed, and nothing to say
+        eng, _ = run_engine(tiny_qwen(), batches(512, first + 1), k=0.0, adaptive=True, k_every=k_every)
+        eng.close()
+    assert eng.decisions == [first]  # the function says where the engine first decides
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    for steps, status in ((first, "skipped"), (first + 1, "ok")):
+        cfg = SplitConfig.from_dict({**TINY, "k_sweep": [], "reference": False, "k_every": k_every, "steps": steps,
+                                     "write_results": False})
+        (run,) = measured_runs(cfg)[0]
+        assert run["run"] == "adaptive" and run["status"] == status
+        if status == "skipped":
+            assert run["reason"] == (f"k is first recomputed at iteration {first} (k_every={k_every}), past the "
+                                     f"run's {steps} steps: not run (raise steps to {first + 1})")
+
+
 def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkeypatch):
     """Backward is measured at one k only while the balance keeps k: the engine moves k once to
     measure the slowdown, then balances with it."""
@@ -952,8 +981,8 @@ def test_each_run_is_copied_with_no_earlier_run_on_the_card_and_zero_offload_cli
     from workbench.studies.split import runner
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
-    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 1.0], "steps": 2, "write_results": False,
-                                 "zero_offload": True, "max_grad_norm": 0.5})
+    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.0, 1.0], "write_results": False,
+                                 "zero_offload": True, "max_grad_norm": 0.5})  # 4 steps: the adaptive k moves
     copies, zero = [], {}
 
     def deepcopy(obj):

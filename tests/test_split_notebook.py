@@ -15,7 +15,7 @@ from conftest import executed_plots
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "03_split.ipynb"
 PLOTLY, WIDGET = "application/vnd.plotly.v1+json", "application/vnd.jupyter.widget-view+json"
-TINY = {"base_size": "tiny", "micro_batch": 2, "seq_len": 16, "steps": 3, "untimed_steps": 1,
+TINY = {"base_size": "tiny", "micro_batch": 2, "seq_len": 16, "steps": 4, "untimed_steps": 1,
         "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8, "eval_blocks": 4}
 
 

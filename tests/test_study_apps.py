@@ -26,7 +26,7 @@ from workbench.studies.strategies.config import StrategiesConfig
 LADDER_TINY = {"base_size": "tiny", "rungs": ["fp32", "bf16_ckpt", "zero_offload"], "micro_batch": 2, "seq_len": 32,
                "steps": 2, "budget_mib": 3.0, "reference_model": "", "breakdown_rung": "fp32", "threads": 1}
 SPLIT_TINY = {"base_size": "tiny", "eval_blocks": 4, "micro_batch": 2, "seq_len": 16,
-              "steps": 3, "untimed_steps": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
+              "steps": 4, "untimed_steps": 1, "k_sweep": [0.0, 1.0], "modelled_k_points": 3, "host_share": 0.8}
 
 
 def _loss_traces(fig) -> dict[str, tuple]:
@@ -160,8 +160,8 @@ def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
     per_it = cfg.micro_batch * cfg.seq_len
     for run in runs:
         mine = [r for r in rows if r["run"] == run]
-        assert [r["step"] for r in mine] == [1, 2, 3]
-        assert [r["tokens"] for r in mine] == [per_it, 2 * per_it, 3 * per_it]  # cumulative, like train()
+        assert [r["step"] for r in mine] == [1, 2, 3, 4]
+        assert [r["tokens"] for r in mine] == [i * per_it for i in (1, 2, 3, 4)]  # cumulative, like train()
         assert all(r["tokens_per_s"] > 0 and r["source"] == "measured" for r in mine)
     # the rows are the engine's own: the final loss matches the run's summary
     measured = df[df["source"] == "measured"].set_index("run")

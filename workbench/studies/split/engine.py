@@ -99,6 +99,13 @@ REFIT_AFTER = 4 * BACKWARD_OBS
 HOST, ACCEL = "host", "accelerator"
 
 
+def first_decision(k_every: int) -> int:
+    """The first iteration at which an adaptive engine can move k: the row of iteration 1 (the first
+    backward after warm-up) is in when step 3 starts (rows lag step() by one call), and k is
+    recomputed on the iterations that are multiples of `k_every`."""
+    return -(-3 // k_every) * k_every
+
+
 @dataclass(eq=False)  # hashable by identity: slots key the speculation journal
 class _Slot:
     """One trainable parameter's bookkeeping."""
@@ -186,6 +193,8 @@ class SplitEngine:
     ):
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {list(DTYPES)}")
+        if k_every < 1:
+            raise ValueError(f"k_every must be at least 1, got {k_every}")
         if backend_status(backend) != "ok":
             raise BackendUnavailable(backend_status(backend))
         self.model = model
@@ -234,6 +243,7 @@ class SplitEngine:
         self._moved_at: int | None = None  # adaptive: the first iteration at a new k, until its row is in
         self._fit: tuple[float, float] | None = None  # the last (t_B, I) fitted; kept while k stays put
         self._fit_at = 0  # the iteration of the last row that gave a fit
+        self.decisions: list[int] = []  # adaptive: the iterations at which k was recomputed (moved or not)
 
         # ---- hooks: gradients out as they become final; weights waited for module by module
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.slots]
@@ -465,6 +475,7 @@ class SplitEngine:
         # after a move, the next decision waits for a row at the new k: until then the rows are the old
         # k's, which the move was decided on (rows lag step() by one call)
         if self.adaptive and self._backward_obs and self._moved_at is None and self.iteration % self.k_every == 0:
+            self.decisions.append(self.iteration)
             k = balance_k(self.current_rates(), self.include_transfer)
             unspread = all(abs(self.k_actual - k_obs) < K_SPREAD for k_obs, _ in self._backward_obs)
             stale = self._fit is None or self.iteration - self._fit_at > REFIT_AFTER
@@ -580,8 +591,13 @@ class SplitEngine:
                 s.future = None
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        ran = self._pending is not None  # iterations since the last finish() (close() calls it again)
         self._finalize(self._pending, end=self.clock.mark())
         self._pending = None
+        if ran and self.adaptive and not self.decisions:
+            warnings.warn(f"adaptive k was never recomputed: {self.iteration} iterations ran, and the first decision "
+                          f"comes at iteration {first_decision(self.k_every)} (k_every={self.k_every}); k stayed at "
+                          f"{self.k_actual:.3g} (run more iterations or lower k_every)", stacklevel=2)
 
     def close(self) -> None:
         self.finish()
@@ -673,6 +689,8 @@ class SplitEngine:
                     # None until backward has been measured at two k (0 would read as "no slowdown")
                     "t_interference_s": rates.t_interference_s if self._fit else None,
                     "t_update_host_s": rates.t_update_host_s, "t_transfer_s": rates.t_transfer_s,
+                    # the k the balance asks for on these rates; the next decision may hold k (a row at a
+                    # new k is to come), probe instead, or not come (k_every; not adaptive)
                     "k_next": balance_k(rates, self.include_transfer)})
         self.rows.append(row)
         self._timeline(it, m, ev)

@@ -46,7 +46,7 @@ from workbench.studies.split import perf_model as pm
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import balance_k
 from workbench.studies.split.config import STUDY, SplitConfig
-from workbench.studies.split.engine import SplitEngine
+from workbench.studies.split.engine import SplitEngine, first_decision
 from workbench.studies.split.hostbench import measure_host
 from workbench.studies.split.preflight import MemoryHold, failure
 from workbench.studies.split.reference import plain_adamw
@@ -84,11 +84,6 @@ class _RunSink:
 
 
 # ---------------------------------------------------------------- model and data
-def load_base(cfg: SplitConfig):
-    """(model, tokenizer) of the run's base: the embedded base (built once, cached) or a real one."""
-    return load_model(cfg.model, spec=cfg.spec())
-
-
 def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(training batches, held-out blocks) from the target corpus: `iterations` batches of
     `batch_size` consecutive training blocks (from a seeded starting block, wrapping around), the
@@ -122,12 +117,15 @@ def base_perplexity(base, held: torch.Tensor, device: torch.device) -> float:
 
 # ---------------------------------------------------------------- measured runs
 def _runs(cfg: SplitConfig) -> list[dict]:
-    """(name, mode, engine kwargs) of every measured run."""
+    """(name, mode, engine kwargs; `short`: why a run too short to adapt is not run) of every measured run."""
     runs = [{"name": f"k={k:g}", "mode": "host only (k=0)" if k == 0 else "static",
              "kw": dict(k=k, adaptive=False)} for k in cfg.k_sweep]
-    if cfg.adaptive:
+    if cfg.adaptive:  # a run too short for k to move would be k=k_start under another name
+        first = first_decision(cfg.k_every)
         runs.append({"name": "adaptive", "mode": "adaptive",
-                     "kw": dict(k=cfg.k_start, adaptive=True, k_every=cfg.k_every)})
+                     "kw": dict(k=cfg.k_start, adaptive=True, k_every=cfg.k_every),
+                     "short": first >= cfg.steps and f"k is first recomputed at iteration {first} (k_every="
+                     f"{cfg.k_every}), past the run's {cfg.steps} steps: not run (raise steps to {first + 1})"})
     return runs
 
 
@@ -153,7 +151,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     none), as each run ends (_RunSink: labelled with `run` and `mode`)."""
     sinks = list(sinks)
     device = torch.device(cfg.resolved_device())
-    base, tokenizer = load_base(cfg)
+    base, tokenizer = load_model(cfg.model, spec=cfg.spec())  # the embedded base (built once, cached) or a real one
     shape = pm.shape_from_model(base, cfg.model, cfg.seq_len)
     flops_tok = shape.flops_per_token()
     batches, held = text_batches(cfg, tokenizer)
@@ -193,6 +191,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         name = spec["name"]
         head = {**common, "run": name, "mode": spec["mode"], "k_target": spec["kw"]["k"]}
         why = status if status != "ok" else hold.reason("engine", spec["kw"]["k"], compared=ref_w is not None)
+        why = why or spec.get("short")
         if why:
             runs.append({**head, "status": "skipped", "reason": why})
             continue
