@@ -48,6 +48,7 @@ from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import EMPTY_CACHE, EMPTY_CACHE_SERIAL
 from workbench.core.memory.cuda_attention import DEFAULT_SM, cuda_sdpa, math_attention, sdpa_backend  # noqa: F401
+from workbench.core.memory.live_bytes import model_tensors
 
 GiB = 2**30
 
@@ -104,9 +105,8 @@ def workspaces_in(card: "Card", ops: list[str] | None, workspaces: str = "fresh"
     stream), through the caching allocator, after the call's output: the forward's on the thread
     that runs the model, backward's on autograd's device thread. Each is placed right after the
     output of the first cuBLAS op of its phase in the simulated timeline (`ops`, the report's
-    timeline_ops); a cached free block it fits is split, and the rest of that segment can no longer
-    hold what it held before. On the H200 (2026-11-26) the backward's workspace took a freed 298 MiB
-    logits block this way, and the next step's logits needed a segment more (+298 MiB reserved).
+    timeline_ops); a cached free block it fits is split (on the H200 the backward's took a freed 298
+    MiB logits block, and the next step's logits needed a segment more: +298 MiB reserved).
     "held": both exist before the step, each in its own segment. This is the ops-less case (a report
     with no timeline); `predict(workspaces="held")` replays a run before the step (`after_a_run`)."""
     if workspaces not in WORKSPACES:
@@ -132,10 +132,9 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None, before=None
     9,356 so predicted; adamw8bit 6,384 and 6,382). The prefix's serials are negated (-s - 1) and
     its steps are -1, so replay's step logic (cuts, the steady state) sees only the step. `before`:
     (events, steps_of, roles) of another setup whose first step is replayed instead, a process that
-    trained that setup first (its streams taken as the default one's). fp32 after bf16_true_lora,
-    both loaded as gpu-check loads them (cast_on_card): 9,792 MiB measured, 9,790 so predicted, and
-    10,352 with fp32's own step before it.
-    Returns (events, steps_of, roles, streams, prefix length)."""
+    trained that setup first (its streams taken as the default one's; on the H200, fp32 after
+    bf16_true_lora: 9,792 MiB measured, 9,790 so predicted). Returns (events, steps_of, roles,
+    streams, prefix length)."""
     b_events, b_steps, b_roles = before if before is not None else (events, steps_of, roles)
     n = next((i for i, k in enumerate(b_steps) if k >= 1), len(b_events))
     live: dict[int, None] = {}
@@ -152,32 +151,52 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None, before=None
     return prefix + list(events), [-1] * len(prefix) + list(steps_of), roles, streams, len(prefix)
 
 
+def loaded_on_card(model, half_dtype, serials_of) -> tuple:
+    """The load cast_on_card replays, in `model.to("cuda")`'s order: (serials, fp32 bytes) per tensor
+    or group of `model` (as apply_trainable made it). fp32 bytes > 0: a weight that reaches the card in
+    fp32 and is converted there (cast to `half_dtype`, or quantize_4bit: the 4-bit weight and its
+    quantization state); 0: a frozen tensor moved as it is (QLoRA's fp32 embedding, norms, biases).
+    Trained fp32 tensors (adapters, made after it) are left out. () if nothing is converted."""
+    groups = {}
+    for m in model.modules():  # a 4-bit weight and its quantization state (as live_bytes.model_tensors walks it)
+        if (qs := getattr(getattr(m, "weight", None), "quant_state", None)) is not None:
+            own = len([*m.parameters(), *m.buffers()])
+            groups[id(m.weight)] = ([m.weight, *model_tensors(m)[own:]], 4 * math.prod(qs.shape))
+    units, seen = [], set()
+    for t in [*model.parameters(), *model.buffers()]:
+        tensors, fp32 = groups.get(id(t)) or ([t], 4 * t.numel() if t.dtype == half_dtype else 0)
+        if fp32 or not t.requires_grad:
+            ss = tuple(s for s in serials_of(tensors) if s not in seen)
+            seen.update(ss)
+            units += [(ss, fp32)] if ss else []
+    return tuple(units) if any(fp32 for _, fp32 in units) else ()
+
+
 def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
-    """The timeline of a setup whose weights reach the card in fp32 and are cast to 16 bits there
-    (`model.to("cuda")` then `model.to(torch.bfloat16)`, as this workbench's measured runs load a
-    pure-half plan): each weight in `casts` (serials) first as an fp32 tensor of twice its bytes,
-    all of them, then cast one at a time (its 16-bit tensor made, the fp32 one freed); then the
-    garbage collected and the cache emptied (empty_cache: a segment part of which a cast weight
-    took stays). The other setup events follow, then the steps. On the H200 (2026-11-26) the
-    16-bit weights cut from the freed fp32 embedding's 520 MiB segment kept it, and the forward's
-    cuBLAS workspace went there: bf16_true_lora's segments came out as the card's but one 2 MiB one.
-    `made` (workspaces_in's positions) is shifted with the events. Returns (events, steps_of,
-    roles, made)."""
-    # the load: everything before the first op of a step (a free during it is tagged "", not "setup")
+    """The timeline of a setup loaded as the measured runs load a plan (`model.to("cuda")`, then
+    apply_trainable converts: a pure-half plan's cast, QLoRA's quantize_4bit). `casts` (loaded_on_card):
+    each tensor as it reaches the card (a converted one in fp32), then each conversion (its tensors
+    made, the fp32 one freed), then empty_cache, which keeps a segment a converted weight took part
+    of (on the H200 the fp32 embedding's, where the forward's cuBLAS workspace then went); the other
+    setup events and the steps follow. Not replayed: quantize_4bit's temporaries (an fp32 absmax,
+    1/64 of a weight's elements); adapters made before the runs' empty_cache (small pool: moved there,
+    the H200's figures stay). `made` is shifted with the events. Returns (events, steps_of, roles, made)."""
+    # the load: everything before a step's first op (a free in it is tagged "", not "setup")
     n = next((i for i, op in enumerate(ops) if op.startswith(("forward", "backward", "optimizer"))), len(events))
-    cast = set(casts)
-    weights = [(s, nb) for s, nb in events[:n] if nb > 0 and s in cast]
-    if not weights:  # nothing to cast (an fp32 or mixed-precision plan): the timeline as it is
-        return events, steps_of, roles, made
-    twin = {s: -(10**12) - s for s, _ in weights}  # serials no event uses (after_a_run negates from -1 down)
-    load = [(twin[s], 2 * nb) for s, nb in weights]
-    for s, nb in weights:
-        load += [(s, nb), (twin[s], -1)]
+    setup = {s: nb for s, nb in events[:n] if nb > 0}
+    units = [(ss, fp32) for ss, fp32 in ((tuple(s for s in ss if s in setup), fp32) for ss, fp32 in casts) if ss]
+    if not any(fp32 for _, fp32 in units):
+        return events, steps_of, roles, made  # nothing converted (an fp32 or mixed-precision plan): as it is
+    twin = {ss[0]: -(10**12) - ss[0] for ss, fp32 in units if fp32}  # serials no event uses (after_a_run: -1 down)
+    load = [(twin[ss[0]], fp32) if fp32 else (ss[0], setup[ss[0]]) for ss, fp32 in units]
+    for ss in (ss for ss, fp32 in units if fp32):  # each conversion: its tensors made, the fp32 one freed
+        load += [(s, setup[s]) for s in ss] + [(twin[ss[0]], -1)]
     load.append((EMPTY_CACHE_SERIAL, EMPTY_CACHE))
-    rest = [(s, nb) for s, nb in events[:n] if not (nb > 0 and s in cast)]
+    placed = {s for ss, _ in units for s in ss}
+    rest = [(s, nb) for s, nb in events[:n] if not (nb > 0 and s in placed)]
     shift = len(load) + len(rest) - n
-    step0 = steps_of[0] if steps_of else 0
-    return (load + rest + list(events[n:]), [step0] * (len(load) + len(rest)) + list(steps_of[n:]),
+    return (load + rest + list(events[n:]),
+            [steps_of[0] if steps_of else 0] * (len(load) + len(rest)) + list(steps_of[n:]),
             {**roles, **{t: "weights" for t in twin.values()}},
             [(w[0], w[1], w[2] + shift) if len(w) == 3 and w[2] is not None else w for w in made])
 

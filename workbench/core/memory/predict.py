@@ -56,7 +56,6 @@ from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
-from workbench.core.memory.live_bytes import model_tensors
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
 from workbench.core.memory.monitor import bf16_emulated_on
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
@@ -197,9 +196,9 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
                            plain_engine=not instrumented) as acc):
         acc.watch(model)
         acc.alias(step.twins)
-        # a pure-half plan casts the weights to 16 bits (apply_trainable): a loader that moves them to the
-        # card first casts them there (cuda_model.cast_on_card); LoRA's fp32 adapters come after, uncast
-        casts = acc.serials_of(t for t in model_tensors(model) if t.dtype == plan.half_dtype) if plan.pure_half else []
+        # a pure-half plan casts the weights to 16 bits, QLoRA quantizes them (apply_trainable): a loader that
+        # moves them to the card first converts them there (cuda_model.cast_on_card); LoRA's adapters come after
+        casts = cuda_model.loaded_on_card(model, plan.half_dtype if plan.pure_half else None, acc.serials_of)
         with step.choices as mode:
             train(model, step.blocks, settings, device=device, optimizer=optimizer,
                   run_micro_batches=None if step.cuda or timeline else ACCUM_SIMULATED)
