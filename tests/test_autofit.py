@@ -134,13 +134,57 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
         == ranked[0].name  # without the margin the cheapest would have been taken
 
 
+def test_a_setup_whose_weights_are_more_than_the_card_is_one_that_does_not_fit(config, monkeypatch):
+    """The search stopped at the first setup whose weights alone were more than the card (a one-line
+    error), where a later one could fit. Played: the cheapest setup's weights do not fit."""
+    from workbench.core.memory.predict import WeightsExceedCard
+
+    first = sorted(candidates(_setup(), BATCH), key=lambda p: cost(p))[0].name
+    real = autofit.predict
+
+    def predict(model, plan, **kw):
+        if plan.name == first:
+            raise WeightsExceedCard("smaller than the weights alone")
+        return real(model, plan, **kw)
+
+    monkeypatch.setattr(autofit, "predict", predict)
+    choice = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, keep=1)
+    row = choice.table[0]
+    assert row["setup"] == first and row["method"] == "weights > card" and not row["fits"] and row["need_mib"] is None
+    assert choice.plan is not None and choice.plan.name != first
+
+
+def test_a_setups_name_gives_the_optimizer_as_estimate_takes_it():
+    """A chosen setup's name said `paged_adamw8bit`, which --optimizer refused (its name is paged_adamw_8bit)."""
+    from workbench.core.memory.plan import CLI_OPTIMIZERS
+
+    named = {p.name.split(", ")[1] for p in candidates(plan_from_flags(precision="fp32"), 4)}
+    assert named == {"adamw_torch", "adamw_8bit", "paged_adamw_8bit"} and named <= set(CLI_OPTIMIZERS)
+
+
+def test_the_step_down_order_goes_down_in_memory():
+    """A setup needing as much as one that ran out of memory would run out too: the order was every
+    fitting rung by speed, so auto-fit stepped from bf16_true (1,444 MiB) up to bf16 (2,802 MiB)."""
+    from workbench.studies.ladder.rungs import FitChoice
+
+    rows = [{"rung": n, "fits": fits, "rank": (1, i), "fit_bytes": mib * 2**20} for i, (n, fits, mib) in enumerate(
+        [("fp32", False, 3000), ("bf16_true", True, 1444), ("bf16", True, 2802), ("bf16_ckpt", True, 1300),
+         ("adamw8bit", True, 1300), ("lora", True, 900)])]
+    assert FitChoice("bf16_true", 2000 * 2**20, rows).order() == ["bf16_true", "bf16_ckpt", "lora"]
+
+
 def test_a_real_oom_steps_down_at_the_same_effective_batch(config, capsys, monkeypatch):
     choice = search(config, _setup(), batch=BATCH, seq=SEQ, budget_mib=10_000, keep=3, progress=True)
     assert len(choice.fitting) == 3
+    need = {r["setup"]: r["need_mib"] for r in choice.table}
+    needs = [need[p.name] for p in choice.fitting]
+    assert needs[0] > needs[1] > needs[2]  # each step down needs less than the setup before it
+    assert [r["setup"] for r in choice.table if r["kept"]] == [p.name for p in choice.fitting]
     # the progress bar ends where the search stops, and says why, not part way with time to go
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     left = len(candidates(_setup(), BATCH)) - len(choice.table)
-    assert left > 0 and "100%" in last and f"stopped: 3 setups fit, the {left} left are slower" in last, last
+    assert left > 0 and "100%" in last and "stopped: 3 setups fit, each needing less than the one before; the " \
+        f"{left} left are slower" in last, last
     ran, released = [], []
     # what a failed setup left cached goes back to the card before the next (cuBLAS takes its handle outside it)
     monkeypatch.setattr(autofit, "release", lambda device: released.append((len(ran), str(device))))

@@ -369,8 +369,14 @@ def test_unknown_card_and_a_card_smaller_than_the_weights(tmp_path):
     with pytest.raises(ConfigError, match="unknown card"):
         cm.card("GTX 9999")
     assert cm.card("a100 80gb").total_bytes == 80 * 2**30 and cm.card("8").total_bytes == 8 * 2**30
-    with pytest.raises(ConfigError, match="smaller than the weights alone"):
+    with pytest.raises(ConfigError, match="smaller than the weights alone") as fp32:
         predict(str(path), "fp32", batch=1, seq=32, device="cuda", card=0.0001)
+    assert fp32.value.args[0].endswith("use a larger --card, --precision bf16-true, --trainable qlora, or --auto-fit "
+                                       "(it tries ZeRO offload too)")
+    with pytest.raises(ConfigError, match="smaller than the weights alone") as half:  # no fix it already has
+        predict(str(path), "bf16_true", batch=1, seq=32, device="cuda", card=0.0001)
+    assert half.value.args[0].endswith("use a larger --card, --trainable qlora, or --auto-fit (it tries ZeRO "
+                                       "offload too)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -113,6 +113,33 @@ def test_auto_fit_to_a_card_fits_what_the_card_leaves_after_its_context(tiny_con
     assert choice[1] in RUNGS and choice[1] != "cpu"  # a rung on the card, not the fall-back of nothing fitting
 
 
+def test_auto_fit_goes_on_past_rungs_whose_weights_alone_are_more_than_the_card(tiny_config, capsys, monkeypatch):
+    """A card smaller than fp32's weights stopped `--auto-fit` at its first rung, with advice it could
+    not take, where qlora, the offload rungs or the CPU could still fit. Played: fp32's and bf16's
+    weights do not fit the card; the other rungs are predicted as they are."""
+    from workbench.core.memory.predict import WeightsExceedCard
+
+    real = estimate_cli.predict
+
+    def predict(config, name, **kw):
+        if name in ("fp32", "bf16"):
+            raise WeightsExceedCard(f"{kw['card'].name} (614.4 MiB) is smaller than the weights alone (700.0 MiB); "
+                                    "use x")
+        return real(config, name, **kw)
+
+    monkeypatch.setattr(estimate_cli, "predict", predict)
+    args = ["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--card", "0.6"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert not [line for line in out if line.startswith(("fp32 ", "bf16 "))]
+    assert "  fp32: does not fit (0.6 GiB card (614.4 MiB) is smaller than the weights alone (700.0 MiB))" in out
+    (choice,) = [line.split() for line in out if line.startswith("auto-fit: ")]
+    assert choice[1] in RUNGS and choice[1] not in ("fp32", "bf16")
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["weights_exceed_card"]) == {"fp32", "bf16"} and out["auto_fit"] not in ("fp32", "bf16")
+
+
 def test_auto_fit_to_a_card_before_sm_80_ranks_its_emulated_bf16_rungs_after_fp16(tiny_config, capsys):
     """Every rung fits a tiny model; the fastest by the prior is pure bf16 on an Ampere card, but on a
     T4 (sm_75) bf16 is emulated at fp32's speed or slower: fp16 autocast is its fast rung."""
@@ -173,7 +200,7 @@ def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):
     # what the fit compares is shown, between the allocated and the reserved peak: needed + the context +
     # headroom is the card (Qwen2-0.5B's ZeRO-3 at 4 x 512: reserved about 9,630 MiB, needed 5,660, on 8 GB)
     num = lambda v: float(v.replace(",", ""))  # noqa: E731
-    assert "needed MiB  card: fits, headroom MiB" in heading
+    assert "fit MiB  card: fits, headroom MiB" in heading  # the figure the card's verdict compares
     context = num(rows["fp32"][-4]) - num(rows["fp32"][-5])  # smi less reserved (paged state aside)
     for rung, r in rows.items():
         alloc, reserved, needed, headroom = num(r[-6]), num(r[-5]), num(r[-3]), num(r[-1])

@@ -749,6 +749,30 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     assert len(first["trials"]) == 2 and first["reason"].endswith("was spent after 2 trials")
     assert second["trials"] == [] and "spent before it began" in second["reason"] and len(runs) == 4
     assert fractions[-1] == before
+    # a rung that runs out of memory uncapped does not fit the card: a result, as the ladder's check
+    # takes it, not a failure of the check (an 8 GB card at a longer --seq)
+    opts.out_of_time = lambda: False
+    monkeypatch.setattr(gpu_cap, "measure", lambda name, *a, **kw: {"status": "oom", "reason": "CUDA out of memory"}
+                        if name == "zero_offload" else measure(name, *a, **kw))
+    result = gpu_cap.check_cap(opts)
+    rows = {r["rung"]: r for r in result["rows"]}
+    assert rows["zero_offload"]["status"] == "oom" and rows["zero_offload"]["passed"] is None
+    assert rows["zero_offload"]["reason"] == "CUDA out of memory"  # measure()'s text, not "str: ..."
+    # (the played need is not the tiny model's: bf16_true_lora's error fails, the out-of-memory does not)
+    assert rows["bf16_true_lora"]["status"] == "ok" and result["failures"] and not any(
+        f.startswith("zero_offload") for f in result["failures"]), result["failures"]
+    monkeypatch.setattr(gpu_cap, "measure", measure)
+    # an offload rung whose predicted host memory is past what this machine has free is not run (the
+    # OOM killer would end gpu-check, as the ladder's check says): a row that says why
+    runs.clear()
+    free_check = gpu_cap.past_free_memory
+    monkeypatch.setattr(gpu_cap, "past_free_memory", lambda mib: "5,000.0 MiB > the 4,000 MiB this machine has free"
+                        if mib > 0 else None)
+    rows = {r["rung"]: r for r in gpu_cap.check_cap(opts)["rows"]}
+    assert rows["zero_offload"]["status"] == "skipped" and rows["zero_offload"]["reason"] == (
+        "its predicted host memory 5,000.0 MiB > the 4,000 MiB this machine has free")
+    assert {n for n, _ in runs} == {"bf16_true_lora"}  # zero_offload never started
+    monkeypatch.setattr(gpu_cap, "past_free_memory", free_check)
     # a torch that cannot release the workspaces: they are held through the trials, so the modelled
     # workspaces come off the prediction, and the row and the report say so
     monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces")
@@ -761,3 +785,15 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
                      card=cm.card_at_hand(0), replay_steps=gpu_cap.TRIAL_STEPS)
     assert row["predicted_needed_mib"] == round((p.needed_reserved_bytes - ws) / MiB, 1)
     assert "workspaces held throughout and left out for bf16_true_lora" in result["report"]
+
+
+def test_between_checks_the_card_and_the_pinned_host_memory_cached_go_back(monkeypatch):
+    """DeepSpeed pins its offload buffers through torch's host allocator, which keeps them cached
+    (page-locked) once freed: the checks after the ZeRO rungs, and the notebooks' kernels, had that
+    much less host memory. release_card gives them back with the card's cache."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("card"))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("host"), raising=False)
+    gc.release_card()
+    assert calls == ["card", "host"]

@@ -38,7 +38,7 @@ def test_notebook_runs_on_tiny_parameters(tiny_base, tmp_path, monkeypatch):
     # auto-fit runs the setup its joint search chose (pure bf16, 1 x 4 accumulation at this budget)
     fitted = [n for n in loss if n.endswith(" auto-fit")]
     assert set(loss) - set(fitted) == {"fp32 ladder", "bf16_ckpt ladder", "cpu ladder"}
-    assert fitted == ["bf16-true, adamw, full, micro-batch 1 x 4 auto-fit"]
+    assert fitted == ["bf16-true, adamw_fused, full, micro-batch 1 x 4 auto-fit"]  # --optimizer's name
     assert all(len(y) == TINY["steps"] for y in loss.values())
     assert any(s.get("y0") == TINY["budget_mib"] for s in live["layout"]["shapes"])
     last = nbformat.read(out, as_version=4).cells[-1]

@@ -170,6 +170,10 @@ def release_card() -> None:
     if torch.cuda.is_initialized():  # (a collection costs a big process a second: not where CUDA never ran)
         gc.collect()
         torch.cuda.empty_cache()
+        # and the page-locked host memory torch's host allocator keeps cached once freed: DeepSpeed's
+        # offload buffers (pinned through it, 16 bytes a parameter for ZeRO-Offload) stay locked
+        # after the engine is gone, out of the host memory the next checks and kernels need
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -66,8 +66,6 @@ from workbench.core.training import train
 
 CUDA_STEPS = 3  # steps simulated for a CUDA target: the allocator model repeats the third relative to the second
 ACCUM_SIMULATED: int | None = 3  # micro-batches simulated per CPU step with accumulation (docstring)
-
-
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch 2.13 reads both (c10 AllocatorConfig.h)
 
 
@@ -75,6 +73,10 @@ def expandable_segments() -> bool:
     """Whether this process's CUDA allocator is set to expandable segments (as torch's own
     out-of-memory message suggests), which the allocator model does not play."""
     return any("expandable_segments:true" in os.environ.get(v, "").replace(" ", "").lower() for v in ALLOC_CONF_VARS)
+
+
+class WeightsExceedCard(ConfigError):
+    """The card is smaller than the setup's weights alone (auto-fit: a setup that does not fit)."""
 
 
 @dataclass
@@ -345,9 +347,11 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if emulated:  # the memory is bf16's; the speed is not (auto-fit offers fp16-mixed there)
         note = (note + "; " if note else "") + emulated
     if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
-        raise ConfigError(f"{the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the weights "
-                          f"alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, --precision bf16-true, "
-                          f"--trainable qlora, or an offload rung")
+        q = plan.trainable == "qlora"
+        fixes = ["--precision bf16-true"] * (not plan.pure_half and not q) + ["--trainable qlora"] * (not q)
+        raise WeightsExceedCard(f"{the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the "
+                                f"weights alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, "
+                                + ", ".join([*fixes, "or --auto-fit (it tries ZeRO offload too)"]))
     cuda: dict[str, Any] = {}
     if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
         last = min(replay_steps or report.steps, report.steps) - 1  # the last step replayed as simulated

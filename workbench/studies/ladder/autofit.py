@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,8 +48,8 @@ from workbench.core.config import ConfigError
 from workbench.core.fallback import out_of_memory, release
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import bf16_native
-from workbench.core.memory.plan import Plan
-from workbench.core.memory.predict import predict
+from workbench.core.memory.plan import CLI_OPTIMIZERS, Plan
+from workbench.core.memory.predict import WeightsExceedCard, predict
 from workbench.studies.ladder.card_records import CARD_RECORDS, card_reserved_errors, reserved_shortfall
 from workbench.studies.ladder.validation import MARGINS_FILE
 
@@ -71,6 +72,7 @@ COSTS = {
 }
 PRECISION_FAMILY = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "bf16_true": "bf16-true", "fp16_true": "fp16-true",
                     "fp32": "fp32"}
+OPTIMIZER_FLAG = {name: flag for flag, name in CLI_OPTIMIZERS.items()}  # a setup's name uses --optimizer's names
 
 
 def prediction_margin(plan: Plan, path=MARGINS_FILE, *, device: str = "cpu", records=CARD_RECORDS) -> tuple[float, str]:
@@ -136,7 +138,8 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | N
                         for placement in placements:
                             if placement.startswith("zero_") and optimizer != setup.optimizer:
                                 continue  # the host runs DeepSpeed's own Adam: no 8-bit state to choose
-                            name = (f"{PRECISION_FAMILY[precision]}, {optimizer}, {trainable}"
+                            flag = OPTIMIZER_FLAG.get(optimizer, optimizer)
+                            name = (f"{PRECISION_FAMILY[precision]}, {flag}, {trainable}"
                                     + (", checkpointing" if ckpt else "") + f", micro-batch {micro}"
                                     + (f" x {batch // micro}" if micro != batch else "")
                                     + {"zero_offload": ", ZeRO-Offload", "zero_offload_params": ", ZeRO-3 offload"}.get(placement, ""))
@@ -179,10 +182,12 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     """The fastest setup (by the prior cost) predicted to fit `budget_mib` with its margin
     (`prediction_margin` for each setup on `device`, or `margin` for all when given).
 
-    Predicts candidates cheapest first until one fits, then `keep` - 1 more that fit (the
-    step-down order for a real out-of-memory error). `runnable`: only candidates it accepts are
-    searched (a study running on this machine leaves out what cannot run here). `progress`: a bar on
-    standard error, one tick per setup predicted (each a simulated step: seconds to a minute)."""
+    Predicts candidates cheapest first until one fits, then until `keep` - 1 more fit that each need
+    less than the one kept before (the step-down order for a real out-of-memory error: a setup
+    needing as much as one that ran out would run out too; the others are in `table`). `runnable`:
+    only candidates it accepts are searched (a study running on this machine leaves out what cannot
+    run here). `progress`: a bar on standard error, one tick per setup predicted (each a simulated
+    step: seconds to a minute)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
     if not budget_mib > 0:
@@ -196,20 +201,27 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                      if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p, sm)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup))
+    last_need = math.inf
     with tqdm(total=len(ranked), desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
         for plan in ranked:
             bar.set_postfix_str(plan.name)
             t0 = time.perf_counter()
             m, src = margin_of(plan)
-            p = predict(model, plan, batch=batch, seq=seq, device=device, card=the_card)  # "here" read once
-            need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
+            try:
+                p = predict(model, plan, batch=batch, seq=seq, device=device, card=the_card)  # "here" read once
+            except WeightsExceedCard:  # a setup that does not fit, not the end of the search
+                p = None
+            need = math.inf if p is None else p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
             fits = need * (1 + m) <= budget
-            choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan, sm), 3), "method": p.method,
-                                 "need_mib": need / MiB, "margin": m, "with_margin_mib": need * (1 + m) / MiB,
-                                 "fits": fits, "changes_what_trains": plan.trainable != setup.trainable,
+            choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan, sm), 3),
+                                 "method": "weights > card" if p is None else p.method,
+                                 **({"need_mib": None, "with_margin_mib": None} if p is None else
+                                    {"need_mib": need / MiB, "with_margin_mib": need * (1 + m) / MiB}), "margin": m,
+                                 "fits": fits, "kept": False, "changes_what_trains": plan.trainable != setup.trainable,
                                  "predict_seconds": round(time.perf_counter() - t0, 1)})
             bar.update()
-            if fits:
+            if fits and need < last_need:  # a step down from the setup kept before
+                choice.table[-1]["kept"], last_need = True, need
                 choice.fitting.append(plan)
                 if choice.plan is None:
                     choice.plan, choice.margin, choice.margin_source = plan, m, src
@@ -217,8 +229,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                     # the bar ends here, not at its total: the setups left are slower (a bar left
                     # at 19/80 with half an hour to go read as a search cut short)
                     bar.total = bar.n
-                    bar.set_postfix_str(f"stopped: {keep} setups fit, the {len(ranked) - len(choice.table)} left "
-                                        "are slower by the prior")
+                    bar.set_postfix_str(f"stopped: {keep} setups fit, each needing less than the one before; the "
+                                        f"{len(ranked) - len(choice.table)} left are slower by the prior")
                     break
     return choice
 

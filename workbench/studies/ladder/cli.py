@@ -32,7 +32,7 @@ from workbench.core.memory.accounting import CATEGORIES
 from workbench.core.memory.cuda_model import Card, card as cuda_card
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES, plan_from_flags
-from workbench.core.memory.predict import CUDA_STEPS, predict
+from workbench.core.memory.predict import CUDA_STEPS, WeightsExceedCard, predict
 from workbench.core.memory.snapshot import dump, predicted_snapshot
 from workbench.core.models import ModelNotFoundError
 from workbench.studies.ladder.autofit import prediction_margin, search
@@ -73,7 +73,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="steps to simulate, >= 2 (default: 2 on the CPU; 3 for CUDA, where the allocator model repeats "
                         "the last step until its cache is steady, which needs two like steps)")
-    p.add_argument("--budget-mib", type=float, default=None, help="device budget in MiB: say whether it fits")
+    p.add_argument("--budget-mib", type=float, default=None, help="device budget in MiB, for what the allocator "
+                   "reserves (the CUDA context not counted in it; --card takes it off): say whether it fits")
     p.add_argument("--auto-fit", action="store_true", help="pick the fastest rung predicted to fit --budget-mib or "
                    "--card")
     p.add_argument("--search", action="store_true",
@@ -170,6 +171,7 @@ def _estimate(args) -> int:
         if args.card is not None:  # once: "here" reads what the card has free now
             args.card = cuda_card(args.card)
         kw = dict(batch=args.batch, seq=args.seq, steps=args.steps, device=args.device, card=args.card)
+        too_big: dict[str, WeightsExceedCard] = {}  # rungs whose weights alone are more than the card
         if args.snapshot:
             if plan is None and len(names) != 1:
                 raise ConfigError("--snapshot writes one setup's timeline: give one --rung or a setup from flags")
@@ -200,12 +202,19 @@ def _estimate(args) -> int:
         elif plan is not None:
             preds = {plan.name: predict(config, plan, **kw)}
         else:  # each rung is a simulated step or more: 10-60 s for a 0.5B model here
-            preds = {n: predict(config, n, **kw)
-                     for n in tqdm(names, desc="estimate", unit="rung", disable=len(names) < 2, file=sys.stderr)}
+            preds = {}
+            for n in tqdm(names, desc="estimate", unit="rung", disable=len(names) < 2, file=sys.stderr):
+                try:
+                    preds[n] = predict(config, n, **kw)
+                except WeightsExceedCard as e:  # one rung that does not fit the card, among others
+                    too_big[n] = e
+            if too_big and not preds:
+                raise next(iter(too_big.values()))
         choice = None
         if args.auto_fit:
             choice = auto_fit(config, batch=args.batch, seq=args.seq, budget_mib=args.budget_mib, predictions=preds,
-                              device=args.device, sm=args.card.sm if args.card is not None else None)
+                              rungs=tuple(preds), device=args.device,
+                              sm=args.card.sm if args.card is not None else None)
     if args.search:
         return _print_search(args, found, budget_mib, setup, budget_from)
     budget = int(args.budget_mib * MiB) if args.budget_mib else None
@@ -234,6 +243,8 @@ def _estimate(args) -> int:
                 for p in preds.values()
             ],
         }
+        if too_big:
+            out["weights_exceed_card"] = {n: str(e) for n, e in too_big.items()}
         if choice is not None:
             out["auto_fit"] = choice.rung
             out["auto_fit_margins"] = {r["rung"]: r["margin"] for r in choice.table}
@@ -294,7 +305,7 @@ def _estimate(args) -> int:
     if cuda:
         head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
     if on_card:
-        head += f" {'needed MiB':>10}  {'card: fits, headroom MiB':>24}"
+        head += f" {'fit MiB':>10}  {'card: fits, headroom MiB':>24}"
     print(head + ("   fits (with margin)" if budget else ""))
     for p in preds.values():
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
@@ -315,11 +326,11 @@ def _estimate(args) -> int:
     if on_card:
         first = next(iter(preds.values()))
         print(f"card: {first.card} ({first.card_bytes / MiB:,.0f} MiB) less the CUDA context ({first.context_source}) "
-              "and the reserved memory "
-              "the step needs (needed: the least the allocator runs the step in, giving cached blocks back first; "
-              "a card with room keeps them, to the reserved peak), with no margin; --budget-mib adds the "
-              "prediction's measured margin")
-    notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note]
+              "and the fit figure (the reserved peak, what a card with room keeps cached; a paged optimizer's "
+              "state left out, as it pages out), with no margin; --budget-mib adds the prediction's measured "
+              "margin, on the budget as given (the CUDA context not taken off)")
+    notes = [f"  {p.rung}: {p.note}" for p in preds.values() if p.note] + [
+        f"  {n}: does not fit ({str(e).split('; use')[0]})" for n, e in too_big.items()]
     if notes:
         print("notes:\n" + "\n".join(notes))
     if choice is not None:
@@ -344,8 +355,9 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
     print(f"searched from your setup: {setup.name} ({setup.help})")
     print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin':>9}  fits")
     for r in choice.table:
-        print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {r['need_mib']:>9,.1f} {r['margin']:>7.1%} "
-              f"{r['with_margin_mib']:>9,.1f}  "
+        need, with_margin = ((f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>9,.1f}") if r["need_mib"] is not None
+                             else (f"{'> card':>9}", f"{'':>9}"))  # the weights alone: WeightsExceedCard
+        print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
               f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else ""))
     print(f"auto-fit: {choice.why}")
     if len(choice.fitting) > 1:

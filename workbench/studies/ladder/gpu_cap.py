@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from workbench.core.common import MiB, one_line
+from workbench.core.common import MiB, one_line, past_free_memory
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import can_release_workspaces, indexed, release_held
@@ -75,7 +75,7 @@ def cap_row(rung: str, *, predicted_needed: int, workspaces: int, predicted_rese
 
 
 def cap_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    failures = [f"{r['rung']}: {r['reason'] or 'not measured'}" for r in rows if r["status"] != "ok"]
+    failures = [f"{r['rung']}: {r['reason'] or 'not measured'}" for r in rows if r["status"] not in ("ok", "oom")]
     failures += [f"{r['rung']}: reserved needed off by {r['error_pct']:+.1f}% of the least cap it trained under"
                  for r in rows if r["status"] == "ok" and not r["passed"]]
     return {"status": "pass" if rows and not failures else "fail", "rows": rows, "failures": failures,
@@ -127,6 +127,10 @@ def check_cap(opts) -> dict[str, Any]:
         except Exception as e:
             rows.append({"rung": name, "status": "not measured", "reason": one_line(e), "trials": [], "passed": False})
             continue
+        if short := past_free_memory(p.host_bytes / MiB):  # ZeRO-Offload's host state: the OOM killer, as in the ladder
+            rows.append({"rung": name, "status": "skipped", "reason": f"its predicted host memory {short}",
+                         "trials": [], "passed": None})
+            continue
         row = dict(rung=name, predicted_needed=p.needed_reserved_bytes, workspaces=workspaces,
                    predicted_reserved=p.reserved_peak_bytes)
         tried: list[tuple[int, bool]] = []  # the trials so far, kept in a row that ends early
@@ -135,7 +139,10 @@ def check_cap(opts) -> dict[str, Any]:
             res0, alloc0 = held()
             free = run(name)  # uncapped: its peaks above what is held bound the bisection
             if free.get("status") != "ok":
-                rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=one_line(free.get("reason", "?"))))
+                reason = str(free.get("reason") or free.get("status"))  # measure()'s own text, already one line
+                rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=reason.splitlines()[0][:300]))
+                if free.get("status") == "oom":  # the rung does not fit this card: a result, as in the ladder's check
+                    rows[-1].update(status="oom", passed=None)
                 continue
             hi = free["cuda_max_reserved_bytes"] - res0
             uncapped = {"reserved_mib": hi / MiB, "allocated_mib": (free["cuda_max_allocated_bytes"] - alloc0) / MiB}

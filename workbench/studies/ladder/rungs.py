@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -273,8 +274,13 @@ class FitChoice:
     table: list[dict[str, Any]]  # one row per rung: predicted peak, fits, rank
 
     def order(self) -> list[str]:
-        """Rungs predicted to fit, fastest first: the order to try them in."""
-        return [r["rung"] for r in sorted(self.table, key=lambda r: r["rank"]) if r["fits"]]
+        """Rungs predicted to fit, fastest first, each needing less than the one before: the order to
+        step down in on a real out-of-memory error (a rung needing as much as one that ran out would too)."""
+        out, last = [], math.inf
+        for r in sorted((r for r in self.table if r["fits"]), key=lambda r: r["rank"]):
+            if r["fit_bytes"] < last:
+                out, last = out + [r["rung"]], r["fit_bytes"]
+        return out
 
 
 def _check_budget(budget_mib: float) -> int:

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from workbench.core.common import one_line
+from workbench.core.fallback import release
 from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP
 from workbench.studies.split.engine import SplitEngine
@@ -348,7 +349,12 @@ def check_split(opts) -> dict[str, Any]:
         except Exception as e:
             runs.append({"run": name, "status": "error", "reason": f"{type(e).__name__}: {e}"[:300], "k_target": k})
 
-    zrows, zreason = run_zero_offload(copy.deepcopy(base).to(device), batches[:ITERATIONS], LR, WEIGHT_DECAY, "fp32")
+    try:  # out of memory on the card, an NCCL error: the baseline's reason, not the end of the runs measured above
+        zrows, zreason = run_zero_offload(copy.deepcopy(base).to(device), batches[:ITERATIONS], LR, WEIGHT_DECAY,
+                                          "fp32")
+    except Exception as e:
+        zrows, zreason = [], f"{type(e).__name__}: {e}"[:300]
+    release(device)  # what a failed baseline left cached (outside the except: its frames held it)
     trows, treason = _torchao_rows(base, batches[:ITERATIONS])
     baselines = [baseline_row("DeepSpeed ZeRO-Offload", zrows, zreason, warmup=WARMUP),
                  baseline_row("torchao CPUOffloadOptimizer", trows, treason, warmup=WARMUP)]
