@@ -252,7 +252,8 @@ def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
     events = [(1, 260 * MiB), (2, 8 * MiB), (3, MiB), (4, 300 * MiB), (4, -1)]
     steps, ops = [0, 0, 0, 0, 0], ["setup"] * 3 + ["forward: mm.default", "forward: mm.default"]
     made = [("cuBLAS workspace (forward)", 32 * MiB, 3), ("held", 32 * MiB)]
-    ev, st, roles, ws = cm.cast_on_card(events, steps, ops, {3: "weights"}, (((1,), 520 * MiB), ((2,), 16 * MiB)), made)
+    casts = (((1,), 520 * MiB, False), ((2,), 16 * MiB, False))  # (serials, fp32 bytes, freed after the last)
+    ev, st, roles, ws = cm.cast_on_card(events, steps, ops, {3: "weights"}, casts, made)
     t1, t2 = ev[0][0], ev[1][0]
     assert ev[:2] == [(t1, 520 * MiB), (t2, 16 * MiB)] and t1 < 0 and t2 < 0  # the fp32 model on the card first
     assert ev[2:8] == [(1, 260 * MiB), (t1, -1), (2, 8 * MiB), (t2, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (3, MiB)]
@@ -266,7 +267,7 @@ def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
     # a free during the load (its op is "", not "setup") does not end it: the weight after it is cast too
     ev2, *_ = cm.cast_on_card([(1, 2 * MiB), (9, MiB), (9, -1), (2, 2 * MiB), (4, MiB)], [0] * 5,
                               ["setup", "setup", "", "setup", "forward: mm.default"], {},
-                              (((1,), 4 * MiB), ((2,), 4 * MiB)), [])
+                              (((1,), 4 * MiB, False), ((2,), 4 * MiB, False)), [])
     assert [nb for s, nb in ev2 if s < -1 and nb > 0] == [4 * MiB, 4 * MiB]
     # nothing to cast (an fp32 plan): the timeline as it was
     assert cm.cast_on_card(events, steps, ops, {}, (), made) == (events, steps, {}, made)
@@ -274,43 +275,49 @@ def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
 
 def test_qlora_loads_its_weights_in_fp32_and_quantizes_them_on_the_card():
     """measure() moves QLoRA's fp32 model to the card, then quantize_4bit replaces each linear weight
-    by its 4-bit weight and quantization state, made there while the fp32 weight is alive and freed
-    after: the second 4-bit weight is cut from the first fp32 weight's freed segment, which
-    empty_cache then keeps, so a later 17 MiB block finds room beside the first. The fp32 embedding and a bias stay as
-    they are, in their place in the load; the adapter (serial 6) comes after empty_cache."""
+    by its 4-bit weight and quantization state, made there while the fp32 weights are alive: its
+    loop keeps every replaced layer (`list(model.named_modules())`), so they are freed together
+    when it returns, and no 4-bit weight is cut from a freed fp32 one. The fp32 embedding and a bias
+    are moved as they are, in their place in the load; the adapter (serial 6) comes after empty_cache."""
     from workbench.core.memory import cuda_model as cm
     from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
 
     events = [(1, 100 * MiB), (2, 2 * MiB), (3, 64 * 1024), (4, 4096), (5, 2 * MiB), (6, MiB), (7, 17 * MiB)]
     ops = ["setup"] * 6 + ["forward: mm.default"]
-    casts = (((1,), 0), ((2, 3), 16 * MiB), ((4,), 0), ((5,), 16 * MiB))
+    casts = (((1,), 0, False), ((2, 3), 16 * MiB, True), ((4,), 0, False), ((5,), 16 * MiB, True))
     ev, st, roles, _ = cm.cast_on_card(events, [0] * 7, ops, {6: "weights"}, casts, [])
     t2, t5 = ev[1][0], ev[3][0]
     assert ev == [(1, 100 * MiB), (t2, 16 * MiB), (4, 4096), (t5, 16 * MiB),  # as model.to("cuda") moves them
-                  (2, 2 * MiB), (3, 64 * 1024), (t2, -1), (5, 2 * MiB), (t5, -1),  # quantized one at a time
+                  (2, 2 * MiB), (3, 64 * 1024), (5, 2 * MiB),  # quantized, the fp32 weights alive
+                  (t2, -1), (t5, -1),  # freed when quantize_4bit returns
                   (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (6, MiB), (7, 17 * MiB)]
     assert t2 < 0 and t5 < 0 and roles[t2] == roles[t5] == "weights"
+    # the fp32 weights' segments all go back: the cache is the direct load's
     direct, loaded = allocator.replay(events, {}, []), allocator.replay(ev, roles, [])
-    assert sorted(direct.segment_sizes.items()) == [("100", 1), ("18", 1), ("2", 1), ("20", 1)]
-    # the second 4-bit weight kept the first fp32 weight's 16 MiB segment: the 17 MiB block fits in the 20's room
-    assert sorted(loaded.segment_sizes.items()) == [("100", 1), ("16", 1), ("2", 1), ("20", 1)]
-    # a prediction: each 4-bit weight with its quantization state, from an fp32 weight of its shape;
-    # the frozen fp32 tensors as they are; LoRA's adapters not in the load
+    assert sorted(loaded.segment_sizes.items()) == sorted(direct.segment_sizes.items()) == [
+        ("100", 1), ("18", 1), ("2", 1), ("20", 1)]
+    # freed one at a time instead (as a cast frees them), the second 4-bit weight would keep the first
+    # fp32 weight's 16 MiB segment: not what the card does
+    each = tuple((ss, fp32, False) for ss, fp32, _ in casts)
+    assert allocator.replay(cm.cast_on_card(events, [0] * 7, ops, {6: "weights"}, each, [])[0], roles,
+                            []).segment_sizes.get("16") == 1
+    # a prediction: each 4-bit weight with its quantization state, from an fp32 weight of its shape,
+    # held; the frozen fp32 tensors as they are; LoRA's adapters not in the load
     cfg = tiny_config("qwen2")
     report = simulate(cfg, rung("qlora"), batch=1, seq=32, steps=2, target="cuda", sm=90)
     sizes = {s: nb for s, nb in report.timeline if nb > 0}
-    groups = [(ss, fp32) for ss, fp32 in report.timeline_casts if fp32]
-    kept = [ss[0] for ss, fp32 in report.timeline_casts if not fp32]
+    groups = [(ss, fp32, held) for ss, fp32, held in report.timeline_casts if fp32]
+    kept = [ss[0] for ss, fp32, _ in report.timeline_casts if not fp32]
     linears = cfg.num_hidden_layers * 7  # q, k, v, o, gate, up, down
-    assert len(groups) == linears and all(len(ss) == 6 for ss, _ in groups)  # weight, absmax, code, offset, state2's
+    assert len(groups) == linears and all(len(ss) == 6 and held for ss, _, held in groups)  # weight, state's 5
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_key_value_heads * hidden // cfg.num_attention_heads
-    assert sum(fp32 for _, fp32 in groups) == 4 * cfg.num_hidden_layers * (2 * hidden * hidden + 2 * hidden * kv
-                                                                           + 3 * hidden * inter)
-    assert all(sizes[ss[0]] * 8 == fp32 for ss, fp32 in groups)  # 4 bits a weight, from 32
+    assert sum(fp32 for _, fp32, _ in groups) == 4 * cfg.num_hidden_layers * (2 * hidden * hidden + 2 * hidden * kv
+                                                                              + 3 * hidden * inter)
+    assert all(sizes[ss[0]] * 8 == fp32 for ss, fp32, _ in groups)  # 4 bits a weight, from 32
     assert cfg.vocab_size * hidden * 4 in [sizes[s] for s in kept]  # the fp32 embedding, as it is
     trained = sum(nb for s, nb in sizes.items() if report.timeline_roles.get(s) == "weights") - sum(
-        sizes[s] for ss, _ in report.timeline_casts for s in ss)
+        sizes[s] for ss, _, _ in report.timeline_casts for s in ss)
     assert trained > 0  # the adapters: after the load
 
 
@@ -322,14 +329,14 @@ def test_a_prediction_casts_only_the_16_bit_weights_and_only_when_asked():
     full = simulate(cfg, rung("bf16_true"), batch=1, seq=32, steps=3, target="cuda", sm=90)
     assert simulate(cfg, rung("fp32"), batch=1, seq=32, steps=3, target="cuda", sm=90).timeline_casts == ()
     sizes = dict(full.timeline)
-    cast_bytes = sum(sizes[s] for ss, _ in full.timeline_casts for s in ss)
+    cast_bytes = sum(sizes[s] for ss, _, _ in full.timeline_casts for s in ss)
     weights = sum(nb for s, nb in full.timeline if nb > 0 and full.timeline_roles.get(s) == "weights")
     assert 0 < cast_bytes == weights  # every weight of a pure-bf16 plan is cast, from fp32 of twice its bytes
-    assert all(len(ss) == 1 and fp32 == 2 * sizes[ss[0]] for ss, fp32 in full.timeline_casts)
+    assert all(len(ss) == 1 and fp32 == 2 * sizes[ss[0]] and not held for ss, fp32, held in full.timeline_casts)
     lora_sizes = dict(lora.timeline)
     lora_weights = sum(nb for s, nb in lora.timeline if nb > 0 and lora.timeline_roles.get(s) == "weights")
     # the adapters are not in the load: peft makes them after it
-    assert sum(lora_sizes[s] for ss, _ in lora.timeline_casts for s in ss) == cast_bytes < lora_weights
+    assert sum(lora_sizes[s] for ss, _, _ in lora.timeline_casts for s in ss) == cast_bytes < lora_weights
     kw = dict(batch=1, seq=32, device="cuda", card=8)
     a, b = predict(cfg, "fp32", cast_on_card=True, **kw), predict(cfg, "fp32", **kw)
     assert (a.reserved_peak_bytes, a.allocated_peak_bytes) == (b.reserved_peak_bytes, b.allocated_peak_bytes)

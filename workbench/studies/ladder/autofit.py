@@ -157,7 +157,7 @@ class SetupChoice:
     margin: float
     margin_source: str
     table: list[dict[str, Any]] = field(default_factory=list)  # every setup predicted, in the order tried
-    fitting: list[Plan] = field(default_factory=list)  # every setup predicted to fit, fastest first
+    fitting: list[Plan] = field(default_factory=list)  # the step-down order: fastest first, each needing less
 
     @property
     def micro_batch(self) -> int | None:

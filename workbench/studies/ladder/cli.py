@@ -252,7 +252,7 @@ def _estimate(args) -> int:
         return 0
     print(f"model {args.model}  batch {args.batch} x seq {args.seq}"
           + (f"  budget {mib_text(args.budget_mib)} MiB" if budget else ""))
-    if len(preds) == 1:
+    if len(preds) == 1 and not too_big:  # one setup asked for (rungs that do not fit the card: the table, with notes)
         p = next(iter(preds.values()))
         setup = p.rung if plan is None else f"{p.rung} ({plan.help})"
         cpu_only = (plan or RUNGS[p.rung]).placement == "cpu"  # nothing on the device: the peak is the host's
