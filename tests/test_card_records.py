@@ -140,4 +140,4 @@ def test_the_committed_re_prediction_is_what_this_checkout_predicts():
     p = predict(str(CONFIGS / "qwen2-0.5b.json"), "qlora", batch=1, seq=512, device="cuda", card=card,
                 replay_steps=3, workspaces="held", instrumented=again["qlora"]["counted"], cast_on_card=True,
                 after="fp32", after_instrumented=again["fp32"]["counted"])
-    assert again["qlora"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1) == 2268.0
+    assert again["qlora"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1) == 2290.0
