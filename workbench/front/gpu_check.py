@@ -171,7 +171,7 @@ def release_card() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         # and the page-locked host memory torch's host allocator keeps cached once freed: DeepSpeed's
-        # offload buffers (pinned through it, 16 bytes a parameter for ZeRO-Offload) stay locked
+        # offload buffers (pinned through it: ZeRO-Offload's fp32 master and gradient among them) stay locked
         # after the engine is gone, out of the host memory the next checks and kernels need
         accelerator = getattr(torch, "accelerator", None)  # torch 2.13's public call; the CUDA one before it
         (getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", lambda: None))()
