@@ -106,7 +106,9 @@ def test_auto_fit_to_a_card_fits_what_the_card_leaves_after_its_context(tiny_con
     assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--card", "0.6"]) == 0
     out = capsys.readouterr().out.splitlines()
     (head,) = [line for line in out if line.startswith("model ")]
-    assert head.endswith(f"budget {0.6 * 1024 - 500:.0f} MiB")  # a 0.6 GiB card less the modelled 500 MiB context
+    # a 0.6 GiB card less the modelled 500 MiB context, and the header says so (it read "budget 114 MiB")
+    assert head.endswith(f"budget {0.6 * 1024 - 500:.0f} MiB (0.6 GiB card's 614 MiB less its CUDA context, "
+                         "500 MiB modelled)"), head
     (fp32,) = [line for line in out if line.startswith("fp32 ")]
     assert " yes (" in fp32  # about 20 MiB reserved on a card that leaves 114
     (choice,) = [line.split() for line in out if line.startswith("auto-fit: ")]
@@ -175,7 +177,8 @@ def test_card_here_fits_to_what_the_card_has_free_now(tiny_config, capsys, monke
     (reserved,) = [float(line.split()[2].replace(",", "")) for line in out
                    if line.strip().startswith("reserved needed")]
     (card,) = [line for line in out if line.strip().startswith("card Tesla T4")]
-    assert card.split("headroom ")[1] == f"{13560 - reserved:,.1f} MiB"
+    assert card.split("headroom ")[1] == (f"{13560 - reserved:,.1f} MiB with no margin (the fit figure + the CUDA "
+                                          "context; --budget-mib adds the measured one)")
     assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--precision", "bf16-mixed",
                  "--search", "--card", "here"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
@@ -381,9 +384,13 @@ def test_the_fits_column_keeps_the_predictions_measured_margin(tiny_config, caps
     between = need * (1 + margin / 2) / 2**20  # fits without the margin, not with it
     assert main(base + ["--budget-mib", f"{between:.3f}"]) == 0
     (p,) = json.loads(capsys.readouterr().out)["predictions"]
-    assert p["fits"] is False and p["margin"] == pytest.approx(margin)
+    assert p["fits_budget"] is False and p["margin"] == pytest.approx(margin)
     assert main(base + ["--budget-mib", f"{need * (1 + margin) / 2**20 + 1:.3f}"]) == 0
-    assert json.loads(capsys.readouterr().out)["predictions"][0]["fits"] is True
+    assert json.loads(capsys.readouterr().out)["predictions"][0]["fits_budget"] is True
+    # on a card as well, the two verdicts are two keys: the card's (no margin) was overwritten by the budget's
+    assert main(base + ["--card", "80", "--budget-mib", f"{between:.3f}"]) == 0
+    (p,) = json.loads(capsys.readouterr().out)["predictions"]
+    assert p["fits_card"] is True and p["fits_budget"] is False and "fits" not in p
     assert main(base[:-1] + ["--rung", "all", "--budget-mib", f"{between:.3f}"]) == 0
     table = capsys.readouterr().out
     assert "fits (with margin)" in table and f"no ({margin:.1%})" in table

@@ -82,7 +82,8 @@ def register(sub) -> None:
                         "optimizer and offload for the fastest setup predicted to fit --budget-mib or --card, with "
                         "a margin from the prediction's measured error")
     p.add_argument("--allow-lora", action="store_true", help="with --search: LoRA may replace full fine-tuning")
-    p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (figures in bytes; --search's "
+                   "in MiB, their keys ending _mib)")
     p.add_argument("--snapshot", default=None, metavar="PATH", help="also write the predicted step's allocation "
                    "timeline as a memory snapshot pickle (open it at pytorch.org/memory_viz); one setup only")
     p.set_defaults(func=_estimate)
@@ -232,14 +233,17 @@ def _estimate(args) -> int:
                        "reserved_peak_bytes": "modelled (allocator, on a card with room: what fits compares)",
                        "needed_reserved_bytes": "modelled (allocator, the least cap it runs under; 5-19% low on "
                                                 "the H200, not compared)",
-                       "nvidia_smi_bytes": "modelled (reserved + context)"},
+                       "nvidia_smi_bytes": "modelled (reserved + context)",
+                       "fits_card": "the fit figure + the CUDA context within --card, no margin (null: no card)",
+                       "fits_budget": "the fit figure + the prediction's measured margin within --budget-mib "
+                                      "(null: no budget)"},
             "predictions": [
-                {**{k: v for k, v in p.row().items() if k != "model"},
+                {**{k: v for k, v in p.row().items() if k not in ("model", "fits")},  # two verdicts: named
                  "breakdown_bytes": p.breakdown, "peak_bytes": p.peak_bytes,
                  "allocated_breakdown_bytes": p.allocated_breakdown, "kernels": p.kernels,
                  "host_breakdown_bytes": p.host_breakdown, "placement": p.placement,
                  "fits_card": p.fits,
-                 **dict(zip(("fits", "margin"), fits(p) if budget else (None, None)))}
+                 **dict(zip(("fits_budget", "margin"), fits(p) if budget else (None, None)))}
                 for p in preds.values()
             ],
         }
@@ -251,7 +255,8 @@ def _estimate(args) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"model {args.model}  batch {args.batch} x seq {args.seq}"
-          + (f"  budget {mib_text(args.budget_mib)} MiB" if budget else ""))
+          + (f"  budget {mib_text(args.budget_mib)} MiB" if budget else "")
+          + (f" ({budget_from})" if budget and budget_from != "--budget-mib" else ""))
     if len(preds) == 1 and not too_big:  # one setup asked for (rungs that do not fit the card: the table, with notes)
         p = next(iter(preds.values()))
         setup = p.rung if plan is None else f"{p.rung} ({plan.help})"
@@ -289,8 +294,9 @@ def _estimate(args) -> int:
                 print(f"  {c:<16} {b / MiB:>12,.1f} MiB")
         if p.card:
             print(f"  card {p.card} ({p.card_bytes / MiB:,.0f} MiB): " + ("fits" if p.fits else "does not fit")
-                  + f", headroom {p.headroom_bytes / MiB:,.1f} MiB"
-                  + (" (nothing of this setup is on the card)" if cpu_only else ""))
+                  + f", headroom {p.headroom_bytes / MiB:,.1f} MiB" + (" (nothing of this setup is on the card)" if cpu_only
+                                                                      else " with no margin (the fit figure + the CUDA "
+                                                                      "context; --budget-mib adds the measured one)"))
         if p.note:
             print(f"  note: {p.note}")
         if budget:
