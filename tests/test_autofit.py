@@ -14,6 +14,7 @@ import torch
 from conftest import tiny_config
 
 from workbench.cli import main
+from workbench.core.common import mib_text
 from workbench.core.config import ConfigError
 from workbench.core.memory.plan import plan_from_flags
 from workbench.studies.ladder import autofit
@@ -132,6 +133,24 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
         assert abs(shown - true) <= max(0.05, 0.005 * true), (shown, true, tight.why)
     assert search(config, setup, batch=BATCH, seq=SEQ, budget_mib=budget, keep=1, margin=0.0).plan.name \
         == ranked[0].name  # without the margin the cheapest would have been taken
+
+
+def test_a_setup_that_fits_only_with_its_paged_state_paged_out_says_so(config):
+    """The need leaves a paged optimizer's state out (it pages to the host under pressure), so a row
+    fitting only because of that read as any other fit, though every step then moves that state."""
+    paged_only = dict(runnable=lambda p: p.optimizer == "paged_adamw8bit", keep=1, margin=0.0)
+    setup = _setup(optimizer="paged_adamw_8bit")
+    roomy = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=10_000, **paged_only)
+    row = roomy.table[0]
+    assert row["paged_mib"] > 0 and row["fits"] and not row["fits_only_paged_out"]
+    assert "paged out" not in roomy.why
+    between = row["need_mib"] + row["paged_mib"] / 2  # the need fits, the need with the state does not
+    tight = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=between, **paged_only)
+    row = tight.table[0]
+    assert row["fits"] and row["fits_only_paged_out"] and tight.plan.name == row["setup"]
+    assert f"with its {mib_text(row['paged_mib'])} MiB of paged optimizer state paged out to the host" in tight.why
+    assert not search(config, setup, batch=BATCH, seq=SEQ, budget_mib=row["need_mib"] + row["paged_mib"] + 0.01,
+                      **paged_only).table[0]["fits_only_paged_out"]
 
 
 def test_a_setup_whose_weights_are_more_than_the_card_is_one_that_does_not_fit(config, monkeypatch):

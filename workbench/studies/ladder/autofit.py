@@ -170,8 +170,11 @@ class SetupChoice:
                     f"({self.margin:.1%} for the setup as given: {self.margin_source}; {len(self.table)} setups predicted)")
         row = next(r for r in self.table if r["setup"] == self.plan.name)
         faster = [r["setup"] for r in self.table if not r["fits"]]
+        paged = (f" with its {mib_text(row['paged_mib'])} MiB of paged optimizer state paged out to the host"
+                 if row["fits_only_paged_out"] else "")
         return (f"{self.plan.name}: predicted {mib_text(row['need_mib'])} MiB + {self.margin:.1%} margin "
-                f"({self.margin_source}) = {mib_text(row['with_margin_mib'])} MiB <= {mib_text(self.budget_bytes / MiB)} MiB; "
+                f"({self.margin_source}) = {mib_text(row['with_margin_mib'])} MiB <= "
+                f"{mib_text(self.budget_bytes / MiB)} MiB{paged}; "
                 f"{len(faster)} setup(s) expected faster did not fit" + (f" (first: {faster[0]})" if faster else ""))
 
 
@@ -213,11 +216,16 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                 p = None
             need = math.inf if p is None else p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
             fits = need * (1 + m) <= budget
+            # a paged optimizer's state is left out of the need (it pages out under pressure): say where
+            # the setup fits only because it does, which costs host transfers in every step that touches it
+            paged = 0 if p is None or not p.pages_out else p.pageable_bytes
             choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan, sm), 3),
                                  "method": "weights > card" if p is None else p.method,
                                  **({"need_mib": None, "with_margin_mib": None} if p is None else
                                     {"need_mib": need / MiB, "with_margin_mib": need * (1 + m) / MiB}), "margin": m,
-                                 "fits": fits, "kept": False, "changes_what_trains": plan.trainable != setup.trainable,
+                                 "fits": fits, "paged_mib": paged / MiB,
+                                 "fits_only_paged_out": fits and paged > 0 and (need + paged) * (1 + m) > budget,
+                                 "kept": False, "changes_what_trains": plan.trainable != setup.trainable,
                                  "predict_seconds": round(time.perf_counter() - t0, 1)})
             bar.update()
             if fits and need < last_need:  # a step down from the setup kept before

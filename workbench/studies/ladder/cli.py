@@ -364,7 +364,9 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
         need, with_margin = ((f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>9,.1f}") if r["need_mib"] is not None
                              else (f"{'> card':>9}", f"{'':>9}"))  # the weights alone: WeightsExceedCard
         print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
-              f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else ""))
+              f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else "")
+              + (f"  (only with its {r['paged_mib']:,.0f} MiB of paged state paged out)"
+                 if r["fits_only_paged_out"] else ""))
     print(f"auto-fit: {choice.why}")
     if len(choice.fitting) > 1:
         print("on a real out-of-memory error, step down (same effective batch): "
