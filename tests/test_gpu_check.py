@@ -204,6 +204,33 @@ def test_each_rung_is_compared_with_the_prediction_of_the_step_it_runs(monkeypat
     assert [r["accounted_peak_mib"] for r in out["rows"]] == [100.0 if counted else None, None]
 
 
+def test_a_rung_whose_weights_alone_exceed_the_card_is_a_verdict_the_card_checks(monkeypatch, tmp_path):
+    """WeightsExceedCard (a card under 2 GB) was a failed prediction, failing the check whatever the
+    card did: it is the prediction's verdict, agreed with when the rung runs out of memory there."""
+    from workbench.core.memory.predict import WeightsExceedCard
+
+    calls = []
+    _fake_card(monkeypatch, calls)
+    fake_predict, fake_measure = gc.predict, gc.measure
+
+    def predict(config, name, **kw):
+        if name == "fp32":
+            raise WeightsExceedCard("the card is smaller than the weights alone; use --precision bf16-true")
+        return fake_predict(config, name, **kw)
+
+    monkeypatch.setattr(gc, "predict", predict)
+    monkeypatch.setattr(gc, "measure", lambda name, *a, **kw: {"status": "oom", "reason": "CUDA out of memory"}
+                        if name == "fp32" else fake_measure(name, *a, **kw))
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "fp32")))
+    row = out["rows"][1]
+    assert out["status"] == "pass" and not out["tracebacks"], out["failures"]
+    assert row["method"] == "weights > card" and row["predicted_fits_card"] is False and row["status"] == "oom"
+    monkeypatch.setattr(gc, "measure", fake_measure)  # the card trained it: the verdict was wrong
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "fp32")))
+    assert out["status"] == "fail" and out["failures"][0] == ("fp32: predicted not to fit (its weights alone "
+                                                              "exceed the card), yet it trained")
+
+
 def test_the_trace_fits_the_card_and_its_precision(monkeypatch, tmp_path):
     """On an 8 GB card Qwen2-0.5B's bf16 step (about 8.7 GB) ran out of memory and failed the whole
     check; before sm_80 it traced emulated bf16. Now fp16 there, and the tiny base where the step does not fit."""
@@ -246,6 +273,37 @@ def test_ladder_verdict():
     assert v["failures"][0].startswith("fp16: prediction off by +100.0%")
     assert v["failures"][1] == "device_map: not measured: no accelerate"
     assert gr.ladder_verdict([])["status"] == "fail"
+    # every rung out of memory (a card too small for the check's model): nothing was compared, no pass
+    v = gr.ladder_verdict(good[1:])
+    assert v["status"] == "fail" and v["failures"][0].startswith("no rung trained on the card")
+
+
+def test_the_predictions_fit_verdict_on_the_card_is_held_to_what_the_card_did():
+    """An OOM was a result whatever the prediction said: a rung predicted to fit with room to spare
+    that ran out of memory (what issue 10 is about: "fits" where the card runs out) passed the check."""
+    card = {"allocated_peak_bytes": 900 * MiB, "reserved_peak_bytes": 1000 * MiB, "method": "predicted"}
+    oom = {"status": "oom", "reason": "CUDA out of memory"}
+    ran = gr.rung_row("bf16", _pred(100), _measured(98, 110), {})
+
+    def verdict(prediction, measured):
+        return gr.ladder_verdict([ran, gr.rung_row("fp32", prediction, measured, {})])["failures"]
+
+    roomy = {**card, "fits": True, "headroom_bytes": 2000 * MiB}
+    assert verdict(roomy, oom) == ["fp32: predicted to fit the card with 2,000 MiB to spare, yet it ran out of memory"]
+    assert verdict(roomy, _measured(900, 1000)) == []
+    short = {**card, "fits": False, "headroom_bytes": -500 * MiB}
+    assert verdict(short, oom) == []
+    assert verdict(short, _measured(900, 1000)) == ["fp32: predicted not to fit the card (500 MiB short), yet it "
+                                                    "trained"]
+    # within the reserved threshold of the fit figure either way: the verdict was within the error allowed
+    assert verdict({**card, "fits": True, "headroom_bytes": 300 * MiB}, oom) == []
+    assert verdict({**card, "fits": False, "headroom_bytes": -300 * MiB}, _measured(900, 1000)) == []
+    # the weights alone more than the card (WeightsExceedCard): a verdict, agreed with by an OOM
+    too_big = {"method": "weights > card", "fits": False, "note": "smaller than the weights alone"}
+    assert verdict(too_big, oom) == []
+    assert verdict(too_big, _measured(900, 1000)) == ["fp32: predicted not to fit (its weights alone exceed the "
+                                                      "card), yet it trained", "fp32: no allocator figure"]
+    assert verdict(card, oom) == []  # no card in the prediction: no verdict to hold
 
 
 def _run(strategy, *history):
@@ -472,6 +530,14 @@ def test_cap_rows_compare_the_need_less_the_workspaces_and_judge_it_by_the_targe
     assert v["status"] == "fail" and len(v["failures"]) == 2 and "deepspeed failed" in v["failures"][0]
     assert "| zero_offload | 4180.0 | 4192.0 |" in v["report"]
     assert cap_verdict([])["status"] == "fail"  # nothing measured is no pass
+    # a rung out of memory uncapped, or too big for the card (predicted), is a result; but when none
+    # trained, no least cap was compared: no pass
+    big = {"rung": "zero_offload", "status": "too big", "reason": "smaller than the weights alone", "trials": [],
+           "passed": None}
+    assert cap_verdict([ok, big])["status"] == "pass"
+    oom = {**big, "status": "oom", "reason": "CUDA out of memory"}
+    v = cap_verdict([oom, big])
+    assert v["status"] == "fail" and v["failures"] == [v["failures"][0]] and "no rung trained" in v["failures"][0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the real check (make gpu-check)")
@@ -773,6 +839,25 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
         "its predicted host memory 5,000.0 MiB > the 4,000 MiB this machine has free")
     assert {n for n, _ in runs} == {"bf16_true_lora"}  # zero_offload never started
     monkeypatch.setattr(gpu_cap, "past_free_memory", free_check)
+    # a rung whose weights alone are predicted to be more than the card has no cap to find: a row that
+    # says so, not a failure of the check (it was "not measured", and failed it)
+    from workbench.core.memory.predict import WeightsExceedCard
+
+    real_cap_predict = gpu_cap.predict
+
+    def too_big(config, name, **kw):
+        if name == "zero_offload":
+            raise WeightsExceedCard("the card is smaller than the weights alone")
+        return real_cap_predict(config, name, **kw)
+
+    monkeypatch.setattr(gpu_cap, "predict", too_big)
+    runs.clear()
+    result = gpu_cap.check_cap(opts)
+    rows = {r["rung"]: r for r in result["rows"]}
+    assert rows["zero_offload"]["status"] == "too big" and "weights alone" in rows["zero_offload"]["reason"]
+    assert {n for n, _ in runs} == {"bf16_true_lora"} and not any(f.startswith("zero_offload") for f in
+                                                                   result["failures"]), result["failures"]
+    monkeypatch.setattr(gpu_cap, "predict", real_cap_predict)
     # a torch that cannot release the workspaces: they are held through the trials, so the modelled
     # workspaces come off the prediction, and the row and the report say so
     monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces")

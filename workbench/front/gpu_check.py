@@ -45,7 +45,7 @@ from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor, bf16_native, can_release_workspaces, release_held
 from workbench.core.memory.plan import RUNGS
-from workbench.core.memory.predict import ALLOC_CONF_VARS, predict
+from workbench.core.memory.predict import ALLOC_CONF_VARS, WeightsExceedCard, predict
 from workbench.core.models import load_config
 from workbench.core.results import environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
@@ -224,6 +224,8 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
                         workspaces=ws, after=after, cast_on_card=True).row()  # measure() casts a pure-half plan
+        except WeightsExceedCard as e:  # a verdict, not a failure: the card's out-of-memory error should agree
+            p = {"method": "weights > card", "fits": False, "note": one_line(e)}
         except Exception as e:
             p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
         release_held(opts.device)

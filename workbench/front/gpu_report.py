@@ -51,6 +51,8 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
     row = {
         "rung": name, "status": measured.get("status", "error"), "reason": measured.get("reason", ""),
         "method": prediction.get("method"), "prediction_error": prediction.get("error"),
+        # the prediction's verdict on this card (the fit figure + the context, no margin; None: not judged)
+        "predicted_fits_card": prediction.get("fits"), "predicted_headroom_mib": mib(prediction.get("headroom_bytes")),
         "predicted_allocated_mib": pred, "predicted_reserved_mib": fit,
         "cuda_max_allocated_mib": alloc, "cuda_max_reserved_mib": reserved,
         "accounted_peak_mib": (None if measured.get("measured_by") == "cuda allocator"
@@ -84,6 +86,8 @@ def ladder_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     the thresholds; the failures say which rung and why."""
     failures = []
     for r in rows:
+        if wrong := fit_verdict_wrong(r):
+            failures.append(f"{r['rung']}: {wrong}")
         if r.get("prediction_error"):
             failures.append(f"{r['rung']}: the prediction failed: {r['prediction_error']}")
         elif r["status"] == "ok" and not r["passed"]:
@@ -91,7 +95,26 @@ def ladder_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
                             if r["error_vs_allocated_pct"] is not None else f"{r['rung']}: no allocator figure")
         elif r["status"] not in ("ok", "oom"):
             failures.append(f"{r['rung']}: {r['status']}: {r['reason']}")
+    if rows and not any(r["status"] == "ok" for r in rows):  # every rung ran out of memory: nothing compared
+        failures.append("no rung trained on the card, so no prediction was compared (a card too small for "
+                        "the check's model: --model, --seq or --batch smaller)")
     return {"status": "pass" if rows and not failures else "fail", "failures": failures, "rows": rows}
+
+
+def fit_verdict_wrong(row: dict[str, Any], thresholds: dict[str, float] = THRESHOLDS) -> str:
+    """What was wrong with the prediction's fits / does not fit on this card ("" when nothing): a rung
+    predicted to fit that ran out of memory, or predicted not to fit that trained, by more than the
+    reserved threshold of its fit figure (nearer than that, the verdict was within the error allowed)."""
+    fits, room = row.get("predicted_fits_card"), row.get("predicted_headroom_mib")
+    fit = row.get("predicted_reserved_mib")
+    if fits is None or row["status"] not in ("ok", "oom") or (row["status"] == "ok") == fits:
+        return ""
+    if room is None:  # no figure: the weights alone exceed the card (WeightsExceedCard)
+        return "predicted not to fit (its weights alone exceed the card), yet it trained"
+    if fit and abs(room) <= thresholds["reserved_pct"] / 100 * fit:
+        return ""
+    return (f"predicted to fit the card with {room:,.0f} MiB to spare, yet it ran out of memory" if fits else
+            f"predicted not to fit the card ({-room:,.0f} MiB short), yet it trained")
 
 
 def study1_verdict(runs: list[dict[str, Any]], allocated_before: int, allocated_after: int) -> dict[str, Any]:
@@ -154,7 +177,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
     if ladder.get("rows"):
         cols = ["rung", "status", "method", "predicted_allocated_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",
                 "predicted_reserved_mib", "cuda_max_reserved_mib", "error_vs_reserved_pct",
-                "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "passed"]
+                "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "predicted_fits_card",
+                "passed"]
         lines += ["", "### Ladder: predicted beside measured on the card (MiB; error = (predicted - measured) / measured)",
                   "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in ladder["rows"]]

@@ -39,7 +39,7 @@ from workbench.core.common import MiB, one_line, past_free_memory
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import can_release_workspaces, indexed, release_held
-from workbench.core.memory.predict import predict
+from workbench.core.memory.predict import WeightsExceedCard, predict
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import measure
 from workbench.studies.ladder.runner import model_at_hand
@@ -75,9 +75,14 @@ def cap_row(rung: str, *, predicted_needed: int, workspaces: int, predicted_rese
 
 
 def cap_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    failures = [f"{r['rung']}: {r['reason'] or 'not measured'}" for r in rows if r["status"] not in ("ok", "oom")]
+    # out of memory uncapped, or the weights alone more than the card (predicted): results, not failures
+    failures = [f"{r['rung']}: {r['reason'] or 'not measured'}" for r in rows
+                if r["status"] not in ("ok", "oom", "too big")]
     failures += [f"{r['rung']}: reserved needed off by {r['error_pct']:+.1f}% of the least cap it trained under"
                  for r in rows if r["status"] == "ok" and not r["passed"]]
+    if rows and not any(r["status"] == "ok" for r in rows):  # every rung too big or out of memory: nothing compared
+        failures.append("no rung trained on the card, so no least cap was found (a card too small for the check's "
+                        "model: --model, --seq or --batch smaller)")
     return {"status": "pass" if rows and not failures else "fail", "rows": rows, "failures": failures,
             "report": cap_markdown(rows)}
 
@@ -124,6 +129,9 @@ def check_cap(opts) -> dict[str, Any]:
                 raise TimeoutError("the time budget (--time-budget) was spent before it began")
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=card, replay_steps=TRIAL_STEPS, cast_on_card=True)  # as measure() loads: a run's cap
+        except WeightsExceedCard as e:  # no cap to find on this card (the ladder's check runs it: its OOM agrees)
+            rows.append({"rung": name, "status": "too big", "reason": one_line(e), "trials": [], "passed": None})
+            continue
         except Exception as e:
             rows.append({"rung": name, "status": "not measured", "reason": one_line(e), "trials": [], "passed": False})
             continue
