@@ -135,9 +135,15 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
         == ranked[0].name  # without the margin the cheapest would have been taken
 
 
-def test_a_setup_that_fits_only_with_its_paged_state_paged_out_says_so(config):
+def test_a_setup_that_fits_only_with_its_paged_state_paged_out_says_so(config, monkeypatch, capsys):
     """The need leaves a paged optimizer's state out (it pages to the host under pressure), so a row
     fitting only because of that read as any other fit, though every step then moves that state."""
+    import types
+
+    from workbench.core.memory import predict as predict_module
+    from workbench.studies.ladder import cli
+
+    monkeypatch.setattr(predict_module, "in_wsl", lambda: False)  # under WSL2 the state cannot page out
     paged_only = dict(runnable=lambda p: p.optimizer == "paged_adamw8bit", keep=1, margin=0.0)
     setup = _setup(optimizer="paged_adamw_8bit")
     roomy = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=10_000, **paged_only)
@@ -149,6 +155,10 @@ def test_a_setup_that_fits_only_with_its_paged_state_paged_out_says_so(config):
     row = tight.table[0]
     assert row["fits"] and row["fits_only_paged_out"] and tight.plan.name == row["setup"]
     assert f"with its {mib_text(row['paged_mib'])} MiB of paged optimizer state paged out to the host" in tight.why
+    args = types.SimpleNamespace(json=False, model="tiny", batch=BATCH, seq=SEQ)
+    assert cli._print_search(args, tight, between, setup, "--budget-mib") == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(row["setup"][:40])]
+    assert line.endswith(f"yes  (only with its {mib_text(row['paged_mib'])} MiB of paged state paged out)"), line
     assert not search(config, setup, batch=BATCH, seq=SEQ, budget_mib=row["need_mib"] + row["paged_mib"] + 0.01,
                       **paged_only).table[0]["fits_only_paged_out"]
 

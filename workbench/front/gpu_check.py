@@ -238,8 +238,9 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         try:
             with MemoryMonitor(opts.device, interval_s=0.05) as mon:
                 before = mon.sample().get("nvml_used_mib")
-                m = measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
-                            counted=opts.counted)
+                room = card_free_now(opts.device).usable_bytes  # what it may take: others' use and the context out
+                m = {**measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
+                               counted=opts.counted), "free_before_bytes": room}
             if before is not None:
                 nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before,
                         **{k: mon.peak[k] for k in ("nvml_total_mib", "nvml_driver_reserved_mib") if k in mon.peak}}
@@ -257,6 +258,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
 
 
 card_at_hand = cuda_model.card_at_hand  # CUDA: this card as the prediction's card
+card_free_now = cuda_model.card_free_now  # CUDA: what a run may take there now
 
 
 def check_strategies(opts: Options) -> dict[str, Any]:

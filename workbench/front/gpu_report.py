@@ -53,6 +53,8 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         "method": prediction.get("method"), "prediction_error": prediction.get("error"),
         # the prediction's verdict on this card (the fit figure + the context, no margin; None: not judged)
         "predicted_fits_card": prediction.get("fits"), "predicted_headroom_mib": mib(prediction.get("headroom_bytes")),
+        "predicted_fit_mib": mib(prediction.get("fit_bytes")),
+        "free_before_mib": mib(measured.get("free_before_bytes")),  # what the card had free before the run
         "predicted_allocated_mib": pred, "predicted_reserved_mib": fit,
         "cuda_max_allocated_mib": alloc, "cuda_max_reserved_mib": reserved,
         "accounted_peak_mib": (None if measured.get("measured_by") == "cuda allocator"
@@ -73,7 +75,7 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
     }
     row["segment_difference"] = segment_difference(row["predicted_segment_sizes"], row["cuda_segment_sizes"])
     if row["status"] != "ok":
-        row["passed"] = None  # judged by ladder_verdict: an error on a GPU is a failure, an OOM is a result
+        row["passed"] = None  # judged by ladder_verdict: an error is a failure, an OOM a result unless predicted room
     else:
         ea, er = row["error_vs_allocated_pct"], row["error_vs_reserved_pct"]
         row["passed"] = (ea is not None and abs(ea) <= thresholds["allocated_pct"]
@@ -82,39 +84,46 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
 
 
 def ladder_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """pass when every rung ran (or ran out of memory for real) and every measured one is within
-    the thresholds; the failures say which rung and why."""
+    """pass when every rung ran (or ran out of memory where the prediction did not say it had room),
+    every measured one is within the thresholds and at least one trained; the failures say which
+    rung and why."""
     failures = []
     for r in rows:
         if wrong := fit_verdict_wrong(r):
             failures.append(f"{r['rung']}: {wrong}")
-        if r.get("prediction_error"):
+        elif r.get("prediction_error"):
             failures.append(f"{r['rung']}: the prediction failed: {r['prediction_error']}")
         elif r["status"] == "ok" and not r["passed"]:
             failures.append(f"{r['rung']}: prediction off by {r['error_vs_allocated_pct']:+.1f}% of allocated"
                             if r["error_vs_allocated_pct"] is not None else f"{r['rung']}: no allocator figure")
         elif r["status"] not in ("ok", "oom"):
             failures.append(f"{r['rung']}: {r['status']}: {r['reason']}")
-    if rows and not any(r["status"] == "ok" for r in rows):  # every rung ran out of memory: nothing compared
-        failures.append("no rung trained on the card, so no prediction was compared (a card too small for "
-                        "the check's model: --model, --seq or --batch smaller)")
+    if rows and all(r["status"] == "oom" for r in rows):  # nothing trained: nothing compared
+        failures.append("every rung ran out of memory, so no prediction was compared (a card too small for the "
+                        "check's model: --model, --seq or --batch smaller)")
     return {"status": "pass" if rows and not failures else "fail", "failures": failures, "rows": rows}
 
 
 def fit_verdict_wrong(row: dict[str, Any], thresholds: dict[str, float] = THRESHOLDS) -> str:
-    """What was wrong with the prediction's fits / does not fit on this card ("" when nothing): a rung
-    predicted to fit that ran out of memory, or predicted not to fit that trained, by more than the
-    reserved threshold of its fit figure (nearer than that, the verdict was within the error allowed)."""
-    fits, room = row.get("predicted_fits_card"), row.get("predicted_headroom_mib")
-    fit = row.get("predicted_reserved_mib")
-    if fits is None or row["status"] not in ("ok", "oom") or (row["status"] == "ok") == fits:
-        return ""
-    if room is None:  # no figure: the weights alone exceed the card (WeightsExceedCard)
-        return "predicted not to fit (its weights alone exceed the card), yet it trained"
-    if fit and abs(room) <= thresholds["reserved_pct"] / 100 * fit:
-        return ""
-    return (f"predicted to fit the card with {room:,.0f} MiB to spare, yet it ran out of memory" if fits else
-            f"predicted not to fit the card ({-room:,.0f} MiB short), yet it trained")
+    """What the card's outcome says was wrong with the prediction's fit figure ("" when nothing): it
+    ran out of memory though the figure was below what the card had free before the run, or it
+    trained though the figure was above that, by more than the reserved threshold of the figure (nearer,
+    within the error allowed). What was free is measured (other processes and the context out); where
+    it was not read, the card less the modelled context, as the prediction's verdict took it."""
+    status, fit, free = row["status"], row.get("predicted_fit_mib"), row.get("free_before_mib")
+    if row.get("predicted_fits_card") is None or status not in ("ok", "oom"):
+        return ""  # no card in the prediction, or no outcome to hold it to
+    if fit is None:  # no figure: the weights alone exceed the card (WeightsExceedCard)
+        return "" if status == "oom" else "predicted not to fit (its weights alone exceed the card), yet it trained"
+    if free is None:
+        free = fit + row["predicted_headroom_mib"]
+    slack = thresholds["reserved_pct"] / 100 * fit
+    if status == "oom" and fit + slack < free:
+        return (f"predicted to need {fit:,.0f} MiB, with {free:,.0f} MiB free on the card before it ran, "
+                "yet it ran out of memory")
+    if status == "ok" and fit - slack > free:
+        return f"predicted to need {fit:,.0f} MiB, more than the {free:,.0f} MiB free before it ran, yet it trained"
+    return ""
 
 
 def study1_verdict(runs: list[dict[str, Any]], allocated_before: int, allocated_after: int) -> dict[str, Any]:

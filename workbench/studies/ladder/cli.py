@@ -82,8 +82,8 @@ def register(sub) -> None:
                         "optimizer and offload for the fastest setup predicted to fit --budget-mib or --card, with "
                         "a margin from the prediction's measured error")
     p.add_argument("--allow-lora", action="store_true", help="with --search: LoRA may replace full fine-tuning")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table (figures in bytes; --search's "
-                   "in MiB, their keys ending _mib)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (figures in bytes, but where "
+                   "a key ends _mib; --search's are in MiB)")
     p.add_argument("--snapshot", default=None, metavar="PATH", help="also write the predicted step's allocation "
                    "timeline as a memory snapshot pickle (open it at pytorch.org/memory_viz); one setup only")
     p.set_defaults(func=_estimate)
@@ -235,8 +235,8 @@ def _estimate(args) -> int:
                                                 "the H200, not compared)",
                        "nvidia_smi_bytes": "modelled (reserved + context)",
                        "fits_card": "the fit figure + the CUDA context within --card, no margin (null: no card)",
-                       "fits_budget": "the fit figure + the prediction's measured margin within --budget-mib "
-                                      "(null: no budget)"},
+                       "fits_budget": "the fit figure + the prediction's measured margin within the budget "
+                                      "(--budget-mib, or --auto-fit's: the card less its context; null: none)"},
             "predictions": [
                 {**{k: v for k, v in p.row().items() if k not in ("model", "fits")},  # two verdicts: named
                  "breakdown_bytes": p.breakdown, "peak_bytes": p.peak_bytes,
@@ -365,7 +365,7 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
                              else (f"{'> card':>9}", f"{'':>9}"))  # the weights alone: WeightsExceedCard
         print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
               f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else "")
-              + (f"  (only with its {r['paged_mib']:,.0f} MiB of paged state paged out)"
+              + (f"  (only with its {mib_text(r['paged_mib'])} MiB of paged state paged out)"
                  if r["fits_only_paged_out"] else ""))
     print(f"auto-fit: {choice.why}")
     if len(choice.fitting) > 1:

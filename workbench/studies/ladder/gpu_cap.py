@@ -80,9 +80,9 @@ def cap_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if r["status"] not in ("ok", "oom", "too big")]
     failures += [f"{r['rung']}: reserved needed off by {r['error_pct']:+.1f}% of the least cap it trained under"
                  for r in rows if r["status"] == "ok" and not r["passed"]]
-    if rows and not any(r["status"] == "ok" for r in rows):  # every rung too big or out of memory: nothing compared
-        failures.append("no rung trained on the card, so no least cap was found (a card too small for the check's "
-                        "model: --model, --seq or --batch smaller)")
+    if rows and all(r["status"] in ("oom", "too big") for r in rows):  # nothing trained: nothing compared
+        failures.append("every rung was too big for the card or ran out of memory uncapped, so no least cap was "
+                        "found (a card too small for the check's model: --model, --seq or --batch smaller)")
     return {"status": "pass" if rows and not failures else "fail", "rows": rows, "failures": failures,
             "report": cap_markdown(rows)}
 
