@@ -1401,6 +1401,34 @@ def test_split_adaptive_benchmark_runs_and_writes_its_row(results_dir):
     assert bad.returncode == 2 and "--iterations must exceed --warmup" in bad.stderr
 
 
+def test_split_moved_k_benchmark_runs_and_writes_its_row(results_dir):
+    """benchmarks/split_moved_k.py end to end, shortened: its timed steps are all at k=1, its last
+    line is the ratio it writes to benchmarks.csv, and a bad schedule is a one-line error."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/split_moved_k.py", "--rounds", "1", "--steps", "4",
+                          "--move-at", "1", "--from-step", "2"], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "WORKBENCH_RESULTS": str(results_dir)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert [line.split()[2] for line in lines if line.startswith("  round 1")] == ["moved", "fresh"]
+    last = lines[-1]
+    assert last.startswith("split_moved_k: ") and float(last.split()[-1]) > 0
+    row = pd.read_csv(results_dir / "benchmarks.csv").iloc[-1]
+    assert row["benchmark"] == "split_moved_k" and row["value"] == pytest.approx(float(last.split()[-1]), rel=1e-3)
+    assert "move_at=1" in row["detail"] and "omp_num_threads=" in row["detail"]
+    bad = subprocess.run([sys.executable, "benchmarks/split_moved_k.py", "--move-at", "8", "--from-step", "7"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == ("split_moved_k: need 0 < --move-at < --from-step < --steps "
+                                                          "and --rounds >= 1")
+
+
 def test_the_k_charts_give_each_panel_room_and_a_plain_title():
     """Three panels of tokens/s against k were drawn 450 px tall in all: 80 px each, the lower
     panel's title over the upper one's axis, one panel without k labels, titles read "panel=..."."""
