@@ -227,6 +227,8 @@ def test_a_rung_whose_weights_alone_exceed_the_card_is_a_verdict_the_card_checks
     assert out["status"] == "pass" and not out["tracebacks"], out["failures"]
     assert row["method"] == "weights > card" and row["predicted_fits_card"] is False and row["status"] == "oom"
     assert row["free_before_mib"] == gc.cuda_model.card("H200 141GB").usable_bytes / MiB  # read before the run
+    # each predicted rung carries the margin auto-fit would add to it, which the verdict holds it to
+    assert out["rows"][0]["predicted_margin"] == gc.prediction_margin(RUNGS["bf16"], device="cuda")[0] > 0
     monkeypatch.setattr(gc, "measure", fake_measure)  # the card trained it: the verdict was wrong
     out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "fp32")))
     assert out["status"] == "fail" and out["failures"][0] == ("fp32: predicted not to fit (its weights alone "
@@ -295,12 +297,20 @@ def test_the_predictions_fit_verdict_on_the_card_is_held_to_what_the_card_did():
         return gr.ladder_verdict([ran, gr.rung_row("fp32", prediction, measured, {})])["failures"]
 
     roomy = {**card, "fits": True, "headroom_bytes": 2000 * MiB}
-    assert verdict(roomy, oom) == ["fp32: predicted to need 1,000 MiB, with 3,000 MiB free on the card before it ran, "
-                                   "yet it ran out of memory"]
+    # without a measured margin in the row, the reserved threshold (35%) stands in for it
+    assert verdict(roomy, oom) == ["fp32: predicted to need 1,000 MiB (1,350 with its 35.0% margin), with 3,000 MiB "
+                                   "free on the card before it ran, yet it ran out of memory"]
     assert verdict(roomy, _measured(900, 1000)) == []
     # others' processes had taken most of the card: the rung did not have the room the model gave it
     assert verdict(roomy, oom, free_mib=1200) == []
-    assert verdict(roomy, oom, free_mib=1500)[0].startswith("fp32: predicted to need 1,000 MiB, with 1,500 MiB free")
+    assert verdict(roomy, oom, free_mib=1500)[0].endswith("with 1,500 MiB free on the card before it ran, yet it ran "
+                                                          "out of memory")
+    # with the margin auto-fit adds (4.2% on the card), a rung it would have promised fits is held to it
+    with_margin = {**roomy, "margin": 0.042}
+    assert verdict(with_margin, oom, free_mib=1100) == ["fp32: predicted to need 1,000 MiB (1,042 with its 4.2% "
+                                                        "margin), with 1,100 MiB free on the card before it ran, yet "
+                                                        "it ran out of memory"]
+    assert verdict(with_margin, oom, free_mib=1040) == []
     short = {**card, "fits": False, "headroom_bytes": -500 * MiB}
     assert verdict(short, oom) == []
     assert verdict(short, _measured(900, 1000)) == ["fp32: predicted to need 1,000 MiB, more than the 500 MiB free "

@@ -52,6 +52,7 @@ from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
 from workbench.front.gpu_report import TIME_SPENT, ladder_verdict, rung_row, study1_verdict, summarize, write_results
 from workbench.studies.ladder import gpu_cap
+from workbench.studies.ladder.autofit import prediction_margin
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import OFFLOADED, measure
 from workbench.studies.ladder.runner import model_at_hand
@@ -224,6 +225,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
                         workspaces=ws, after=after, cast_on_card=True).row()  # measure() casts a pure-half plan
+            p["margin"] = prediction_margin(RUNGS[name], device="cuda")[0]  # what auto-fit adds: fits with it
         except WeightsExceedCard as e:  # a verdict, not a failure: the card's out-of-memory error should agree
             p = {"method": "weights > card", "fits": False, "note": one_line(e)}
         except Exception as e:
@@ -238,7 +240,8 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         try:
             with MemoryMonitor(opts.device, interval_s=0.05) as mon:
                 before = mon.sample().get("nvml_used_mib")
-                room = card_free_now(opts.device).usable_bytes  # what it may take: others' use and the context out
+                # what it may take: others' use, the context and what this process holds live out
+                room = card_free_now(opts.device).usable_bytes - torch.cuda.memory_allocated(opts.device)
                 m = {**measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
                                counted=opts.counted), "free_before_bytes": room}
             if before is not None:

@@ -53,7 +53,7 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         "method": prediction.get("method"), "prediction_error": prediction.get("error"),
         # the prediction's verdict on this card (the fit figure + the context, no margin; None: not judged)
         "predicted_fits_card": prediction.get("fits"), "predicted_headroom_mib": mib(prediction.get("headroom_bytes")),
-        "predicted_fit_mib": mib(prediction.get("fit_bytes")),
+        "predicted_fit_mib": mib(prediction.get("fit_bytes")), "predicted_margin": prediction.get("margin"),
         "free_before_mib": mib(measured.get("free_before_bytes")),  # what the card had free before the run
         "predicted_allocated_mib": pred, "predicted_reserved_mib": fit,
         "cuda_max_allocated_mib": alloc, "cuda_max_reserved_mib": reserved,
@@ -106,10 +106,11 @@ def ladder_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def fit_verdict_wrong(row: dict[str, Any], thresholds: dict[str, float] = THRESHOLDS) -> str:
     """What the card's outcome says was wrong with the prediction's fit figure ("" when nothing): it
-    ran out of memory though the figure was below what the card had free before the run, or it
-    trained though the figure was above that, by more than the reserved threshold of the figure (nearer,
-    within the error allowed). What was free is measured (other processes and the context out); where
-    it was not read, the card less the modelled context, as the prediction's verdict took it."""
+    ran out of memory though the figure with its measured margin (what auto-fit adds; without one, the
+    reserved threshold) was below what the card had free before the run, or it trained though the
+    figure was above that by more than the reserved threshold (an over-prediction the check allows in
+    a rung that trained). What was free is measured (other processes, the context and this process's
+    live memory out); where it was not read, the card less the modelled context, as the verdict took it."""
     status, fit, free = row["status"], row.get("predicted_fit_mib"), row.get("free_before_mib")
     if row.get("predicted_fits_card") is None or status not in ("ok", "oom"):
         return ""  # no card in the prediction, or no outcome to hold it to
@@ -117,11 +118,12 @@ def fit_verdict_wrong(row: dict[str, Any], thresholds: dict[str, float] = THRESH
         return "" if status == "oom" else "predicted not to fit (its weights alone exceed the card), yet it trained"
     if free is None:
         free = fit + row["predicted_headroom_mib"]
-    slack = thresholds["reserved_pct"] / 100 * fit
-    if status == "oom" and fit + slack < free:
-        return (f"predicted to need {fit:,.0f} MiB, with {free:,.0f} MiB free on the card before it ran, "
-                "yet it ran out of memory")
-    if status == "ok" and fit - slack > free:
+    margin = row.get("predicted_margin")
+    margin = thresholds["reserved_pct"] / 100 if margin is None else margin
+    if status == "oom" and fit * (1 + margin) < free:
+        return (f"predicted to need {fit:,.0f} MiB ({fit * (1 + margin):,.0f} with its {margin:.1%} margin), with "
+                f"{free:,.0f} MiB free on the card before it ran, yet it ran out of memory")
+    if status == "ok" and fit * (1 - thresholds["reserved_pct"] / 100) > free:
         return f"predicted to need {fit:,.0f} MiB, more than the {free:,.0f} MiB free before it ran, yet it trained"
     return ""
 
