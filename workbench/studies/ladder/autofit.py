@@ -14,7 +14,11 @@ setup that keeps the trainable set always ranks before one that does not).
 
 Order: by a prior cost of each mechanism on a GPU (`COSTS`, every factor with its reason), cheapest
 first; the setups are predicted in that order (fake tensors, the CUDA model) until one fits, so the
-first that fits is the fastest by the prior and the search predicts only what it must.
+first that fits is the fastest by the prior and the search predicts only what it must. A setup is
+not predicted where a prediction made already rules it out (`ruled_out`): its weights alone exceed
+the card, or its weights and optimizer state alone exceed the budget, as predicted for a setup that
+differs from it only in micro-batch and checkpointing (they hold the same tensors). A 7B model on a
+12 GB card predicted every setup, minutes each, to find the same weights too big each time.
 
 Margin: a setup fits when its predicted peak plus a margin is within the budget. The margin is the
 prediction's own measured error, not a fixed guess, for the figure that is compared:
@@ -149,6 +153,40 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | N
     return out
 
 
+def _weights_key(plan: Plan) -> tuple | None:
+    """What the weights on the card depend on (None: they depend on more, ZeRO-3 gathers them as it goes)."""
+    return (plan.precision, plan.trainable, plan.placement) if plan.placement in ("device", "zero_offload") else None
+
+
+def _floor_key(plan: Plan) -> tuple | None:
+    """What the weights and optimizer state on the card depend on (None: not only on this; the
+    offload placements keep the state on the host and flatten or gather the weights as they go)."""
+    return (plan.precision, plan.optimizer, plan.trainable) if plan.placement == "device" else None
+
+
+def floor_bytes(p) -> int:
+    """A lower bound of the fit figure of any setup that differs from `p`'s only in micro-batch and
+    checkpointing: its weights and optimizer state (less paged state, outside the fit figure), live
+    all through a steady step whatever the activations, in live bytes (the fit figure, the reserved
+    peak on a card, holds at least them). Not the allocator's figure for them: a block the allocator
+    does not split counts whole, so that depends on what the setup allocated before (Qwen2-0.5B,
+    bf16-mixed at 4 x 512: 27 MiB more AdamW state allocated without checkpointing than with it)."""
+    return p.breakdown.get("weights", 0) + (0 if p.pageable_bytes else p.breakdown.get("optimizer_state", 0))
+
+
+def ruled_out(plan: Plan, margin: float, budget: int, too_big: dict, floors: dict) -> tuple[float | None, str, str]:
+    """(the lower bound of `plan`'s need in MiB or None, why it is not predicted, the setup whose
+    prediction showed it) where a prediction made already shows it cannot fit; (None, "", "") where
+    it must be predicted. `too_big`: weights key -> the setup whose weights alone exceeded the card;
+    `floors`: floor key -> (floor bytes, setup)."""
+    if _weights_key(plan) in too_big:
+        return None, "its weights alone exceed the card", too_big[_weights_key(plan)]
+    floor, src = floors.get(_floor_key(plan), (0, ""))  # neither dict has a None key
+    if floor * (1 + margin) > budget:
+        return floor / MiB, "its weights and optimizer state alone exceed the budget with the margin", src
+    return None, "", ""
+
+
 @dataclass
 class SetupChoice:
     plan: Plan | None  # None: nothing is predicted to fit
@@ -166,8 +204,12 @@ class SetupChoice:
     @property
     def why(self) -> str:
         if self.plan is None:
+            skipped = sum(1 for r in self.table if r["not_predicted"])
             return (f"nothing fits {mib_text(self.budget_bytes / MiB)} MiB with the prediction's margin "
-                    f"({self.margin:.1%} for the setup as given: {self.margin_source}; {len(self.table)} setups predicted)")
+                    f"({self.margin:.1%} for the setup as given: {self.margin_source}; "
+                    f"{len(self.table) - skipped} setups predicted"
+                    + (f", {skipped} not predicted, ruled out by those: their weights alone exceed the card, or "
+                       "their weights and optimizer state the budget" if skipped else "") + ")")
         row = next(r for r in self.table if r["setup"] == self.plan.name)
         faster = [r["setup"] for r in self.table if not r["fits"]]
         paged = (f" with its {mib_text(row['paged_mib'])} MiB of paged optimizer state paged out to the host"
@@ -189,8 +231,9 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     less than the one kept before (the step-down order for a real out-of-memory error: a setup
     needing as much as one that ran out would run out too; the others are in `table`). `runnable`:
     only candidates it accepts are searched (a study running on this machine leaves out what cannot
-    run here). `progress`: a bar on standard error, one tick per setup predicted (each a simulated
-    step: seconds to a minute)."""
+    run here). A candidate a prediction made already rules out is not predicted (`ruled_out`; its
+    row says why, `not_predicted`). `progress`: a bar on standard error, one tick per setup (each
+    predicted one a simulated step: seconds to a minute)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
     if not budget_mib > 0:
@@ -205,27 +248,43 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                     key=lambda p: (p.trainable != setup.trainable, cost(p, sm)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup))
     last_need = math.inf
+    too_big: dict[tuple, str] = {}  # what earlier predictions showed (ruled_out)
+    floors: dict[tuple, tuple[int, str]] = {}
     with tqdm(total=len(ranked), desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
         for plan in ranked:
             bar.set_postfix_str(plan.name)
             t0 = time.perf_counter()
             m, src = margin_of(plan)
+            row = {"setup": plan.name, "prior_cost": round(cost(plan, sm), 3), "margin": m, "fits": False,
+                   "kept": False, "changes_what_trains": plan.trainable != setup.trainable, "need_mib": None,
+                   "with_margin_mib": None, "paged_mib": 0.0, "fits_only_paged_out": False}
+            floor_mib, why_not, by = ruled_out(plan, m, budget, too_big, floors)
+            if why_not:
+                choice.table.append({**row, "method": "not predicted", "floor_mib": floor_mib, "not_predicted": why_not,
+                                     "ruled_out_by": by, "predict_seconds": 0.0})
+                bar.update()
+                continue
             try:
                 p = predict(model, plan, batch=batch, seq=seq, device=device, card=the_card)  # "here" read once
             except WeightsExceedCard:  # a setup that does not fit, not the end of the search
                 p = None
+                if _weights_key(plan) is not None:
+                    too_big.setdefault(_weights_key(plan), plan.name)
+            else:
+                if _floor_key(plan) is not None:
+                    floors.setdefault(_floor_key(plan), (floor_bytes(p), plan.name))
             need = math.inf if p is None else p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
             fits = need * (1 + m) <= budget
             # a paged optimizer's state is left out of the need (it pages out under pressure): say where
             # the setup fits only because it does, which costs host transfers in every step that touches it
             paged = 0 if p is None or not p.pages_out else p.pageable_bytes
-            choice.table.append({"setup": plan.name, "prior_cost": round(cost(plan, sm), 3),
-                                 "method": "weights > card" if p is None else p.method,
-                                 **({"need_mib": None, "with_margin_mib": None} if p is None else
-                                    {"need_mib": need / MiB, "with_margin_mib": need * (1 + m) / MiB}), "margin": m,
+            choice.table.append({**row, "method": "weights > card" if p is None else p.method,
+                                 **({} if p is None else {"need_mib": need / MiB,
+                                                          "with_margin_mib": need * (1 + m) / MiB}),
                                  "fits": fits, "paged_mib": paged / MiB,
                                  "fits_only_paged_out": fits and paged > 0 and (need + paged) * (1 + m) > budget,
-                                 "kept": False, "changes_what_trains": plan.trainable != setup.trainable,
+                                 "floor_mib": None if p is None else floor_bytes(p) / MiB, "not_predicted": "",
+                                 "ruled_out_by": "",
                                  "predict_seconds": round(time.perf_counter() - t0, 1)})
             bar.update()
             if fits and need < last_need:  # a step down from the setup kept before

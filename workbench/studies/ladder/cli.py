@@ -361,12 +361,19 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
     print(f"searched from your setup: {setup.name} ({setup.help})")
     print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin':>9}  fits")
     for r in choice.table:
-        need, with_margin = ((f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>9,.1f}") if r["need_mib"] is not None
-                             else (f"{'> card':>9}", f"{'':>9}"))  # the weights alone: WeightsExceedCard
+        if r["need_mib"] is not None:
+            need, with_margin = f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>9,.1f}"
+        else:  # the weights alone exceed the card (WeightsExceedCard), or a bound of the need the budget
+            bound = "> card" if r["floor_mib"] is None else f">={r['floor_mib']:,.0f}"
+            need, with_margin = f"{bound:>9}", f"{'':>9}"
         print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
               f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else "")
               + (f"  (only with its {mib_text(r['paged_mib'])} MiB of paged state paged out)"
-                 if r["fits_only_paged_out"] else ""))
+                 if r["fits_only_paged_out"] else "")
+              + (f"  (not predicted: {r['not_predicted']})" if r["not_predicted"] else ""))
+    if any(r["not_predicted"] for r in choice.table):
+        print("not predicted: what a prediction made above showed for a setup holding the same weights and optimizer "
+              "state (it differs only in micro-batch and checkpointing); --json names which")
     print(f"auto-fit: {choice.why}")
     if len(choice.fitting) > 1:
         print("on a real out-of-memory error, step down (same effective batch): "

@@ -81,7 +81,8 @@ def autofit_table(result: StudyResult) -> pd.DataFrame:
 
 
 def autofit_search_table(result: StudyResult) -> pd.DataFrame:
-    """Every setup the joint search predicted, in the order it tried them."""
+    """Every setup the joint search tried, in its order (a row `not predicted` was ruled out by an earlier one's
+    prediction: `not_predicted` says why, `ruled_out_by` which)."""
     return rounded(result.tables.get("autofit_search", pd.DataFrame()))
 
 
@@ -251,7 +252,7 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
         ("figure", "", loss_figure(result)),
         ("table", "Auto-fit: the rung predicted fastest to fit, run here with the budget enforced "
                   "(measured where its status is ok or oom)", autofit_table(result)),
-        ("table", "Auto-fit's search: each setup predicted, cheapest first", autofit_search_table(result)),
+        ("table", "Auto-fit's search: each setup tried, cheapest first (not predicted: ruled out by a prediction above)", autofit_search_table(result)),
     ]
     if len(ref):
         parts += [("table", f"Reference model {ref['model'].iloc[0]}: predicted peaks (not measured)",
