@@ -321,13 +321,15 @@ def test_a_prediction_rules_out_the_setups_holding_the_same_weights_and_state_wi
             source = by_precision[r["setup"].split(", ")[0]]
             assert r["ruled_out_by"] == source["setup"] and r["need_mib"] is None and not r["fits"]
             assert r["floor_mib"] == source["floor_mib"] and r["predict_seconds"] == 0.0
-            assert r["not_predicted"] == ("its weights alone exceed the card" if source is by_precision["fp32"]
-                                          else "its weights and optimizer state alone exceed the budget with the margin")
+            stated = ("its weights alone exceed the card" if source is by_precision["fp32"]
+                      else "its weights and optimizer state alone exceed the budget with the margin")
+            assert r["not_predicted"] == stated
     assert "2 setups predicted, 6 not predicted, ruled out by those" in choice.why
     # what was ruled out does not fit when predicted: the one needing least of each precision
     plans = [p for p in candidates(_setup(), 2) if device_adamw["runnable"](p)]
     with pytest.raises(WeightsExceedCard):
-        predict(config, _frugal([p for p in plans if p.precision == "fp32"]), batch=2, seq=SEQ, device="cuda", card=card)
+        predict(config, _frugal([p for p in plans if p.precision == "fp32"]), batch=2, seq=SEQ, device="cuda",
+                card=card)
     frugal = _frugal([p for p in plans if p.precision == "bf16_true"])
     need = predict(config, frugal, batch=2, seq=SEQ, device="cuda", card=card).fit_bytes / 2**20
     assert bf16["floor_mib"] <= need and need > budget

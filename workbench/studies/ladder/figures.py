@@ -252,7 +252,8 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
         ("figure", "", loss_figure(result)),
         ("table", "Auto-fit: the rung predicted fastest to fit, run here with the budget enforced "
                   "(measured where its status is ok or oom)", autofit_table(result)),
-        ("table", "Auto-fit's search: each setup tried, cheapest first (not predicted: ruled out by a prediction above)", autofit_search_table(result)),
+        ("table", "Auto-fit's search: each setup tried, cheapest first (not predicted: ruled out by a "
+                  "prediction above)", autofit_search_table(result)),
     ]
     if len(ref):
         parts += [("table", f"Reference model {ref['model'].iloc[0]}: predicted peaks (not measured)",
