@@ -3,7 +3,7 @@
     from workbench.studies.ladder.autofit import search
     choice = search("data/configs/qwen2-0.5b.json", plan, batch=8, seq=512, budget_mib=8192)
     choice.plan, choice.micro_batch, choice.why        # what to run, and why this one
-    choice.table                                       # every setup predicted, in the order tried
+    choice.table                                       # every setup tried, in order (predicted or ruled out)
 
 The space: micro-batch (each divisor of the batch, with accumulation making up the rest, so the
 effective batch never changes), activation checkpointing, precision (bf16-mixed, bf16-true; and
@@ -18,7 +18,7 @@ first that fits is the fastest by the prior and the search predicts only what it
 not predicted where a prediction made already rules it out (`ruled_out`): its weights alone exceed
 the card, or its weights and optimizer state alone exceed the budget, as predicted for a setup that
 differs from it only in micro-batch and checkpointing (they hold the same tensors). A 7B model on a
-12 GB card predicted every setup, minutes each, to find the same weights too big each time.
+12 GB card predicted every setup, 12-33 s each here, to find the same weights too big each time.
 
 Margin: a setup fits when its predicted peak plus a margin is within the budget. The margin is the
 prediction's own measured error, not a fixed guess, for the figure that is compared:
@@ -166,9 +166,10 @@ def _floor_key(plan: Plan) -> tuple | None:
 
 def floor_bytes(p) -> int:
     """A lower bound of the fit figure of any setup that differs from `p`'s only in micro-batch and
-    checkpointing: its weights and optimizer state (less paged state, outside the fit figure), live
-    all through a steady step whatever the activations, in live bytes (the fit figure, the reserved
-    peak on a card, holds at least them). Not the allocator's figure for them: a block the allocator
+    checkpointing: its weights and optimizer state (less paged state, outside the fit figure but
+    under WSL2, where leaving it out only weakens the bound), live all through a steady step whatever
+    the activations, in live bytes (the fit figure, the reserved peak on a card or the live peak on
+    the CPU, holds at least them). Not the allocator's figure for them: a block the allocator
     does not split counts whole, so that depends on what the setup allocated before (Qwen2-0.5B,
     bf16-mixed at 4 x 512: 27 MiB more AdamW state allocated without checkpointing than with it)."""
     return p.breakdown.get("weights", 0) + (0 if p.pageable_bytes else p.breakdown.get("optimizer_state", 0))
@@ -194,7 +195,7 @@ class SetupChoice:
     budget_bytes: int
     margin: float
     margin_source: str
-    table: list[dict[str, Any]] = field(default_factory=list)  # every setup predicted, in the order tried
+    table: list[dict[str, Any]] = field(default_factory=list)  # every setup tried, in order (predicted or ruled out)
     fitting: list[Plan] = field(default_factory=list)  # the step-down order: fastest first, each needing less
 
     @property

@@ -364,7 +364,7 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
         if r["need_mib"] is not None:
             need, with_margin = f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>9,.1f}"
         else:  # the weights alone exceed the card (WeightsExceedCard), or a bound of the need the budget
-            bound = "> card" if r["floor_mib"] is None else f">={r['floor_mib']:,.0f}"
+            bound = "> card" if r["floor_mib"] is None else f">={math.floor(r['floor_mib']):,}"  # a bound: down
             need, with_margin = f"{bound:>9}", f"{'':>9}"
         print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
               f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else "")
