@@ -247,3 +247,18 @@ def test_a_step_with_accumulation_is_predicted_from_its_first_micro_batches(monk
         return
     one, _ = figures(1)
     assert one["peak_bytes"] < every["peak_bytes"]
+
+
+def test_the_operand_walk_gives_what_pytree_gives_in_its_order():
+    """The live-bytes count walks every op's operands and results with its own `leaves`, not pytree's
+    flatten (a tenth of a simulated step): the storages it counts, and their order (the allocation
+    timeline's serials), must be the same."""
+    from torch.utils._pytree import tree_flatten
+
+    from workbench.core.memory.live_bytes import leaves
+
+    x = torch.arange(6.0).reshape(2, 3)
+    structs = [x, (x, x[0]), [x, None, 2.5], ((x,), [x, (x[1], [x[0]])], 3), torch.max(x, 0),
+               torch.linalg.eigh(x @ x.T), ((x, [x, x]), {"alpha": 2, "out": x, "bias": [x[0]]}), (), [[]], None]
+    for s in structs:
+        assert [id(t) for t in leaves(s)] == [id(t) for t in tree_flatten(s)[0]], s
