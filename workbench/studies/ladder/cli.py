@@ -162,7 +162,9 @@ def _estimate(args) -> int:
     plan = _plan(args) if not rung_given or args.rung is None else None
     if rung_given and any(getattr(args, f) is not None for f in _FLAGS):
         _plan(args)  # names the clash
-    with stdout_to_stderr(args.json):  # stdout carries the JSON alone (DeepSpeed prints a warning there)
+    # stdout carries the result alone, the table or the JSON (printed after): DeepSpeed prints its accelerator
+    # warning there when a ZeRO setup first imports it, which put a log line above the table's header
+    with stdout_to_stderr():
         try:
             config = model_config(args.model)
         except ModelNotFoundError as e:
