@@ -4,56 +4,54 @@
     p = predict("data/configs/qwen2-0.5b.json", "bf16_ckpt", batch=1, seq=512)
     p.peak_bytes, p.breakdown, p.where, p.method        # method: predicted | estimated
 
-The prediction runs the real training loop (`workbench.core.training.train`, the same code a measured
-run uses) over FakeTensorMode tensors: every op computes its output's shape, dtype and storage
-but no values, and `MemoryAccounting` counts the live bytes per category and phase exactly as it
-does for real tensors. Two optimizer steps are simulated (by default) and the figure reported is
-the peak of the last one, when the optimizer state already exists (the steady state). With gradient
-accumulation a step for the CPU (no allocation timeline) simulates its first `ACCUM_SIMULATED`
-micro-batches, not all: from the second on, each repeats the same live bytes (the gradients exist, the
-new ones are summed into them), so the rest would add time, not figures (checked equal; one alone is
-not). A CUDA step simulates every micro-batch: the allocator model replays its timeline, and under a
-cap a longer run of repeated micro-batches can need more (Llama 2 7B, bf16-mixed LoRA with
-checkpointing at 1 x 8 x 1024: 36 MiB more needed than from three of the eight).
+The prediction runs the real training loop (`workbench.core.training.train`, the same code a measured run uses) over
+FakeTensorMode tensors: every op computes its output's shape, dtype and storage but no values, and
+`MemoryAccounting` counts the live bytes per category and phase exactly as it does for real tensors. Two optimizer
+steps are simulated (by default) and the figure reported is the peak of the last one, when the optimizer state
+already exists (the steady state). With gradient accumulation a step for the CPU (no allocation timeline) simulates
+its first `ACCUM_SIMULATED` micro-batches, not all: from the second on, each repeats the same live bytes (the
+gradients exist, the new ones are summed into them), so the rest would add time, not figures (checked equal; one
+alone is not). A CUDA step simulates every micro-batch: the allocator model replays its timeline, and under a cap a
+longer run of repeated micro-batches can need more (Llama 2 7B, bf16-mixed LoRA with checkpointing at 1 x 8 x 1024:
+36 MiB more needed than from three of the eight).
 
 Workarounds, all measured (FIELD_NOTES.md):
-- Under fake tensors transformers thinks it is being traced and builds an explicit seq x seq
-  attention mask that a real run skips; `find_packed_sequence_indices` answers "not packed"
-  (None) for fake inputs, as it does for real unpacked ones.
-- `Module.to()` and peft's `get_peft_model` fail on fake parameters: the model is built on the
-  meta device, peft is applied there, then each parameter becomes a fake CPU tensor.
-- bitsandbytes' Linear4bit cannot be built under fake mode: QLoRA layers are quantized for real
-  (from zeros; the bytes are what matter) and fake activations run through them. 8-bit
-  optimizers read values in their constructor: they are built outside fake mode, stepped inside.
-- `.item()` / `float(loss)` have no value to return: the accounting answers 1.0 (an optimizer step
-  count, so single-tensor AdamW's bias correction is defined).
+- Under fake tensors transformers thinks it is being traced and builds an explicit seq x seq attention mask that a
+  real run skips; `find_packed_sequence_indices` answers "not packed" (None) for fake inputs, as it does for real
+  unpacked ones.
+- `Module.to()` and peft's `get_peft_model` fail on fake parameters: the model is built on the meta device, peft is
+  applied there, then each parameter becomes a fake CPU tensor.
+- bitsandbytes' Linear4bit cannot be built under fake mode: QLoRA layers are quantized for real (from zeros; the
+  bytes are what matter) and fake activations run through them. 8-bit optimizers read values in their constructor:
+  they are built outside fake mode, stepped inside.
+- `.item()` / `float(loss)` have no value to return: the accounting answers 1.0 (an optimizer step count, so
+  single-tensor AdamW's bias correction is defined).
 
-The offload rungs accelerate `device_map` and DeepSpeed ZeRO-2 with the optimizer offloaded are
-simulated with each tensor at its place, the card or host memory, as the library places and copies
-it (workbench.core.memory.offload): the device peak is the card's, `host_bytes` the host's.
-So is ZeRO-3 with the parameters offloaded as well: DeepSpeed's own parameter coordinator decides
-which weights are on the card at each module (workbench.core.memory.zero3). fp16 autocast for a CPU
-target cannot be simulated here: its figures are *estimated* from the bf16 simulation, and the result
-says so (`method="estimated"` and a `note`).
+The offload rungs accelerate `device_map` and DeepSpeed ZeRO-2 with the optimizer offloaded are simulated with each
+tensor at its place, the card or host memory, as the library places and copies it (workbench.core.memory.offload):
+the device peak is the card's, `host_bytes` the host's. So is ZeRO-3 with the parameters offloaded as well:
+DeepSpeed's own parameter coordinator decides which weights are on the card at each module
+(workbench.core.memory.zero3). fp16 autocast for a CPU target cannot be simulated here: its figures are *estimated*
+from the bf16 simulation, and the result says so (`method="estimated"` and a `note`).
 
-`device="cpu"` (the default) predicts a CPU step, exactly. `device="cuda"` makes the simulated step
-take CUDA's choices (attention kernel, dropout masks, autocast lists, optimizer; simulated) and
-replays its allocations through the caching allocator (modelled): see workbench/core/memory/cuda_model.py.
+`device="cpu"` (the default) predicts a CPU step, exactly. `device="cuda"` makes the simulated step take CUDA's
+choices (attention kernel, dropout masks, autocast lists, optimizer; simulated) and replays its allocations through
+the caching allocator (modelled): see workbench/core/memory/cuda_model.py.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from workbench.core.common import MiB, in_wsl
 from workbench.core.config import ConfigError
-from workbench.core.memory import allocator
-from workbench.core.memory import cuda_model
+from workbench.core.memory import allocator, cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
@@ -70,8 +68,7 @@ ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch 2.1
 
 
 def expandable_segments() -> bool:
-    """Whether this process's CUDA allocator is set to expandable segments (as torch's own
-    out-of-memory message suggests), which the allocator model does not play."""
+    """Whether this process's CUDA allocator has expandable segments (as torch's OOM message suggests): not modelled."""
     return any("expandable_segments:true" in os.environ.get(v, "").replace(" ", "").lower() for v in ALLOC_CONF_VARS)
 
 
@@ -98,14 +95,14 @@ class Prediction:
     host_breakdown: dict[str, int] = field(default_factory=dict)  # offload rungs: host bytes per category at its peak
     placement: str = ""  # offload rungs: what lives where (the simulation's summary)
     pageable_bytes: int = 0  # device bytes that can page out to the host under pressure
-    # whether they can: not under WSL2, whose driver (Windows') does not oversubscribe managed memory
-    pages_out: bool = True
+    pages_out: bool = True  # whether they can: not under WSL2, whose driver (Windows') does not oversubscribe them
     phases: list[dict[str, Any]] = field(default_factory=list)
     device: str = "cpu"
     # CUDA only (device="cuda"): the allocator model's figures (modelled) and the card
     allocated_peak_bytes: int = 0  # max_memory_allocated: rounded blocks + cuBLAS workspaces
     reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments (on a card with room)
-    needed_reserved_bytes: int = 0  # the least reserved cap it runs under, modelled (measured low on a card)
+    # needed_reserved_bytes' replay under caps, run when first read (a quarter to a third of a CUDA prediction's time)
+    needed: Callable[[], int] | None = field(default=None, repr=False, compare=False)
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
     context_source: str = ""  # where context_bytes comes from (Card.context_source)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
@@ -116,6 +113,10 @@ class Prediction:
     card: str = ""
     card_bytes: int = 0
     kernels: dict[str, int] = field(default_factory=dict)  # attention kernels the step used
+
+    @functools.cached_property
+    def needed_reserved_bytes(self) -> int:  # the least reserved cap it runs under (modelled; low on a card): `needed`
+        return self.needed() if self.needed else 0
 
     @property
     def nvidia_smi_bytes(self) -> int:
@@ -377,9 +378,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         alloc = allocator.replay(events, roles, made, steady_from=steady_from, outside=outside, streams=streams, **run)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
                     reserved_peak_bytes=alloc.steady_reserved_peak_bytes,
-                    needed_reserved_bytes=allocator.least_reserved(events, roles, made, outside,
-                                                                    upper=alloc.reserved_peak_bytes,
-                                                                    streams=streams, **run),
+                    needed=lambda: allocator.least_reserved(events, roles, made, outside, streams=streams,
+                                                            upper=alloc.reserved_peak_bytes, **run),
                     allocated_breakdown=alloc.by_category_at_peak,
                     reserved_by_stream_bytes=({STREAM_NAMES.get(k, k): v for k, v in alloc.reserved_by_stream.items()}
                                               if report.timeline_streams else {}),
