@@ -358,3 +358,18 @@ def test_a_bound_that_rules_out_nothing_that_fits(config, capsys):
     assert f">={int(first['floor_mib']):,}" in line and line.endswith(
         "no  (not predicted: its weights and optimizer state alone exceed the budget with the margin)"), line
     assert "--json names which" in out
+
+
+def test_the_least_cap_is_replayed_only_when_read(config, monkeypatch):
+    """needed_reserved_bytes (a binary search of allocator replays under caps, a quarter to a third of a
+    prediction's time) is replayed when first read, once: the search, which never reads it, skips it."""
+    from workbench.core.memory import allocator
+    from workbench.core.memory.predict import predict
+
+    calls, real = [], allocator.least_reserved
+    monkeypatch.setattr(allocator, "least_reserved", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    choice = search(config, _setup(), batch=2, seq=SEQ, budget_mib=10_000, keep=1)
+    p = predict(config, choice.plan, batch=2, seq=SEQ, device="cuda")
+    assert choice.plan is not None and calls == []
+    assert p.allocated_peak_bytes <= p.needed_reserved_bytes <= p.reserved_peak_bytes and calls == [1]
+    assert p.row()["needed_reserved_bytes"] == p.needed_reserved_bytes and calls == [1]  # kept once replayed
