@@ -373,3 +373,4 @@ def test_the_least_cap_is_replayed_only_when_read(config, monkeypatch):
     assert choice.plan is not None and calls == []
     assert p.allocated_peak_bytes <= p.needed_reserved_bytes <= p.reserved_peak_bytes and calls == [1]
     assert p.row()["needed_reserved_bytes"] == p.needed_reserved_bytes and calls == [1]  # kept once replayed
+    assert p.needed is None  # the timeline it replayed is let go (an `estimate --rung all` keeps every prediction)

@@ -89,20 +89,19 @@ class Prediction:
     where: str  # "step 2, backward (op)"
     method: str  # "predicted" (simulated over fake tensors) or "estimated" (see note)
     note: str = ""
-    seconds: float = 0.0
+    seconds: float = 0.0  # predict()'s own time: the least cap is replayed later, when read (needed_reserved_bytes)
     first_step_peak_bytes: int = 0
     host_bytes: int = 0  # bytes the rung keeps in host memory instead (offload, CPU only)
     host_breakdown: dict[str, int] = field(default_factory=dict)  # offload rungs: host bytes per category at its peak
     placement: str = ""  # offload rungs: what lives where (the simulation's summary)
     pageable_bytes: int = 0  # device bytes that can page out to the host under pressure
-    pages_out: bool = True  # whether they can: not under WSL2, whose driver (Windows') does not oversubscribe them
+    pages_out: bool = True  # not under WSL2, whose driver (Windows') does not oversubscribe managed memory
     phases: list[dict[str, Any]] = field(default_factory=list)
     device: str = "cpu"
     # CUDA only (device="cuda"): the allocator model's figures (modelled) and the card
     allocated_peak_bytes: int = 0  # max_memory_allocated: rounded blocks + cuBLAS workspaces
     reserved_peak_bytes: int = 0  # max_memory_reserved: the allocator's segments (on a card with room)
-    # needed_reserved_bytes' replay under caps, run when first read (a quarter to a third of a CUDA prediction's time)
-    needed: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    needed: Callable[[], int] | None = field(default=None, repr=False, compare=False)  # needed_reserved_bytes' replay
     context_bytes: int = 0  # CUDA context outside the allocator (a per-card constant)
     context_source: str = ""  # where context_bytes comes from (Card.context_source)
     allocated_breakdown: dict[str, int] = field(default_factory=dict)  # rounded bytes per category at that peak
@@ -115,8 +114,9 @@ class Prediction:
     kernels: dict[str, int] = field(default_factory=dict)  # attention kernels the step used
 
     @functools.cached_property
-    def needed_reserved_bytes(self) -> int:  # the least reserved cap it runs under (modelled; low on a card): `needed`
-        return self.needed() if self.needed else 0
+    def needed_reserved_bytes(self) -> int:  # the least reserved cap it runs under, modelled (measured low on a card)
+        value, self.needed = (self.needed() if self.needed else 0), None  # the timeline it replays is let go
+        return value
 
     @property
     def nvidia_smi_bytes(self) -> int:

@@ -129,6 +129,7 @@ def check_cap(opts) -> dict[str, Any]:
                 raise TimeoutError("the time budget (--time-budget) was spent before it began")
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=card, replay_steps=TRIAL_STEPS, cast_on_card=True)  # as measure() loads: a run's cap
+            needed = p.needed_reserved_bytes  # replayed under caps when read: a failure there is this rung's row too
         except WeightsExceedCard as e:  # no cap to find on this card (the ladder's check runs it: its OOM agrees)
             rows.append({"rung": name, "status": "too big", "reason": one_line(e), "trials": [], "passed": None})
             continue
@@ -139,7 +140,7 @@ def check_cap(opts) -> dict[str, Any]:
             rows.append({"rung": name, "status": "skipped", "reason": f"its predicted host memory {short}",
                          "trials": [], "passed": None})
             continue
-        row = dict(rung=name, predicted_needed=p.needed_reserved_bytes, workspaces=workspaces,
+        row = dict(rung=name, predicted_needed=needed, workspaces=workspaces,
                    predicted_reserved=p.reserved_peak_bytes)
         tried: list[tuple[int, bool]] = []  # the trials so far, kept in a row that ends early
         try:
