@@ -52,6 +52,12 @@ def test_every_candidate_keeps_the_effective_batch_and_the_setup_is_among_them()
             and (p.precision, p.grad_checkpointing) == (setup.precision, setup.grad_checkpointing)}
     assert set(zero) == {"zero_offload", "zero_offload_params"} and base < zero["zero_offload"] < zero["zero_offload_params"]
     assert all(p.optimizer == setup.optimizer for p in plans if p.placement != "device")  # DeepSpeed's own Adam
+    # DeepSpeed trains a pure-half setup as its mixed twin (an fp32 master on the host): offered once, as that
+    assert {p.precision for p in plans if p.placement != "device"} == {"fp32", "bf16"}
+    assert len({p.name for p in plans}) == len(plans)
+    true = candidates(_setup(precision="bf16-true"), BATCH)
+    assert {p.precision for p in true if p.placement != "device"} == {"bf16"}
+    assert len({p.name for p in true}) == len(true)
 
 
 def test_before_ampere_bf16_is_ranked_after_fp16(monkeypatch):

@@ -100,6 +100,8 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
         monkeypatch.setenv(name, value)
     for name in ("empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    partitioned = []  # ZeRO-3 partitions the model from the host first (it moves the buffers to the card)
+    monkeypatch.setattr(ladder, "partition_on_host", lambda model, plan, *a: partitioned.append(plan.name))
     model = load_model("embedded", spec=TINY_SPEC)[0]
     linear = torch.nn.functional.linear
     for rung_name in ("zero_offload", "zero_offload_params"):
@@ -107,6 +109,7 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
             ladder.measure_offloaded(RUNGS[rung_name], lambda: model, torch.zeros(4, 8, dtype=torch.long), batch=1,
                                      steps=1, device=torch.device("cuda"), lr=1e-3)
     assert engine.destroyed == 2 and torch.nn.functional.linear is linear
+    assert partitioned == ["zero_offload_params"]
     monkeypatch.undo()
     assert os.environ.get("MASTER_PORT") == before
 
@@ -483,6 +486,13 @@ def test_zero_and_device_map_settings(monkeypatch):
     assert s3["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert s3["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert s2["bf16"]["enabled"] and not s2["fp16"]["enabled"]
+    # DeepSpeed trains the weights the prediction simulates (offload.simulate_placed): a pure-half setup's
+    # in 16 bits (it had run in fp32: twice the predicted weights on the card), fp32's in fp32
+    for precision, bf16, fp16 in (("bf16_true", True, False), ("fp16_true", False, True), ("fp16", False, True),
+                                  ("fp32", False, False)):
+        plan = RUNGS["zero_offload"].compose("z", "", precision=precision)
+        conf = zero_config(plan, plan.settings(8, 3))
+        assert (conf["bf16"]["enabled"], conf["fp16"]["enabled"]) == (bf16, fp16), precision
     assert s2["train_micro_batch_size_per_gpu"] * s2["gradient_accumulation_steps"] == 8
     with pytest.raises(ValueError):
         zero_config(RUNGS["bf16_ckpt"], RUNGS["bf16_ckpt"].settings(8, 3))

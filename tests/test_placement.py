@@ -221,7 +221,7 @@ for k, v in single_process_env().items():
 try:
     deepspeed.init_distributed(dist_backend="gloo")
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    plan = RUNGS["zero_offload"]
+    plan = RUNGS["zero_offload"].compose("z2", "", precision=sys.argv[2])
     conf = zero_config(plan, plan.settings(2, 2))
     conf["zero_optimization"]["reduce_bucket_size"] = int(sys.argv[1])
     # torch's AdamW instead of DeepSpeedCPUAdam (no op to build): the ZeRO buffers are the same
@@ -257,7 +257,8 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
+@pytest.mark.parametrize("precision,size", [("bf16", 2), ("fp32", 4)])  # fp32: DeepSpeed trains fp32 weights
+def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, precision, size):
     import json
     import subprocess
     import sys
@@ -265,8 +266,8 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     bucket = 100_000
-    proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INVENTORY, str(bucket)], cwd=root, capture_output=True,
-                          text=True, timeout=600, env=subprocess_env(root))
+    proc = subprocess.run([sys.executable, "-c", _DEEPSPEED_INVENTORY, str(bucket), precision], cwd=root,
+                          capture_output=True, text=True, timeout=600, env=subprocess_env(root))
     assert proc.returncode == 0, proc.stderr[-2000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
     if "unavailable" in ds:
@@ -275,22 +276,25 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, tmp_path):
     n = sum(p.numel() for p in meta.parameters())
     largest = max(p.numel() for p in meta.parameters())
     # what the replay allocates (ZeroOffloadStep) is what DeepSpeed holds, tensor for tensor
-    assert ds["params"] == ["torch.bfloat16"] and ds["buffers"] == ["torch.float32"]
-    assert ds["flat"] == [[n, "torch.bfloat16"]] and ds["params_in_flat"]  # every weight a view of it
+    dtype = {2: "torch.bfloat16", 4: "torch.float32"}[size]
+    assert ds["params"] == [dtype] and ds["buffers"] == ["torch.float32"]
+    assert ds["flat"] == [[n, dtype]] and ds["params_in_flat"]  # every weight a view of it
     assert ds["master"] == ds["master_grad"] == [[n, "torch.float32"]]
-    assert ds["staging"] == [[n, "torch.bfloat16"]]
-    assert ds["host_temp"] == ds["device_temp"] == [[largest, "torch.bfloat16"]]
-    assert ds["bucket_in_backward"] == [[bucket, "torch.bfloat16"]] and ds["bucket_after"] == []
+    assert ds["staging"] == [[n, dtype]]
+    assert ds["host_temp"] == ds["device_temp"] == [[largest, dtype]]
+    assert ds["bucket_in_backward"] == [[bucket, dtype]] and ds["bucket_after"] == []
     assert all(ds["model_grads_after"])  # the gradients went to the host partition
     assert ds["state"] == [["exp_avg", n, "torch.float32"], ["exp_avg_sq", n, "torch.float32"]]
     # and the simulation's books agree: the same bytes on each side
-    r = simulate_placed(llama, RUNGS["zero_offload"], batch=BATCH, seq=SEQ, reduce_bucket_size=bucket)
+    r = simulate_placed(llama, RUNGS["zero_offload"].compose("z2", "", precision=precision), batch=BATCH, seq=SEQ,
+                        reduce_bucket_size=bucket)
     buffers = _bytes(meta.buffers())
     host = r.host.peak.by_category
-    assert r.device.breakdown()["weights"] == 2 * n + buffers
+    assert r.device.breakdown()["weights"] == size * n + buffers
     assert r.summary["flattened_on"] == DEVICE and r.device.timeline.count((max(s for s, _ in r.device.timeline if s), -1)) <= 1
-    assert host["weights"] == 4 * n + 2 * n and host["gradients"] == 4 * n + 2 * largest and host["optimizer_state"] == 8 * n
-    assert max(p.by_category["gradients"] for p in r.device.phase_peaks.values()) >= 2 * bucket + 2 * largest
+    assert host["weights"] == 4 * n + size * n and host["gradients"] == 4 * n + size * largest
+    assert host["optimizer_state"] == 8 * n
+    assert max(p.by_category["gradients"] for p in r.device.phase_peaks.values()) >= size * (bucket + largest)
 
 
 def test_an_offload_rungs_snapshot_is_the_cards_share(llama):

@@ -163,3 +163,93 @@ def test_gathers_and_reduces_run_on_deepspeeds_side_streams_whose_cache_the_card
     assert set(p.reserved_by_stream_bytes) == {"default", "allgather", "reduce"}
     assert sum(p.reserved_by_stream_bytes.values()) == p.reserved_peak_bytes  # reserved only grows: the end is the peak
     assert predict(tiny_config("qwen2"), "zero_offload", batch=BATCH, seq=SEQ, device="cuda").reserved_by_stream_bytes == {}
+
+
+def test_partitioned_from_the_host_the_card_holds_one_weight_at_a_time_before_training():
+    """The workbench's ZeRO-3 run partitions the model from the host, weight by weight
+    (rungs.partition_on_host): before the first step the card holds one weight at most (the largest,
+    copied over on its way to its host partition), not the whole model, which a model handed to
+    the engine unpartitioned puts there first (`zero3_from="card"`, the card records of 2026-11-22 and -26)."""
+    config = tiny_config("qwen2")
+    meta = build_meta_model(config)
+    n, largest = sum(p.numel() for p in meta.parameters()), max(p.numel() for p in meta.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+    runs = {where: simulate_placed(config, RUNGS["zero_offload_params"], batch=BATCH, seq=SEQ, target="cuda",
+                                   reduce_bucket_size=BUCKET, zero_settings=SETTINGS, zero3_from=where)
+            for where in ("host", "card")}
+    setup = {where: r.device.phase_peaks[(0, "setup")].by_category["weights"] for where, r in runs.items()}
+    assert setup["host"] == 2 * largest + buffers  # the embedding on its way (or gathered by the grad hooks' init)
+    assert setup["card"] == 2 * n + buffers  # the whole model in bf16, as the engine moved it there
+    # the steps after it are the same: the init's difference is the cache it leaves, not what a step allocates
+    assert runs["host"].device.steady.by_category == runs["card"].device.steady.by_category
+    with pytest.raises(ValueError, match="zero3_from"):
+        simulate_placed(config, RUNGS["zero_offload_params"], batch=BATCH, seq=SEQ, zero3_from="disk")
+
+
+_PARTITIONED_ON_HOST = r"""
+import json, os, sys, torch
+import deepspeed
+from tests.conftest import tiny_config
+from transformers import AutoModelForCausalLM
+from workbench.core.memory.plan import RUNGS
+from workbench.studies.ladder.rungs import partition_on_host, zero_config
+from workbench.core.common import single_process_env
+for k, v in single_process_env().items():
+    os.environ.setdefault(k, v)
+on_host = sys.argv[1] == "1"
+try:
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"))
+    plan = RUNGS["zero_offload_params"]
+    conf = zero_config(plan, plan.settings(2, 2))
+    conf.pop("optimizer")  # torch's AdamW instead of DeepSpeedCPUAdam (no op to build)
+    conf["zero_force_ds_cpu_optimizer"] = False
+    moved, to = [], torch.nn.Module.to
+    def spy(self, *args, **kwargs):  # the engine's move of the whole model to its device
+        if self is model:
+            moved.append(str(args or kwargs))
+        return to(self, *args, **kwargs)
+    torch.nn.Module.to = spy
+    if on_host:
+        partition_on_host(model, plan, conf, torch.device("cpu"))
+    before = [[hasattr(p, "ds_id"), p.data.numel(), str(p.dtype)] for p in model.parameters()]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=conf)
+except Exception as e:
+    if "engine" not in globals():
+        print(json.dumps({"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
+        sys.exit(0)
+    raise
+x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+losses = []
+for step in range(3):
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+print(json.dumps({"moved": moved, "before": before, "losses": losses,
+                  "partitions": sorted({str(p.ds_tensor.dtype) for p in model.parameters()})}))
+"""
+
+
+@pytest.mark.slow
+def test_zero3s_model_is_partitioned_on_the_host_before_the_engine_and_trains_as_before():
+    """The measured ZeRO-3 rung partitions the model from the host (rungs.partition_on_host): the
+    engine, given a model not yet partitioned, moves all of it to the card first, which a model larger
+    than the card does not survive. Real DeepSpeed on its CPU accelerator: the engine does not move a
+    model partitioned before it, and the two paths train the same weights to the same losses."""
+    root = Path(__file__).resolve().parent.parent
+    runs = {}
+    for on_host in ("1", "0"):
+        proc = subprocess.run([sys.executable, "-c", _PARTITIONED_ON_HOST, on_host], cwd=root, capture_output=True,
+                              text=True, timeout=600, env=subprocess_env(root))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[on_host] = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "unavailable" in runs[on_host]:
+            pytest.skip(f"DeepSpeed cannot initialise here: {runs[on_host]['unavailable']}")
+    new, old = runs["1"], runs["0"]
+    assert old["moved"] and not old["before"][0][0]  # the engine moves a model it partitions itself
+    assert new["moved"] == []  # and leaves one partitioned before it where it is
+    assert all(ds and n == 0 and dtype == "torch.bfloat16" for ds, n, dtype in new["before"])  # cast, then partitioned
+    assert new["partitions"] == old["partitions"] == ["torch.bfloat16"]
+    assert new["losses"] == old["losses"] and new["losses"][-1] < new["losses"][0]

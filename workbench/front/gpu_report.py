@@ -68,7 +68,11 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         "nvml_used_delta_mib": (nvml["nvml_used_peak_mib"] - nvml["nvml_used_before_mib"]
                                 if {"nvml_used_peak_mib", "nvml_used_before_mib"} <= set(nvml) else None),
         "error_vs_allocated_pct": error_pct(pred, alloc), "error_vs_reserved_pct": error_pct(fit, reserved),
-        "step_ms": measured.get("step_ms"),  # and, where a library has side streams, each one's cache in MiB
+        "step_ms": measured.get("step_ms"),
+        # ZeRO-3: "host" where the run partitioned the model from the host (rungs.partition_on_host); before, the
+        # engine moved it to the card whole first (card_records re-predicts such a record's rung so)
+        "zero3_partitioned_from": measured.get("zero3_partitioned_from"),
+        # and, where a library has side streams, each one's cache in MiB
         **{f"{k}_reserved_by_stream_mib": {s: b / MiB for s, b in (d.get("reserved_by_stream_bytes") or {}).items()} or None
            for k, d in (("predicted", prediction), ("cuda", measured))},
         **{f"{k}_segment_sizes": d.get("segment_sizes") or None for k, d in (("predicted", prediction), ("cuda", measured))},

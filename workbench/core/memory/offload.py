@@ -291,7 +291,8 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
                     target: str = "cpu", sm: int | None = None, gpu_share: float = DEVICE_MAP_GPU_SHARE,
                     reduce_bucket_size: int = REDUCE_BUCKET_SIZE, instrumented: bool = False,
-                    card_bytes: int | None = None, zero_settings: dict[str, Any] | None = None) -> PlacedReport:
+                    card_bytes: int | None = None, zero_settings: dict[str, Any] | None = None,
+                    zero3_from: str = "host") -> PlacedReport:
     """Simulate `steps` training steps of an offload rung over fake tensors, each storage at its place.
 
     `target`: "cuda" makes the step take CUDA's choices (workbench.core.memory.cuda_model); the
@@ -299,11 +300,15 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
     (device_map): the card's share of the weights in accelerate's `max_memory`.
     `reduce_bucket_size` (ZeRO): DeepSpeed's reduce bucket, in elements. `card_bytes` (ZeRO): what
     the card's allocator may use, which decides where DeepSpeed flattens the weights (None: room on
-    the card). `instrumented`: as
-    `predict.simulate` (default: the plain step, autograd's in-place gradient sums).
+    the card). `zero3_from` (ZeRO-3): where the model is partitioned from, "host" (the workbench's
+    run, rungs.partition_on_host) or "card" (a model handed to `deepspeed.initialize` unpartitioned,
+    which the engine moves to the card whole first, as the workbench's card records of 2026-11-22 and -26 ran).
+    `instrumented`: as `predict.simulate` (default: the plain step, autograd's in-place gradient sums).
     """
     if plan.placement not in SIMULATED_PLACEMENTS:
         raise ValueError(f"{plan.placement} is not simulated by placement (only {', '.join(SIMULATED_PLACEMENTS)})")
+    if zero3_from not in ("host", "card"):
+        raise ValueError(f"zero3_from is 'host' or 'card', not {zero3_from!r}")
     check_step(config, seq, steps)
     cpu = torch.device("cpu")
     zero = plan.placement in ("zero_offload", "zero_offload_params")
@@ -311,8 +316,10 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
     model = apply_trainable(build_meta_model(config), plan.compose(plan.name, plan.help, placement="device"))
     summary: dict[str, Any] = {}
     if zero:
-        # ZeRO trains the bf16 (or fp16) weights without autocast; the fp32 master is on the host.
-        _cast_parameters(model, plan.half_dtype or torch.bfloat16)
+        # ZeRO trains the bf16 (or fp16) weights without autocast, a pure-half setup's too; the fp32
+        # master is on the host. An fp32 setup trains fp32 weights (rungs.zero_config)
+        if plan.half_dtype is not None:
+            _cast_parameters(model, plan.half_dtype)
         settings = dataclasses.replace(plan.settings(batch, steps), precision="fp32")
         dmap = None
     else:
@@ -332,6 +339,9 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
           PlacedAccounting(cpu, stub_scalars=True, timeline=True, plain_engine=not instrumented) as acc):
         if dmap is not None:
             handles = dispatch_like_accelerate(model, dmap, acc)
+        elif zero3 and zero3_from == "host":  # (rungs.partition_on_host) the weights there, the buffers on the card
+            acc.preset(list(model.parameters()), HOST)
+            acc.preset(list(model.buffers()), DEVICE)
         else:
             acc.preset(model_tensors(model), DEVICE)
         acc.watch(model)
@@ -340,12 +350,13 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
             zero_config = stage3_settings(reduce_bucket_size, **(zero_settings or {}))
             stack.enter_context(deepspeed_stage3(zero_config))
             optimizer = ZeroParamOffloadStep(model, acc, zero_config=zero_config,
-                                             grad_accum=settings.grad_accum)
+                                             grad_accum=settings.grad_accum, from_host=zero3_from == "host")
             summary = {"reduce_bucket_elements": int(reduce_bucket_size), "offloaded_parameters": len(optimizer.all_params),
                        "trained_parameters": sum(p.ds_numel for p in optimizer.params),
                        "persistent_parameters": len(optimizer.persistent), "reduces": optimizer.reduces}
         elif zero:
-            optimizer = ZeroOffloadStep(model, acc, reduce_bucket_size=reduce_bucket_size, dtype=plan.half_dtype or torch.bfloat16,
+            optimizer = ZeroOffloadStep(model, acc, reduce_bucket_size=reduce_bucket_size,
+                                        dtype=plan.half_dtype or torch.float32,
                                         card_bytes=card_bytes)
             summary = {"reduce_bucket_elements": int(reduce_bucket_size), "offloaded_parameters": sum(p.numel() for p in optimizer.params),
                        "flattened_on": optimizer.flattened_on}

@@ -238,30 +238,29 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
             instrumented: bool = False, replay_steps: int | None = None, workspaces: str = "fresh",
             cast_on_card: bool = False, after: str | Plan | None = None,
-            after_instrumented: bool | None = None) -> Prediction:
+            after_instrumented: bool | None = None, zero3_from: str = "host") -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
-    `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module
-    (its config; the weights are never read). `device`: "cpu" (the default: a CPU step; byte-exact
-    against the live-bytes count when `instrumented`) or
-    "cuda" (CUDA's choices simulated, its allocator and context modelled). `card`: a preset name or
-    GiB (workbench.core.memory.cuda_model.CARDS) to say whether it fits. `instrumented`: predict the
-    step as the workbench's own live-bytes count runs it (to compare with that count, see `simulate`);
-    default: the plain step. `steps`: training steps simulated (default 2 on the CPU, where the
-    second is the steady state; 3 for CUDA, whose allocator model repeats the third relative to the
-    second). `replay_steps` (CUDA): how many steps the allocator replays, for comparing with a run of
-    that many; default: until its cache is steady (the reserved peak of a long run). `workspaces`
-    (CUDA): "fresh" (the default: a process whose first matmuls make the cuBLAS workspaces inside the
-    step, as a training script's does; cuda_model.workspaces_in) or "held" (a process that ran this
-    step before, a notebook kernel that trained already: cuda_model.after_a_run). `cast_on_card` (CUDA,
-    pure-half plans): the weights reach the card in fp32 and are cast to 16 bits there, as this
-    workbench's own runs load them (cuda_model.cast_on_card); default: they arrive in their dtype, as
-    `from_pretrained(torch_dtype=...)` loads them. `after` (with "held"): the setup whose run made the
-    workspaces (its first step replayed in place of this one's: a process that trained it first, as
-    gpu-check's ladder ran rungs after the first; `after_instrumented`: whether it ran under the
-    live-bytes count, default as this one); default: this setup. Raises ConfigError for an
-    unknown rung, a non-positive shape or a card smaller than the weights alone,
-    ModelNotFoundError for a config that is not a model's.
+    `model`: a hub id, a model directory or config.json, a PretrainedConfig or an nn.Module (its config; the weights
+    are never read). `device`: "cpu" (the default: a CPU step; byte-exact against the live-bytes count when
+    `instrumented`) or "cuda" (CUDA's choices simulated, its allocator and context modelled). `card`: a preset name
+    or GiB (workbench.core.memory.cuda_model.CARDS) to say whether it fits. `instrumented`: predict the step as the
+    workbench's own live-bytes count runs it (to compare with that count, see `simulate`); default: the plain step.
+    `steps`: training steps simulated (default 2 on the CPU, where the second is the steady state; 3 for CUDA, whose
+    allocator model repeats the third relative to the second). `replay_steps` (CUDA): how many steps the allocator
+    replays, for comparing with a run of that many; default: until its cache is steady (the reserved peak of a long
+    run). `workspaces` (CUDA): "fresh" (the default: a process whose first matmuls make the cuBLAS workspaces inside
+    the step, as a training script's does; cuda_model.workspaces_in) or "held" (a process that ran this step before,
+    a notebook kernel that trained already: cuda_model.after_a_run). `cast_on_card` (CUDA, pure-half plans): the
+    weights reach the card in fp32 and are cast to 16 bits there, as this workbench's own runs load them
+    (cuda_model.cast_on_card); default: they arrive in their dtype, as `from_pretrained(torch_dtype=...)` loads
+    them. `after` (with "held"): the setup whose run made the workspaces (its first step replayed in place of this
+    one's: a process that trained it first, as gpu-check's ladder ran rungs after the first; `after_instrumented`:
+    whether it ran under the live-bytes count, default as this one); default: this setup. `zero3_from` (ZeRO-3):
+    where the model is partitioned from: "host" (the default: weight by weight, as this workbench runs it) or "card"
+    (the engine moved it there whole first, as the workbench ran it for the card records of 2026-11-22 and
+    2026-11-26). Raises ConfigError for an unknown rung, a non-positive shape or a card smaller than the weights
+    alone, ModelNotFoundError for a config that is not a model's.
     """
 
     plan = rung(rung_name)
@@ -295,7 +294,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         as_bf16 = plan.placement == "device_map" and plan.precision == "fp16" and not simulated_fp16
         sim = plan.compose(plan.name, plan.help, precision="bf16") if as_bf16 else plan
         placed = simulate_placed(config, sim, batch=batch, seq=seq, steps=steps, n_blocks=n_blocks, target=device, sm=sm,
-                                 instrumented=instrumented,
+                                 instrumented=instrumented, zero3_from=zero3_from,
                                  card_bytes=the_card.usable_bytes if the_card else None)
         report = placed.device
         report.kernels = placed.kernels

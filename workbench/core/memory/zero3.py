@@ -16,8 +16,9 @@ replays it inside the fake-tensor step of workbench.core.memory.offload, each st
   coordinator calls on a parameter: the gather (world size 1: `NoGatherCoalescedHandle`, one
   exact-size copy of the host partition to the card, partition_parameters.py) and the release
   (`free_param`: the card's copy is dropped).
-- *The init* (stage3.py, partition_parameters.py): the engine's copy of the model on the card is
-  partitioned into pinned host memory and moved into one flat host buffer; the fp32 master, its
+- *The init* (stage3.py, partition_parameters.py): the model, on the host, is partitioned weight by
+  weight (`zero.Init(module=...)`, as the workbench runs it before the engine: each weight copied to
+  the card alone, then to pinned host memory) and moved into one flat host buffer; the fp32 master, its
   fp32 gradient, the bf16 gradient partitions and CPU Adam's moments are host memory; the reduce
   bucket (`reduce_bucket_size` elements) is allocated on the card for good; each trainable
   parameter is gathered once and released (`create_reduce_and_remove_grad_hooks`).
@@ -121,11 +122,13 @@ class _Gathered:
 
 class ZeroParamOffloadStep(torch.optim.Optimizer):
     """DeepSpeed ZeRO-3 + offload_param + offload_optimizer, as its buffers, gathers and copies (see
-    the module docstring). Built inside the accounting, the model's weights on the card (the engine
-    moved them there); the training loop calls `step()` and `zero_grad()` as for any optimizer.
-    `grad_accum`: micro-batches per step (the last one is DeepSpeed's accumulation boundary)."""
+    the module docstring). Built inside the accounting, the model's weights on the host, its buffers
+    on the card (rungs.partition_on_host; `from_host` False: all of it on the card); the training
+    loop calls `step()` and `zero_grad()` as for any optimizer. `grad_accum`: micro-batches per step
+    (the last one is DeepSpeed's accumulation boundary)."""
 
-    def __init__(self, model: torch.nn.Module, acc: PlacedAccounting, *, zero_config: Any, grad_accum: int = 1):
+    def __init__(self, model: torch.nn.Module, acc: PlacedAccounting, *, zero_config: Any, grad_accum: int = 1,
+                 from_host: bool = True):
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, _init_external_params
         from deepspeed.runtime.zero.partitioned_param_coordinator import (InflightParamRegistry,
@@ -142,12 +145,20 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
         n = sum(p.numel() for p in self.params)
         self.flat_offset, self.offset = self._offsets(self.all_params), self._offsets(self.params)
 
-        # zero.Init(module=...): each weight's partition goes to pinned host memory, its card copy is
-        # freed; the optimizer then moves the partitions into one flat host buffer
-        with acc.placing(HOST):
-            partitions = [torch.empty(p.numel(), dtype=p.dtype) for p in self.all_params]
+        # zero.Init(module=...), weight by weight: from the host (`from_host`, the workbench's
+        # rungs.partition_on_host) each is copied to the card (the host's copy let go), then to its partition
+        # in pinned host memory, and the card's copy freed; else the engine moved the whole model to the card
+        # first, and each is partitioned from there. The optimizer then moves the partitions into one flat
+        # host buffer
+        partitions = []
         for i, p in enumerate(self.all_params):
+            if from_host:
+                with acc.placing(DEVICE):
+                    p.data = torch.empty(p.shape, dtype=p.dtype)  # param.data.to(local_device)
+                acc.set_role([p.data], "weights")
             self._describe(p, i)
+            with acc.placing(HOST):
+                partitions.append(torch.empty(p.numel(), dtype=p.dtype))  # ds_tensor
             self._free(p)
         with acc.placing(HOST):
             self.host_flat = torch.empty(n_all, dtype=self.dtype)  # param_groups_fp16_flat_cpu_memory

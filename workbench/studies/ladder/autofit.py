@@ -133,7 +133,7 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | N
     trainables = dict.fromkeys([setup.trainable, *(("lora",) if allow_lora and setup.trainable == "full" else ())])
     placements = dict.fromkeys([setup.placement, "zero_offload", "zero_offload_params"] if setup.placement == "device"
                                else [setup.placement])
-    out = []
+    out, seen = [], set()
     for micro in [m for m in range(batch, 0, -1) if batch % m == 0]:
         for precision in precisions:
             for ckpt in dict.fromkeys([setup.grad_checkpointing, True]):
@@ -142,13 +142,19 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | N
                         for placement in placements:
                             if placement.startswith("zero_") and optimizer != setup.optimizer:
                                 continue  # the host runs DeepSpeed's own Adam: no 8-bit state to choose
+                            # DeepSpeed keeps an fp32 master on the host whatever the weights: a pure-half
+                            # setup trains there as its mixed twin does (rungs.zero_config), offered once
+                            prec = precision.removesuffix("_true") if placement.startswith("zero_") else precision
                             flag = OPTIMIZER_FLAG.get(optimizer, optimizer)
-                            name = (f"{PRECISION_FAMILY[precision]}, {flag}, {trainable}"
+                            name = (f"{PRECISION_FAMILY[prec]}, {flag}, {trainable}"
                                     + (", checkpointing" if ckpt else "") + f", micro-batch {micro}"
                                     + (f" x {batch // micro}" if micro != batch else "")
                                     + {"zero_offload": ", ZeRO-Offload", "zero_offload_params": ", ZeRO-3 offload"}.get(placement, ""))
+                            if name in seen:
+                                continue
+                            seen.add(name)
                             out.append(dataclasses.replace(
-                                setup, name=name, help=name, precision=precision, grad_checkpointing=ckpt,
+                                setup, name=name, help=name, precision=prec, grad_checkpointing=ckpt,
                                 accum=batch // micro, optimizer=optimizer, trainable=trainable, placement=placement))
     return out
 

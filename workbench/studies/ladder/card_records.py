@@ -72,7 +72,8 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
     reserved), with the record's settings and card; write `repredicted.json` beside it. The
     measured figures are the record's own; only the prediction is new, so a margin read from it is
     the current prediction's error. A rung measured under the live-bytes count (`--counted`) is
-    predicted as that instrumented step."""
+    predicted as that instrumented step; a ZeRO-3 rung from where its run partitioned the model (a
+    record written before the workbench partitioned it from the host: the card, whole first)."""
     record_dir = Path(record_dir)
     record = _read_record(record_dir / "summary.json")
     ladder, env = record.get("results", {}).get("ladder", {}), record.get("environment", {})
@@ -94,7 +95,10 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
         p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
                     instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
                     workspaces=ws, cast_on_card=True,  # measure() casts a pure-half plan on the card
-                    after=first, after_instrumented=first_counted)
+                    after=first, after_instrumented=first_counted,
+                    # ZeRO-3: a record from before the workbench partitioned the model from the host ran it
+                    # whole on the card
+                    zero3_from=r.get("zero3_partitioned_from") or "card")
         # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
         alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
         row = {"rung": r["rung"], "method": p.method, "counted": counted, "workspaces": ws, "after": first,
