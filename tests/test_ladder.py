@@ -114,6 +114,35 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
     assert os.environ.get("MASTER_PORT") == before
 
 
+def test_an_offloaded_setup_trains_what_its_plan_trains(monkeypatch):
+    """An offloaded setup was measured as full fine-tuning whatever its plan said: `measure_offloaded`
+    handed DeepSpeed the model as loaded, while the prediction simulates the plan's trainable set (a
+    LoRA setup with ZeRO-Offload, which auto-fit's search offers). QLoRA is not offloaded here: said.
+    Played with a stand-in engine (the path needs CUDA)."""
+    import deepspeed
+
+    from conftest import OomDeepSpeedEngine
+
+    handed = []
+    monkeypatch.setattr(deepspeed, "initialize",
+                        lambda **kw: handed.append(kw) or (OomDeepSpeedEngine(), None, None, None))
+    for name, value in single_process_env().items():
+        monkeypatch.setenv(name, value)
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    lora = RUNGS["zero_offload"].compose("zero lora", "", trainable="lora")
+    blocks = torch.zeros(4, 8, dtype=torch.long)
+    with pytest.raises(torch.OutOfMemoryError):
+        ladder.measure_offloaded(lora, lambda: load_model("embedded", spec=TINY_SPEC)[0], blocks, batch=1, steps=1,
+                                 device=torch.device("cuda"), lr=1e-3)
+    trained = handed[0]["model_parameters"]
+    names = {n for n, p in handed[0]["model"].named_parameters() if p.requires_grad}
+    assert names and all("lora_" in n for n in names) and len(trained) == len(names)
+    qlora = RUNGS["zero_offload"].compose("zero qlora", "", trainable="qlora")
+    row = measure(qlora, lambda: load_model("embedded", spec=TINY_SPEC)[0], blocks, batch=1, steps=1, device="cuda")
+    assert row["status"] == "not measured" and "QLoRA is not measured with zero_offload" in row["reason"]
+
+
 def test_a_rung_bigger_than_this_machine_is_not_measured(env, monkeypatch):
     """The rungs are measured on this CPU with no budget enforced: micro_batch 100,000 on the tiny base
     (146 GiB predicted) had the kernel's OOM killer take the study with its first rung."""

@@ -211,8 +211,11 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
     """
     if device.type != "cuda":
         raise RuntimeError(f"{plan.placement} is measured on a CUDA device only, not {device}")
+    if plan.trainable == "qlora":  # bitsandbytes' 4-bit weights are neither dispatched nor partitioned here
+        raise ConfigError(f"QLoRA is not measured with {plan.placement} (its 4-bit weights are not offloaded here); "
+                          "measure it on the card (placement device)")
     settings = plan.settings(batch, steps, lr=lr)
-    model = load()
+    model = apply_trainable(load(), plan)  # what trains, as the prediction simulates it (LoRA, frozen layers)
     gc.collect()  # an earlier run's garbage in reference cycles would count in this peak
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
