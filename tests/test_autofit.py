@@ -58,6 +58,7 @@ def test_every_candidate_keeps_the_effective_batch_and_the_setup_is_among_them()
     true = candidates(_setup(precision="bf16-true"), BATCH)
     assert {p.precision for p in true if p.placement != "device"} == {"bf16"}
     assert len({p.name for p in true}) == len(true)
+    assert {p.placement for p in candidates(_setup(trainable="qlora"), BATCH)} == {"device"}  # 4-bit: not offloaded
 
 
 def test_before_ampere_bf16_is_ranked_after_fp16(monkeypatch):

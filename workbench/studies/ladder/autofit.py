@@ -140,8 +140,10 @@ def candidates(setup: Plan, batch: int, *, allow_lora: bool = False, sm: int | N
                 for optimizer in optimizers:
                     for trainable in trainables:
                         for placement in placements:
-                            if placement.startswith("zero_") and optimizer != setup.optimizer:
-                                continue  # the host runs DeepSpeed's own Adam: no 8-bit state to choose
+                            if placement.startswith("zero_") and (optimizer != setup.optimizer or trainable == "qlora"):
+                                # the host runs DeepSpeed's own Adam: no 8-bit state to choose; 4-bit weights
+                                # are not offloaded (rungs.measure_offloaded does not run QLoRA so)
+                                continue
                             # DeepSpeed keeps an fp32 master on the host whatever the weights: a pure-half
                             # setup trains there as its mixed twin does (rungs.zero_config), offered once
                             prec = precision.removesuffix("_true") if placement.startswith("zero_") else precision
