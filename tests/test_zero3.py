@@ -40,7 +40,7 @@ from tests.conftest import tiny_config
 from tests.zero3_trace import recording, recording_reduces
 from transformers import AutoModelForCausalLM
 from workbench.core.memory.plan import RUNGS
-from workbench.studies.ladder.rungs import zero_config
+from workbench.studies.ladder.rungs import partition_on_host, zero_config
 from workbench.core.common import single_process_env
 for k, v in single_process_env().items():
     os.environ.setdefault(k, v)
@@ -56,6 +56,7 @@ try:
     # torch's AdamW instead of DeepSpeedCPUAdam (no op to build): the ZeRO buffers are the same
     conf.pop("optimizer")
     conf["zero_force_ds_cpu_optimizer"] = False
+    partition_on_host(model, plan, conf)  # as the measured run partitions it (the simulation's default)
     events, reduces = [], []
     with recording(lambda: engine.module, events), recording_reduces(reduces):
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=conf)
@@ -177,8 +178,25 @@ def test_partitioned_from_the_host_the_card_holds_one_weight_at_a_time_before_tr
     runs = {where: simulate_placed(config, RUNGS["zero_offload_params"], batch=BATCH, seq=SEQ, target="cuda",
                                    reduce_bucket_size=BUCKET, zero_settings=SETTINGS, zero3_from=where)
             for where in ("host", "card")}
+    n_weights = len(list(meta.parameters())) + len(list(meta.buffers()))
+
+    def partitioning(d):  # (the most weight bytes on the card at once, weights put there) before the reduce bucket
+        live, most, made = {}, 0, 0
+        for serial, size in d.timeline:
+            if size == 2 * BUCKET:  # the optimizer's init begins
+                return most, made
+            if size >= 0 and d.timeline_roles.get(serial) == "weights":
+                live[serial], made = size, made + 1
+            elif size < 0:
+                live.pop(serial, None)
+            most = max(most, sum(live.values()))
+        raise AssertionError("no reduce bucket in the timeline")
+
+    # from the host each weight reaches the card alone, on its way to its partition; from the card all at once
+    assert partitioning(runs["host"].device) == (2 * largest + buffers, n_weights)
+    assert partitioning(runs["card"].device) == (2 * n + buffers, n_weights)
     setup = {where: r.device.phase_peaks[(0, "setup")].by_category["weights"] for where, r in runs.items()}
-    assert setup["host"] == 2 * largest + buffers  # the embedding on its way (or gathered by the grad hooks' init)
+    assert setup["host"] == 2 * largest + buffers  # the grad hooks' init gathers one at a time too
     assert setup["card"] == 2 * n + buffers  # the whole model in bf16, as the engine moved it there
     # the steps after it are the same: the init's difference is the cache it leaves, not what a step allocates
     assert runs["host"].device.steady.by_category == runs["card"].device.steady.by_category
@@ -212,7 +230,7 @@ try:
         return to(self, *args, **kwargs)
     torch.nn.Module.to = spy
     if on_host:
-        partition_on_host(model, plan, conf, torch.device("cpu"))
+        partition_on_host(model, plan, conf)
     before = [[hasattr(p, "ds_id"), p.data.numel(), str(p.dtype)] for p in model.parameters()]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=conf)
 except Exception as e:

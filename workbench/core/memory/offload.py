@@ -18,11 +18,12 @@ with one more fact per storage: its *place*, the card ("device") or host memory 
   autocast is CUDA's, so the host layers compute in their weights' dtype (fp32), with the CPU's
   attention kernel and dropout (a CUDA-modelled prediction suspends CUDA's choices inside them).
 - DeepSpeed ZeRO-2 with `offload_optimizer` (deepspeed 0.19, runtime/zero/stage_1_and_2.py): the
-  weights become bf16 on the card (engine `_configure_distributed_model`) and then one flat buffer,
+  weights become bf16 or fp16 on the card (engine `_configure_distributed_model`; an fp32 setup's
+  stay fp32, and so do the buffers below that are bf16 for the others) and then one flat buffer,
   made on the card when there is room for it beside them (their own blocks are freed into the
   cache) or through host memory after an `empty_cache` when there is not (`flatten_on_accelerator`,
   `ZeroOffloadStep._flatten`); the fp32 master, its
-  gradient partition, the AdamW moments and a bf16 staging copy are in host memory (`__init__`,
+  gradient partition, the AdamW moments and a 16-bit staging copy are in host memory (`__init__`,
   `initialize_optimizer_states`), with one largest-parameter buffer on each side
   (`temp_grad_buffer_for_cpu_offload` / `_for_gpu_offload`). In backward, `setup_buckets` allocates
   the reduce bucket (`reduce_bucket_size` elements, 5e8 by default) on the card at the first

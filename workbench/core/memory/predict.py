@@ -229,7 +229,8 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
                 f"as DeepSpeed's parameter coordinator fetches and releases it ({summary['persistent_parameters']} small ones "
                 f"kept after the first step); a {summary['reduce_bucket_elements']:,}-element reduce bucket on the card; "
                 f"fp32 master, gradients and AdamW state of {summary['trained_parameters']:,} parameters on the host")
-    return (f"DeepSpeed ZeRO-2: bf16 weights and a {summary['reduce_bucket_elements']:,}-element reduce bucket on the "
+    dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(plan.half_dtype, "fp32")
+    return (f"DeepSpeed ZeRO-2: {dt} weights and a {summary['reduce_bucket_elements']:,}-element reduce bucket on the "
             f"card; fp32 master, gradients and AdamW state of {summary['offloaded_parameters']:,} parameters on the host; "
             f"weights flattened {'on the card (their old blocks stay cached)' if summary['flattened_on'] == 'device' else 'on the host (no room on the card)'}")
 

@@ -19,7 +19,8 @@ replays it inside the fake-tensor step of workbench.core.memory.offload, each st
 - *The init* (stage3.py, partition_parameters.py): the model, on the host, is partitioned weight by
   weight (`zero.Init(module=...)`, as the workbench runs it before the engine: each weight copied to
   the card alone, then to pinned host memory) and moved into one flat host buffer; the fp32 master, its
-  fp32 gradient, the bf16 gradient partitions and CPU Adam's moments are host memory; the reduce
+  fp32 gradient, the gradient partitions in the weights' dtype (bf16, fp16 or fp32) and CPU Adam's
+  moments are host memory; the reduce
   bucket (`reduce_bucket_size` elements) is allocated on the card for good; each trainable
   parameter is gathered once and released (`create_reduce_and_remove_grad_hooks`).
 - *The gradient path* (stage3.py `reduce_independent_p_g_buckets_and_remove_grads`,

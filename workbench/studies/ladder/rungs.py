@@ -167,22 +167,27 @@ def zero_config(plan: Plan, settings: TrainSettings) -> dict[str, Any]:
     }
 
 
-def partition_on_host(model: torch.nn.Module, plan: Plan, config: dict[str, Any], device: torch.device) -> None:
+def partition_on_host(model: torch.nn.Module, plan: Plan, config: dict[str, Any]) -> None:
     """ZeRO-3: partition `model`, on the host, parameter by parameter before `deepspeed.initialize`,
     as DeepSpeed's docs partition a model already built (`zero.Init(module=model)`): each weight is
-    copied to `device` alone, then to its host partition, and its copy there is freed. Given a model
+    copied to the card alone (DeepSpeed's device of LOCAL_RANK), then to its host partition, and its
+    copy there is freed. Given a model
     not yet partitioned, the engine would move the whole model to the card first and partition it
     there (engine.py `_configure_distributed_model`): a model larger than the card would run out of
     memory before its first step (Qwen2-7B: 15.2 GB in bf16). The engine leaves a partitioned model
     as it is, so what it does to one that is not is done here first: the weights cast to the 16-bit
-    dtype it trains (`zero_config`; the buffers keep theirs), the buffers moved to `device`."""
+    dtype it trains (`zero_config`; the buffers keep theirs), the buffers moved to the card the
+    weights are gathered on."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import CASTABLE_DTYPES
 
     for p in model.parameters():
-        if plan.half_dtype is not None and p.is_floating_point():
+        if plan.half_dtype is not None and p.dtype in CASTABLE_DTYPES:
             p.data = p.data.to(plan.half_dtype)
+    local = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))  # zero.Init's
     for b in model.buffers():
-        b.data = b.data.to(device)
+        b.data = b.data.to(local)
     deepspeed.zero.Init(module=model, config_dict_or_path=config)
 
 
@@ -247,7 +252,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
         try:
             clear_stale_build_lock("cpu_adam")  # the offloaded optimizer is DeepSpeed's CPU Adam, built on first use
             if plan.placement == "zero_offload_params":
-                partition_on_host(model, plan, zero_config(plan, settings), device)
+                partition_on_host(model, plan, zero_config(plan, settings))
             engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                               config=zero_config(plan, settings))
 
