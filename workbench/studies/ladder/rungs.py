@@ -171,13 +171,12 @@ def partition_on_host(model: torch.nn.Module, plan: Plan, config: dict[str, Any]
     """ZeRO-3: partition `model`, on the host, parameter by parameter before `deepspeed.initialize`,
     as DeepSpeed's docs partition a model already built (`zero.Init(module=model)`): each weight is
     copied to the card alone (DeepSpeed's device of LOCAL_RANK), then to its host partition, and its
-    copy there is freed. Given a model
-    not yet partitioned, the engine would move the whole model to the card first and partition it
-    there (engine.py `_configure_distributed_model`): a model larger than the card would run out of
-    memory before its first step (Qwen2-7B: 15.2 GB in bf16). The engine leaves a partitioned model
-    as it is, so what it does to one that is not is done here first: the weights cast to the 16-bit
-    dtype it trains (`zero_config`; the buffers keep theirs), the buffers moved to the card the
-    weights are gathered on."""
+    copy there is freed. Given a model not yet partitioned, the engine would move the whole model to
+    the card first and partition it there (engine.py `_configure_distributed_model`): a model larger
+    than the card would run out of memory before its first step (Qwen2-7B: 15.2 GB in bf16). The
+    engine leaves a partitioned model as it is, so what it does to one that is not is done here
+    first: the weights cast to the 16-bit dtype it trains (`zero_config`; the buffers keep theirs),
+    the buffers moved to the card the weights are gathered on."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.engine import CASTABLE_DTYPES
