@@ -250,10 +250,11 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
         engine = None
         try:
             clear_stale_build_lock("cpu_adam")  # the offloaded optimizer is DeepSpeed's CPU Adam, built on first use
+            config = zero_config(plan, settings)
             if plan.placement == "zero_offload_params":
-                partition_on_host(model, plan, zero_config(plan, settings))
+                partition_on_host(model, plan, config)
             engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                              config=zero_config(plan, settings))
+                                              config=config)
 
             sampler = BlockSampler(len(blocks), settings.seed)  # the same batches as the training loop
             for step in range(steps):
@@ -273,7 +274,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
                 rows.append(row)
                 for sink in sinks:
                     sink(row)
-            loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {zero_config(plan, settings)['zero_optimization']['stage']}"
+            loss, placed = rows[-1]["loss"], f"DeepSpeed {deepspeed.__version__}, ZeRO stage {config['zero_optimization']['stage']}"
             placed += ", host copies pageable (WSL2 limits pinned memory)" if in_wsl() else ""
             snapshot = torch.cuda.memory_snapshot()
             by_stream = reserved_by_stream(snapshot, _deepspeed_streams(engine))
