@@ -242,18 +242,18 @@ def test_a_held_workspace_stays_where_a_run_before_made_it():
 
 def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
     """The ladder's runs load a pure-half plan in fp32 onto the card and cast it there
-    (cuda_model.cast_on_card). The fp32 embedding's segment, freed by its cast, gives the next cast
+    (card_load.cast_on_card). The fp32 embedding's segment, freed by its cast, gives the next cast
     weight a block, so empty_cache keeps it, and the step's 300 MiB activation is cut from its free
     room instead of a segment of its own (on the H200 this made bf16_true_lora's segments the card's
     but one 2 MiB one). LoRA's fp32 adapter (serial 3) is not cast: peft makes it after the cast."""
-    from workbench.core.memory import cuda_model as cm
+    from workbench.core.memory import card_load as cl
     from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
 
     events = [(1, 260 * MiB), (2, 8 * MiB), (3, MiB), (4, 300 * MiB), (4, -1)]
     steps, ops = [0, 0, 0, 0, 0], ["setup"] * 3 + ["forward: mm.default", "forward: mm.default"]
     made = [("cuBLAS workspace (forward)", 32 * MiB, 3), ("held", 32 * MiB)]
     casts = (((1,), 520 * MiB, False), ((2,), 16 * MiB, False))  # (serials, fp32 bytes, freed after the last)
-    ev, st, roles, ws = cm.cast_on_card(events, steps, ops, {3: "weights"}, casts, made)
+    ev, st, roles, ws = cl.cast_on_card(events, steps, ops, {3: "weights"}, casts, made)
     t1, t2 = ev[0][0], ev[1][0]
     assert ev[:2] == [(t1, 520 * MiB), (t2, 16 * MiB)] and t1 < 0 and t2 < 0  # the fp32 model on the card first
     assert ev[2:8] == [(1, 260 * MiB), (t1, -1), (2, 8 * MiB), (t2, -1), (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (3, MiB)]
@@ -265,12 +265,12 @@ def test_weights_cast_on_the_card_leave_the_fp32_segment_a_16_bit_weight_took():
     # the 300 MiB activation went in the 520 MiB segment's room
     assert sorted(cast.segment_sizes.items()) == [("2", 1), ("260", 1), ("520", 1)]
     # a free during the load (its op is "", not "setup") does not end it: the weight after it is cast too
-    ev2, *_ = cm.cast_on_card([(1, 2 * MiB), (9, MiB), (9, -1), (2, 2 * MiB), (4, MiB)], [0] * 5,
+    ev2, *_ = cl.cast_on_card([(1, 2 * MiB), (9, MiB), (9, -1), (2, 2 * MiB), (4, MiB)], [0] * 5,
                               ["setup", "setup", "", "setup", "forward: mm.default"], {},
                               (((1,), 4 * MiB, False), ((2,), 4 * MiB, False)), [])
     assert [nb for s, nb in ev2 if s < -1 and nb > 0] == [4 * MiB, 4 * MiB]
     # nothing to cast (an fp32 plan): the timeline as it was
-    assert cm.cast_on_card(events, steps, ops, {}, (), made) == (events, steps, {}, made)
+    assert cl.cast_on_card(events, steps, ops, {}, (), made) == (events, steps, {}, made)
 
 
 def test_qlora_loads_its_weights_in_fp32_and_quantizes_them_on_the_card():
@@ -279,13 +279,13 @@ def test_qlora_loads_its_weights_in_fp32_and_quantizes_them_on_the_card():
     loop keeps every replaced layer (`list(model.named_modules())`), so they are freed together
     when it returns, and no 4-bit weight is cut from a freed fp32 one. The fp32 embedding and a bias
     are moved as they are, in their place in the load; the adapter (serial 6) comes after empty_cache."""
-    from workbench.core.memory import cuda_model as cm
+    from workbench.core.memory import card_load as cl
     from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
 
     events = [(1, 100 * MiB), (2, 2 * MiB), (3, 64 * 1024), (4, 4096), (5, 2 * MiB), (6, MiB), (7, 17 * MiB)]
     ops = ["setup"] * 6 + ["forward: mm.default"]
     casts = (((1,), 0, False), ((2, 3), 16 * MiB, True), ((4,), 0, False), ((5,), 16 * MiB, True))
-    ev, st, roles, _ = cm.cast_on_card(events, [0] * 7, ops, {6: "weights"}, casts, [])
+    ev, st, roles, _ = cl.cast_on_card(events, [0] * 7, ops, {6: "weights"}, casts, [])
     t2, t5 = ev[1][0], ev[3][0]
     assert ev == [(1, 100 * MiB), (t2, 16 * MiB), (4, 4096), (t5, 16 * MiB),  # as model.to("cuda") moves them
                   (2, 2 * MiB), (3, 64 * 1024), (5, 2 * MiB),  # quantized, the fp32 weights alive
@@ -299,7 +299,7 @@ def test_qlora_loads_its_weights_in_fp32_and_quantizes_them_on_the_card():
     # freed one at a time instead (as a cast frees them), the second 4-bit weight would keep the first
     # fp32 weight's 16 MiB segment: not what the card does
     each = tuple((ss, fp32, False) for ss, fp32, _ in casts)
-    assert allocator.replay(cm.cast_on_card(events, [0] * 7, ops, {6: "weights"}, each, [])[0], roles,
+    assert allocator.replay(cl.cast_on_card(events, [0] * 7, ops, {6: "weights"}, each, [])[0], roles,
                             []).segment_sizes.get("16") == 1
     # a prediction: each 4-bit weight with its quantization state, from an fp32 weight of its shape,
     # held; the frozen fp32 tensors as they are; LoRA's adapters not in the load
@@ -321,8 +321,63 @@ def test_qlora_loads_its_weights_in_fp32_and_quantizes_them_on_the_card():
     assert trained > 0  # the adapters: after the load
 
 
+def test_qlora_quantized_onto_the_card_from_the_host_holds_one_fp32_weight_at_a_time():
+    """measure() now quantizes QLoRA's linear layers onto the card from the host (quantize_4bit's
+    device): each fp32 weight reaches the card alone, its 4-bit weight and state are made, the fp32
+    copy freed; then peft's empty_cache, its adapter (serial 6) made on the card, model.to's move of
+    the frozen embedding and bias, and measure()'s empty_cache. The card no longer holds every fp32
+    weight at once."""
+    from workbench.core.memory import card_load as cl
+    from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
+
+    events = [(1, 100 * MiB), (2, 2 * MiB), (3, 64 * 1024), (4, 4096), (5, 2 * MiB), (6, MiB), (7, 17 * MiB)]
+    ops = ["setup"] * 6 + ["forward: mm.default"]
+    casts = (((1,), 0, False), ((2, 3), 16 * MiB, True), ((4,), 0, False), ((5,), 16 * MiB, True))
+    made = [("cuBLAS workspace (forward)", 32 * MiB, 6)]
+    ev, st, roles, ws = cl.replay_load("host", events, [0] * 7, ops, {6: "weights"}, casts, made)
+    t2, t5 = ev[0][0], ev[4][0]
+    assert ev == [(t2, 16 * MiB), (2, 2 * MiB), (3, 64 * 1024), (t2, -1),  # one layer quantized onto the card
+                  (t5, 16 * MiB), (5, 2 * MiB), (t5, -1),  # then the next
+                  (EMPTY_CACHE_SERIAL, EMPTY_CACHE),  # peft's prepare_model_for_kbit_training empties the cache
+                  (6, MiB), (1, 100 * MiB), (4, 4096),  # the adapter, then model.to's frozen rest
+                  (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (7, 17 * MiB)]
+    assert t2 < 0 and t5 < 0 and roles[t2] == roles[t5] == "weights" and st == [0] * len(ev)
+    assert ws == [("cuBLAS workspace (forward)", 32 * MiB, 6 + 6)]  # still after the forward's first event
+
+    def load_peak(timeline):
+        live, peak = {}, 0
+        for s, nb in timeline[:-1]:  # all but the forward's
+            live.pop(s) if nb == -1 else live.__setitem__(s, nb) if nb > 0 else None
+            peak = max(peak, sum(live.values()))
+        return peak
+
+    on_card = cl.replay_load("card", events, [0] * 7, ops, {6: "weights"}, casts, made)[0]
+    assert load_peak(on_card) == (100 + 16 + 16 + 2 + 2) * MiB + 64 * 1024 + 4096  # every fp32 weight at once
+    assert load_peak(ev) == (100 + 2 + 2 + 1) * MiB + 64 * 1024 + 4096  # the frozen rest, after the copies
+    # the second layer's copy is cut from the first's freed segment, which peft's empty_cache gives back
+    assert sorted(allocator.replay(ev, roles, []).segment_sizes.items()) == [("100", 1), ("18", 1), ("2", 1),
+                                                                            ("20", 1)]
+    # a setup with no 4-bit weight converts nothing on the card (a pure-half plan is cast on the host)
+    cast = (((1,), 200 * MiB, False),)
+    assert cl.replay_load("host", events, [0] * 7, ops, {}, cast, made) == (events, [0] * 7, {}, made)
+    assert cl.replay_load("dtype", events, [0] * 7, ops, {}, casts, made) == (events, [0] * 7, {}, made)
+    # a prediction: the tiny QLoRA model's linear layers, one fp32 copy on the card at a time
+    cfg = tiny_config("qwen2")
+    report = simulate(cfg, rung("qlora"), batch=1, seq=32, steps=2, target="cuda", sm=90)
+    ev, *_ = cl.replay_load("host", report.timeline, report.timeline_steps, report.timeline_ops,
+                            report.timeline_roles, report.timeline_casts, [])
+    copies, live = [], set()
+    for s, nb in ev:
+        if s < -(10**11):  # a copy's serial (no event of the step uses one)
+            live.symmetric_difference_update({s})
+            copies.append(len(live))
+    assert max(copies) == 1 and len(copies) == 2 * cfg.num_hidden_layers * 7
+    with pytest.raises(ConfigError, match="unknown load 'gpu'; choose dtype, host, card"):
+        predict(cfg, "qlora", device="cuda", load="gpu")
+
+
 def test_a_prediction_casts_only_the_16_bit_weights_and_only_when_asked():
-    """predict(cast_on_card=True) for a pure-half plan: the 16-bit weights (not LoRA's fp32 adapters);
+    """predict(load="card") for a pure-half plan: the 16-bit weights (not LoRA's fp32 adapters);
     an fp32 plan has none to cast, so its prediction is the same."""
     cfg = tiny_config("qwen2")
     lora = simulate(cfg, rung("bf16_true_lora"), batch=1, seq=32, steps=3, target="cuda", sm=90)
@@ -338,7 +393,7 @@ def test_a_prediction_casts_only_the_16_bit_weights_and_only_when_asked():
     # the adapters are not in the load: peft makes them after it
     assert sum(lora_sizes[s] for ss, _, _ in lora.timeline_casts for s in ss) == cast_bytes < lora_weights
     kw = dict(batch=1, seq=32, device="cuda", card=8)
-    a, b = predict(cfg, "fp32", cast_on_card=True, **kw), predict(cfg, "fp32", **kw)
+    a, b = predict(cfg, "fp32", load="card", **kw), predict(cfg, "fp32", **kw)
     assert (a.reserved_peak_bytes, a.allocated_peak_bytes) == (b.reserved_peak_bytes, b.allocated_peak_bytes)
 
 

@@ -124,7 +124,7 @@ def test_the_committed_re_prediction_is_what_this_checkout_predicts():
     env = json.loads((record / "summary.json").read_text())["environment"]
     card = cm.card_of(env["gpu"], int(env["gpu_total_mib"] * 2**20), 90)
     p = predict(str(CONFIGS / "qwen2-0.5b.json"), "zero_offload", batch=1, seq=512, device="cuda", card=card,
-                replay_steps=3, workspaces="held", cast_on_card=True, after="fp32")  # it ran after fp32 in one process
+                replay_steps=3, workspaces="held", load="card", after="fp32")  # it ran after fp32 in one process
     assert card_records.workspaces_of(json.loads((record / "summary.json").read_text())["results"]["ladder"]
                                       .get("options", {}), 13) == "held"
     assert card_records.workspaces_of({}, 0) == "fresh"  # the first rung of a process makes them
@@ -133,11 +133,11 @@ def test_the_committed_re_prediction_is_what_this_checkout_predicts():
     assert again["zero_offload"]["predicted_allocated_mib"] == round(p.allocated_peak_bytes / 2**20, 1)
     # a pure-half rung: cast on the card as measure() loads it, after the record's first rung (fp32)
     p = predict(str(CONFIGS / "qwen2-0.5b.json"), "bf16_true_lora", batch=1, seq=512, device="cuda", card=card,
-                replay_steps=3, workspaces="held", instrumented=True, cast_on_card=True, after="fp32")
+                replay_steps=3, workspaces="held", instrumented=True, load="card", after="fp32")
     assert again["bf16_true_lora"]["after"] == "fp32" and again["bf16_true_lora"]["counted"]
     assert again["bf16_true_lora"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
-    # QLoRA: its linear weights quantized on the card after an fp32 load (cuda_model.loaded_on_card)
+    # QLoRA: its linear weights quantized on the card after an fp32 load (card_load.loaded_on_card)
     p = predict(str(CONFIGS / "qwen2-0.5b.json"), "qlora", batch=1, seq=512, device="cuda", card=card,
-                replay_steps=3, workspaces="held", instrumented=again["qlora"]["counted"], cast_on_card=True,
+                replay_steps=3, workspaces="held", instrumented=again["qlora"]["counted"], load="card",
                 after="fp32", after_instrumented=again["fp32"]["counted"])
     assert again["qlora"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1) == 2290.0

@@ -383,6 +383,34 @@ def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch)
     assert asked == [torch.device("cuda", 0)] * 2
 
 
+def test_measure_converts_on_the_host_and_quantizes_each_layer_onto_the_card(monkeypatch):
+    """measure() moved the fp32 model to the card and converted it there: a 7B QLoRA or bf16-true
+    setup predicted to fit a 12 or 24 GB card would run out of memory loading 30 GB of fp32 weights.
+    Now apply_trainable gets the model on the host and the device: quantize_4bit quantizes each
+    linear layer onto the device from the host (bitsandbytes moves one fp32 weight there at a time,
+    card_load.quantize_onto_card), and the model moves after."""
+    import bitsandbytes as bnb
+
+    asked = []
+    real = bnb.nn.Params4bit._quantize
+
+    def spy(self, device):
+        asked.append((self.data.device, torch.device(device)))
+        return real(self, "cpu")  # the kernels this CPU has
+
+    monkeypatch.setattr(bnb.nn.Params4bit, "_quantize", spy)
+    model = _tiny_linear_model("cpu")
+    assert quantize_4bit(model, torch.float32, skip=(), device=torch.device("cuda", 0)) == 2
+    assert asked == [(torch.device("cpu"), torch.device("cuda", 0))] * 2  # from the host, onto the card
+    # measure() hands apply_trainable the model as loaded (on the host) and the device it trains on
+    handed, apply = [], ladder.apply_trainable
+    monkeypatch.setattr(ladder, "apply_trainable", lambda model, plan, device=None: handed.append(
+        (next(model.parameters()).device, device)) or apply(model, plan, device))
+    row = measure("qlora", lambda: load_model("embedded", spec=TINY_SPEC)[0], torch.zeros(4, 8, dtype=torch.long),
+                  batch=1, steps=1)
+    assert row["status"] == "ok" and handed == [(torch.device("cpu"), torch.device("cpu"))]
+
+
 def test_quantize_4bit_on_the_meta_device_quantizes_each_shape_once_and_each_layer_gets_its_own_copy(monkeypatch):
     """A prediction's QLoRA model: zeros quantized once per shape, each layer its own bytes."""
     import bitsandbytes as bnb

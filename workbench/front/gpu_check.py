@@ -224,7 +224,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             ws, after = ("fresh", None) if fresh or name == names[0] else ("held", first)
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
-                        workspaces=ws, after=after, cast_on_card=True).row()  # measure() casts a pure-half plan
+                        workspaces=ws, after=after, load="host").row()  # as measure() loads it
             p["margin"] = prediction_margin(RUNGS[name], device="cuda")[0]  # what auto-fit adds: fits with it
         except WeightsExceedCard as e:  # a verdict, not a failure: the card's out-of-memory error should agree
             p = {"method": "weights > card", "fits": False, "note": one_line(e)}

@@ -72,6 +72,9 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         # ZeRO-3: "host" where the run partitioned the model from the host (rungs.partition_on_host); before, the
         # engine moved it to the card whole first (card_records re-predicts such a record's rung so)
         "zero3_partitioned_from": measured.get("zero3_partitioned_from"),
+        # "host" where measure() converted the weights on the host (QLoRA's quantized onto the card layer by layer);
+        # before, it moved the fp32 model to the card and converted it there (card_records: predict(load="card"))
+        "load": measured.get("load"),
         # and, where a library has side streams, each one's cache in MiB
         **{f"{k}_reserved_by_stream_mib": {s: b / MiB for s, b in (d.get("reserved_by_stream_bytes") or {}).items()} or None
            for k, d in (("predicted", prediction), ("cuda", measured))},

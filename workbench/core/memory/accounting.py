@@ -97,7 +97,7 @@ class MemoryReport:
     timeline_ops: list[str] | None = None  # the phase and op of each timeline event
     sums: list[tuple[bool, tuple[int, ...]]] = field(default_factory=list)  # autograd's gradient sums (in place, shape)
     timeline_streams: dict[int, int] | None = None  # the stream of each allocation off the default one (placed runs)
-    timeline_casts: tuple = ()  # the load, for a loader that converts weights on the card (cuda_model.cast_on_card)
+    timeline_casts: tuple = ()  # what a load converts on the card (card_load.loaded_on_card)
 
     @property
     def peak_bytes(self) -> int:

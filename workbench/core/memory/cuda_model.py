@@ -48,7 +48,6 @@ from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import EMPTY_CACHE, EMPTY_CACHE_SERIAL
 from workbench.core.memory.cuda_attention import DEFAULT_SM, cuda_sdpa, math_attention, sdpa_backend  # noqa: F401
-from workbench.core.memory.live_bytes import model_tensors
 
 GiB = 2**30
 # ------------------------------------------------------------------------------------------------
@@ -148,57 +147,6 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None, before=None
     if before is None:
         streams = {**(streams or {}), **{-k - 1: st for k, st in (streams or {}).items()}} or None
     return prefix + list(events), [-1] * len(prefix) + list(steps_of), roles, streams, len(prefix)
-
-
-def loaded_on_card(model, half_dtype, serials_of) -> tuple:
-    """The load cast_on_card replays, in `model.to("cuda")`'s order: (serials, fp32 bytes, held) per
-    tensor or group of `model` as apply_trainable made it. fp32 bytes > 0: a weight that reaches the
-    card in fp32 and is converted there: cast to `half_dtype` (`Module._apply` frees each fp32 copy at
-    once), or quantize_4bit's 4-bit weight and state (held: its loop keeps every replaced layer, so
-    the fp32 weights go when it returns); 0: a frozen tensor moved as it is (QLoRA's embedding, norms,
-    biases). Trained tensors (adapters, made after it) are left out. () if nothing is converted."""
-    groups = {}
-    for m in model.modules():  # a 4-bit weight and its quantization state (as live_bytes.model_tensors walks it)
-        if (qs := getattr(getattr(m, "weight", None), "quant_state", None)) is not None:
-            own = len([*m.parameters(), *m.buffers()])
-            groups[id(m.weight)] = ([m.weight, *model_tensors(m)[own:]], 4 * math.prod(qs.shape), True)
-    units, seen = [], set()
-    for t in (t for m in model.modules() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]):
-        tensors, fp32, held = groups.get(id(t)) or ([t], 4 * t.numel() if t.dtype == half_dtype else 0, False)
-        if (fp32 or not t.requires_grad) and (ss := tuple(s for s in serials_of(tensors) if s not in seen)):
-            seen.update(ss)
-            units.append((ss, fp32, held))
-    return tuple(units) if any(fp32 for _, fp32, _ in units) else ()
-
-
-def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
-    """The timeline of a setup loaded as the measured runs load a plan (`model.to("cuda")`, then
-    apply_trainable converts: a pure-half plan's cast, QLoRA's quantize_4bit). `casts` (loaded_on_card):
-    each tensor as it reaches the card (a converted one in fp32), then each conversion (its tensors
-    made, the fp32 one freed then, or after the last if held), then empty_cache, which keeps a segment
-    a converted weight took part of (on the H200 the fp32 embedding's, where the forward's cuBLAS
-    workspace then went). Not replayed: quantize_4bit's temporaries (an fp32 absmax, 1/64 of a
-    weight's elements); adapters made before the runs' empty_cache (small pool: the H200's figures
-    stay). `made` is shifted with the events. Returns (events, steps_of, roles, made)."""
-    # the load: everything before a step's first op (a free in it is tagged "", not "setup")
-    n = next((i for i, op in enumerate(ops) if op.startswith(("forward", "backward", "optimizer"))), len(events))
-    setup = {s: nb for s, nb in events[:n] if nb > 0}
-    units = [u for u in ((tuple(s for s in ss if s in setup), *more) for ss, *more in casts) if u[0]]
-    if not any(fp32 for _, fp32, _ in units):
-        return events, steps_of, roles, made  # nothing converted (an fp32 or mixed-precision plan): as it is
-    twin = {ss[0]: -(10**12) - ss[0] for ss, fp32, _ in units if fp32}  # serials no event uses (after_a_run: -1 down)
-    load, late = [(twin[ss[0]], fp32) if fp32 else (ss[0], setup[ss[0]]) for ss, fp32, _ in units], []
-    for ss, _, held in (u for u in units if u[1]):  # each conversion: its tensors made, the fp32 one freed
-        load += [(s, setup[s]) for s in ss]
-        (late if held else load).append((twin[ss[0]], -1))
-    load += late + [(EMPTY_CACHE_SERIAL, EMPTY_CACHE)]
-    placed = {s for ss, _, _ in units for s in ss}
-    rest = [(s, nb) for s, nb in events[:n] if not (nb > 0 and s in placed)]
-    shift = len(load) + len(rest) - n
-    return (load + rest + list(events[n:]),
-            [steps_of[0] if steps_of else 0] * (len(load) + len(rest)) + list(steps_of[n:]),
-            {**roles, **{t: "weights" for t in twin.values()}},
-            [(w[0], w[1], w[2] + shift) if len(w) == 3 and w[2] is not None else w for w in made])
 
 
 CARDS = {c.name: c for c in (

@@ -198,15 +198,19 @@ def bnb_4bit_config(compute_dtype: torch.dtype):
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
-def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: tuple[str, ...] = ("lm_head",)) -> int:
+def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: tuple[str, ...] = ("lm_head",),
+                  device: torch.device | None = None) -> int:
     """Replace every nn.Linear outside `skip` by a bitsandbytes NF4 Linear4bit, in place. GPT-2's
     Conv1D layers (a linear layer stored transposed) are replaced too, their weight transposed, as
     transformers' own 4-bit loading does; before, a GPT-2 model kept them whole and QLoRA on it
     stopped with a traceback.
 
-    The weights are quantized for real (bitsandbytes cannot run under fake tensors) on the
-    device the layer is on: on CUDA by bitsandbytes' CUDA kernels, so a QLoRA model on a GPU
-    keeps its 4-bit weights and quantization state there; on the CPU on the CPU; on the meta
+    The weights are quantized for real (bitsandbytes cannot run under fake tensors) on `device`
+    (default: the device the layer is on): on CUDA by bitsandbytes' CUDA kernels, so a QLoRA model
+    keeps its 4-bit weights and quantization state there. A model on the host quantized onto a
+    card (as ladder.rungs.measure loads one) sends one layer's fp32 copy there at a time, which
+    bitsandbytes frees after quantizing it: the card never holds the model's fp32 weights (a 7B
+    model's 30 GB; card_load.quantize_onto_card replays it). On the CPU on the CPU; on the meta
     device (a prediction needs the bytes, not the values) from zeros on the CPU, once per shape:
     layers of one shape get copies of the same result (their own storage; a 7B model's 196 layers
     have 6 shapes, and quantizing each on the CPU took most of a prediction's time).
@@ -229,7 +233,7 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
             w = child.weight.data.T.contiguous() if conv1d else child.weight.data
             if w.device.type != "meta":
                 q.weight = bnb.nn.Params4bit(w.float(), requires_grad=False, compress_statistics=DOUBLE_QUANT,
-                                             quant_type="nf4", module=q)._quantize(w.device)
+                                             quant_type="nf4", module=q)._quantize(device or w.device)
             else:
                 if tuple(w.shape) not in zeros:
                     done = bnb.nn.Params4bit(torch.zeros(w.shape, dtype=torch.float32), requires_grad=False,
@@ -258,10 +262,11 @@ def check_lora_targets(model: torch.nn.Module, targets: tuple[str, ...]) -> None
                           f"use some of: {','.join(leaves)}")
 
 
-def apply_trainable(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+def apply_trainable(model: torch.nn.Module, plan: Plan, device: torch.device | None = None) -> torch.nn.Module:
     """What trains under the plan, on `model` (real or on the meta device): the same selection
-    code as study 1 (workbench.core.trainable), after 4-bit quantization for QLoRA. A pure-half plan
-    casts the weights to 16 bits first (peft then keeps LoRA adapters in fp32, its default)."""
+    code as study 1 (workbench.core.trainable), after 4-bit quantization for QLoRA (onto `device`,
+    default the model's: quantize_4bit). A pure-half plan casts the weights to 16 bits first (peft
+    then keeps LoRA adapters in fp32, its default)."""
 
     if plan.pure_half:
         model = model.to(plan.half_dtype)
@@ -272,7 +277,7 @@ def apply_trainable(model: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     if plan.trainable == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        quantize_4bit(model, plan.half_dtype or torch.float32)
+        quantize_4bit(model, plan.half_dtype or torch.float32, device=device)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.grad_checkpointing)
     if plan.lora_targets is not None:
         from peft import get_peft_model

@@ -51,7 +51,7 @@ import torch
 
 from workbench.core.common import MiB, in_wsl
 from workbench.core.config import ConfigError
-from workbench.core.memory import allocator, cuda_model
+from workbench.core.memory import allocator, card_load, cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
 from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_inputs
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
@@ -200,8 +200,8 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
         acc.watch(model)
         acc.alias(step.twins)
         # a pure-half plan casts the weights to 16 bits, QLoRA quantizes them (apply_trainable): a loader that
-        # moves them to the card first converts them there (cuda_model.cast_on_card); LoRA's adapters come after
-        casts = cuda_model.loaded_on_card(model, plan.half_dtype if plan.pure_half else None, acc.serials_of)
+        # converts them on the card, or quantizes them onto it, replays it (card_load); LoRA's adapters come after
+        casts = card_load.loaded_on_card(model, plan.half_dtype if plan.pure_half else None, acc.serials_of)
         with step.choices as mode:
             train(model, step.blocks, settings, device=device, optimizer=optimizer,
                   run_micro_batches=None if step.cuda or timeline else ACCUM_SIMULATED)
@@ -238,7 +238,7 @@ def _placement_text(plan: Plan, summary: dict[str, Any]) -> str:
 def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: int = 512, steps: int | None = None,
             n_blocks: int | None = None, spec=None, device: str = "cpu", card=None,
             instrumented: bool = False, replay_steps: int | None = None, workspaces: str = "fresh",
-            cast_on_card: bool = False, after: str | Plan | None = None,
+            load: str = "dtype", after: str | Plan | None = None,
             after_instrumented: bool | None = None, zero3_from: str = "host") -> Prediction:
     """Predict the steady-state device peak of `rung_name` for `model` at `batch` x `seq`.
 
@@ -252,16 +252,16 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     replays, for comparing with a run of that many; default: until its cache is steady (the reserved peak of a long
     run). `workspaces` (CUDA): "fresh" (the default: a process whose first matmuls make the cuBLAS workspaces inside
     the step, as a training script's does; cuda_model.workspaces_in) or "held" (a process that ran this step before,
-    a notebook kernel that trained already: cuda_model.after_a_run). `cast_on_card` (CUDA, pure-half plans): the
-    weights reach the card in fp32 and are cast to 16 bits there, as this workbench's own runs load them
-    (cuda_model.cast_on_card); default: they arrive in their dtype, as `from_pretrained(torch_dtype=...)` loads
-    them. `after` (with "held"): the setup whose run made the workspaces (its first step replayed in place of this
-    one's: a process that trained it first, as gpu-check's ladder ran rungs after the first; `after_instrumented`:
-    whether it ran under the live-bytes count, default as this one); default: this setup. `zero3_from` (ZeRO-3):
-    where the model is partitioned from: "host" (the default: weight by weight, as this workbench runs it) or "card"
-    (the engine moved it there whole first, as the workbench ran it for the card records of 2026-11-22 and
-    2026-11-26). Raises ConfigError for an unknown rung, a non-positive shape or a card smaller than the weights
-    alone, ModelNotFoundError for a config that is not a model's.
+    a notebook kernel that trained already: cuda_model.after_a_run). `load` (CUDA): how the weights reach the card
+    (card_load.LOADS): "dtype" (the default: in their dtype, as `from_pretrained(dtype=...)` loads them), "host" (as
+    this workbench's runs load them: converted on the host, QLoRA's quantized onto the card layer by layer) or
+    "card" (as its runs did until 2026-11-26: in fp32, converted there). `after` (with "held"): the setup whose run
+    made the workspaces (its first step replayed in place of this one's: a process that trained it first, as
+    gpu-check's ladder ran rungs after the first; `after_instrumented`: whether it ran under the live-bytes count,
+    default as this one); default: this setup. `zero3_from` (ZeRO-3): where the model is partitioned from: "host"
+    (the default: weight by weight, as this workbench runs it) or "card" (the engine moved it there whole first, as
+    the workbench ran it for the card records of 2026-11-22 and 2026-11-26). Raises ConfigError for an unknown rung,
+    a non-positive shape or a card smaller than the weights alone, ModelNotFoundError for a config that is not one.
     """
 
     plan = rung(rung_name)
@@ -272,6 +272,8 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         raise ConfigError(f"unknown device {device!r}; choose cpu or cuda")
     if workspaces not in cuda_model.WORKSPACES:
         raise ConfigError(f"unknown workspaces {workspaces!r}; choose {' or '.join(cuda_model.WORKSPACES)}")
+    if load not in card_load.LOADS:
+        raise ConfigError(f"unknown load {load!r}; choose {', '.join(card_load.LOADS)}")
     if after is not None and workspaces != "held":
         raise ConfigError("after names the setup that ran first in the process; use it with workspaces='held'")
     if after is not None and rung(after).placement != "device":
@@ -359,17 +361,15 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), report.timeline_ops)
         events, steps_of, roles, streams = (report.timeline, report.timeline_steps, report.timeline_roles,
                                             report.timeline_streams)
-        if cast_on_card and report.timeline_casts:
-            events, steps_of, roles, made = cuda_model.cast_on_card(events, steps_of, report.timeline_ops, roles,
-                                                                    report.timeline_casts, made)
+        events, steps_of, roles, made = card_load.replay_load(load, events, steps_of, report.timeline_ops, roles,
+                                                              report.timeline_casts, made)
         before = None
         if workspaces == "held" and after is not None and rung(after).name != plan.name:  # made by another setup's run
             o = simulate(config, rung(after), batch=batch, seq=seq, steps=steps, target=device, sm=sm,
                          instrumented=instrumented if after_instrumented is None else after_instrumented)
             made = cuda_model.workspaces_in(the_card or cuda_model.Card("", 0, sm), o.timeline_ops)
             before = (o.timeline, o.timeline_steps, o.timeline_roles)
-            if cast_on_card and o.timeline_casts:
-                *before, made = cuda_model.cast_on_card(*before[:2], o.timeline_ops, before[2], o.timeline_casts, made)
+            *before, made = card_load.replay_load(load, *before[:2], o.timeline_ops, before[2], o.timeline_casts, made)
         if workspaces == "held" and any(len(w) == 3 and w[2] is not None for w in made):  # made by a run before
             events, steps_of, roles, streams, _ = cuda_model.after_a_run(events, steps_of, roles, streams, before)
         steady_from = next((i for i, s in enumerate(steps_of) if s >= last), 0)

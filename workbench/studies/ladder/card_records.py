@@ -73,7 +73,9 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
     measured figures are the record's own; only the prediction is new, so a margin read from it is
     the current prediction's error. A rung measured under the live-bytes count (`--counted`) is
     predicted as that instrumented step; a ZeRO-3 rung from where its run partitioned the model (a
-    record written before the workbench partitioned it from the host: the card, whole first)."""
+    record written before the workbench partitioned it from the host: the card, whole first); a
+    rung loaded as its run loaded it (before the workbench converted the weights on the host: in
+    fp32, converted on the card)."""
     record_dir = Path(record_dir)
     record = _read_record(record_dir / "summary.json")
     ladder, env = record.get("results", {}).get("ladder", {}), record.get("environment", {})
@@ -94,8 +96,9 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
         first_counted = ladder["rows"][0].get("accounted_peak_mib") is not None  # it ran under the count or not
         p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
                     instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
-                    workspaces=ws, cast_on_card=True,  # measure() casts a pure-half plan on the card
-                    after=first, after_instrumented=first_counted,
+                    # how measure() loaded the weights: a record from before it converted them on the host
+                    # moved the fp32 model to the card and converted it there
+                    workspaces=ws, load=r.get("load") or "card", after=first, after_instrumented=first_counted,
                     # ZeRO-3: a record from before the workbench partitioned the model from the host ran it
                     # whole on the card
                     zero3_from=r.get("zero3_partitioned_from") or "card")

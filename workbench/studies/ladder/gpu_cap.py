@@ -128,7 +128,7 @@ def check_cap(opts) -> dict[str, Any]:
             if opts.out_of_time():
                 raise TimeoutError("the time budget (--time-budget) was spent before it began")
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
-                        card=card, replay_steps=TRIAL_STEPS, cast_on_card=True)  # as measure() loads: a run's cap
+                        card=card, replay_steps=TRIAL_STEPS, load="host")  # as measure() loads: a run's cap
             needed = p.needed_reserved_bytes  # replayed under caps when read: a failure there is this rung's row too
         except WeightsExceedCard as e:  # no cap to find on this card (the ladder's check runs it: its OOM agrees)
             rows.append({"rung": name, "status": "too big", "reason": one_line(e), "trials": [], "passed": None})

@@ -91,7 +91,9 @@ def measure(
             return {**row, "status": "not measured", "reason": f"{plan.placement} failed: {type(e).__name__}: {e}"[:300]}
     rows: list[dict[str, Any]] = []
     try:
-        model = apply_trainable(load().to(run_on), plan)
+        # converted on the host, QLoRA's layers quantized onto the card one at a time, then moved: the
+        # card never holds the fp32 model (a 7B QLoRA or bf16-true setup would run out of memory loading it)
+        model = apply_trainable(load(), plan, device=run_on).to(run_on)
         settings = plan.settings(batch, steps, lr=lr)
         optimizer = make_plan_optimizer(model, plan, settings, run_on)
         budget = int(budget_mib * 2**20) if budget_mib is not None and plan.placement != "cpu" else None
@@ -132,6 +134,7 @@ def measure(
         out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(run_on)
         # the segments (none given back during the steps: the reserved peak's), beside the replay's
         out["segment_sizes"] = segment_sizes(torch.cuda.memory_snapshot())
+        out["load"] = "host"  # how the weights reached the card: predict(load="host") replays it (card_load)
     return out
 
 
