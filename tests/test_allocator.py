@@ -330,19 +330,20 @@ def test_qlora_quantized_onto_the_card_from_the_host_holds_one_fp32_weight_at_a_
     from workbench.core.memory import card_load as cl
     from workbench.core.memory.accounting import EMPTY_CACHE_SERIAL
 
-    events = [(1, 100 * MiB), (2, 2 * MiB), (3, 64 * 1024), (4, 4096), (5, 2 * MiB), (6, MiB), (7, 17 * MiB)]
-    ops = ["setup"] * 6 + ["forward: mm.default"]
+    events = [(1, 100 * MiB), (2, 2 * MiB), (3, 64 * 1024), (4, 4096), (5, 2 * MiB), (6, MiB), (8, 512),
+              (7, 17 * MiB)]  # 8: a temporary train() makes before the step's first op
+    ops = ["setup"] * 6 + ["", "forward: mm.default"]
     casts = (((1,), 0, False), ((2, 3), 16 * MiB, True), ((4,), 0, False), ((5,), 16 * MiB, True))
-    made = [("cuBLAS workspace (forward)", 32 * MiB, 6)]
-    ev, st, roles, ws = cl.replay_load("host", events, [0] * 7, ops, {6: "weights"}, casts, made)
+    made = [("cuBLAS workspace (forward)", 32 * MiB, 7)]
+    ev, st, roles, ws = cl.replay_load("host", events, [0] * 8, ops, {6: "weights"}, casts, made)
     t2, t5 = ev[0][0], ev[4][0]
     assert ev == [(t2, 16 * MiB), (2, 2 * MiB), (3, 64 * 1024), (t2, -1),  # one layer quantized onto the card
                   (t5, 16 * MiB), (5, 2 * MiB), (t5, -1),  # then the next
                   (EMPTY_CACHE_SERIAL, EMPTY_CACHE),  # peft's prepare_model_for_kbit_training empties the cache
                   (6, MiB), (1, 100 * MiB), (4, 4096),  # the adapter, then model.to's frozen rest
-                  (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (7, 17 * MiB)]
+                  (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (8, 512), (7, 17 * MiB)]  # measure()'s, then train()
     assert t2 < 0 and t5 < 0 and roles[t2] == roles[t5] == "weights" and st == [0] * len(ev)
-    assert ws == [("cuBLAS workspace (forward)", 32 * MiB, 6 + 6)]  # still after the forward's first event
+    assert ws == [("cuBLAS workspace (forward)", 32 * MiB, 7 + 6)]  # still after the forward's first event
 
     def load_peak(timeline):
         live, peak = {}, 0
@@ -351,16 +352,16 @@ def test_qlora_quantized_onto_the_card_from_the_host_holds_one_fp32_weight_at_a_
             peak = max(peak, sum(live.values()))
         return peak
 
-    on_card = cl.replay_load("card", events, [0] * 7, ops, {6: "weights"}, casts, made)[0]
+    on_card = cl.replay_load("card", events, [0] * 8, ops, {6: "weights"}, casts, made)[0]
     assert load_peak(on_card) == (100 + 16 + 16 + 2 + 2) * MiB + 64 * 1024 + 4096  # every fp32 weight at once
-    assert load_peak(ev) == (100 + 2 + 2 + 1) * MiB + 64 * 1024 + 4096  # the frozen rest, after the copies
+    assert load_peak(ev) == (100 + 2 + 2 + 1) * MiB + 64 * 1024 + 4096 + 512  # the frozen rest, after the copies
     # the second layer's copy is cut from the first's freed segment, which peft's empty_cache gives back
     assert sorted(allocator.replay(ev, roles, []).segment_sizes.items()) == [("100", 1), ("18", 1), ("2", 1),
                                                                             ("20", 1)]
     # a setup with no 4-bit weight converts nothing on the card (a pure-half plan is cast on the host)
     cast = (((1,), 200 * MiB, False),)
-    assert cl.replay_load("host", events, [0] * 7, ops, {}, cast, made) == (events, [0] * 7, {}, made)
-    assert cl.replay_load("dtype", events, [0] * 7, ops, {}, casts, made) == (events, [0] * 7, {}, made)
+    assert cl.replay_load("host", events, [0] * 8, ops, {}, cast, made) == (events, [0] * 8, {}, made)
+    assert cl.replay_load("dtype", events, [0] * 8, ops, {}, casts, made) == (events, [0] * 8, {}, made)
     # a prediction: the tiny QLoRA model's linear layers, one fp32 copy on the card at a time
     cfg = tiny_config("qwen2")
     report = simulate(cfg, rung("qlora"), batch=1, seq=32, steps=2, target="cuda", sm=90)

@@ -84,11 +84,13 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
         {"environment": {"gpu": "NVIDIA H200", "gpu_total_mib": 143156.0},
          "results": {"ladder": {"sm": 90, "rows": rows, "options": {"model": str(config), "batch": 1, "seq": 32, "steps": 4}}}}))
     asked = []
-    monkeypatch.setattr(card_records, "predict", lambda *a, **k: asked.append((a[1], k["instrumented"], k["replay_steps"])) or predict(*a, **k))
+    monkeypatch.setattr(card_records, "predict", lambda *a, **k: asked.append(
+        (a[1], k["instrumented"], k["replay_steps"], k["load"])) or predict(*a, **k))
     out = json.loads(repredict_card_record(tmp_path / "rec", log=lambda *_: None).read_text())
     # a rung on the card measured under the count is predicted as the instrumented step; the rest plain;
-    # the allocator replays as many steps as the card ran
-    assert asked == [("bf16", True, 4), ("lora", False, 4), ("zero_offload", False, 4)]
+    # the allocator replays as many steps as the card ran; a record whose rows say nothing of the load
+    # ran before measure() converted the weights on the host: in fp32, converted on the card
+    assert asked == [("bf16", True, 4, "card"), ("lora", False, 4, "card"), ("zero_offload", False, 4, "card")]
     card = cm.card_of("NVIDIA H200", int(143156.0 * 2**20), 90)
     assert out["card"] == "NVIDIA H200" and [r["rung"] for r in out["rows"]] == ["bf16", "lora", "zero_offload"]
     for r in out["rows"]:
@@ -98,6 +100,15 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
         assert r["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
         assert r["error_vs_reserved_pct"] == round(100 * (p.reserved_peak_bytes / 2**20 / 20.0 - 1), 2)
         assert r["error_vs_allocated_pct"] == round(100 * (p.allocated_peak_bytes / 2**20 / 10.0 - 1), 2)
+    # measure()'s rows now say how it loaded the weights; an offloaded rung's does not, and is predicted
+    # (with any first rung replayed before it) as the record's runs loaded them
+    rows[1]["load"] = "host"
+    summary = json.loads((tmp_path / "rec" / "summary.json").read_text())
+    summary["results"]["ladder"]["rows"] = rows
+    (tmp_path / "rec" / "summary.json").write_text(json.dumps(summary))
+    asked.clear()
+    repredict_card_record(tmp_path / "rec", log=lambda *_: None)
+    assert [a[3] for a in asked] == ["host"] * 3
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "summary.json").write_text(json.dumps({"environment": {}, "results": {}}))
     with pytest.raises(ConfigError, match="names no card"):

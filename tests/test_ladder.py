@@ -384,7 +384,7 @@ def test_quantize_4bit_quantizes_where_the_weight_is_not_on_the_cpu(monkeypatch)
 
 
 def test_measure_converts_on_the_host_and_quantizes_each_layer_onto_the_card(monkeypatch):
-    """measure() moved the fp32 model to the card and converted it there: a 7B QLoRA or bf16-true
+    """measure() moved the fp32 model to the card and converted it there: a 7B QLoRA or bf16-true LoRA
     setup predicted to fit a 12 or 24 GB card would run out of memory loading 30 GB of fp32 weights.
     Now apply_trainable gets the model on the host and the device: quantize_4bit quantizes each
     linear layer onto the device from the host (bitsandbytes moves one fp32 weight there at a time,
@@ -402,13 +402,23 @@ def test_measure_converts_on_the_host_and_quantizes_each_layer_onto_the_card(mon
     model = _tiny_linear_model("cpu")
     assert quantize_4bit(model, torch.float32, skip=(), device=torch.device("cuda", 0)) == 2
     assert asked == [(torch.device("cpu"), torch.device("cuda", 0))] * 2  # from the host, onto the card
-    # measure() hands apply_trainable the model as loaded (on the host) and the device it trains on
-    handed, apply = [], ladder.apply_trainable
-    monkeypatch.setattr(ladder, "apply_trainable", lambda model, plan, device=None: handed.append(
-        (next(model.parameters()).device, device)) or apply(model, plan, device))
-    row = measure("qlora", lambda: load_model("embedded", spec=TINY_SPEC)[0], torch.zeros(4, 8, dtype=torch.long),
-                  batch=1, steps=1)
-    assert row["status"] == "ok" and handed == [(torch.device("cpu"), torch.device("cpu"))]
+    # measure() hands apply_trainable the model as loaded (on the host) and the device it trains on, and
+    # moves the model after it
+    calls, apply = [], ladder.apply_trainable
+
+    def moves(model):  # the model's own .to, logged
+        to = model.to
+        model.to = lambda *a, **k: calls.append("to") or to(*a, **k)
+        return model
+
+    def spy(model, plan, device=None):
+        calls.append(("apply", device))
+        return moves(apply(model, plan, device))
+
+    monkeypatch.setattr(ladder, "apply_trainable", spy)
+    row = measure("qlora", lambda: moves(load_model("embedded", spec=TINY_SPEC)[0]),
+                  torch.zeros(4, 8, dtype=torch.long), batch=1, steps=1)
+    assert row["status"] == "ok" and calls == [("apply", torch.device("cpu")), "to"]
 
 
 def test_quantize_4bit_on_the_meta_device_quantizes_each_shape_once_and_each_layer_gets_its_own_copy(monkeypatch):

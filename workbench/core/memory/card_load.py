@@ -55,8 +55,8 @@ def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
     made, the fp32 one freed then, or after the last if held), then empty_cache, which keeps a segment
     a converted weight took part of (on the H200 the fp32 embedding's, where the forward's cuBLAS
     workspace then went). Not replayed: quantize_4bit's temporaries (an fp32 absmax, 1/64 of a
-    weight's elements); adapters made before the runs' empty_cache (small pool: the H200's figures
-    stay). `made` is shifted with the events. Returns (events, steps_of, roles, made)."""
+    weight's elements); adapters made before the runs' empty_cache, and peft's 16-bit adapters
+    before it casts them to fp32 (small pool: the H200's figures stay). `made` is shifted with the events. Returns (events, steps_of, roles, made)."""
     n, setup, units = _setup_of(events, ops, casts)
     if not any(fp32 for _, fp32, _ in units):
         return events, steps_of, roles, made  # nothing converted (an fp32 or mixed-precision plan): as it is
@@ -94,7 +94,8 @@ def quantize_onto_card(events, steps_of, ops, roles: dict, casts, made):
     beside their 4-bit base layers), `model.to("cuda")`'s move of the rest as it is, and another
     empty_cache (measure()'s, before the steps). A setup with no 4-bit weight converts nothing on the
     card: its timeline is returned as it is (the "dtype" load). Not replayed: quantize_4bit's
-    temporaries (an fp32 absmax, 1/64 of a weight's elements). `made` is shifted with the events.
+    temporaries (an fp32 absmax, 1/64 of a weight's elements); peft's 16-bit adapters before it casts
+    them to fp32 (small pool). `made` is shifted with the events.
     Returns (events, steps_of, roles, made)."""
     n, setup, units = _setup_of(events, ops, casts)
     quantized = [u for u in units if u[1] and u[2]]  # held: quantize_4bit's 4-bit groups (a pure-half cast is not)
@@ -105,11 +106,13 @@ def quantize_onto_card(events, steps_of, ops, roles: dict, casts, made):
     for ss, fp32, _ in quantized:
         load += [(twin[ss[0]], fp32), *((s, setup[s]) for s in ss), (twin[ss[0]], -1)]
     load.append((EMPTY_CACHE_SERIAL, EMPTY_CACHE))  # prepare_model_for_kbit_training's (auto_clear_cache)
-    # peft's adapters (and any other allocation of the load), then model.to's move of the frozen rest
+    # peft's adapters, then model.to's move of the frozen rest; what else came before the step (train()'s
+    # small temporaries) after measure()'s empty_cache, as cast_on_card places it
     placed = {s for ss, _, _ in units for s in ss}
-    load += [(s, nb) for s, nb in events[:n] if not (nb > 0 and s in placed)]
+    rest = [(s, nb) for s, nb in events[:n] if not (nb > 0 and s in placed)]
+    load += [e for e in rest if roles.get(e[0]) == "weights"]
     load += [(s, setup[s]) for ss, fp32, held in units if not (fp32 and held) for s in ss]
-    load.append((EMPTY_CACHE_SERIAL, EMPTY_CACHE))
+    load += [(EMPTY_CACHE_SERIAL, EMPTY_CACHE)] + [e for e in rest if roles.get(e[0]) != "weights"]
     shift = len(load) - n
     return (load + list(events[n:]), [steps_of[0] if steps_of else 0] * len(load) + list(steps_of[n:]),
             {**roles, **{t: "weights" for t in twin.values()}},

@@ -83,6 +83,9 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
     if not env.get("gpu") or not env.get("gpu_total_mib") or not ladder.get("sm"):
         raise ConfigError(f"{record_dir}/summary.json names no card (environment.gpu, gpu_total_mib, ladder sm)")
     card = cuda_model.card_of(env["gpu"], int(env["gpu_total_mib"] * MiB), int(ladder["sm"]))
+    # how its runs loaded the weights (measure()'s rows say; an offloaded one does not): the record's first
+    # rung, replayed before a later one (after=), was loaded so too
+    load = next((x["load"] for x in ladder.get("rows", []) if x.get("load")), "card")
     model = opts["model"] if Path(opts["model"]).is_absolute() else str(PROJECT_ROOT / opts["model"])
     rows = []
     for k, r in enumerate(ladder.get("rows", [])):
@@ -98,7 +101,7 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
                     instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
                     # how measure() loaded the weights: a record from before it converted them on the host
                     # moved the fp32 model to the card and converted it there
-                    workspaces=ws, load=r.get("load") or "card", after=first, after_instrumented=first_counted,
+                    workspaces=ws, load=load, after=first, after_instrumented=first_counted,
                     # ZeRO-3: a record from before the workbench partitioned the model from the host ran it
                     # whole on the card
                     zero3_from=r.get("zero3_partitioned_from") or "card")

@@ -92,7 +92,8 @@ def measure(
     rows: list[dict[str, Any]] = []
     try:
         # converted on the host, QLoRA's layers quantized onto the card one at a time, then moved: the
-        # card never holds the fp32 model (a 7B QLoRA or bf16-true setup would run out of memory loading it)
+        # card never holds the whole fp32 model (a 7B QLoRA or bf16-true LoRA setup would run out of memory
+        # loading it)
         model = apply_trainable(load(), plan, device=run_on).to(run_on)
         settings = plan.settings(batch, steps, lr=lr)
         optimizer = make_plan_optimizer(model, plan, settings, run_on)
