@@ -56,7 +56,8 @@ def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
     a converted weight took part of (on the H200 the fp32 embedding's, where the forward's cuBLAS
     workspace then went). Not replayed: quantize_4bit's temporaries (an fp32 absmax, 1/64 of a
     weight's elements); adapters made before the runs' empty_cache, and peft's 16-bit adapters
-    before it casts them to fp32 (small pool: the H200's figures stay). `made` is shifted with the events. Returns (events, steps_of, roles, made)."""
+    before it casts them to fp32 (small pool: the H200's figures stay). `made` is shifted with the
+    events. Returns (events, steps_of, roles, made)."""
     n, setup, units = _setup_of(events, ops, casts)
     if not any(fp32 for _, fp32, _ in units):
         return events, steps_of, roles, made  # nothing converted (an fp32 or mixed-precision plan): as it is
