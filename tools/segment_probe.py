@@ -24,7 +24,9 @@ emptied (the cuBLAS workspaces kept where that run made them), as gpu-check's la
 before it released the workspaces between them; the memory history is recorded from before that
 run, so the segments it leaves are in the trace. On that H200, fp32 after bf16_true_lora reserved
 9,792 MiB (139 segments of 18 MiB, against 180 in a fresh process, which reserved 10,378); the
-model, with bf16_true_lora cast on the card as the ladder loads it, predicts 9,790.
+model, with bf16_true_lora cast on the card as the ladder loaded it then (predict(load="card")),
+predicts 9,790. measure() now casts on the host (predict(load="host")): the model predicts 10,352
+for this run, pre-registered (fp32 makes its workspace where a fresh process does).
 """
 import argparse
 import gc
