@@ -26,7 +26,7 @@ run, so the segments it leaves are in the trace. On that H200, fp32 after bf16_t
 9,792 MiB (139 segments of 18 MiB, against 180 in a fresh process, which reserved 10,378); the
 model, with bf16_true_lora cast on the card as the ladder loaded it then (predict(load="card")),
 predicts 9,790. measure() now casts on the host (predict(load="host")): the model predicts 10,352
-for this run, pre-registered (fp32 makes its workspace where a fresh process does).
+for this run, pre-registered (the figure the direct load gave before the old path was modelled).
 """
 import argparse
 import gc
