@@ -343,6 +343,40 @@ def test_a_prediction_rules_out_the_setups_holding_the_same_weights_and_state_wi
             assert autofit.floor_bytes(p) == bf16["floor_mib"] * 2**20 <= p.fit_bytes
 
 
+def test_once_a_setup_fits_one_that_cannot_need_less_is_not_predicted(monkeypatch):
+    """After the first fit the search looks for step-downs (each needing less than the setup kept
+    last) and predicted every setup left where none needed less. A setup whose weights and optimizer
+    state alone, as predicted for one differing only in micro-batch and checkpointing, need as much as
+    the setup kept last cannot be one: it is not predicted. The choice and the step-down order are
+    those of predicting every setup. A model whose weights and state are most of its need (on the CPU,
+    as study 2 searches): bf16-mixed holds 12 bytes a parameter before its gradients, bf16-true needs
+    less than that in all."""
+    import transformers as T
+
+    cfg = T.Qwen2Config(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, tie_word_embeddings=True, vocab_size=4096)
+    kw = dict(batch=2, seq=16, budget_mib=10_000, device="cpu", keep=4,
+              runnable=lambda p: p.placement == "device" and p.optimizer == "adamw_torch"
+              and p.precision in ("bf16", "bf16_true"))
+    choice = search(cfg, _setup(), **kw)
+    real = autofit.ruled_out
+    monkeypatch.setattr(autofit, "ruled_out", lambda *a, **k: real(*a[:5]))  # without the step-down bound
+    every = search(cfg, _setup(), **kw)
+    assert choice.plan.name == every.plan.name and [p.name for p in choice.fitting] == [p.name for p in every.fitting]
+    kept = next(r for r in choice.table if r["kept"])
+    skipped = [r for r in choice.table if r["not_predicted"]]
+    assert len(skipped) == 3 and not any(r["not_predicted"] for r in every.table)
+    need = {r["setup"]: r["need_mib"] for r in every.table}
+    for r in skipped:
+        assert r["setup"].startswith("bf16-mixed") and r["floor_mib"] >= kept["need_mib"] and not r["fits"]
+        assert r["not_predicted"] == (f"its weights and optimizer state alone need as much as {kept['setup']} (kept): "
+                                      "not a step down") and r["ruled_out_by"].startswith("bf16-mixed")
+        assert need[r["setup"]] >= r["floor_mib"]  # predicted, it needs at least its bound: not a step down
+    assert all(r["need_mib"] == need[r["setup"]] for r in choice.table if not r["not_predicted"])
+    # the setups after the chosen one are slower by the prior: not among those "expected faster" (all 3 were)
+    assert choice.table[0]["kept"] and "0 setup(s) expected faster did not fit" in choice.why
+
+
 def test_a_bound_that_rules_out_nothing_that_fits(config, capsys):
     """With a budget the least-needing setup just fits, the search finds it. On the CPU (as study 2
     searches), where a tiny model's need is not the allocator's segments, a bound counting more than

@@ -17,8 +17,10 @@ first; the setups are predicted in that order (fake tensors, the CUDA model) unt
 first that fits is the fastest by the prior and the search predicts only what it must. A setup is
 not predicted where a prediction made already rules it out (`ruled_out`): its weights alone exceed
 the card, or its weights and optimizer state alone exceed the budget, as predicted for a setup that
-differs from it only in micro-batch and checkpointing (they hold the same tensors). A 7B model on a
-12 GB card predicted every setup, 12-33 s each here, to find the same weights too big each time.
+differs from it only in micro-batch and checkpointing (they hold the same tensors); or, looking for
+step-downs once one fits, its weights and optimizer state alone need as much as the setup kept last.
+A 7B model on a 12 GB card predicted every setup, 12-33 s each here, to find the same weights too big
+each time.
 
 Margin: a setup fits when its predicted peak plus a margin is within the budget. The margin is the
 prediction's own measured error, not a fixed guess, for the figure that is compared:
@@ -183,16 +185,21 @@ def floor_bytes(p) -> int:
     return p.breakdown.get("weights", 0) + (0 if p.pageable_bytes else p.breakdown.get("optimizer_state", 0))
 
 
-def ruled_out(plan: Plan, margin: float, budget: int, too_big: dict, floors: dict) -> tuple[float | None, str, str]:
+def ruled_out(plan: Plan, margin: float, budget: int, too_big: dict, floors: dict,
+              kept: tuple[float, str] = (math.inf, "")) -> tuple[float | None, str, str]:
     """(the lower bound of `plan`'s need in MiB or None, why it is not predicted, the setup whose
-    prediction showed it) where a prediction made already shows it cannot fit; (None, "", "") where
-    it must be predicted. `too_big`: weights key -> the setup whose weights alone exceeded the card;
-    `floors`: floor key -> (floor bytes, setup)."""
+    prediction showed it) where a prediction made already shows it cannot fit, or cannot be a step
+    down from the setup kept last (`kept`: its need in bytes and its name; a step down needs less);
+    (None, "", "") where it must be predicted. `too_big`: weights key -> the setup whose weights alone
+    exceeded the card; `floors`: floor key -> (floor bytes, setup)."""
     if _weights_key(plan) in too_big:
         return None, "its weights alone exceed the card", too_big[_weights_key(plan)]
     floor, src = floors.get(_floor_key(plan), (0, ""))  # neither dict has a None key
     if floor * (1 + margin) > budget:
         return floor / MiB, "its weights and optimizer state alone exceed the budget with the margin", src
+    if floor and floor >= kept[0]:
+        return floor / MiB, (f"its weights and optimizer state alone need as much as {kept[1]} (kept): not a step "
+                             "down"), src
     return None, "", ""
 
 
@@ -219,8 +226,8 @@ class SetupChoice:
                     f"{len(self.table) - skipped} setups predicted"
                     + (f", {skipped} not predicted, ruled out by those: their weights alone exceed the card, or "
                        "their weights and optimizer state the budget" if skipped else "") + ")")
-        row = next(r for r in self.table if r["setup"] == self.plan.name)
-        faster = [r["setup"] for r in self.table if not r["fits"]]
+        at = next(i for i, r in enumerate(self.table) if r["setup"] == self.plan.name)
+        row, faster = self.table[at], [r["setup"] for r in self.table[:at] if not r["fits"]]  # before it
         paged = (f" with its {mib_text(row['paged_mib'])} MiB of paged optimizer state paged out to the host"
                  if row["fits_only_paged_out"] else "")
         return (f"{self.plan.name}: predicted {mib_text(row['need_mib'])} MiB + {self.margin:.1%} margin "
@@ -240,9 +247,11 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     less than the one kept before (the step-down order for a real out-of-memory error: a setup
     needing as much as one that ran out would run out too; the others are in `table`). `runnable`:
     only candidates it accepts are searched (a study running on this machine leaves out what cannot
-    run here). A candidate a prediction made already rules out is not predicted (`ruled_out`; its
-    row says why, `not_predicted`). `progress`: a bar on standard error, one tick per setup (each
-    predicted one a simulated step: seconds to a minute)."""
+    run here). A candidate a prediction made already rules out (it cannot fit; or, once one fits, it
+    cannot need less than the setup kept last) is not predicted (`ruled_out`; its row says why,
+    `not_predicted`): the choice and the step-down order are those of predicting every candidate.
+    `progress`: a bar on standard error, one tick per setup (each predicted one a simulated step:
+    seconds to a minute)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
     if not budget_mib > 0:
@@ -267,7 +276,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
             row = {"setup": plan.name, "prior_cost": round(cost(plan, sm), 3), "margin": m, "fits": False,
                    "kept": False, "changes_what_trains": plan.trainable != setup.trainable, "need_mib": None,
                    "with_margin_mib": None, "paged_mib": 0.0, "fits_only_paged_out": False}
-            floor_mib, why_not, by = ruled_out(plan, m, budget, too_big, floors)
+            floor_mib, why_not, by = ruled_out(plan, m, budget, too_big, floors,
+                                               (last_need, choice.fitting[-1].name if choice.fitting else ""))
             if why_not:
                 choice.table.append({**row, "method": "not predicted", "floor_mib": floor_mib, "not_predicted": why_not,
                                      "ruled_out_by": by, "predict_seconds": 0.0})
