@@ -253,7 +253,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     run). `workspaces` (CUDA): "fresh" (the default: a process whose first matmuls make the cuBLAS workspaces inside
     the step, as a training script's does; cuda_model.workspaces_in) or "held" (a process that ran this step before,
     a notebook kernel that trained already: cuda_model.after_a_run). `load` (CUDA): how the weights reach the card
-    (card_load.LOADS): "dtype" (the default: in their dtype, as `from_pretrained(dtype=...)` loads them), "host" (as
+    (card_load.LOADS): "dtype" (the default: in their dtype, as `model.to("cuda")` moves a model), "host" (as
     this workbench's runs load them: converted on the host, QLoRA's quantized onto the card layer by layer) or
     "card" (as its runs did until 2026-11-26: in fp32, converted there). `after` (with "held"): the setup whose run
     made the workspaces (its first step replayed in place of this one's: a process that trained it first, as
