@@ -417,6 +417,11 @@ def test_the_least_cap_is_replayed_only_when_read(config, monkeypatch):
     choice = search(config, _setup(), batch=2, seq=SEQ, budget_mib=10_000, keep=1)
     p = predict(config, choice.plan, batch=2, seq=SEQ, device="cuda")
     assert choice.plan is not None and calls == []
+    before = p.seconds
     assert p.allocated_peak_bytes <= p.needed_reserved_bytes <= p.reserved_peak_bytes and calls == [1]
+    assert p.seconds > before  # the prediction's seconds count the replay once it is made (estimate prints them)
     assert p.row()["needed_reserved_bytes"] == p.needed_reserved_bytes and calls == [1]  # kept once replayed
     assert p.needed is None  # the timeline it replayed is let go (an `estimate --rung all` keeps every prediction)
+    q = predict(config, choice.plan, batch=2, seq=SEQ, device="cuda")
+    before = q.seconds
+    assert q.row()["predict_seconds"] == q.seconds > before  # a row made first (the replay inside it) counts it

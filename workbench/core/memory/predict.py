@@ -115,7 +115,8 @@ class Prediction:
 
     @functools.cached_property
     def needed_reserved_bytes(self) -> int:  # the least reserved cap it runs under, modelled (measured low on a card)
-        value, self.needed = (self.needed() if self.needed else 0), None  # the timeline it replays is let go
+        t0, value, self.needed = time.perf_counter(), (self.needed() if self.needed else 0), None  # timeline let go
+        self.seconds += time.perf_counter() - t0  # the prediction's seconds count the replay, once made
         return value
 
     @property
@@ -155,14 +156,13 @@ class Prediction:
 
     def row(self) -> dict[str, Any]:
         return {
-            "rung": self.rung, "model": self.model, "batch": self.batch, "seq": self.seq,
-            "method": self.method, "predicted_peak_bytes": self.peak_bytes,
-            "predicted_peak_mib": self.peak_mib, "fit_bytes": self.fit_bytes,
-            "first_step_peak_bytes": self.first_step_peak_bytes, "host_bytes": self.host_bytes,
-            "where": self.where, "predict_seconds": self.seconds, "note": self.note,
-            **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
+            "rung": self.rung, "model": self.model, "batch": self.batch, "seq": self.seq, "method": self.method,
+            "predicted_peak_bytes": self.peak_bytes, "predicted_peak_mib": self.peak_mib, "fit_bytes": self.fit_bytes,
+            "first_step_peak_bytes": self.first_step_peak_bytes, "host_bytes": self.host_bytes, "where": self.where,
+            "note": self.note, **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
             "device": self.device, "allocated_peak_bytes": self.allocated_peak_bytes,
             "reserved_peak_bytes": self.reserved_peak_bytes, "needed_reserved_bytes": self.needed_reserved_bytes,
+            "predict_seconds": self.seconds,  # read after needed_reserved_bytes: its replay counted
             "context_bytes": self.context_bytes, "context_source": self.context_source,
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
             "fits": self.fits, "headroom_bytes": self.headroom_bytes,

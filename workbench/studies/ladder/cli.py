@@ -263,6 +263,7 @@ def _estimate(args) -> int:
         p = next(iter(preds.values()))
         setup = p.rung if plan is None else f"{p.rung} ({plan.help})"
         cpu_only = (plan or RUNGS[p.rung]).placement == "cpu"  # nothing on the device: the peak is the host's
+        _ = p.needed_reserved_bytes  # the least cap, replayed when first read: in the seconds printed next
         if cpu_only:
             print(f"{setup} on {args.device}: {p.method} peak 0 MiB on the device (CPU only); host memory "
                   f"{p.host_bytes / MiB:,.1f} MiB ({p.host_bytes:,} bytes) at {p.where}  [{p.seconds:.1f} s]")
