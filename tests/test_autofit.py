@@ -368,13 +368,20 @@ def test_once_a_setup_fits_one_that_cannot_need_less_is_not_predicted(monkeypatc
     assert len(skipped) == 3 and not any(r["not_predicted"] for r in every.table)
     need = {r["setup"]: r["need_mib"] for r in every.table}
     for r in skipped:
-        assert r["setup"].startswith("bf16-mixed") and r["floor_mib"] >= kept["need_mib"] and not r["fits"]
+        assert r["setup"].startswith("bf16-mixed") and r["floor_mib"] >= kept["need_mib"]
+        assert r["fits"] is None  # not known: its bound is far below the budget
         assert r["not_predicted"] == (f"its weights and optimizer state alone need as much as {kept['setup']} (kept): "
                                       "not a step down") and r["ruled_out_by"].startswith("bf16-mixed")
         assert need[r["setup"]] >= r["floor_mib"]  # predicted, it needs at least its bound: not a step down
     assert all(r["need_mib"] == need[r["setup"]] for r in choice.table if not r["not_predicted"])
     # the setups after the chosen one are slower by the prior: not among those "expected faster" (all 3 were)
     assert choice.table[0]["kept"] and "0 setup(s) expected faster did not fit" in choice.why
+    # the bound is the last kept setup's need, which falls as setups are kept: a floor at it rules out, below it not
+    plan, key = choice.fitting[0], autofit._floor_key(choice.fitting[0])
+    floors = {key: (100 * 2**20, "sibling")}
+    assert real(plan, 0.1, 2**40, {}, floors, (100 * 2**20, "b"))[1:] == (
+        "its weights and optimizer state alone need as much as b (kept): not a step down", "sibling")
+    assert real(plan, 0.1, 2**40, {}, floors, (100 * 2**20 + 1, "a")) == (None, "", "")
 
 
 def test_a_bound_that_rules_out_nothing_that_fits(config, capsys):

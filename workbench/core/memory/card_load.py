@@ -7,9 +7,10 @@ keeps what the load left: a segment a converted weight took part of is not given
 `load` (predict's argument, LOADS):
 - "dtype" (the default): every weight reaches the card in the dtype it trains in, QLoRA's already in
   4 bits, one tensor at a time in module order: a model loaded on the host and moved with
-  `model.to("cuda")` (the timeline as simulated, nothing added). `from_pretrained(device_map=...)`
-  first reserves one block the size of the model (transformers' `caching_allocator_warmup`) and cuts
-  the weights from it: not modelled (the README gives what a probe of it showed);
+  `model.to("cuda")` (the timeline as simulated, nothing added). `from_pretrained` with a device_map
+  (which a bitsandbytes-quantized model always gets) first reserves one block the size of the model
+  (transformers' `caching_allocator_warmup`) and cuts the weights from it: not modelled
+  (tools/warmup_probe.py replays such a block; the README gives what it showed);
 - "host": as this workbench's own runs load a plan (ladder.rungs.measure, since 2026-11-26, after
   that day's card record): converted on the host (a pure-half plan's cast), QLoRA's linear layers
   quantized onto the card one at a time (`quantize_onto_card`), the rest moved after, then

@@ -89,7 +89,7 @@ class Prediction:
     where: str  # "step 2, backward (op)"
     method: str  # "predicted" (simulated over fake tensors) or "estimated" (see note)
     note: str = ""
-    seconds: float = 0.0  # predict()'s own time: the least cap is replayed later, when read (needed_reserved_bytes)
+    seconds: float = 0.0  # predict()'s own time, plus the least cap's replay once read (needed_reserved_bytes)
     first_step_peak_bytes: int = 0
     host_bytes: int = 0  # bytes the rung keeps in host memory instead (offload, CPU only)
     host_breakdown: dict[str, int] = field(default_factory=dict)  # offload rungs: host bytes per category at its peak

@@ -185,6 +185,9 @@ def floor_bytes(p) -> int:
     return p.breakdown.get("weights", 0) + (0 if p.pageable_bytes else p.breakdown.get("optimizer_state", 0))
 
 
+NOT_A_STEP_DOWN = "not a step down"  # a row ruled out so may fit: its `fits` is None (not known)
+
+
 def ruled_out(plan: Plan, margin: float, budget: int, too_big: dict, floors: dict,
               kept: tuple[float, str] = (math.inf, "")) -> tuple[float | None, str, str]:
     """(the lower bound of `plan`'s need in MiB or None, why it is not predicted, the setup whose
@@ -198,8 +201,8 @@ def ruled_out(plan: Plan, margin: float, budget: int, too_big: dict, floors: dic
     if floor * (1 + margin) > budget:
         return floor / MiB, "its weights and optimizer state alone exceed the budget with the margin", src
     if floor and floor >= kept[0]:
-        return floor / MiB, (f"its weights and optimizer state alone need as much as {kept[1]} (kept): not a step "
-                             "down"), src
+        why = f"its weights and optimizer state alone need as much as {kept[1]} (kept): {NOT_A_STEP_DOWN}"
+        return floor / MiB, why, src
     return None, "", ""
 
 
@@ -280,7 +283,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                                                (last_need, choice.fitting[-1].name if choice.fitting else ""))
             if why_not:
                 choice.table.append({**row, "method": "not predicted", "floor_mib": floor_mib, "not_predicted": why_not,
-                                     "ruled_out_by": by, "predict_seconds": 0.0})
+                                     "ruled_out_by": by, "predict_seconds": 0.0,
+                                     "fits": None if why_not.endswith(NOT_A_STEP_DOWN) else False})
                 bar.update()
                 continue
             try:

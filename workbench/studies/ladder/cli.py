@@ -370,7 +370,8 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
             bound = "> card" if r["floor_mib"] is None else f">={math.floor(r['floor_mib']):,}"  # a bound: down
             need, with_margin = f"{bound:>9}", f"{'':>9}"
         print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
-              f"{'yes' if r['fits'] else 'no'}" + ("  (changes what trains)" if r["changes_what_trains"] else "")
+              f"{'yes' if r['fits'] else '-' if r['fits'] is None else 'no'}"
+              + ("  (changes what trains)" if r["changes_what_trains"] else "")
               + (f"  (only with its {mib_text(r['paged_mib'])} MiB of paged state paged out)"
                  if r["fits_only_paged_out"] else "")
               + (f"  (not predicted: {r['not_predicted']})" if r["not_predicted"] else ""))
