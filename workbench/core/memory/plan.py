@@ -209,8 +209,8 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
     (default: the device the layer is on): on CUDA by bitsandbytes' CUDA kernels, so a QLoRA model
     keeps its 4-bit weights and quantization state there. A model on the host quantized onto a
     card (as ladder.rungs.measure loads one) sends one layer's fp32 copy there at a time, which
-    bitsandbytes frees after quantizing it: the card never holds the model's fp32 weights (a 7B
-    model's 30 GB; card_load.quantize_onto_card replays it). On the CPU on the CPU; on the meta
+    bitsandbytes frees after quantizing it: the card never holds all the fp32 linear weights at once
+    (most of a 7B model's 30 GB; card_load.quantize_onto_card replays it). On the CPU on the CPU; on the meta
     device (a prediction needs the bytes, not the values) from zeros on the CPU, once per shape:
     layers of one shape get copies of the same result (their own storage; a 7B model's 196 layers
     have 6 shapes, and quantizing each on the CPU took most of a prediction's time).
