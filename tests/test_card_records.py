@@ -142,7 +142,7 @@ def test_the_committed_re_prediction_is_what_this_checkout_predicts():
     assert card_records.workspaces_of({"workspaces": "released before each rung"}, 13) == "fresh"
     assert again["zero_offload"]["predicted_reserved_mib"] == round(p.reserved_peak_bytes / 2**20, 1)
     assert again["zero_offload"]["predicted_allocated_mib"] == round(p.allocated_peak_bytes / 2**20, 1)
-    # a pure-half rung: cast on the card as measure() loads it, after the record's first rung (fp32)
+    # a pure-half rung: cast on the card as measure() loaded it then, after the record's first rung (fp32)
     p = predict(str(CONFIGS / "qwen2-0.5b.json"), "bf16_true_lora", batch=1, seq=512, device="cuda", card=card,
                 replay_steps=3, workspaces="held", instrumented=True, load="card", after="fp32")
     assert again["bf16_true_lora"]["after"] == "fp32" and again["bf16_true_lora"]["counted"]

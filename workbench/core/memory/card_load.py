@@ -72,11 +72,7 @@ def cast_on_card(events, steps_of, ops, roles: dict, casts, made):
     load += late + [(EMPTY_CACHE_SERIAL, EMPTY_CACHE)]
     placed = {s for ss, _, _ in units for s in ss}
     rest = [(s, nb) for s, nb in events[:n] if not (nb > 0 and s in placed)]
-    shift = len(load) + len(rest) - n
-    return (load + rest + list(events[n:]),
-            [steps_of[0] if steps_of else 0] * (len(load) + len(rest)) + list(steps_of[n:]),
-            {**roles, **{t: "weights" for t in twin.values()}},
-            [(w[0], w[1], w[2] + shift) if len(w) == 3 and w[2] is not None else w for w in made])
+    return _loaded(load + rest, n, events, steps_of, roles, twin.values(), made)
 
 
 def _setup_of(events, ops, casts):
@@ -86,6 +82,15 @@ def _setup_of(events, ops, casts):
     n = next((i for i, op in enumerate(ops) if op.startswith(("forward", "backward", "optimizer"))), len(events))
     setup = {s: nb for s, nb in events[:n] if nb > 0}
     return n, setup, [u for u in ((tuple(s for s in ss if s in setup), *more) for ss, *more in casts) if u[0]]
+
+
+def _loaded(load, n, events, steps_of, roles: dict, twins, made):
+    """The timeline with `load` in place of its first `n` events (the load as simulated): (events,
+    steps_of, roles with the fp32 copies' `twins` as weights, `made` shifted with the events)."""
+    shift = len(load) - n
+    return (load + list(events[n:]), [steps_of[0] if steps_of else 0] * len(load) + list(steps_of[n:]),
+            {**roles, **{t: "weights" for t in twins}},
+            [(w[0], w[1], w[2] + shift) if len(w) == 3 and w[2] is not None else w for w in made])
 
 
 def quantize_onto_card(events, steps_of, ops, roles: dict, casts, made):
@@ -117,10 +122,7 @@ def quantize_onto_card(events, steps_of, ops, roles: dict, casts, made):
     load += [e for e in rest if roles.get(e[0]) == "weights"]
     load += [(s, setup[s]) for ss, fp32, held in units if not (fp32 and held) for s in ss]
     load += [(EMPTY_CACHE_SERIAL, EMPTY_CACHE)] + [e for e in rest if roles.get(e[0]) != "weights"]
-    shift = len(load) - n
-    return (load + list(events[n:]), [steps_of[0] if steps_of else 0] * len(load) + list(steps_of[n:]),
-            {**roles, **{t: "weights" for t in twin.values()}},
-            [(w[0], w[1], w[2] + shift) if len(w) == 3 and w[2] is not None else w for w in made])
+    return _loaded(load, n, events, steps_of, roles, twin.values(), made)
 
 
 def replay_load(how: str, events, steps_of, ops, roles: dict, casts, made):
