@@ -1,6 +1,8 @@
 """How much would transformers' load with a device_map change the reserved prediction? (a probe of the model)
 
-    .venv/bin/python tools/warmup_probe.py [RUNG ...]     # default: bf16_true bf16 lora qlora; about 2 min here
+    .venv/bin/python tools/warmup_probe.py [RUNG ...]     # from the checkout's root (2 min here)
+
+RUNG: default bf16_true bf16 lora qlora.
 
 `from_pretrained(..., device_map=...)` first reserves one block the size of the model on the card
 (transformers' `caching_allocator_warmup`: an fp16 tensor of the model's bytes, freed at once) and
