@@ -31,9 +31,7 @@ def with_a_block_first(how, events, steps_of, ops, roles, casts, made):
     events, steps_of, roles, made = as_predicted("dtype", events, steps_of, ops, roles, casts, made)
     n = next((i for i, op in enumerate(ops) if op.startswith(("forward", "backward", "optimizer"))), len(events))
     block = sum(nb for s, nb in events[:n] if nb > 0 and roles.get(s) == "weights")
-    return ([(BLOCK, block), (BLOCK, -1), *events], [steps_of[0] if steps_of else 0] * 2 + list(steps_of),
-            {**roles, BLOCK: "weights"},
-            [(w[0], w[1], w[2] + 2) if len(w) == 3 and w[2] is not None else w for w in made])
+    return card_load._loaded([(BLOCK, block), (BLOCK, -1), *events[:n]], n, events, steps_of, roles, [BLOCK], made)
 
 
 card = cuda_model.card("RTX 4090 24GB")
