@@ -10,7 +10,7 @@ import torch
 from workbench.cli import main
 from workbench.core.config import ConfigError
 from workbench.core.fallback import Attempt, default_attempts, run_with_fallback, unavailable
-from workbench.core.memory.budget import device_budget
+from workbench.core.memory.budget import DeviceBudget, device_budget
 from workbench.core.memory.live_bytes import LiveBytes
 from workbench.front.gpu_check import NO_GPU_LINE
 from workbench.studies.split.config import SplitConfig
@@ -245,6 +245,35 @@ def _raising(error):
             raise error
         return 1.0
     return job
+
+
+def test_an_error_that_follows_an_out_of_memory_error_a_library_caught_falls_back_too(monkeypatch):
+    """transformers' loader catches a 4-bit weight's failed quantization (the device full) and ends the
+    load with a RuntimeError of its own that says nothing of memory: study 1's QLoRA row ended the
+    study there. An error with no out-of-memory error before it in the attempt still propagates."""
+    def job(attempt, budget, phase):
+        phase("load")
+        if attempt.budget_mib is not None:
+            try:
+                [torch.zeros(64 * 1024) for _ in range(8)]  # 2 MiB alive at once, past the 1 MiB budget
+            except torch.OutOfMemoryError:
+                pass  # as a library's error handling does
+            raise RuntimeError("We encountered some issues during automatic conversion of the weights.")
+        return 1.0
+
+    out = run_with_fallback((Attempt.parse("cpu@1"), Attempt.parse("cpu")), job)
+    assert out.status == "fallback" and str(out.attempt) == "cpu" and out.value == 1.0
+    assert out.history_text() == "cpu@1: oom in load -> cpu: ok"
+    assert out.history[0]["reason"] == ("ran out of memory, then RuntimeError: We encountered some issues during "
+                                        "automatic conversion of the weights.")
+    with pytest.raises(RuntimeError, match="automatic conversion"):  # no out-of-memory error first: a bug
+        run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")),
+                          _raising(RuntimeError("We encountered some issues during automatic conversion")))
+    # on a card the allocator's own count says so (torch.cuda.memory_stats' num_ooms)
+    ooms = iter([3, 3, 4])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_ooms": next(ooms)})
+    card = DeviceBudget(torch.device("cuda", 0), None, ooms_before=torch.cuda.memory_stats()["num_ooms"])
+    assert not card.ran_out() and card.ran_out()
 
 
 @pytest.mark.parametrize("message", [

@@ -248,6 +248,19 @@ def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
         assert abs(df.loc[s, "predicted_peak_mib"] / df.loc[s, "peak_mem_mib"] - 1) < 0.05
 
 
+def test_qlora_out_of_memory_while_quantizing_in_the_loader_falls_back(tiny_base, results_dir):
+    """transformers' loader quantizes each 4-bit weight as it loads it, catches an error there (the
+    device full) and ends the load with a RuntimeError that says nothing of memory: the study ended
+    on it instead of going on to the next device. A 0.05 MiB budget runs out inside the loader."""
+    cfg = StrategiesConfig(strategies=("qlora",), seeds=(0,), devices=("cpu@0.05", "cpu"), preflight=False, **TINY)
+    (row,) = run_strategies(cfg, progress=False).runs.to_dict("records")
+    assert row["status"] == "fallback" and row["device"] == "cpu", row
+    assert row["device_history"] == "cpu@0.05: oom in load -> cpu: ok"
+    reason = json.loads(row["history"])[0]["reason"]
+    assert reason.startswith("ran out of memory, then RuntimeError: We encountered some issues during automatic "
+                             "conversion of the weights"), reason
+
+
 def test_a_run_bigger_than_this_machine_is_an_oom_row_not_the_study_killed(tiny_base, results_dir, monkeypatch):
     """micro_batch 100,000 on the tiny base (about 146 GiB of logits and loss temporaries): the CPU attempt,
     without a budget, was run, and the kernel's OOM killer took the study with it."""

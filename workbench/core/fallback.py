@@ -7,8 +7,9 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
     default_attempts(budget_mib=48)                   # GPU then CPU on a GPU machine; else cpu@48 then cpu
 
 `run_with_fallback(attempts, job)` runs `job(attempt, budget)` on each attempt in turn. On
-running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own) at any point of
-the job (load, forward, backward, optimizer step, evaluation) it drops everything the attempt
+running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own; or any error that
+follows one the device's allocator or budget raised in the attempt, which a library caught) at any
+point of the job (load, forward, backward, optimizer step, evaluation) it drops everything the attempt
 held, records the device, the phase and the error, and goes on to the next attempt with a fresh
 start. Any other error propagates. A pre-flight
 check may skip an attempt whose predicted peak exceeds its budget (a CPU attempt without one: the
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from workbench.core.common import host_free_mib
+from workbench.core.common import host_free_mib, one_line
 from workbench.core.config import ConfigError
 from workbench.core.memory.budget import DeviceBudget, device_budget
 
@@ -319,6 +320,13 @@ def _run_one(attempt: Attempt, job: Job, phase: Phase):
     # A function of its own, so that when an OOM unwinds, the attempt's frames (and the model,
     # optimizer and activations they hold) die with the traceback.
     with device_budget(attempt.device, attempt.budget_mib, allocator=attempt.allocator) as budget:
-        value = job(attempt, budget, phase)
+        try:
+            value = job(attempt, budget, phase)
+        except Exception as e:
+            if out_of_memory(e) or not budget.ran_out():
+                raise
+            # a library caught the out-of-memory error and raised its own (transformers' loader, when a
+            # 4-bit weight's quantization fails): still this device running out, not a bug
+            raise torch.OutOfMemoryError(f"ran out of memory, then {one_line(e)}") from e
         peak = budget.peak_mib
     return value, peak

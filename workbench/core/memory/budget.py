@@ -100,6 +100,16 @@ class DeviceBudget:
     device: torch.device
     budget_mib: float | None
     live: LiveBytes | None = None
+    ooms_before: int = 0  # CUDA: the allocator's count of out-of-memory errors when the budget began
+
+    def ran_out(self) -> bool:
+        """Whether the device ran out of memory since the budget began: an out-of-memory error raised
+        by the card's allocator (its `num_ooms`) or by the played budget, even one a library caught
+        and replaced by an error of its own (transformers' loader logs a weight's failed quantization
+        and ends the load with a RuntimeError that says nothing of memory)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_stats(self.device).get("num_ooms", 0) > self.ooms_before
+        return bool(self.live is not None and self.live.ooms)
 
     @property
     def current_mib(self) -> float:
@@ -177,7 +187,8 @@ class device_budget:
             if cap is not None:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), self.device)
                 self._capped = True
-            self._state = DeviceBudget(self.device, self.budget_mib)
+            self._state = DeviceBudget(self.device, self.budget_mib,
+                                       ooms_before=torch.cuda.memory_stats(self.device).get("num_ooms", 0))
         else:
             budget = int(self.budget_mib * MiB) if self.budget_mib is not None else None
             if self.allocator == "cuda":

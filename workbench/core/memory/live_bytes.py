@@ -140,6 +140,7 @@ class LiveBytes(TorchDispatchMode):
         self._live: dict[int, tuple[int, weakref.ref]] = {}
         self._lock = BooksLock(self)
         self._deferred: list[tuple[int, weakref.ref]] = []  # deaths during a change, forgotten after it
+        self.ooms = 0  # out-of-memory errors raised (a library may catch one and raise its own error instead)
 
     # -- counting -------------------------------------------------------------------------
     def _forget(self, key: int, ref: weakref.ref) -> None:
@@ -180,17 +181,21 @@ class LiveBytes(TorchDispatchMode):
     def track(self, tensors: Iterable) -> None:
         """Count these tensors' storages (if not counted yet), then enforce the budget."""
         added = False
-        for t in tensors:
-            for st in _storages(t, self.device_type):
-                added |= self._add(st)
-        if added:
-            if self.on_change is not None:
-                self.on_change(self.current_bytes)
-            if self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
-                raise torch.OutOfMemoryError(
-                    f"workbench device budget exceeded on {self.device_type}: "
-                    f"{self.current_bytes / MiB:.1f} MiB live > budget {self.budget_bytes / MiB:.1f} MiB"
-                )
+        try:
+            for t in tensors:
+                for st in _storages(t, self.device_type):
+                    added |= self._add(st)  # PlayedCudaAllocator's raises past its budget
+            if added:
+                if self.on_change is not None:
+                    self.on_change(self.current_bytes)
+                if self.budget_bytes is not None and self.current_bytes > self.budget_bytes:
+                    raise torch.OutOfMemoryError(
+                        f"workbench device budget exceeded on {self.device_type}: "
+                        f"{self.current_bytes / MiB:.1f} MiB live > budget {self.budget_bytes / MiB:.1f} MiB"
+                    )
+        except torch.OutOfMemoryError:
+            self.ooms += 1
+            raise
 
     def track_module(self, module: torch.nn.Module) -> None:
         """Count a module's tensors made before the mode was entered: parameters, gradients, buffers and
