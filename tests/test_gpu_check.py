@@ -612,8 +612,9 @@ def test_a_check_that_brings_its_own_report_section_has_it_in_the_report(tmp_pat
 # ------------------------------------------------------------------------------------------------
 # the notebooks check (workbench/front/gpu_programs.py), with a stand-in for papermill
 
-def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
-    """Executes nothing: writes the executed notebook and appends the runs.csv rows a study would."""
+def _stand_in(recorded: dict[str, dict[str, str]], calls: list, fail: str = ""):
+    """Executes nothing: writes the executed notebook and appends the runs.csv rows a study would
+    (`recorded`: the columns of each study's measured row)."""
     import pandas as pd
 
     def execute(path, params, out, timeout_s=None, deadline=None):
@@ -627,7 +628,7 @@ def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
         runs_csv = results_root() / study / "runs.csv"
         runs_csv.parent.mkdir(parents=True, exist_ok=True)
         old = pd.read_csv(runs_csv) if runs_csv.exists() else pd.DataFrame()
-        row = {"study": study, "source": "measured", **({"hardware": recorded[study]} if study in recorded else {})}
+        row = {"study": study, "source": "measured", **recorded.get(study, {})}
         # study 3 also writes modelled rows for other machines: they trained nowhere here
         other = {"study": study, "source": "modelled", "hardware": "H100-PCIe + cuda (modelled)"}
         pd.concat([old, pd.DataFrame([row, other])]).to_csv(runs_csv, index=False)
@@ -636,16 +637,20 @@ def _stand_in(recorded: dict[str, str], calls: list, fail: str = ""):
 
 def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_reads_where_they_trained(tmp_path):
     calls = []
-    recorded = {"strategies": "cuda@13 oom -> cpu ok", "split": "this machine (cuda)"}
+    recorded = {"strategies": {"device": "cuda", "device_history": "cuda: ok"},
+                "split": {"hardware": "this machine (cuda)"}}
     r = gn.check_notebooks(gc.Options(out=tmp_path), execute=_stand_in(recorded, calls))
     assert [c["notebook"] for c in calls] == list(STUDIES)
     for c in calls:  # the quick parameters, the executed notebook and the runs under the check's folder
-        assert c["params"] == STUDIES[c["notebook"]].quick
+        # study 1's without its budget: 13 MiB is less than a card's first matmul takes (a cuBLAS workspace)
+        changed = {"budget_mib": 0.0} if c["notebook"] == "01_strategies" else {}
+        assert c["params"] == {**STUDIES[c["notebook"]].quick, **changed}
         assert c["out"] == tmp_path / "notebooks" / f"{c['notebook']}.ipynb" and c["out"].exists()
         assert c["root"] == tmp_path / "runs"
     assert r["status"] == "pass", r["failures"]
     rows = {row["study"]: row for row in r["rows"]}
-    assert rows["strategies"]["used_gpu"] and rows["split"]["devices"] == ["this machine (cuda)"]
+    assert rows["strategies"]["used_gpu"] and rows["strategies"]["devices"] == ["cuda"]
+    assert rows["split"]["devices"] == ["this machine (cuda)"]
     assert not rows["ladder"]["used_gpu"] and rows["ladder"]["passed"]  # the CPU plays the card by design
     assert "| 03_split | ok |" in r["report"]
 
@@ -663,7 +668,8 @@ def test_notebooks_check_keeps_to_the_time_budget(tmp_path, monkeypatch):
 
     calls = []
     opts = types.SimpleNamespace(out=tmp_path, out_of_time=lambda: len(calls) >= 2, deadline_at=1234.5)
-    r = gn.check_notebooks(opts, execute=_stand_in({"strategies": "cuda", "split": "cuda"}, calls))
+    r = gn.check_notebooks(opts, execute=_stand_in({"strategies": {"device": "cuda"}, "split": {"hardware": "cuda"}},
+                                                   calls))
     assert [(c["timeout_s"], c["deadline"]) for c in calls] == [(gn.NOTEBOOK_TIMEOUT_S, 1234.5)] * 2
     assert [row["status"] for row in r["rows"]] == ["ok", "ok", "not run"] and r["status"] == "fail"
     assert r["failures"] == ["03_split: the time budget (--time-budget) was spent before it began"]
@@ -685,11 +691,15 @@ def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_n
     (tmp_path / "runs" / "split").mkdir(parents=True)
     (tmp_path / "runs" / "split" / "runs.csv").write_text("study,source,hardware\nsplit,measured,this machine (cuda)\n")
     calls = []
-    r = gn.check_notebooks(gc.Options(out=tmp_path),
-                           execute=_stand_in({"strategies": "cuda", "split": "this machine (cpu)"}, calls, fail="ladder"))
+    # study 1's attempts on the card were all skipped (as its quick 13 MiB budget did on the H200, 2026-11-26):
+    # an attempt named in the history is not a run trained there
+    recorded = {"strategies": {"device": "cpu", "device_history": "cuda@13: skipped in preflight -> cpu: ok"},
+                "split": {"hardware": "this machine (cpu)"}}
+    r = gn.check_notebooks(gc.Options(out=tmp_path), execute=_stand_in(recorded, calls, fail="ladder"))
     assert len(calls) == 3  # the failing notebook did not stop the next one
     assert r["status"] == "fail"
-    assert r["failures"] == ["02_ladder: RuntimeError: PapermillExecutionError: cell 4 raised",
+    assert r["failures"] == ["01_strategies: its runs did not train on the GPU (they recorded: cpu)",
+                             "02_ladder: RuntimeError: PapermillExecutionError: cell 4 raised",
                              "03_split: its runs did not train on the GPU (they recorded: this machine (cpu))"]
 
 
