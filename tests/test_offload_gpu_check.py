@@ -92,10 +92,20 @@ def test_verdict_passes_and_compares_with_baselines():
     v = sg.split_verdict(parity, _good_runs(), base, LIMIT)
     assert v["status"] == "pass", v["failures"]
     zero, ao = v["comparisons"]
+    # like for like: the baselines update every fp32 weight on the host, as the engine does at k=0
+    assert zero["same_offload_run"] == "k=0" and zero["same_offload_speedup"] == pytest.approx(200.0 / 100.0)
     assert zero["best_engine_run"] == "k=1" and zero["speedup"] == pytest.approx(200.0 / 90.0)
     assert ao["speedup"] is None and ao["status"] == sg.NOT_INSTALLED  # recorded, not a failure
     md = sg.split_markdown({**v, "model": "m", "pinned_bytes": 1})
-    assert "k=1 vs ZeRO: 2.22x" in md and "torchao: not installed" in md and "| k=0.5 | ok |" in md
+    assert ("vs ZeRO (tokens/s, fp32): k=0 (every update on the host, as the baseline) 2.00x; the fastest, k=1 "
+            "(k 1 of the weights updated on the card), 2.22x") in md
+    assert "torchao: not installed" in md and "| k=0.5 | ok |" in md
+    # a faster run in another precision is not set against the fp32 baselines (bf16 halves what moves)
+    half = sg.run_row("bf16 k=0", [_row(i, k=0.0, ms=20.0) for i in range(4)],
+                      [e for i in range(4) for e in _events(i)], warmup=1, k_target=0.0, precision="bf16")
+    (zero, _) = sg.split_verdict(parity, _good_runs() + [half], base, LIMIT)["comparisons"]
+    assert zero["best_engine_run"] == "k=1" and zero["same_offload_run"] == "k=0"
+    assert zero["same_offload_speedup"] == pytest.approx(2.0)
 
 
 def test_settled_times_the_iterations_after_the_last_move_of_k():
