@@ -692,15 +692,26 @@ def test_an_interrupted_engine_run_leaves_no_engine_alive(tmp_path, monkeypatch,
     with pytest.raises(KeyboardInterrupt) as kept:  # held, as IPython holds sys.last_traceback
         run_split_study(SplitConfig.from_dict({**TINY, "k_sweep": [0.5], "adaptive": False}))
     gc.collect()
-    if (alive := engines[0]()) is not None:
-        # abort() does not wait for the host workers: one still finishing the step before holds the engine
-        # until it ends (on a loaded machine, after this line: CI failed here once, 2026-11-26)
-        workers = [*alive.pool._threads, *alive.copy_pool._threads]
-        del alive
-        for t in workers:
-            t.join(timeout=60)
-        gc.collect()
+    # abort() waits for the host updates already running: one still finishing the step before had held
+    # the engine past this line on a loaded machine (CI failed here once, 2026-11-26)
     assert kept.value.__traceback__ is not None and engines and engines[0]() is None
+    # a host update running when the run stops is waited for (on a card its copy onto the weights would
+    # otherwise land after the run, in memory the allocator may have handed on), and the workers are gone
+    import threading
+    import time
+
+    eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0)
+    began, ended = threading.Event(), threading.Event()
+
+    def update():
+        began.set()
+        time.sleep(0.5)
+        ended.set()
+
+    next(iter(eng.slots.values())).future = eng.pool.submit(update)
+    began.wait(10)
+    eng.abort()
+    assert ended.is_set() and not any(t.is_alive() for t in [*eng.pool._threads, *eng.copy_pool._threads])
     # a verdict the engine's step had not given yet (fp16, clipping) is given as skip: no worker waits on it
     eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0, max_grad_norm=1.0)
     eng._cur = engine_module._Iter(0, 0.0, 0.0, 1)

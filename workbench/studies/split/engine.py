@@ -73,7 +73,7 @@ import collections
 import contextlib
 import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -97,6 +97,8 @@ BACKWARD_OBS, K_SPREAD, K_PROBE = 8, 0.2, 0.25
 # would otherwise stand for the rest of the run
 REFIT_AFTER = 4 * BACKWARD_OBS
 HOST, ACCEL = "host", "accelerator"
+# abort(): how long the host updates already running may take to end (one layer's Adam and its copy back)
+ABORT_WAIT_S = 60.0
 
 
 def first_decision(k_every: int) -> int:
@@ -608,12 +610,15 @@ class SplitEngine:
         self.copy_pool.shutdown(wait=True)
 
     def abort(self) -> None:
-        """After an error (out of memory on a card): the hooks removed and the host workers told to
-        stop, without waiting for the step. The hooks on the parameters hold the engine, and through
-        it the model, in a cycle through autograd that the garbage collector cannot see: without
-        this, a failed run's weights, masters and state stay in memory for good. A verdict not given
-        yet (an interrupt after backward, before it) is given as skip: a worker waiting on it would
-        keep the process from exiting (the pool's threads are joined at exit)."""
+        """After an error (out of memory on a card) or ^C: the hooks removed, the host work not begun
+        cancelled, and the host updates already running waited for (at most ABORT_WAIT_S), then the
+        card's queue drained. The hooks on the parameters hold the engine, and through it the model,
+        in a cycle through autograd that the garbage collector cannot see: without this, a failed
+        run's weights, masters and state stay in memory for good. A running update goes on to copy
+        its weights onto the card: not waited for, the engine stayed alive until it ended (a notebook
+        reading its memory after ^C saw it), and on a card that copy could land in memory the
+        allocator had handed to the next run. A verdict not given yet (an interrupt after backward,
+        before it) is given as skip: a worker waiting on it would never end."""
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -621,8 +626,17 @@ class SplitEngine:
         gate = cur.gate if cur is not None else None
         if gate is not None and not gate.decided.is_set():
             gate.decide(skip=True, coef=None)
+        running = [s.future for s in getattr(self, "slots", {}).values() if s.future is not None]
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.copy_pool.shutdown(wait=False, cancel_futures=True)
+        if wait(running, timeout=ABORT_WAIT_S).not_done:
+            warnings.warn(f"the split engine's host updates had not ended {ABORT_WAIT_S:g} s after the run stopped: "
+                          "the engine and its model stay in memory until they do", stacklevel=2)
+            return
+        self.pool.shutdown(wait=True)  # every job ended or cancelled: the threads only exit
+        self.copy_pool.shutdown(wait=True)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ measurements
     def _finalize(self, it: _Iter | None, end=None) -> None:
