@@ -23,7 +23,7 @@ from workbench.core.config import ConfigError
 from workbench.core.models import load_config
 from workbench.core.results import StudyResult
 from workbench.studies.split import _cuda, engine as engine_mod, perf_model as pm
-from workbench.studies.split._cuda import Ring
+from workbench.studies.split._cuda import Copier, Ring
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.config import SplitConfig
@@ -1199,6 +1199,25 @@ def test_ring_hands_each_chunk_to_one_thread_at_a_time():
     for t in threads:
         t.join()
     assert len(clash) == 900 and not any(clash)
+
+
+def test_a_copy_that_raises_gives_its_chunk_back_to_the_ring():
+    """A chunk held by a copy that raised was never given back: after n_chunks such errors the next
+    acquire() waited for good (a worker blocked there keeps the process from exiting)."""
+    copier = Copier(torch.device("cpu"), 2, 64, torch.float32, pinned=False)
+    for _ in range(2):  # as many errors as the ring has chunks (each raised at its last chunk)
+        with pytest.raises(RuntimeError):
+            copier.to_host(torch.ones(40), None, torch.zeros(39))  # the destination one element short
+        with pytest.raises(RuntimeError):
+            copier.to_device(torch.ones(40), torch.zeros(39))
+    for ring in (copier.grads, copier.weights):
+        got = [ring._free.acquire(timeout=1) for _ in range(ring.n_chunks)]
+        assert all(got), "a chunk was lost to the ring"
+        for i in range(ring.n_chunks):
+            ring.release(i)
+    out = torch.zeros(40)
+    copier.to_host(torch.arange(40.0), None, out)
+    assert torch.equal(out, torch.arange(40.0))
 
 
 # ---------------------------------------------------------------- fp16 overflow without serialising (item 4)

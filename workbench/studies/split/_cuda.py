@@ -128,9 +128,11 @@ class Copier:
             src = grad.detach().reshape(-1)
             for a, b in ring.spans(src.numel()):
                 i = ring.acquire()
-                ring.chunks[i][: b - a].copy_(src[a:b])
-                out[a:b].copy_(ring.chunks[i][: b - a])
-                ring.release(i)
+                try:  # a chunk held by a copy that raised would be lost to the ring: its next acquire() waits for good
+                    ring.chunks[i][: b - a].copy_(src[a:b])
+                    out[a:b].copy_(ring.chunks[i][: b - a])
+                finally:
+                    ring.release(i)
             return None
         inflight = []
         with torch.cuda.stream(self.d2h):
@@ -142,7 +144,11 @@ class Copier:
                 if len(inflight) == ring.n_chunks:
                     self._drain(inflight.pop(0), out)
                 i = ring.acquire()
-                ring.chunks[i][: b - a].copy_(src[a:b], non_blocking=True)
+                try:
+                    ring.chunks[i][: b - a].copy_(src[a:b], non_blocking=True)
+                except BaseException:
+                    ring.release(i)  # nothing in flight on it
+                    raise
                 ev = torch.cuda.Event()
                 ev.record(self.d2h)
                 inflight.append((i, a, b, ev))
@@ -165,9 +171,14 @@ class Copier:
         for a, b in ring.spans(flat.numel()):
             i = ring.acquire()
             chunk = ring.chunks[i][: b - a]
-            chunk.copy_(flat[a:b])
+            try:
+                chunk.copy_(flat[a:b])
+                if not self.cuda:
+                    out[a:b].copy_(chunk)
+            except BaseException:
+                ring.release(i)  # nothing in flight on it: not lost to the ring
+                raise
             if not self.cuda:
-                out[a:b].copy_(chunk)
                 ring.release(i)
                 continue
             with torch.cuda.stream(self.h2d):
