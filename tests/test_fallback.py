@@ -166,6 +166,12 @@ def test_a_card_this_torch_has_no_kernels_for_is_unavailable_and_says_which_buil
     card.update(cc=(7, 5), name="Tesla T4")  # a card the build has kernels for
     assert unavailable("cuda") is None and default_attempts(None)[0] == Attempt("cuda")
     assert SplitConfig(device="auto").resolved_device() == "cuda"
+    # two cards, the second current (torch.cuda.set_device(1)): plain "cuda" is that one, as the runs use it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (6, 1) if index == 1 else (7, 5))
+    assert "has no kernels for" in unavailable("cuda") and "has no kernels for" in unavailable("cuda:1")
+    assert unavailable("cuda:0") is None
 
 
 def test_a_cuda_budget_says_when_the_process_already_holds_a_model_on_the_card(monkeypatch):

@@ -183,7 +183,7 @@ def unavailable(device: str) -> str | None:
         return f"no CUDA device on this machine (torch {torch.__version__}: {why})"
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         return f"{device} does not exist: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 first"
-    return no_kernels(dev.index or 0)
+    return no_kernels(torch.cuda.current_device() if dev.index is None else dev.index)  # 'cuda': the current card
 
 
 def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
