@@ -132,6 +132,7 @@ def test_which_devices_are_unavailable_and_the_split_study_says_so_in_one_line(m
     assert unavailable("cpu") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert unavailable("cuda") is None and unavailable("cuda:0") is None
     assert unavailable("cuda:3") == "cuda:3 does not exist: this machine has 1 GPU(s), cuda:0 first"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
