@@ -83,9 +83,13 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
     (tmp_path / "rec" / "summary.json").write_text(json.dumps(
         {"environment": {"gpu": "NVIDIA H200", "gpu_total_mib": 143156.0},
          "results": {"ladder": {"sm": 90, "rows": rows, "options": {"model": str(config), "batch": 1, "seq": 32, "steps": 4}}}}))
-    asked = []
-    monkeypatch.setattr(card_records, "predict", lambda *a, **k: asked.append(
-        (a[1], k["instrumented"], k["replay_steps"], k["load"])) or predict(*a, **k))
+    asked, made = [], {}
+
+    def recorded(*a, **k):  # each rung predicted once: the second re-prediction below checks only what is asked
+        asked.append((a[1], k["instrumented"], k["replay_steps"], k["load"]))
+        return made[a[1]] if a[1] in made else made.setdefault(a[1], predict(*a, **k))
+
+    monkeypatch.setattr(card_records, "predict", recorded)
     out = json.loads(repredict_card_record(tmp_path / "rec", log=lambda *_: None).read_text())
     # a rung on the card measured under the count is predicted as the instrumented step; the rest plain;
     # the allocator replays as many steps as the card ran; a record whose rows say nothing of the load
