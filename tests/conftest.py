@@ -73,6 +73,12 @@ class OomDeepSpeedEngine:
 
     device, destroyed = torch.device("cpu"), 0
 
+    def __init__(self, model=None):
+        if model is not None:  # as ZeRO-3's engine does (DeepSpeedZeRoOffload's setup); destroy() leaves it there
+            from deepspeed.runtime.zero import parameter_offload
+
+            parameter_offload.FWD_MODULE_STACK.append(model)
+
     def __call__(self, **kw):
         from transformers.modeling_outputs import CausalLMOutput
 

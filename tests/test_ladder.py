@@ -128,9 +128,16 @@ def test_an_offloaded_setup_trains_what_its_plan_trains(monkeypatch):
 
     from conftest import OomDeepSpeedEngine
 
-    handed = []
-    monkeypatch.setattr(deepspeed, "initialize",
-                        lambda **kw: handed.append(kw) or (OomDeepSpeedEngine(), None, None, None))
+    from deepspeed.runtime.zero import parameter_offload
+
+    handed, modes = [], []
+
+    def initialize(**kw):  # what DeepSpeed is handed, and whether the model trains as the prediction simulates
+        handed.append(kw)
+        modes.append((all(m.training for m in kw["model"].modules()), kw["model"].is_gradient_checkpointing))
+        return OomDeepSpeedEngine(kw["model"]), None, None, None
+
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
     for name, value in single_process_env().items():
         monkeypatch.setenv(name, value)
     for name in ("empty_cache", "reset_peak_memory_stats"):
@@ -143,6 +150,11 @@ def test_an_offloaded_setup_trains_what_its_plan_trains(monkeypatch):
     trained = handed[0]["model_parameters"]
     names = {n for n, p in handed[0]["model"].named_parameters() if p.requires_grad}
     assert names and all("lora_" in n for n in names) and len(trained) == len(names)
+    # from_pretrained's model is in eval mode, and DeepSpeed's engine never sets it: the ZeRO rungs had run without
+    # checkpointing (transformers checkpoints in training mode only) and without dropout
+    assert not load_model("embedded", spec=TINY_SPEC)[0].training and modes == [(True, True)]
+    # ZeRO-3's engine leaves the model on DeepSpeed's module stack, which destroy() does not clear: taken off
+    assert not any(m is handed[0]["model"] for m in parameter_offload.FWD_MODULE_STACK)
     qlora = RUNGS["zero_offload"].compose("zero qlora", "", trainable="qlora")
     row = measure(qlora, lambda: load_model("embedded", spec=TINY_SPEC)[0], blocks, batch=1, steps=1, device="cuda")
     assert row["status"] == "not measured" and "QLoRA is not measured with zero_offload" in row["reason"]

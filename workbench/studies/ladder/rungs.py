@@ -224,6 +224,10 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
                           "measure it on the card (placement device)")
     settings = plan.settings(batch, steps, lr=lr)
     model = apply_trainable(load(), plan)  # what trains, as the prediction simulates it (LoRA, frozen layers)
+    # in training mode, as the training loop sets it: from_pretrained gives an eval-mode model, and DeepSpeed's
+    # engine never sets the mode, so its rungs ran without checkpointing (transformers checkpoints a layer in
+    # training mode only) and without dropout, where the prediction simulates both
+    model.train()
     gc.collect()  # an earlier run's garbage in reference cycles would count in this peak
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -251,6 +255,9 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
         # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the rest of the process
         # (memory_efficient_linear); it is put back below, so that later rungs run torch's own
         linear = torch.nn.functional.linear
+        from deepspeed.runtime.zero import parameter_offload
+
+        stacked = len(parameter_offload.FWD_MODULE_STACK)  # ZeRO-3 puts the model on this module-level list
         engine = None
         try:
             clear_stale_build_lock("cpu_adam")  # the offloaded optimizer is DeepSpeed's CPU Adam, built on first use
@@ -283,10 +290,13 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
             snapshot = torch.cuda.memory_snapshot()
             by_stream = reserved_by_stream(snapshot, _deepspeed_streams(engine))
         finally:  # also after an error (out of memory): its gradient hooks would hold the model for good
+            torch.nn.functional.linear = linear
+            # ZeRO-3's engine put the model on DeepSpeed's FWD_MODULE_STACK (and a forward that ran out of memory
+            # left its modules there); destroy() takes neither off: its gathered and persistent weights stayed
+            del parameter_offload.FWD_MODULE_STACK[stacked:]
             if engine is not None and hasattr(engine, "destroy"):
                 engine.destroy()
             engine = None
-            torch.nn.functional.linear = linear
     timed = [r for r in rows if r["step"] > 1] or rows
     step_ms = sorted(r["step_ms"] for r in timed)[len(timed) // 2]
     out = {"status": "ok", "reason": "", "measured_by": "cuda allocator",
