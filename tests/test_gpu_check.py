@@ -47,7 +47,11 @@ def test_every_gpu_rung_is_checked():
     names = gc.gpu_rungs(RUNGS)
     assert {"fp32", "bf16", "fp16", "bf16_ckpt", "lora", "qlora", "adamw8bit", "paged_adamw8bit", "device_map",
             "zero_offload", "zero_offload_params"} <= set(names)
-    assert "cpu" not in names and list(names) == [n for n in RUNGS if n in names]
+    # in ladder order, the paged optimizer's last: its managed memory is never freed (bitsandbytes), and it had
+    # added about 1 GiB to NVML's figures of every later rung on the H200 (2026-11-26)
+    paged = [n for n in names if RUNGS[n].optimizer == "paged_adamw8bit"]
+    assert "cpu" not in names and names[0] == "fp32" and paged and list(names[-len(paged):]) == paged
+    assert list(names) == [n for n in RUNGS if n in names and n not in paged] + paged
 
 
 def _measured(alloc_mib, reserved_mib, status="ok", **kw):

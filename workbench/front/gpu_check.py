@@ -50,7 +50,8 @@ from workbench.core.models import load_config
 from workbench.core.results import environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
-from workbench.front.gpu_report import TIME_SPENT, ladder_verdict, rung_row, study1_verdict, summarize, write_results
+from workbench.front.gpu_report import (TIME_SPENT, gpu_rungs, ladder_verdict, rung_row, study1_verdict, summarize,
+                                         write_results)
 from workbench.studies.ladder import gpu_cap
 from workbench.studies.ladder.autofit import prediction_margin
 from workbench.studies.ladder.config import LadderConfig
@@ -85,14 +86,6 @@ class Options:
 
 
 NOT_RUN = {"status": "not run", "reason": TIME_SPENT}
-
-
-# ------------------------------------------------------------------------------------------------
-# which rungs (the rows, verdicts, summary and report: gpu_report.py, tested on the CPU)
-
-def gpu_rungs(rungs: dict) -> tuple[str, ...]:
-    """Every rung that places something on the GPU (all but CPU-only), in ladder order."""
-    return tuple(n for n, p in rungs.items() if p.placement != "cpu")
 
 
 def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:

@@ -31,6 +31,14 @@ def error_pct(predicted: float | None, measured: float | None) -> float | None:
     return 100.0 * (predicted - measured) / measured
 
 
+def gpu_rungs(rungs: dict) -> tuple[str, ...]:
+    """Every rung that places something on the GPU (all but CPU-only), in ladder order, the paged optimizer's
+    last: bitsandbytes never frees its managed memory (`get_paged`), which on the H200 (2026-11-26) stayed in
+    every later rung's NVML figures and free memory (outside the allocator: 1,384 MiB, then 2,408)."""
+    names = [n for n, p in rungs.items() if p.placement != "cpu"]
+    return tuple(sorted(names, key=lambda n: rungs[n].optimizer == "paged_adamw8bit"))  # stable: the rest in order
+
+
 def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nvml: dict[str, float],
              thresholds: dict[str, float] = THRESHOLDS) -> dict[str, Any]:
     """One rung: prediction beside what the card measured, errors in percent, pass/fail.
