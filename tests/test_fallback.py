@@ -257,16 +257,23 @@ def _raising(error):
 def test_an_error_that_follows_an_out_of_memory_error_a_library_caught_falls_back_too(monkeypatch):
     """transformers' loader catches a 4-bit weight's failed quantization (the device full) and ends the
     load with a RuntimeError of its own that says nothing of memory: study 1's QLoRA row ended the
-    study there. An error with no out-of-memory error before it in the attempt still propagates."""
-    def job(attempt, budget, phase):
-        phase("load")
-        if attempt.budget_mib is not None:
-            try:
-                [torch.zeros(64 * 1024) for _ in range(8)]  # 2 MiB alive at once, past the 1 MiB budget
-            except torch.OutOfMemoryError:
-                pass  # as a library's error handling does
-            raise RuntimeError("We encountered some issues during automatic conversion of the weights.")
-        return 1.0
+    study there. A RuntimeError with no out-of-memory error before it in its phase, or another error,
+    still propagates: a bug after an out-of-memory error a library recovered from is still a bug."""
+    def caught_then(error, later_phase=None):
+        def job(attempt, budget, phase):
+            phase("load")
+            if attempt.budget_mib is not None:
+                try:
+                    [torch.zeros(64 * 1024) for _ in range(8)]  # 2 MiB alive at once, past the 1 MiB budget
+                except torch.OutOfMemoryError:
+                    pass  # as a library's error handling does
+                if later_phase:
+                    phase(later_phase)
+                raise error
+            return 1.0
+        return job
+
+    job = caught_then(RuntimeError("We encountered some issues during automatic conversion of the weights."))
 
     out = run_with_fallback((Attempt.parse("cpu@1"), Attempt.parse("cpu")), job)
     assert out.status == "fallback" and str(out.attempt) == "cpu" and out.value == 1.0
@@ -276,11 +283,14 @@ def test_an_error_that_follows_an_out_of_memory_error_a_library_caught_falls_bac
     with pytest.raises(RuntimeError, match="automatic conversion"):  # no out-of-memory error first: a bug
         run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")),
                           _raising(RuntimeError("We encountered some issues during automatic conversion")))
+    for bug, later in ((RuntimeError("shape '[2, 3]' is invalid"), "train"), (KeyError("a bug"), None)):
+        with pytest.raises(type(bug)):
+            run_with_fallback((Attempt.parse("cpu@1"), Attempt.parse("cpu")), caught_then(bug, later))
     # on a card the allocator's own count says so (torch.cuda.memory_stats' num_ooms)
     ooms = iter([3, 3, 4])
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_ooms": next(ooms)})
     card = DeviceBudget(torch.device("cuda", 0), None, ooms_before=torch.cuda.memory_stats()["num_ooms"])
-    assert not card.ran_out() and card.ran_out()
+    assert card.ooms() == 0 and card.ooms() == 1
 
 
 @pytest.mark.parametrize("message", [

@@ -700,6 +700,8 @@ def test_an_interrupted_engine_run_leaves_no_engine_alive(tmp_path, monkeypatch,
     import threading
     import time
 
+    import warnings
+
     eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0)
     began, ended = threading.Event(), threading.Event()
 
@@ -708,10 +710,16 @@ def test_an_interrupted_engine_run_leaves_no_engine_alive(tmp_path, monkeypatch,
         time.sleep(0.5)
         ended.set()
 
-    next(iter(eng.slots.values())).future = eng.pool.submit(update)
+    running, queued = eng.slots.values()  # weight and bias; one host worker: the second job waits its turn
+    running.future = eng.pool.submit(update)
+    queued.future = eng.pool.submit(update)
     began.wait(10)
-    eng.abort()
-    assert ended.is_set() and not any(t.is_alive() for t in [*eng.pool._threads, *eng.copy_pool._threads])
+    monkeypatch.setattr(engine_module, "ABORT_WAIT_S", 5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cancelled job waited for would take the whole limit, then warn
+        eng.abort()
+    assert ended.is_set() and queued.future.cancelled()
+    assert not any(t.is_alive() for t in [*eng.pool._threads, *eng.copy_pool._threads])
     # a verdict the engine's step had not given yet (fp16, clipping) is given as skip: no worker waits on it
     eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0, max_grad_norm=1.0)
     eng._cur = engine_module._Iter(0, 0.0, 0.0, 1)

@@ -7,9 +7,9 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
     default_attempts(budget_mib=48)                   # GPU then CPU on a GPU machine; else cpu@48 then cpu
 
 `run_with_fallback(attempts, job)` runs `job(attempt, budget)` on each attempt in turn. On
-running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own; or any error that
-follows one the device's allocator or budget raised in the attempt, which a library caught) at any
-point of the job (load, forward, backward, optimizer step, evaluation) it drops everything the attempt
+running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own; or a RuntimeError
+that follows, in the same phase, one the device's allocator or budget raised and a library caught) at
+any point of the job (load, forward, backward, optimizer step, evaluation) it drops everything the attempt
 held, records the device, the phase and the error, and goes on to the next attempt with a fresh
 start. Any other error propagates. A pre-flight
 check may skip an attempt whose predicted peak exceeds its budget (a CPU attempt without one: the
@@ -213,13 +213,19 @@ class Outcome:
 
 
 class Phase:
-    """Where in the job we are, so an OOM can say where it happened."""
+    """Where in the job we are, so an OOM can say where it happened; `ran_out()`: whether the device
+    raised an out-of-memory error since this phase began (`count`: the budget's, set once it exists)."""
 
     def __init__(self):
         self.name = "start"
+        self.count: Callable[[], int] = lambda: 0
+        self._at = 0
 
     def __call__(self, name: str) -> None:
-        self.name = name
+        self.name, self._at = name, self.count()
+
+    def ran_out(self) -> bool:
+        return self.count() > self._at
 
 
 Job = Callable[[Attempt, DeviceBudget, Phase], Any]
@@ -320,11 +326,12 @@ def _run_one(attempt: Attempt, job: Job, phase: Phase):
     # A function of its own, so that when an OOM unwinds, the attempt's frames (and the model,
     # optimizer and activations they hold) die with the traceback.
     with device_budget(attempt.device, attempt.budget_mib, allocator=attempt.allocator) as budget:
+        phase.count = budget.ooms
         try:
             value = job(attempt, budget, phase)
         except Exception as e:
-            if out_of_memory(e) or not budget.ran_out():
-                raise
+            if out_of_memory(e) or type(e) is not RuntimeError or not phase.ran_out():
+                raise  # (a bug after an out-of-memory error a library recovered from is still a bug)
             # a library caught the out-of-memory error and raised its own (transformers' loader, when a
             # 4-bit weight's quantization fails): still this device running out, not a bug
             raise torch.OutOfMemoryError(f"ran out of memory, then {one_line(e)}") from e

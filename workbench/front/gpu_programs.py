@@ -8,8 +8,9 @@ as `workbench reproduce --quick`) with its quick parameters, in a fresh kernel o
 executed notebooks go to <out>/notebooks/, their study runs to <out>/runs/ (never the user's
 results/). Where each study's runs trained is read back from the rows the notebook added to its
 runs.csv, so "ran on the GPU" is what the runs recorded, not what was asked:
-- study 1 (strategies): its default attempts on a CUDA machine are the card under the quick budget,
-  then the CPU; its rows must name a CUDA attempt;
+- study 1 (strategies): its default attempts on a CUDA machine are the card, then the CPU (run
+  without the quick budget: ON_A_CARD); a run counts where it finished (its `device`), not where it
+  was attempted, and some must have finished on the card;
 - study 2 (ladder): the CPU plays the card by design (its budget counts live bytes); the ladder
   check measures the card itself. Its notebook must run; its runs are not expected on the GPU;
 - study 3 (split): `device: auto` is the card; its rows must say they ran on CUDA.
@@ -46,10 +47,10 @@ EXPECTS_GPU = {"strategies": True, "ladder": False, "split": True}
 # `hardware`
 DEVICE_COLUMNS = ("device", "hardware")
 # the quick parameters the check changes (it runs only on a card). Study 1's quick budget (13 MiB, sized
-# for the CPU playing a card) is below what a card's first matmul takes (a cuBLAS workspace, 8-32 MiB
-# from the caching allocator): every card attempt was skipped in pre-flight and the runs trained on the
-# CPU (the H200 record of 2026-11-26, passed by reading the attempts). Without a budget they train on
-# the card; running out of memory there for real is the strategies check's.
+# for the CPU playing a card) is below what a card's first matmul reserves (a cuBLAS workspace from the
+# caching allocator: 8 MiB, in a 20 MiB segment, or 32 MiB from sm_90): every card attempt was skipped in
+# pre-flight and the runs trained on the CPU (the H200 record of 2026-11-26, passed by reading the
+# attempts). Without a budget they train on the card; running out of memory there is the strategies check's.
 ON_A_CARD = {"strategies": {"budget_mib": 0.0}}
 NOTEBOOK_TIMEOUT_S = 300
 # benchmarks/monitor_overhead.py's target: the monitor may cost a run at most 1% of its time

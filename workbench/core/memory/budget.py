@@ -102,14 +102,14 @@ class DeviceBudget:
     live: LiveBytes | None = None
     ooms_before: int = 0  # CUDA: the allocator's count of out-of-memory errors when the budget began
 
-    def ran_out(self) -> bool:
-        """Whether the device ran out of memory since the budget began: an out-of-memory error raised
-        by the card's allocator (its `num_ooms`) or by the played budget, even one a library caught
-        and replaced by an error of its own (transformers' loader logs a weight's failed quantization
-        and ends the load with a RuntimeError that says nothing of memory)."""
+    def ooms(self) -> int:
+        """How many out-of-memory errors the device raised since the budget began: the card's allocator
+        (its `num_ooms`) or the played budget, counting those a library caught and replaced by an error of
+        its own (transformers' loader logs a weight's failed quantization and ends the load with a
+        RuntimeError that says nothing of memory)."""
         if self.device.type == "cuda":
-            return torch.cuda.memory_stats(self.device).get("num_ooms", 0) > self.ooms_before
-        return bool(self.live is not None and self.live.ooms)
+            return torch.cuda.memory_stats(self.device).get("num_ooms", 0) - self.ooms_before
+        return self.live.ooms if self.live is not None else 0
 
     @property
     def current_mib(self) -> float:

@@ -135,32 +135,39 @@ class Copier:
                     ring.release(i)
             return None
         inflight = []
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(ready)  # the gradient was produced on the compute stream
-            started = torch.cuda.Event(enable_timing=True)  # completes once `ready` has
-            started.record(self.d2h)
-            src = grad.detach().reshape(-1)  # (a copy, if any, runs on this stream: after `ready`)
-            for a, b in ring.spans(src.numel()):
-                if len(inflight) == ring.n_chunks:
-                    self._drain(inflight.pop(0), out)
-                i = ring.acquire()
-                try:
-                    ring.chunks[i][: b - a].copy_(src[a:b], non_blocking=True)
-                except BaseException:
-                    ring.release(i)  # nothing in flight on it
-                    raise
-                ev = torch.cuda.Event()
-                ev.record(self.d2h)
-                inflight.append((i, a, b, ev))
-        while inflight:
-            self._drain(inflight.pop(0), out)
+        try:
+            with torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(ready)  # the gradient was produced on the compute stream
+                started = torch.cuda.Event(enable_timing=True)  # completes once `ready` has
+                started.record(self.d2h)
+                src = grad.detach().reshape(-1)  # (a copy, if any, runs on this stream: after `ready`)
+                for a, b in ring.spans(src.numel()):
+                    if len(inflight) == ring.n_chunks:
+                        self._drain(inflight.pop(0), out)
+                    i = ring.acquire()
+                    try:
+                        ring.chunks[i][: b - a].copy_(src[a:b], non_blocking=True)
+                    except BaseException:
+                        ring.release(i)  # nothing in flight on it
+                        raise
+                    ev = torch.cuda.Event()
+                    ev.record(self.d2h)
+                    inflight.append((i, a, b, ev))
+            while inflight:
+                self._drain(inflight.pop(0), out)
+        except BaseException:  # the chunks still in flight go back, each reusable once its copy is done
+            for i, _, _, ev in inflight:
+                ring.release(i, ev)
+            raise
         return started
 
     def _drain(self, item, out: torch.Tensor) -> None:
         i, a, b, ev = item
-        ev.synchronize()
-        out[a:b].copy_(self.grads.chunks[i][: b - a])
-        self.grads.release(i)
+        try:
+            ev.synchronize()
+            out[a:b].copy_(self.grads.chunks[i][: b - a])
+        finally:
+            self.grads.release(i)
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor):
         """Copy fp32 host weights into the device's training copy, chunk by chunk through the
@@ -175,17 +182,15 @@ class Copier:
                 chunk.copy_(flat[a:b])
                 if not self.cuda:
                     out[a:b].copy_(chunk)
+                else:
+                    with torch.cuda.stream(self.h2d):
+                        out[a:b].copy_(chunk, non_blocking=True)
+                        last = torch.cuda.Event(enable_timing=True)  # also ends the transfer's span
+                        last.record(self.h2d)
             except BaseException:
-                ring.release(i)  # nothing in flight on it: not lost to the ring
+                ring.release(i)  # a copy that raised: nothing in flight on it, not lost to the ring
                 raise
-            if not self.cuda:
-                ring.release(i)
-                continue
-            with torch.cuda.stream(self.h2d):
-                out[a:b].copy_(chunk, non_blocking=True)
-                last = torch.cuda.Event(enable_timing=True)  # also ends the transfer's span
-                last.record(self.h2d)
-            ring.release(i, last)  # reusable once this copy has read it
+            ring.release(i, last)  # CUDA: reusable once this copy has read it
         return last
 
     def wait(self, event) -> None:

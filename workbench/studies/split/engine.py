@@ -121,6 +121,7 @@ class _Slot:
     opt: ParamAdam | None = None
     accel_master: torch.Tensor | None = None
     future: Future | None = None  # host work of the last iteration (update + weights sent back)
+    copied: Future | None = None  # the copy of its gradient to the host that the update waits for
     ready: object = None  # CUDA event: the weights are back on the device (None on the CPU)
 
     @property
@@ -388,8 +389,8 @@ class SplitEngine:
         grad = p.grad
         p.grad = None  # the copy job holds the gradient until it is on the host
         ready = self.copier.ready_event()
-        copied = self.copy_pool.submit(self._to_host, it, s, grad, ready)
-        s.future = self.pool.submit(self._host_update, it, s, copied)
+        s.copied = self.copy_pool.submit(self._to_host, it, s, grad, ready)
+        s.future = self.pool.submit(self._host_update, it, s, s.copied)
 
     # ------------------------------------------------------------------ host side (worker threads)
     def _event(self, it: _Iter, *e) -> None:
@@ -626,17 +627,21 @@ class SplitEngine:
         gate = cur.gate if cur is not None else None
         if gate is not None and not gate.decided.is_set():
             gate.decide(skip=True, coef=None)
-        running = [s.future for s in getattr(self, "slots", {}).values() if s.future is not None]
+        jobs = [f for s in getattr(self, "slots", {}).values() for f in (s.future, s.copied) if f is not None]
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.copy_pool.shutdown(wait=False, cancel_futures=True)
-        if wait(running, timeout=ABORT_WAIT_S).not_done:
+        # a job cancelled off the queue is never marked done for wait(), which would take its whole timeout
+        if wait([f for f in jobs if not f.cancelled()], timeout=ABORT_WAIT_S).not_done:
             warnings.warn(f"the split engine's host updates had not ended {ABORT_WAIT_S:g} s after the run stopped: "
                           "the engine and its model stay in memory until they do", stacklevel=2)
             return
         self.pool.shutdown(wait=True)  # every job ended or cancelled: the threads only exit
         self.copy_pool.shutdown(wait=True)
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as e:  # an earlier CUDA error (sticky): the run's own error says more
+                warnings.warn(f"the split engine could not drain the card's queue: {e}", stacklevel=2)
 
     # ------------------------------------------------------------------ measurements
     def _finalize(self, it: _Iter | None, end=None) -> None:

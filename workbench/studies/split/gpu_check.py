@@ -147,8 +147,9 @@ def split_verdict(parity: list[dict], runs: list[dict], baselines: list[dict],
                   pinned_limit_bytes: int) -> dict[str, Any]:
     """pass when the engine matches AdamW, every engine run ran, host updates overlapped backward
     in the host-only run, the timeline is on one clock, and the pinned bytes are the bounded
-    rings. A baseline that cannot run here is recorded, not failed. Comparisons: the best engine
-    run's tokens/s against each baseline's."""
+    rings. A baseline that cannot run here is recorded, not failed. Comparisons, against each
+    baseline's tokens/s: the engine's fp32 run at k=0 (every update on the host, as the baselines do)
+    and its fastest fp32 run, with its k."""
     failures = [f"parity {p['run']}: max |diff| {p['max_abs_diff']:.3g} > {p['atol']:.3g} ({p['worst_param']})"
                 for p in parity if not p["passed"]]
     for r in runs:
