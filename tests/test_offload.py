@@ -703,23 +703,40 @@ def test_an_interrupted_engine_run_leaves_no_engine_alive(tmp_path, monkeypatch,
     import warnings
 
     eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0)
-    began, ended = threading.Event(), threading.Event()
+    began, go, ended = threading.Event(), threading.Event(), threading.Event()
 
     def update():
         began.set()
-        time.sleep(0.5)
+        go.wait(10)
         ended.set()
 
     running, queued = eng.slots.values()  # weight and bias; one host worker: the second job waits its turn
     running.future = eng.pool.submit(update)
     queued.future = eng.pool.submit(update)
     began.wait(10)
+    shutdown = eng.copy_pool.shutdown  # called once abort() has cancelled the queued update: the running one may end
+
+    def shutdown_then_go(*a, **kw):
+        shutdown(*a, **kw)
+        go.set()
+
+    monkeypatch.setattr(eng.copy_pool, "shutdown", shutdown_then_go)
     monkeypatch.setattr(engine_module, "ABORT_WAIT_S", 5.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a cancelled job waited for would take the whole limit, then warn
         eng.abort()
     assert ended.is_set() and queued.future.cancelled()
     assert not any(t.is_alive() for t in [*eng.pool._threads, *eng.copy_pool._threads])
+    # a gradient copy (or an update a redo waits for) still running is waited for within the limit too: not
+    # waited for, the pools' own shutdown joined it for as long as it took
+    for field in ("copied", "redone"):
+        eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0)
+        stuck, pool = threading.Event(), eng.copy_pool if field == "copied" else eng.pool
+        setattr(next(iter(eng.slots.values())), field, pool.submit(stuck.wait, 10))
+        monkeypatch.setattr(engine_module, "ABORT_WAIT_S", 0.5)
+        with pytest.warns(UserWarning, match="had not ended 0.5 s after the run stopped"):
+            eng.abort()
+        stuck.set()
     # a verdict the engine's step had not given yet (fp16, clipping) is given as skip: no worker waits on it
     eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0, max_grad_norm=1.0)
     eng._cur = engine_module._Iter(0, 0.0, 0.0, 1)

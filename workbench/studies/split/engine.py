@@ -122,6 +122,7 @@ class _Slot:
     accel_master: torch.Tensor | None = None
     future: Future | None = None  # host work of the last iteration (update + weights sent back)
     copied: Future | None = None  # the copy of its gradient to the host that the update waits for
+    redone: Future | None = None  # after a skip or clip verdict: the speculated update the redo waits for
     ready: object = None  # CUDA event: the weights are back on the device (None on the CPU)
 
     @property
@@ -560,7 +561,8 @@ class SplitEngine:
         it.skipped = found
         redo = gate.decide(skip=found, coef=None if coef is None else coef.cpu())
         for s in redo:
-            s.future = self.pool.submit(self._redo, it, s, s.future, gate)
+            s.redone = s.future
+            s.future = self.pool.submit(self._redo, it, s, s.redone, gate)
         it.redone_numel = sum(s.numel for s in redo)
         if self.dtype == torch.float16:
             self._update_scale(found)
@@ -627,7 +629,7 @@ class SplitEngine:
         gate = cur.gate if cur is not None else None
         if gate is not None and not gate.decided.is_set():
             gate.decide(skip=True, coef=None)
-        jobs = [f for s in getattr(self, "slots", {}).values() for f in (s.future, s.copied) if f is not None]
+        jobs = [f for s in getattr(self, "slots", {}).values() for f in (s.future, s.copied, s.redone) if f is not None]
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.copy_pool.shutdown(wait=False, cancel_futures=True)
         # a job cancelled off the queue is never marked done for wait(), which would take its whole timeout
