@@ -698,8 +698,6 @@ def test_an_interrupted_engine_run_leaves_no_engine_alive(tmp_path, monkeypatch,
     # a host update running when the run stops is waited for (on a card its copy onto the weights would
     # otherwise land after the run, in memory the allocator may have handed on), and the workers are gone
     import threading
-    import time
-
     import warnings
 
     eng = SplitEngine(torch.nn.Sequential(torch.nn.Linear(8, 8)), hp=AdamHP(lr=1e-3), k=0.0)
