@@ -595,7 +595,8 @@ def test_bad_config_values_are_refused(bad):
 def test_the_live_charts_memory_on_a_card_is_the_iterations_peak():
     """The engine emits an iteration's row after the next forward: reading the allocator then gave
     that moment's memory (the next forward's activations; none for the last row) under a chart
-    titled "peak device memory per step". Played: the row of a CUDA engine, which carries its peak."""
+    titled "peak device memory per step" (now "peak device memory"). Played: the row of a CUDA engine,
+    which carries its peak."""
     from workbench.studies.split.runner import _RunSink
 
     got = []

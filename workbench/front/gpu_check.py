@@ -243,11 +243,12 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         except Exception as e:
             m, tracebacks[f"{name} measurement"] = {"status": "error", "reason": one_line(e)}, traceback.format_exc(limit=-12)
         rows.append(rung_row(name, p, m, nvml))
-    torch.cuda.synchronize()
-    before_gc = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(opts.device)
+    before_gc = torch.cuda.memory_allocated(opts.device)
     gc.collect()
     # what the rungs left on the card: held by cycles until a collection, or still referenced
-    left = {"left_allocated_before_gc_bytes": before_gc, "left_allocated_after_gc_bytes": torch.cuda.memory_allocated()}
+    left = {"left_allocated_before_gc_bytes": before_gc,
+            "left_allocated_after_gc_bytes": torch.cuda.memory_allocated(opts.device)}
     options = {"model": opts.model, "batch": opts.batch, "seq": opts.seq, "steps": opts.steps, "counted": opts.counted,
                "workspaces": "released before each rung" if fresh else "held from the first rung on"}
     return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, "options": options, **left}

@@ -56,7 +56,7 @@ class LiveChart:
         self._title_html = "<br>".join(textwrap.wrap(title, TITLE_CHARS))  # plotly does not wrap a title
         self.run_keys = tuple(run_keys)
         self.min_interval_s = min_interval_s
-        self.fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "peak device memory per step (MiB)", "tokens/s"),
+        self.fig = make_subplots(rows=1, cols=3, subplot_titles=("loss", "peak device memory (MiB)", "tokens/s"),
                                  horizontal_spacing=0.07)
         self._top = 95 + 20 * self._title_html.count("<br>")  # each more line of title (the status line is under it)
         self.fig.update_layout(title=dict(text=self._title_html, yref="container", y=1, yanchor="top", pad_t=14),
