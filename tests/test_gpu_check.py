@@ -509,7 +509,8 @@ def test_only_runs_the_named_checks(tmp_path):
 
 def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
     found = gc.checks()
-    assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "split", "monitor", "notebooks"]
+    assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "autofit", "split", "monitor",
+                           "notebooks"]
     assert found["split"] is split_check.check_split and found["cap"] is gpu_cap.check_cap
     sub = argparse.ArgumentParser().add_subparsers()
     gc.register(sub)
@@ -641,13 +642,14 @@ def _stand_in(recorded: dict[str, dict[str, str]], calls: list, fail: str = ""):
 
 def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_reads_where_they_trained(tmp_path):
     calls = []
-    recorded = {"strategies": {"device": "cuda", "device_history": "cuda: ok"},
+    recorded = {"strategies": {"device": "cuda", "device_history": "cuda: ok"}, "ladder": {"device": "cuda"},
                 "split": {"hardware": "this machine (cuda)"}}
     r = gn.check_notebooks(gc.Options(out=tmp_path), execute=_stand_in(recorded, calls))
     assert [c["notebook"] for c in calls] == list(STUDIES)
     for c in calls:  # the quick parameters, the executed notebook and the runs under the check's folder
-        # study 1's without its budget: 13 MiB is less than a card's first matmul takes (a cuBLAS workspace)
-        changed = {"budget_mib": 0.0} if c["notebook"] == "01_strategies" else {}
+        # study 1's without its budget: 13 MiB is less than a card's first matmul takes (a cuBLAS workspace);
+        # study 2's auto-fit with one its tiny setups fit on a card (70 MiB predicted on an H200)
+        changed = {"01_strategies": {"budget_mib": 0.0}, "02_ladder": {"budget_mib": 256.0}}.get(c["notebook"], {})
         assert c["params"] == {**STUDIES[c["notebook"]].quick, **changed}
         assert c["out"] == tmp_path / "notebooks" / f"{c['notebook']}.ipynb" and c["out"].exists()
         assert c["root"] == tmp_path / "runs"
@@ -655,7 +657,8 @@ def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_read
     rows = {row["study"]: row for row in r["rows"]}
     assert rows["strategies"]["used_gpu"] and rows["strategies"]["devices"] == ["cuda"]
     assert rows["split"]["devices"] == ["this machine (cuda)"]
-    assert not rows["ladder"]["used_gpu"] and rows["ladder"]["passed"]  # the CPU plays the card by design
+    # study 2's auto-fit trained on the card (its rungs are measured on the CPU by design)
+    assert rows["ladder"]["used_gpu"] and rows["ladder"]["devices"] == ["cuda"] and rows["ladder"]["passed"]
     assert "| 03_split | ok |" in r["report"]
 
 
@@ -672,8 +675,8 @@ def test_notebooks_check_keeps_to_the_time_budget(tmp_path, monkeypatch):
 
     calls = []
     opts = types.SimpleNamespace(out=tmp_path, out_of_time=lambda: len(calls) >= 2, deadline_at=1234.5)
-    r = gn.check_notebooks(opts, execute=_stand_in({"strategies": {"device": "cuda"}, "split": {"hardware": "cuda"}},
-                                                   calls))
+    r = gn.check_notebooks(opts, execute=_stand_in({"strategies": {"device": "cuda"}, "ladder": {"device": "cuda"},
+                                                    "split": {"hardware": "cuda"}}, calls))
     assert [(c["timeout_s"], c["deadline"]) for c in calls] == [(gn.NOTEBOOK_TIMEOUT_S, 1234.5)] * 2
     assert [row["status"] for row in r["rows"]] == ["ok", "ok", "not run"] and r["status"] == "fail"
     assert r["failures"] == ["03_split: the time budget (--time-budget) was spent before it began"]

@@ -36,10 +36,11 @@ from workbench.core.training import TrainSettings, train
 from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder import rungs as ladder
 from workbench.studies.ladder import runner
-from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down, search
+from workbench.studies.ladder.autofit import MARGINS_FILE, SetupChoice, run_with_step_down
 from workbench.studies.ladder.figures import BUDGET_NOTE, report_section
 from workbench.studies.ladder.rungs import auto_fit, measure, zero_config
-from workbench.studies.ladder.runner import CPU_MARGIN, LadderConfig, load_result, run_ladder
+from workbench.studies.ladder.fit_run import search_here
+from workbench.studies.ladder.runner import LadderConfig, load_result, run_ladder
 from tests.conftest import LINUX_RELEASE, WSL2_RELEASE, played_uname
 
 
@@ -227,6 +228,7 @@ def test_run_ladder_predicts_measures_and_explains(env):
     assert row["fp32_measured_mib"] == pytest.approx(ok.loc["fp32", "measured_peak_bytes"] / 2**20, abs=1e-3)
     assert row["fp16_predicted_mib"] == pytest.approx(at_hand.loc["fp16", "predicted_peak_bytes"] / 2**20, abs=1e-3)
     assert "fp16_measured_mib" not in row and 0 <= row["max_prediction_error_pct"] < 1
+    assert row["device"] == "cpu"  # where auto-fit's setup trained (the setting is auto; no card here)
     fit, searched = result.tables["autofit"], result.tables["autofit_search"]
     assert fit.iloc[-1]["status"] == "ok" and fit.iloc[-1]["ran"] == fit.iloc[-1]["predicted_choice"]
     # the joint search ran: every setup it predicted before the chosen one is over the budget
@@ -755,9 +757,8 @@ def test_the_default_budget_makes_auto_fit_choose_a_middle_setup_of_the_embedded
     assert choice.rung == "bf16_ckpt"
     assert not fits["fp32"] and not fits["bf16_true"] and fits["lora"] and fits["cpu"]
 
-    here = torch.device("cpu")
-    joint = search(config, RUNGS[cfg.rungs[0]], batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib,
-                   device="cpu", margin=CPU_MARGIN, keep=2, runnable=lambda p: p.cannot_run_here(here) is None)
+    joint = search_here(config, RUNGS[cfg.rungs[0]], device="cpu", batch=cfg.micro_batch, seq=cfg.seq_len,
+                        budget_mib=cfg.budget_mib)  # as the study searches on the CPU
     assert joint.plan is not None and joint.plan.placement == "device" and not joint.table[0]["fits"]
     assert joint.plan.accum > 1 and cfg.micro_batch // joint.plan.accum * joint.plan.accum == cfg.micro_batch
     assert "micro-batch 4 x 2" in joint.plan.name

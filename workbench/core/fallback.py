@@ -186,6 +186,18 @@ def unavailable(device: str) -> str | None:
     return no_kernels(torch.cuda.current_device() if dev.index is None else dev.index)  # 'cuda': the current card
 
 
+def resolve_device(device: str) -> str:
+    """The device a study's `device` setting runs on: 'auto' is the GPU where there is one torch can
+    run on, else the CPU; a device this machine does not have (or this torch build has no kernels
+    for) is a one-line error."""
+    if device == "auto":
+        return "cuda" if unavailable("cuda") is None else "cpu"
+    missing = unavailable(device)
+    if missing:
+        raise ConfigError(f"device={device}: {missing}; use device=cpu or device=auto")
+    return device
+
+
 def default_attempts(budget_mib: float | None) -> tuple[Attempt, ...]:
     """GPU (under the budget, if any) then CPU on a GPU machine torch can run on; else the CPU
     playing a GPU, then the CPU."""

@@ -16,7 +16,8 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   `torch.cuda.memory_allocated()` must be back where it started;
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
 - any check another part adds (the least reserved cap two rungs train under, beside the prediction's
-  "reserved needed": `studies/ladder/gpu_cap.py`; study 3's engine: `studies/split/gpu_check.py`;
+  "reserved needed": `studies/ladder/gpu_cap.py`; study 2's auto-fit stepping down on the card's own
+  out-of-memory error: `studies/ladder/gpu_autofit.py`; study 3's engine: `studies/split/gpu_check.py`;
   the notebooks and the memory monitor's cost: `front/gpu_programs.py`); versions and the card.
 Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
 memory_snapshot.pickle, notebooks/, runs/}. Two H200 runs: data/measured/h200-2026-11-22/, -11-26/.
@@ -52,7 +53,7 @@ from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
 from workbench.front.gpu_report import (TIME_SPENT, gpu_rungs, ladder_verdict, rung_row, study1_verdict, summarize,
                                          write_results)
-from workbench.studies.ladder import gpu_cap
+from workbench.studies.ladder import gpu_autofit, gpu_cap
 from workbench.studies.ladder.autofit import prediction_margin
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import OFFLOADED, measure
@@ -92,7 +93,8 @@ def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
     """The checks in order: the workbench's own, study 3's (owned by that package), the notebooks.
     A module that adds checks defines gpu_checks() -> {name: fn(options) -> result dict}."""
     return {"environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
-            "trace": check_trace, **gpu_cap.gpu_checks(), **split_gpu_check.gpu_checks(), **gpu_programs.gpu_checks()}
+            "trace": check_trace, **gpu_cap.gpu_checks(), **gpu_autofit.gpu_checks(), **split_gpu_check.gpu_checks(),
+            **gpu_programs.gpu_checks()}
 
 
 class Terminated(SystemExit):

@@ -11,8 +11,10 @@ runs.csv, so "ran on the GPU" is what the runs recorded, not what was asked:
 - study 1 (strategies): its default attempts on a CUDA machine are the card, then the CPU (run
   without the quick budget: ON_A_CARD); a run counts where it finished (its `device`), not where it
   was attempted, and some must have finished on the card;
-- study 2 (ladder): the CPU plays the card by design (its budget counts live bytes); the ladder
-  check measures the card itself. Its notebook must run; its runs are not expected on the GPU;
+- study 2 (ladder): its rungs are measured on the CPU by design (the ladder check measures the
+  card's); its auto-fit runs on the card (`device: auto`) under a real CUDA budget, ON_A_CARD's
+  (the quick 3 MiB is less than a card's first matmul reserves: every setup would be predicted not to
+  fit, and it would end on the CPU), and its row's `device` must say the setup it ran trained there;
 - study 3 (split): `device: auto` is the card; its rows must say they ran on CUDA.
 
 monitor: the memory monitor on the card (NVML and torch's CUDA counters, issue 11 item 7): what it
@@ -41,17 +43,19 @@ from workbench.front.gpu_report import TIME_SPENT
 from workbench.front.notebooks import available, run_notebook
 
 # the studies whose runs must have trained on the card (study 2's CPU plays the card by design)
-EXPECTS_GPU = {"strategies": True, "ladder": False, "split": True}
+EXPECTS_GPU = {"strategies": True, "ladder": True, "split": True}
 # columns of a study's runs.csv that say where a run trained: study 1's `device` (the attempt that
-# finished; its `device_history` lists every attempt, skipped and out-of-memory ones too) and study 3's
-# `hardware`
+# finished; its `device_history` lists every attempt, skipped and out-of-memory ones too), study 2's
+# `device` (where auto-fit's setup trained) and study 3's `hardware`
 DEVICE_COLUMNS = ("device", "hardware")
 # the quick parameters the check changes (it runs only on a card). Study 1's quick budget (13 MiB, sized
 # for the CPU playing a card) is below what a card's first matmul reserves (a cuBLAS workspace from the
 # caching allocator: 8 MiB, in a 20 MiB segment, or 32 MiB from sm_90): every card attempt was skipped in
 # pre-flight and the runs trained on the CPU (the H200 record of 2026-11-26, passed by reading the
 # attempts). Without a budget they train on the card; running out of memory there is the strategies check's.
-ON_A_CARD = {"strategies": {"budget_mib": 0.0}}
+# Study 2's auto-fit gets a budget its tiny setups fit on a card (70 MiB predicted on an H200 at the quick
+# 4 x 64, two 32 MiB cuBLAS workspaces in it); stepping down on a card's error is the autofit check's.
+ON_A_CARD = {"strategies": {"budget_mib": 0.0}, "ladder": {"budget_mib": 256.0}}
 NOTEBOOK_TIMEOUT_S = 300
 # benchmarks/monitor_overhead.py's target: the monitor may cost a run at most 1% of its time
 MONITOR_TARGET = 1.01

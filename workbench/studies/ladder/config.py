@@ -14,6 +14,7 @@ from typing import Literal
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import Config, ConfigError, param, setting
+from workbench.core.fallback import resolve_device
 from workbench.core.memory.plan import RUNGS
 from workbench.core.models import TINY_SPEC, EmbeddedSpec
 
@@ -35,11 +36,16 @@ class LadderConfig(Config):
     seq_len: int = setting("seq_len", 128, "of the model at hand")
     steps: int = setting("steps", 6, "measured per rung; the first is warm-up, left out of timings")
     lr: float = setting("lr", 1e-4, "of the measured runs")
-    budget_mib: float = param(100.0, "device budget to fit (MiB); the CPU enforces it by counting live bytes. The "
-                              "default lets auto-fit pick a middle setup of the embedded default (pure bf16, "
-                              "micro-batch 4 x 2 accumulation, predicted 74 MiB), not the CPU")
+    budget_mib: float = param(100.0, "device budget to fit (MiB): on a card it caps the allocator's reserved "
+                              "memory, on the CPU live bytes are counted. On the CPU the default lets auto-fit pick "
+                              "a middle setup of the embedded default (pure bf16, micro-batch 4 x 2 accumulation, "
+                              "predicted 74 MiB), not the CPU rung")
     measure: bool = param(True, "measure the rungs that can run on this machine")
     autofit: bool = param(True, "run auto-fit for the model at hand with the budget enforced")
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "device", "auto", "where auto-fit runs its choice: on a card under a real CUDA budget (its allocator capped "
+        "at budget_mib), on the CPU with the budget played by counting live bytes; the rungs are measured on the "
+        "CPU either way (a card's rungs: workbench gpu-check)")
     reference_model: str = param("data/configs/qwen2-0.5b.json", "reference config predicted for every rung ('': none)")
     reference_micro_batch: int = param(1, "micro-batch of the reference prediction")
     reference_seq_len: int = param(512, "sequence length of the reference prediction")
@@ -75,8 +81,11 @@ class LadderConfig(Config):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of MiB, got {getattr(self, name)}")
 
-    def spec(self):
+    def resolved_device(self) -> str:
+        """Where auto-fit runs (`fallback.resolve_device`: 'auto' is the card where torch can run on one)."""
+        return resolve_device(self.device)
 
+    def spec(self):
         return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()
 
     def run_id(self) -> str:

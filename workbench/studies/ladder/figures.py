@@ -207,9 +207,10 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     fit = result.tables.get("autofit", pd.DataFrame())
     if len(fit):
         last = fit.iloc[-1]
+        where = _fit_where(fit)
         out.append((f"Auto-fit chose {last.get('predicted_choice') or 'nothing on the device'} for a "
                     f"{budget_mib(result):g} MiB budget and ran {last.get('ran') or 'nothing'} with the budget "
-                    f"enforced, the batch per step kept. Why: {last.get('why', '')}", ""))
+                    f"enforced{where}, the batch per step kept. Why: {last.get('why', '')}", ""))
     pub = result.tables.get("published", pd.DataFrame())
     ref = _reference(result)
     if len(pub) and "workbench_predicted_mib" in pub and len(ref):
@@ -222,6 +223,14 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         out.append((f"No finding to state from {len(hand)} rung(s) predicted and {len(measured)} measured here "
                     "(the table has each rung).", ""))
     return out or [("Nothing was predicted or measured.", "")]
+
+
+def _fit_where(fit: pd.DataFrame) -> str:
+    """' on the card (...)' or ' on the CPU (...)': where auto-fit's tries ran, and what the budget capped there."""
+    devices = set(fit["device"].dropna().astype(str)) if "device" in fit else set()
+    if any(d.startswith("cuda") for d in devices):
+        return " on the card (its allocator's reserved memory capped at the budget: a real out-of-memory error)"
+    return " on the CPU (the budget played: live tensor bytes counted)" if devices else ""
 
 
 def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
@@ -250,8 +259,9 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
                   "live tensor bytes on the CPU)", ladder_table(result)),
         ("figure", "", ladder_figure(result)),
         ("figure", "", loss_figure(result)),
-        ("table", "Auto-fit: the rung predicted fastest to fit, run here with the budget enforced "
-                  "(measured where its status is ok or oom)", autofit_table(result)),
+        ("table", "Auto-fit: the setup predicted fastest to fit, run here with the budget enforced (on a card "
+                  "under a real CUDA budget where there is one, else on the CPU playing it; its `device` column "
+                  "says which; measured where its status is ok or oom)", autofit_table(result)),
         ("table", "Auto-fit's search: each setup tried, cheapest first (not predicted: ruled out by a "
                   "prediction above)", autofit_search_table(result)),
     ]
@@ -284,7 +294,9 @@ NOTEBOOK = [
     ("", "figures.loss_figure(result).show()"),
     ("## Auto-fit\n\nFrom the ladder's top rung, the fastest setup predicted to fit the budget with the batch per "
      "step kept (micro-batch with accumulation, checkpointing, precision, optimizer), run with the budget "
-     "enforced; on a real out-of-memory error it steps down to the next setup, and to the CPU last.",
+     "enforced; on a real out-of-memory error it steps down to the next setup, and to the CPU last. With `device` "
+     "auto or cuda on a machine with a card it searches the card's step and runs each setup there, the "
+     "allocator capped at the budget; else the CPU plays the card.",
      "table(figures.autofit_table(result))"),
     ("The setups auto-fit predicted, cheapest first by their prior cost, until enough fitted.",
      "table(figures.autofit_search_table(result))"),

@@ -15,7 +15,8 @@ fixed number of steps. A rung that cannot run here is a row whose `reason` says 
 It then asks auto-fit (workbench.studies.ladder.autofit) for the fastest setup predicted to fit
 the budget, searching from the ladder's top rung with the batch per step kept (micro-batch with
 accumulation, checkpointing, precision, optimizer), and runs it with the budget enforced, stepping
-down to the next setup on a real out-of-memory error and to the CPU last.
+down to the next setup on a real out-of-memory error and to the CPU last (`device`: on a card under a
+real CUDA budget, where there is one; else on the CPU with the budget played: studies/ladder/fit_run.py).
 
 Results: results/ladder/<run_id>/{config.json, ladder.csv, baselines.csv, autofit.csv,
 autofit_search.csv, summary.json} and results/ladder/runs.csv. Columns say which figures are
@@ -51,13 +52,8 @@ from workbench.core.models import load_model, model_fingerprint
 from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, atomic_write_text, code_fingerprint,
                                     read_steps, read_table, results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
-from workbench.studies.ladder.autofit import NoSetupFits, run_with_step_down, search
+from workbench.studies.ladder.fit_run import run_choice, search_here
 from workbench.studies.ladder.rungs import measure
-
-
-# Auto-fit's margin when the budget is played on the CPU: the prediction of a CPU step is exact to the
-# byte in FIELD_NOTES and within 1% in the tests (tests/test_memory.py); a GPU uses the validation's error.
-CPU_MARGIN = 0.01
 
 
 def model_at_hand(cfg: LadderConfig):
@@ -135,6 +131,7 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
 
 
 def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyResult:
+    device = cfg.resolved_device() if cfg.autofit else None  # where auto-fit runs: a missing card says so first
     run = RunDir(STUDY, cfg.run_id())
     run.write_config(cfg.to_dict())
     config, load, blocks, data_note = model_at_hand(cfg)
@@ -197,40 +194,17 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyRe
 
     # Auto-fit for the model at hand, with the budget enforced: the joint search from the ladder's
     # top rung (the setup the user would train) keeps the batch per step; step down on a real OOM.
+    # On a card (device auto or cuda) under a real CUDA budget, else the budget played on the CPU.
     fit_rows: list[dict[str, Any]] = []
     search_table = pd.DataFrame()
-    if cfg.autofit:
-        here = torch.device("cpu")
-        choice = search(config, RUNGS[cfg.rungs[0]], batch=cfg.micro_batch, seq=cfg.seq_len, budget_mib=cfg.budget_mib,
-                        device="cpu", margin=CPU_MARGIN, margin_source="the CPU prediction's tested tolerance",
-                        keep=2, runnable=lambda p: p.cannot_run_here(here) is None, progress=progress)
+    if device is not None:
+        choice = search_here(config, RUNGS[cfg.rungs[0]], device=device, batch=cfg.micro_batch, seq=cfg.seq_len,
+                             budget_mib=cfg.budget_mib, progress=progress)
         search_table = pd.DataFrame(choice.table)
-        # the ladder's bottom rung is the last resort: nothing stays on the device
-        choice.fitting.append(RUNGS["cpu"])
-
-        def attempt(plan):
-            # held to the free memory as the rungs are (a step-down to the cpu rung has no budget at all)
-            too_big = _past_free_memory(predict(config, plan, batch=cfg.micro_batch, seq=cfg.seq_len,
-                                                n_blocks=len(blocks), instrumented=True))
-            if too_big:
-                _event(sinks, rung=plan.name, attempt=f"auto-fit {plan.name}", result="skipped")
-                raise torch.OutOfMemoryError(too_big)
-            m = measure(plan, load, blocks, batch=cfg.micro_batch, steps=2, lr=cfg.lr, budget_mib=cfg.budget_mib,
-                        sinks=_labelled(sinks, stage="auto-fit", budget_mib=cfg.budget_mib))
-            _event(sinks, rung=plan.name, attempt=f"auto-fit {plan.name}", result=m["status"])
-            if m["status"] == "oom":
-                raise torch.OutOfMemoryError(m["reason"])
-            if m["status"] != "ok":
-                raise RuntimeError(f"{plan.name}: {m['status']}: {m['reason']}")
-            return m
-
-        try:
-            ran, _, tries = run_with_step_down(choice, attempt, log=lambda s: None)
-            chosen = ran.name
-        except NoSetupFits as e:  # how each try went, then the verdict
-            chosen, tries = None, [*e.tries, {"setup": None, "status": "oom", "error": str(e)}]
-        except RuntimeError as e:  # a setup that cannot run here after all
-            chosen, tries = None, [{"setup": choice.plan.name if choice.plan else None, "status": "skipped", "error": str(e)}]
+        chosen, tries = run_choice(choice, config, load, blocks, device=device, batch=cfg.micro_batch,
+                                   budget_mib=cfg.budget_mib, lr=cfg.lr,
+                                   sinks=_labelled(sinks, stage="auto-fit", budget_mib=cfg.budget_mib),
+                                   on_event=lambda **row: _event(sinks, **row))
         fit_rows = [{**t, "predicted_choice": choice.plan.name if choice.plan else None, "ran": chosen,
                      "why": choice.why, "budget_mib": cfg.budget_mib} for t in tries]
 
@@ -252,12 +226,15 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyRe
     statuses = set(df["status"])
     measured_ok = int((df["status"] == "ok").sum())
     autofit_ran = fit_rows[-1]["ran"] if fit_rows else None
+    # where auto-fit's run trained (study 1's `device` is where its run finished): the setting where none did
+    ran_on = fit_rows[-1].get("device") if autofit_ran else cfg.device
     run.write_summary({"status": "error" if statuses == {"error"} else "ok", "rungs": len(cfg.rungs),
-                       "measured_ok": measured_ok, "autofit_ran": autofit_ran})
+                       "measured_ok": measured_ok, "autofit_ran": autofit_ran,
+                       "autofit_device": device})
     # runs.csv: one row per ladder run, with its figures (a sweep stacks these rows, one per point);
-    # a run with the same settings replaces its earlier row.
+    # a run with the same settings replaces its earlier row. Its `device` is where auto-fit's run trained.
     writer.update_runs([{**{k: json.dumps(v) if isinstance(v, list) else v for k, v in cfg.to_dict().items()},
-                         "run_id": cfg.run_id(), "status": "ok", "measured_ok": measured_ok,
+                         "device": ran_on, "run_id": cfg.run_id(), "status": "ok", "measured_ok": measured_ok,
                          "autofit_ran": autofit_ran, **_figures_of(df)}])
     steps = read_steps(run.path / "steps.jsonl") if (run.path / "steps.jsonl").exists() else pd.DataFrame()
     return StudyResult(STUDY, runs=df, steps=steps, tables={k: v for k, v in tables.items() if k != "ladder"},

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Literal
 
 from workbench.core.config import Config, ConfigError, param, setting
-from workbench.core.fallback import unavailable
+from workbench.core.fallback import resolve_device
 from workbench.core.models import TINY_SPEC, EmbeddedSpec
 from workbench.studies.split.perf_model import load_profiles
 
@@ -118,14 +118,8 @@ class SplitConfig(Config):
             raise ConfigError(f"unknown host profile {self.host!r}; known: this-machine, {', '.join(hosts)}")
 
     def resolved_device(self) -> str:
-        """The device to run on: 'auto' picks the GPU where there is one torch can run on; a device
-        this machine does not have (or this torch build has no kernels for) is a one-line error."""
-        if self.device == "auto":
-            return "cuda" if unavailable("cuda") is None else "cpu"
-        missing = unavailable(self.device)
-        if missing:
-            raise ConfigError(f"device={self.device}: {missing}; use device=cpu or device=auto")
-        return self.device
+        """The device to run on (`fallback.resolve_device`: 'auto' is the card where torch can run on one)."""
+        return resolve_device(self.device)
 
     def spec(self):
         return TINY_SPEC if self.base_size == "tiny" else EmbeddedSpec()

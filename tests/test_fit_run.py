@@ -1,0 +1,207 @@
+"""Study 2's auto-fit on the machine at hand (studies/ladder/fit_run.py): on a card, the search predicts
+the card's step and each try runs under a real CUDA budget; on the CPU the budget is played.
+
+No card here: the card's side is played by stand-ins for the four calls that touch it (the card's
+properties, the budget's cap, the measurement and the release); everything else is the study's own path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from workbench.core import fallback
+from workbench.core.common import MiB
+from workbench.core.config import ConfigError
+from workbench.core.memory import cuda_model
+from workbench.core.memory.predict import predict
+from workbench.studies.ladder import fit_run, gpu_autofit
+from workbench.studies.ladder.autofit import prediction_margin
+from workbench.studies.ladder.figures import findings
+from workbench.studies.ladder.fit_run import CPU_MARGIN, run_choice, search_here
+from workbench.studies.ladder.runner import LadderConfig, model_at_hand, run_ladder
+
+CARD = "RTX 4060 Ti 8GB"
+
+
+@pytest.fixture
+def env(tiny_base, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "results"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def played_card(monkeypatch):
+    """A card the study finds (torch could run on it) with the stand-ins' record of what touched it:
+    `tries` (setup, device, counted, the budget in force), `budgets`, `released`. The first setup tried
+    on the card runs out of memory, as a card's allocator would under its cap; the next trains."""
+    seen = {"tries": [], "budgets": [], "released": [], "cap": None}
+    monkeypatch.setattr(fallback, "unavailable", lambda device: None)
+    monkeypatch.setattr(cuda_model, "card_at_hand", lambda device="cuda": cuda_model.card(CARD))
+
+    @contextlib.contextmanager
+    def budget(device, budget_mib=None, allocator="live"):
+        seen["budgets"].append((str(device), budget_mib, allocator))
+        seen["cap"] = budget_mib
+        try:
+            yield None
+        finally:
+            seen["cap"] = None
+
+    def measure(plan, load, blocks, *, batch, steps, device="cpu", budget_mib=None, counted=True, **kw):
+        seen["tries"].append({"setup": plan.name, "device": str(device), "counted": counted, "cap": seen["cap"],
+                              "budget_mib": budget_mib, "batch": batch})
+        if len(seen["tries"]) == 1:
+            return {"status": "oom", "reason": "CUDA out of memory. Tried to allocate 20.00 MiB (played)"}
+        return {"status": "ok", "reason": "", "measured_peak_bytes": 21 * MiB, "cuda_max_allocated_bytes": 21 * MiB,
+                "cuda_max_reserved_bytes": 26 * MiB, "step_ms": 5.0}
+
+    monkeypatch.setattr(fit_run, "device_budget", budget)
+    monkeypatch.setattr(fit_run, "measure", measure)
+    monkeypatch.setattr(fit_run, "release_held", lambda device: seen["released"].append(str(device)))
+    return seen
+
+
+def test_on_a_card_auto_fit_searches_the_cards_step_and_steps_down_under_a_real_cuda_budget(env, played_card):
+    """Until 2026-11-28 study 2's auto-fit ran on the CPU on every machine: its search predicted the CPU's
+    step with the CPU's 1% margin, and its tries ran under the played budget, so a card's own
+    out-of-memory error (item 5 of the card issue: step down on a real one) never reached it."""
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32",), micro_batch=4, seq_len=64, steps=2, budget_mib=30.0,
+                       reference_model="", measure=False)
+    result = run_ladder(cfg, progress=False)
+    searched, fit = result.tables["autofit_search"], result.tables["autofit"]
+
+    # the search predicted the card's step: its reserved peak, with the margin measured on cards
+    first = searched.iloc[0]
+    margins = searched["margin"].dropna().unique()
+    assert len(margins) == 1 and margins[0] > CPU_MARGIN  # the bytes' error + the reserved shortfall on cards
+    assert first["need_mib"] > 20  # a card reserves 20 MiB segments and its cuBLAS workspace: the CPU's step is ~2 MiB
+
+    # each try on the card, under a real CUDA budget of budget_mib, measured by the allocator (no dispatch mode)
+    tries = played_card["tries"]
+    assert [t["device"] for t in tries] == ["cuda", "cuda"] and not any(t["counted"] for t in tries)
+    assert all(t["cap"] == 30.0 and t["budget_mib"] is None for t in tries)
+    assert played_card["budgets"] == [("cuda", 30.0, "live")] * 2
+    assert played_card["released"] == ["cuda", "cuda"]  # each try starts as a fresh process would
+    # a real out-of-memory error stepped down to the next setup kept, the same effective batch
+    kept = searched[searched["kept"] == True]["setup"].tolist()  # noqa: E712 (a column of bools and Nones)
+    assert [t["setup"] for t in tries] == kept[:2] and all(t["batch"] == 4 for t in tries)
+    assert fit["status"].tolist() == ["oom", "ok"] and fit["device"].tolist() == ["cuda", "cuda"]
+    assert fit["ran"].iloc[-1] == kept[1] and fit["predicted_choice"].iloc[-1] == kept[0]
+    assert fit["measured_reserved_mib"].iloc[-1] == 26.0 and "CUDA out of memory" in fit["error"].iloc[0]
+    said = " ".join(text for text, _ in findings(result))
+    assert f"ran {kept[1]} with the budget enforced on the card (its allocator's reserved memory capped" in said
+    with open(os.path.join(result.paths["run_dir"], "summary.json")) as f:
+        assert json.load(f)["autofit_device"] == "cuda"
+    # runs.csv's `device` is where auto-fit's setup trained: gpu-check's notebooks check reads it
+    assert pd.read_csv(env / "results" / "ladder" / "runs.csv")["device"].tolist() == ["cuda"]
+
+
+def test_the_card_search_predicts_what_estimate_predicts_for_that_card(env, monkeypatch):
+    """The search's figures on a card are `predict(device="cuda", card=...)`'s, and its margins are
+    `prediction_margin(plan, device="cuda")`, the same the command line's --search keeps."""
+    monkeypatch.setattr(cuda_model, "card_at_hand", lambda device="cuda": cuda_model.card(CARD))
+    cfg = LadderConfig(base_size="tiny", micro_batch=4, seq_len=64)
+    config = model_at_hand(cfg)[0]
+    choice = search_here(config, fit_run.RUNGS["fp32"], device="cuda", batch=4, seq=64, budget_mib=30.0)
+    row = choice.table[0]
+    p = predict(config, choice.plan, batch=4, seq=64, device="cuda", card=CARD)
+    assert row["setup"] == choice.plan.name and row["need_mib"] == pytest.approx(p.fit_bytes / MiB)
+    assert row["margin"] == pytest.approx(prediction_margin(choice.plan, device="cuda")[0])
+    on_cpu = search_here(config, fit_run.RUNGS["fp32"], device="cpu", batch=4, seq=64, budget_mib=30.0)
+    assert {r["margin"] for r in on_cpu.table} == {CPU_MARGIN}
+
+
+def test_a_card_try_past_the_hosts_free_memory_is_not_run(env, played_card, monkeypatch):
+    """An offloaded setup keeps its share in host memory: past what this machine has free, the try is an
+    out-of-memory row that steps down, never run (the OOM killer would take the study)."""
+    monkeypatch.setattr(fit_run, "past_free_memory", lambda mib: "9,000.0 MiB > the 10 MiB this machine has free"
+                        if mib > 1 else None)
+    cfg = LadderConfig(base_size="tiny", micro_batch=4, seq_len=64)
+    config, load, blocks, _ = model_at_hand(cfg)
+    choice = search_here(config, fit_run.RUNGS["fp32"], device="cuda", batch=4, seq=64, budget_mib=30.0)
+    choice.table[0]["host_mib"] = 9000.0  # the chosen setup, as an offloaded one's row would say
+    events = []
+    chosen, tries = run_choice(choice, config, load, blocks, device="cuda", batch=4, budget_mib=30.0,
+                               on_event=lambda **row: events.append(row))
+    assert tries[0]["status"] == "oom" and "its predicted host memory 9,000.0 MiB" in tries[0]["error"]
+    assert events[0] == {"rung": choice.plan.name, "attempt": f"auto-fit {choice.plan.name}", "result": "skipped"}
+    # not run: the first setup the card measured is the next one (which the played card runs out of memory on)
+    assert played_card["tries"][0]["setup"] == choice.fitting[1].name
+
+
+def test_device_cuda_without_a_card_is_a_one_line_error_before_anything_runs(env, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32",), device="cuda", micro_batch=4, seq_len=64, reference_model="")
+    with pytest.raises(ConfigError, match=r"^device=cuda: no CUDA device on this machine .*; use device=cpu or "
+                                          r"device=auto$"):
+        run_ladder(cfg, progress=False)
+    assert not os.path.exists(env / "results" / "ladder")  # no rung was measured first
+    assert LadderConfig().device == "auto"
+    with pytest.raises(ConfigError, match="device"):
+        LadderConfig(device="tpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# gpu-check's auto-fit check (studies/ladder/gpu_autofit.py): its plan and verdict, and its CUDA layer played
+
+def test_the_checks_cap_lies_between_the_two_needs_only_where_it_is_clear_of_both():
+    cap, setups = gpu_autofit.plan_cap(10_376.0, 5_156.0)  # Qwen2-0.5B at 1 x 512 on the H200, as re-predicted
+    assert setups == ["fp32", "bf16_true"] and cap == pytest.approx(7_766.0)
+    cap, setups = gpu_autofit.plan_cap(26.0, 24.0)  # the tiny base: the segments and the workspace, both
+    assert setups == ["fp32"] and cap == 13.0  # fp32 must run out, and the step-down ends on the CPU
+
+
+def _tries(first="oom", second=("bf16_true", "ok", 7_000.0), device="cuda"):
+    return [{"setup": "fp32", "status": first, "device": device,
+             "error": "CUDA out of memory. Tried to allocate 1.02 GiB" if first == "oom" else ""},
+            {"setup": second[0], "status": second[1], "device": device, "error": "",
+             "measured_reserved_mib": second[2]}]
+
+
+@pytest.mark.parametrize("tries, left, failure", [
+    (_tries(), 66.0, None),
+    (_tries(first="ok"), 66.0, "fp32 (predicted 10,376 MiB) did not run out of memory under a 7,766 MiB cap: ok"),
+    (_tries(second=("cpu", "ok", None)), 66.0, "the step-down ended on cpu, not bf16_true"),
+    (_tries(second=("bf16_true", "ok", 8_000.0)), 66.0, "bf16_true reserved 8,000 MiB, past the 7,766 MiB cap"),
+    (_tries(), 2_066.0, "the card holds 2,000 MiB more allocated after the step-down than before it"),
+    (_tries(device="cpu"), 66.0, "fp32 was not run on the card"),
+    ([*_tries()[:1], {"setup": "bf16_true", "status": "oom", "error": "CUDA out of memory"}], 66.0,
+     "nothing trained after the step-down (expected bf16_true): fp32: oom; bf16_true: oom"),
+])
+def test_the_auto_fit_checks_verdict(tries, left, failure):
+    v = gpu_autofit.autofit_verdict(tries, cap_mib=7_766.0, needs_mib={"fp32": 10_376.0, "bf16_true": 5_156.0},
+                                    setups=["fp32", "bf16_true"], left_before_mib=66.0, left_after_mib=left)
+    assert v["status"] == ("pass" if failure is None else "fail"), v["failures"]
+    if failure:
+        assert any(f.startswith(failure) for f in v["failures"]), v["failures"]
+    assert "| fp32 | 10,376 | " in v["report"] and "cap 7,766 MiB" in v["report"]
+
+
+def test_the_auto_fit_check_runs_the_step_down_on_the_card_under_its_cap(tiny_base, played_card, monkeypatch):
+    """check_autofit's CUDA layer on the CPU: the card's calls played (fit_run's stand-ins: the first
+    setup runs out of memory, the next trains). On the tiny base the two needs are too close: fp32 alone
+    on the card, under half its need, then the CPU."""
+    import types
+
+    allocated = iter([66 * MiB, 66 * MiB])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(gpu_autofit, "release_held", lambda device: played_card["released"].append(str(device)))
+    opts = types.SimpleNamespace(model="embedded", tiny=True, batch=4, seq=64, device="cuda")
+    v = gpu_autofit.check_autofit(opts)
+    assert v["status"] == "pass", v["failures"]
+    need = v["predicted_needs_mib"]["fp32"]
+    assert v["cap_mib"] == need / 2 and v["expected"] == "cpu"
+    assert [(t["setup"], t["device"], t["cap"]) for t in played_card["tries"]] == [
+        ("fp32", "cuda:0", need / 2), ("cpu", "cpu", None)]
+    assert played_card["budgets"] == [("cuda:0", need / 2, "live")]  # the card's try alone under the cap
