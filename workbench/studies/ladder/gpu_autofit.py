@@ -5,13 +5,14 @@
 Study 2 runs auto-fit's choice on a card under a real CUDA budget (studies/ladder/fit_run.py). This
 check makes the first setup run out of memory for real: it predicts two setups of the check's model on
 the card at hand, fp32 and pure bf16 (about half its need), and runs auto-fit's step-down order
-(fp32, then bf16-true, then the CPU) under a cap halfway between their predicted needs, the allocator
+(fp32, then bf16-true, then the CPU) under a cap halfway between fp32's allocated peak (no cap below
+it holds the step) and bf16-true's reserved peak (what a card with room holds for it), the allocator
 capped with `set_per_process_memory_fraction`. fp32 must run out of memory on the card (the
 allocator's error, not a prediction's skip), bf16-true must then train under the same cap, and the
 failed setup must leave nothing allocated on the card. Where the two needs are too close for a cap
 between them to be clear of the prediction's error (the tiny base of --quick, whose needs are mostly
-the allocator's 20 MiB segments and the cuBLAS workspace), the cap is half of fp32's need and the
-step-down must end on the CPU.
+the allocator's 20 MiB segments and the cuBLAS workspace), the cap is half of fp32's allocated peak and
+the step-down must end on the CPU.
 
 The verdict and its report are plain functions, tested on the CPU (tests/test_gpu_check.py);
 `check_autofit` runs on CUDA only.
@@ -42,13 +43,15 @@ CLEAR = 0.10
 LEFT_TOLERANCE_MIB = 64.0
 
 
-def plan_cap(first_mib: float, next_mib: float) -> tuple[float, list[str]]:
-    """(cap in MiB, the setups to try): halfway between the needs where both are clear of it, else half
-    of the first's need with only the first on the card (the step-down then ends on the CPU)."""
-    cap = (first_mib + next_mib) / 2
-    if first_mib >= cap * (1 + CLEAR) and next_mib * (1 + CLEAR) <= cap:
+def plan_cap(first_allocated_mib: float, next_reserved_mib: float) -> tuple[float, list[str]]:
+    """(cap in MiB, the setups to try): halfway between the first setup's allocated peak (a cap below it
+    cannot hold the step, whatever the allocator gives back) and the next one's reserved peak (a cap
+    above it holds the step as a card with room runs it), where both are clear of it; else half of the
+    first's allocated peak with only the first on the card (the step-down then ends on the CPU)."""
+    cap = (first_allocated_mib + next_reserved_mib) / 2
+    if first_allocated_mib >= cap * (1 + CLEAR) and next_reserved_mib * (1 + CLEAR) <= cap:
         return cap, [FIRST, NEXT]
-    return first_mib / 2, [FIRST]
+    return first_allocated_mib / 2, [FIRST]
 
 
 def autofit_verdict(tries: list[dict[str, Any]], *, cap_mib: float, needs_mib: dict[str, float], setups: list[str],
@@ -84,7 +87,7 @@ def autofit_verdict(tries: list[dict[str, Any]], *, cap_mib: float, needs_mib: d
 def autofit_markdown(tries: list[dict[str, Any]], cap_mib: float, needs_mib: dict[str, float],
                      before_mib: float, after_mib: float) -> str:
     lines = [f"### Auto-fit's step-down on the card's own out-of-memory error (cap {cap_mib:,.0f} MiB)", "",
-             "| setup | predicted need (MiB) | device | status | reserved peak (MiB) | error |", "|---|---|---|---|---|---|"]
+             "| setup | predicted (MiB: fp32 allocated, the next reserved) | device | status | reserved peak (MiB) | error |", "|---|---|---|---|---|---|"]
     for t in tries:
         need = needs_mib.get(t.get("setup"))  # (the rungs' setups are named as the rungs)
         lines.append(f"| {t.get('setup')} | {'-' if need is None else f'{need:,.0f}'} | {t.get('device', '-')} | "
@@ -102,8 +105,9 @@ def check_autofit(opts) -> dict[str, Any]:
     config, load, blocks, _ = model_at_hand(cfg)
     dev = indexed(opts.device)
     card = cuda_model.card_at_hand(dev)
-    needs = {name: predict(config, name, batch=opts.batch, seq=opts.seq, device="cuda", card=card,
-                           load="host").fit_bytes / MiB for name in (FIRST, NEXT)}  # as measure() loads them
+    p = {name: predict(config, name, batch=opts.batch, seq=opts.seq, device="cuda", card=card, load="host")
+         for name in (FIRST, NEXT)}  # as measure() loads them
+    needs = {FIRST: p[FIRST].allocated_peak_bytes / MiB, NEXT: p[NEXT].fit_bytes / MiB}
     cap, setups = plan_cap(needs[FIRST], needs[NEXT])
     plans = [RUNGS[s] for s in setups]
     choice = SetupChoice(plans[0], opts.batch, int(cap * MiB), 0.0, "gpu-check: a cap between the setups' needs",
