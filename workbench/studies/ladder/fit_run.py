@@ -65,7 +65,7 @@ def run_choice(choice: SetupChoice, config: Any, load: Callable[[], torch.nn.Mod
     with its measured peaks). `on_event(rung=, attempt=, result=)` hears each try that did not train."""
     device = torch.device(device)
     cpu = torch.device("cpu")
-    ran_on: dict[str, dict[str, Any]] = {}
+    measured: dict[str, dict[str, Any]] = {}  # by setup: the measurement of each try that trained
     host_mib = {r["setup"]: r.get("host_mib") or 0.0 for r in choice.table}
 
     def attempt(plan: Plan) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def run_choice(choice: SetupChoice, config: Any, load: Callable[[], torch.nn.Mod
             raise torch.OutOfMemoryError(m["reason"])
         if m["status"] != "ok":
             raise RuntimeError(f"{plan.name}: {m['status']}: {m['reason']}")
-        ran_on[plan.name] = m
+        measured[plan.name] = m
         return m
 
     # the ladder's bottom rung is the last resort: nothing stays on the device
@@ -114,7 +114,7 @@ def run_choice(choice: SetupChoice, config: Any, load: Callable[[], torch.nn.Mod
         if t["setup"] is not None:
             t["device"] = str(cpu if placement.get(t["setup"]) == "cpu" else device)
     if chosen is not None:
-        tries[-1].update(_figures(ran_on[chosen]))
+        tries[-1].update(_figures(measured[chosen]))
     return chosen, tries
 
 
