@@ -21,6 +21,7 @@ from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.predict import predict
 from workbench.studies.ladder import fit_run, gpu_autofit
+from workbench.studies.ladder import autofit
 from workbench.studies.ladder.autofit import prediction_margin
 from workbench.studies.ladder.figures import findings
 from workbench.studies.ladder.fit_run import CPU_MARGIN, run_choice, search_here
@@ -105,15 +106,19 @@ def test_on_a_card_auto_fit_searches_the_cards_step_and_steps_down_under_a_real_
     assert pd.read_csv(env / "results" / "ladder" / "runs.csv")["device"].tolist() == ["cuda"]
 
 
-def test_the_card_search_predicts_what_estimate_predicts_for_that_card(env, monkeypatch):
-    """The search's figures on a card are `predict(device="cuda", card=...)`'s, and its margins are
+def test_the_card_search_predicts_the_step_its_tries_run_for_that_card(env, monkeypatch):
+    """The search's figures on a card are `predict(device="cuda", card=..., load="host")`'s (the tries
+    convert the weights on the host before moving them, as `measure` does), and its margins are
     `prediction_margin(plan, device="cuda")`, the same the command line's --search keeps."""
     monkeypatch.setattr(cuda_model, "card_at_hand", lambda device="cuda": cuda_model.card(CARD))
+    loads = []  # (on the tiny base the two loads leave the same segments: the call is what tells them apart)
+    monkeypatch.setattr(autofit, "predict", lambda *a, **kw: loads.append(kw.get("load")) or predict(*a, **kw))
     cfg = LadderConfig(base_size="tiny", micro_batch=4, seq_len=64)
     config = model_at_hand(cfg)[0]
     choice = search_here(config, fit_run.RUNGS["fp32"], device="cuda", batch=4, seq=64, budget_mib=30.0)
+    assert loads and set(loads) == {"host"}
     row = choice.table[0]
-    p = predict(config, choice.plan, batch=4, seq=64, device="cuda", card=CARD)
+    p = predict(config, choice.plan, batch=4, seq=64, device="cuda", card=CARD, load="host")
     assert row["setup"] == choice.plan.name and row["need_mib"] == pytest.approx(p.fit_bytes / MiB)
     assert row["margin"] == pytest.approx(prediction_margin(choice.plan, device="cuda")[0])
     on_cpu = search_here(config, fit_run.RUNGS["fp32"], device="cpu", batch=4, seq=64, budget_mib=30.0)

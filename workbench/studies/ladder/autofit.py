@@ -242,7 +242,7 @@ class SetupChoice:
 def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, device: str = "cuda",
            card: str | float | None = None, allow_lora: bool = False, margin: float | None = None,
            margin_source: str = "given", keep: int = 3, runnable: Callable[[Plan], bool] | None = None,
-           progress: bool = False) -> SetupChoice:
+           progress: bool = False, load: str = "dtype") -> SetupChoice:
     """The fastest setup (by the prior cost) predicted to fit `budget_mib` with its margin
     (`prediction_margin` for each setup on `device`, or `margin` for all when given).
 
@@ -254,7 +254,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     cannot need less than the setup kept last) is not predicted (`ruled_out`; its row says why,
     `not_predicted`): the choice and the step-down order are those of predicting every candidate.
     `progress`: a bar on standard error, one tick per setup (each predicted one a simulated step:
-    seconds to a minute)."""
+    seconds to a minute). `load` (CUDA): how the weights reach the card (`predict`'s: "dtype", as
+    `model.to("cuda")` moves a model; "host", as the workbench's own tries load it)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
     if not budget_mib > 0:
@@ -288,7 +289,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                 bar.update()
                 continue
             try:
-                p = predict(model, plan, batch=batch, seq=seq, device=device, card=the_card)  # "here" read once
+                p = predict(model, plan, batch=batch, seq=seq, device=device, card=the_card,  # "here" read once
+                            load=load)
             except WeightsExceedCard:  # a setup that does not fit, not the end of the search
                 p = None
                 if _weights_key(plan) is not None:

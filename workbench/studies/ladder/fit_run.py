@@ -5,7 +5,8 @@
     ran, tries = run_choice(choice, config, load, blocks, device="cuda", batch=8, budget_mib=4096)
 
 On a card (`device` cuda, cuda:N) the search predicts the card's step (CUDA's kernels and caching
-allocator, for the card at hand: the reserved peak, which a card's budget caps), each setup with its
+allocator, for the card at hand: the reserved peak, which a card's budget caps; the weights loaded as
+`measure` loads them, `predict(load="host")`), each setup with its
 own margin, the prediction's error measured on cards (`autofit.prediction_margin`). Each try runs on
 the card under a real CUDA budget (`device_budget`: torch's allocator capped at `budget_mib` with
 `set_per_process_memory_fraction`, so running out is the card's own out-of-memory error), measured by
@@ -51,8 +52,10 @@ def search_here(config: Any, setup: Plan, *, device: str | torch.device, batch: 
     device = torch.device(device)
     runnable = (lambda p: p.cannot_run_here(device) is None)  # noqa: E731 (one line, named by its use)
     if device.type == "cuda":
+        # the step its tries run: the weights converted on the host (QLoRA's quantized onto the card), then moved
         return search(config, setup, batch=batch, seq=seq, budget_mib=budget_mib, device="cuda",
-                      card=cuda_model.card_at_hand(device), keep=2, runnable=runnable, progress=progress)
+                      card=cuda_model.card_at_hand(device), keep=2, runnable=runnable, progress=progress,
+                      load="host")
     return search(config, setup, batch=batch, seq=seq, budget_mib=budget_mib, device="cpu", margin=CPU_MARGIN,
                   margin_source=CPU_MARGIN_SOURCE, keep=2, runnable=runnable, progress=progress)
 
