@@ -19,8 +19,8 @@ On a CPU-only machine the "accelerator" is the CPU too: this shows what the bala
 the host's work slows backward (here it must, with two cores), not GPU speed. On two cores an
 engine whose host worker has run torch's parallel CPU ops stays slower after k reaches 1 (1.37x a
 step, measured 2026-11-26; none with OMP_NUM_THREADS=1): the adaptive run's tokens/s after its last
-move trail k=1's for that reason too, not only for the k it chose (README, "Measured on an H200
-(2026-11-26)").
+move trail k=1's for that reason too, not only for the k it chose (docs/card-records.md,
+2026-11-26).
 
 Last line: `split_adaptive: VALUE` (adaptive tokens/s over the best fixed k's; 1.0 = as fast).
 A row goes to results/benchmarks.csv with versions and hardware.

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/split_moved_k.py               # about 2 min on 2 cores
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_moved_k.py
 
-The README (study 3, "Measured on an H200 (2026-11-26)") reports that on this machine's two cores a
+docs/card-records.md (study 3, 2026-11-26) reports that on this machine's two cores a
 CPU engine moved from k=0 to k=1 at its fourth step ran 1.37x slower per step than one at k=1 from
 the start (steps 7-12), and the same with OMP_NUM_THREADS=1. That was measured once, by hand. This
 script repeats the measurement so that it can be checked: study 3's `SplitEngine` on the small
