@@ -176,7 +176,8 @@ def _tries(first="oom", second=("bf16_true", "ok", 7_000.0), device="cuda"):
 
 @pytest.mark.parametrize("tries, left, failure", [
     (_tries(), 66.0, None),
-    (_tries(first="ok"), 66.0, "fp32 (predicted 10,376 MiB) did not run out of memory under a 7,766 MiB cap: ok"),
+    (_tries(first="ok"), 66.0, "fp32 (allocated peak predicted 10,376 MiB) did not run out of memory under a "
+                               "7,766 MiB cap: ok"),
     (_tries(second=("cpu", "ok", None)), 66.0, "the step-down ended on cpu, not bf16_true"),
     (_tries(second=("bf16_true", "ok", 8_000.0)), 66.0, "bf16_true reserved 8,000 MiB, past the 7,766 MiB cap"),
     (_tries(), 2_066.0, "the card holds 2,000 MiB more allocated after the step-down than before it"),

@@ -42,7 +42,7 @@ from workbench.core.training import TrainSettings, train
 from workbench.front.gpu_report import TIME_SPENT
 from workbench.front.notebooks import available, run_notebook
 
-# the studies whose runs must have trained on the card (study 2's CPU plays the card by design)
+# the studies whose runs must have trained on the card (study 2's: its auto-fit's; its rungs run on the CPU)
 EXPECTS_GPU = {"strategies": True, "ladder": True, "split": True}
 # columns of a study's runs.csv that say where a run trained: study 1's `device` (the attempt that
 # finished; its `device_history` lists every attempt, skipped and out-of-memory ones too), study 2's

@@ -14,8 +14,8 @@ between them to be clear of the prediction's error (the tiny base of --quick, wh
 the allocator's 20 MiB segments and the cuBLAS workspace), the cap is half of fp32's allocated peak and
 the step-down must end on the CPU.
 
-The verdict and its report are plain functions, tested on the CPU (tests/test_gpu_check.py);
-`check_autofit` runs on CUDA only.
+The plan, the verdict and its report are plain functions, tested on the CPU (tests/test_fit_run.py,
+where `check_autofit`'s CUDA layer is also played); `check_autofit` runs on CUDA only.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def autofit_verdict(tries: list[dict[str, Any]], *, cap_mib: float, needs_mib: d
     failures = []
     first = tries[0] if tries else {}
     if first.get("setup") != setups[0] or first.get("status") != "oom":
-        failures.append(f"{setups[0]} (predicted {needs_mib[setups[0]]:,.0f} MiB) did not run out of memory under a "
+        failures.append(f"{setups[0]} (allocated peak predicted {needs_mib[setups[0]]:,.0f} MiB) did not run out of "
+                        f"memory under a "
                         f"{cap_mib:,.0f} MiB cap: {first.get('status', 'not tried')} {first.get('error', '')}".strip())
     elif "predicted host memory" in first.get("error", "") or not str(first.get("device", "")).startswith("cuda"):
         failures.append(f"{setups[0]} was not run on the card: {first.get('error')}")
@@ -87,7 +88,8 @@ def autofit_verdict(tries: list[dict[str, Any]], *, cap_mib: float, needs_mib: d
 def autofit_markdown(tries: list[dict[str, Any]], cap_mib: float, needs_mib: dict[str, float],
                      before_mib: float, after_mib: float) -> str:
     lines = [f"### Auto-fit's step-down on the card's own out-of-memory error (cap {cap_mib:,.0f} MiB)", "",
-             "| setup | predicted (MiB: fp32 allocated, the next reserved) | device | status | reserved peak (MiB) | error |", "|---|---|---|---|---|---|"]
+             "| setup | predicted (MiB: the first's allocated peak, the next's reserved) | device | status | "
+             "reserved peak (MiB) | error |", "|---|---|---|---|---|---|"]
     for t in tries:
         need = needs_mib.get(t.get("setup"))  # (the rungs' setups are named as the rungs)
         lines.append(f"| {t.get('setup')} | {'-' if need is None else f'{need:,.0f}'} | {t.get('device', '-')} | "
