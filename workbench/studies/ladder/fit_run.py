@@ -79,9 +79,8 @@ def run_choice(choice: SetupChoice, config: Any, load: Callable[[], torch.nn.Mod
             short = past_free_memory(host_mib.get(plan.name, 0.0))
             too_big = f"its predicted host memory {short}: not run" if short else None
         else:  # the step as the live-bytes count runs it: all of it host memory here
-            p = predict(config, plan, batch=batch, seq=int(blocks.shape[1]), n_blocks=len(blocks), instrumented=True)
-            short = past_free_memory(max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB)
-            too_big = f"predicted peak {short}: not measured" if short else None
+            too_big = past_free(predict(config, plan, batch=batch, seq=int(blocks.shape[1]), n_blocks=len(blocks),
+                                        instrumented=True))
         if too_big:
             on_event(rung=plan.name, attempt=name, result="skipped")
             raise torch.OutOfMemoryError(too_big)
@@ -119,6 +118,13 @@ def run_choice(choice: SetupChoice, config: Any, load: Callable[[], torch.nn.Mod
     if chosen is not None:
         tries[-1].update(_figures(measured[chosen]))
     return chosen, tries
+
+
+def past_free(p) -> str | None:
+    """Why a CPU step predicted as `p` is not measured here (None: it may be). A CPU step past the
+    free memory raises no OutOfMemoryError: the OOM killer takes the study with it."""
+    short = past_free_memory(max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB)
+    return f"predicted peak {short}: not measured" if short else None
 
 
 def _figures(m: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import pandas as pd
 import torch
 
 from workbench import __version__
-from workbench.core.common import MiB, Sink, past_free_memory
+from workbench.core.common import MiB, Sink
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory.baselines import baseline_table
@@ -52,7 +52,7 @@ from workbench.core.models import load_model, model_fingerprint
 from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, atomic_write_text, code_fingerprint,
                                     read_steps, read_table, results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
-from workbench.studies.ladder.fit_run import run_choice, search_here
+from workbench.studies.ladder.fit_run import past_free, run_choice, search_here
 from workbench.studies.ladder.rungs import measure
 
 
@@ -157,7 +157,7 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyRe
             torch.manual_seed(cfg.seed)
             # the rungs are measured on this CPU (device or host), with no budget enforced: one
             # past the free memory would have the OOM killer take the study with it
-            too_big = _past_free_memory(p)
+            too_big = past_free(p)
             if too_big:
                 m = {"status": "skipped", "reason": too_big}
             else:
@@ -239,13 +239,6 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyRe
     steps = read_steps(run.path / "steps.jsonl") if (run.path / "steps.jsonl").exists() else pd.DataFrame()
     return StudyResult(STUDY, runs=df, steps=steps, tables={k: v for k, v in tables.items() if k != "ladder"},
                        paths={**paths, "run_dir": str(run.path)})
-
-
-def _past_free_memory(p) -> str | None:
-    """Why a step predicted as `p` is not measured on this CPU (None: it may be). A CPU step past the
-    free memory raises no OutOfMemoryError: the OOM killer takes the study with it."""
-    short = past_free_memory(max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB)
-    return f"predicted peak {short}: not measured" if short else None
 
 
 def _figures_of(df: pd.DataFrame) -> dict[str, float]:
