@@ -23,7 +23,7 @@ from workbench.core.memory.predict import predict
 from workbench.studies.ladder import fit_run, gpu_autofit
 from workbench.studies.ladder import autofit
 from workbench.studies.ladder.autofit import prediction_margin
-from workbench.studies.ladder.figures import findings
+from workbench.studies.ladder.figures import _fit_where, findings
 from workbench.studies.ladder.fit_run import CPU_MARGIN, run_choice, search_here
 from workbench.studies.ladder.runner import LadderConfig, model_at_hand, run_ladder
 
@@ -213,3 +213,13 @@ def test_the_auto_fit_check_runs_the_step_down_on_the_card_under_its_cap(tiny_ba
     assert [(t["setup"], t["device"], t["cap"]) for t in played_card["tries"]] == [
         ("fp32", "cuda:0", need / 2), ("cpu", "cpu", None)]
     assert played_card["budgets"] == [("cuda:0", need / 2, "live")]  # the card's try alone under the cap
+
+
+def test_the_finding_says_where_auto_fits_last_try_ran():
+    """A step-down past the card ends on the CPU, with no budget: the finding had said "on the card"
+    whenever any try had been there."""
+    where = lambda *devices: _fit_where(pd.DataFrame({"device": [*devices, None]}))  # noqa: E731 (the verdict row)
+    assert where("cuda", "cuda").startswith(" on the card (") and "then" not in where("cuda", "cuda")
+    assert where("cuda", "cpu").endswith(", then on the CPU (the cpu rung: no budget)")
+    assert where("cpu", "cpu") == " on the CPU (the budget played: live tensor bytes counted)"
+    assert _fit_where(pd.DataFrame({"setup": ["x"]})) == ""

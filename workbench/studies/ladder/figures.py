@@ -226,10 +226,13 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
 
 
 def _fit_where(fit: pd.DataFrame) -> str:
-    """' on the card (...)' or ' on the CPU (...)': where auto-fit's tries ran, and what the budget capped there."""
-    devices = set(fit["device"].dropna().astype(str)) if "device" in fit else set()
-    if any(d.startswith("cuda") for d in devices):
-        return " on the card (its allocator's reserved memory capped at the budget: a real out-of-memory error)"
+    """Where auto-fit's tries ran, the last one's place last, and what the budget capped there."""
+    devices = fit["device"].dropna().astype(str).tolist() if "device" in fit else []
+    card = " on the card (its allocator's reserved memory capped at the budget: a real out-of-memory error)"
+    if devices and devices[-1].startswith("cuda"):
+        return card
+    if any(d.startswith("cuda") for d in devices):  # stepped down past the card to the ladder's last resort
+        return card + ", then on the CPU (the cpu rung: no budget)"
     return " on the CPU (the budget played: live tensor bytes counted)" if devices else ""
 
 
