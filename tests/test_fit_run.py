@@ -77,8 +77,11 @@ def test_on_a_card_auto_fit_searches_the_cards_step_and_steps_down_under_a_real_
     out-of-memory error (item 5 of the card issue: step down on a real one) never reached it."""
     cfg = LadderConfig(base_size="tiny", rungs=("fp32",), micro_batch=4, seq_len=64, steps=2, budget_mib=30.0,
                        reference_model="", measure=False)
-    result = run_ladder(cfg, progress=False)
+    rows = []
+    result = run_ladder(cfg, sinks=[rows.append], progress=False)
     searched, fit = result.tables["autofit_search"], result.tables["autofit"]
+    # the live chart hears how each try ended, the one that trained too (its status line ends on it)
+    assert [r["result"] for r in rows if r.get("event") == "attempt"] == ["oom", "ok"]
 
     # the search predicted the card's step: its reserved peak, with the margin measured on cards
     first = searched.iloc[0]
@@ -139,6 +142,8 @@ def test_a_card_try_past_the_hosts_free_memory_is_not_run(env, played_card, monk
                                on_event=lambda **row: events.append(row))
     assert tries[0]["status"] == "oom" and "its predicted host memory 9,000.0 MiB" in tries[0]["error"]
     assert events[0] == {"rung": choice.plan.name, "attempt": f"auto-fit {choice.plan.name}", "result": "skipped"}
+    # every try's end is an event, the one that trained too (a live chart's status line ends on it)
+    assert [e["rung"] for e in events] == [t["setup"] for t in tries if t["setup"]]
     # not run: the first setup the card measured is the next one (which the played card runs out of memory on)
     assert played_card["tries"][0]["setup"] == choice.fitting[1].name
 

@@ -65,7 +65,8 @@ def run_choice(choice: SetupChoice, config: Any, load: Callable[[], torch.nn.Mod
                on_event: Callable[..., None] = lambda **row: None) -> tuple[str | None, list[dict[str, Any]]]:
     """Run `choice` (its step-down order, then the cpu rung) on `device` under `budget_mib`; returns the
     setup that ran (None: none did) and one row per try (setup, device, status, error; the one that ran
-    with its measured peaks). `on_event(rung=, attempt=, result=)` hears each try that did not train."""
+    with its measured peaks). `on_event(rung=, attempt=, result=)` hears how each try ended (skipped, oom,
+ok...), as the study's event rows did before."""
     device = torch.device(device)
     cpu = torch.device("cpu")
     measured: dict[str, dict[str, Any]] = {}  # by setup: the measurement of each try that trained
@@ -91,8 +92,7 @@ def run_choice(choice: SetupChoice, config: Any, load: Callable[[], torch.nn.Mod
                             sinks=sinks)
         else:  # played: live bytes counted (measure gives the cpu rung, the last resort, no budget at all)
             m = measure(plan, load, blocks, batch=batch, steps=TRY_STEPS, lr=lr, sinks=sinks, budget_mib=budget_mib)
-        if m["status"] != "ok":
-            on_event(rung=plan.name, attempt=name, result=m["status"])
+        on_event(rung=plan.name, attempt=name, result=m["status"])  # ok too: a live chart's status line ends on it
         if m["status"] == "oom":
             raise torch.OutOfMemoryError(m["reason"])
         if m["status"] != "ok":
