@@ -10,7 +10,7 @@ keeps what the load left: a segment a converted weight took part of is not given
   `model.to("cuda")` (the timeline as simulated, nothing added). `from_pretrained` with a device_map
   (which a bitsandbytes-quantized model always gets) first reserves one block the size of the model
   (transformers' `caching_allocator_warmup`) and cuts the weights from it: not modelled
-  (tools/warmup_probe.py replays such a block; the README gives what it showed);
+  (tools/warmup_probe.py replays such a block; docs/prediction.md gives what it showed);
 - "host": as this workbench's own runs load a plan (ladder.rungs.measure, since 2026-11-26, after
   that day's card record): converted on the host (a pure-half plan's cast), QLoRA's linear layers
   quantized onto the card one at a time (`quantize_onto_card`), the rest moved after, then
