@@ -113,16 +113,19 @@ def test_the_card_search_predicts_the_step_its_tries_run_for_that_card(env, monk
     """The search's figures on a card are `predict(device="cuda", card=..., load="host")`'s (the tries
     convert the weights on the host before moving them, as `measure` does), and its margins are
     `prediction_margin(plan, device="cuda")`, the same the command line's --search keeps."""
-    monkeypatch.setattr(cuda_model, "card_at_hand", lambda device="cuda": cuda_model.card(CARD))
+    # a card before sm_80, where bf16 is emulated: the search offers fp16-mixed there, so it shows the card
+    # at hand was searched for (on the tiny base a newer card's figures are the same as no card's)
+    monkeypatch.setattr(cuda_model, "card_at_hand", lambda device="cuda": cuda_model.card("T4 16GB"))
     loads = []  # (on the tiny base the two loads leave the same segments: the call is what tells them apart)
     monkeypatch.setattr(autofit, "predict", lambda *a, **kw: loads.append(kw.get("load")) or predict(*a, **kw))
     cfg = LadderConfig(base_size="tiny", micro_batch=4, seq_len=64)
     config = model_at_hand(cfg)[0]
     choice = search_here(config, fit_run.RUNGS["fp32"], device="cuda", batch=4, seq=64, budget_mib=30.0)
     assert loads and set(loads) == {"host"}
-    row = choice.table[0]
-    p = predict(config, choice.plan, batch=4, seq=64, device="cuda", card=CARD, load="host")
-    assert row["setup"] == choice.plan.name and row["need_mib"] == pytest.approx(p.fit_bytes / MiB)
+    assert choice.table[0]["setup"].startswith("fp16-mixed") and choice.plan.precision == "fp16"
+    row = next(r for r in choice.table if r["setup"] == choice.plan.name)
+    p = predict(config, choice.plan, batch=4, seq=64, device="cuda", card="T4 16GB", load="host")
+    assert row["need_mib"] == pytest.approx(p.fit_bytes / MiB)
     assert row["margin"] == pytest.approx(prediction_margin(choice.plan, device="cuda")[0])
     on_cpu = search_here(config, fit_run.RUNGS["fp32"], device="cpu", batch=4, seq=64, budget_mib=30.0)
     assert {r["margin"] for r in on_cpu.table} == {CPU_MARGIN}
@@ -148,6 +151,31 @@ def test_a_card_try_past_the_hosts_free_memory_is_not_run(env, played_card, monk
     assert played_card["tries"][0]["setup"] == choice.fitting[1].name
 
 
+def test_a_try_that_neither_trains_nor_runs_out_keeps_the_tries_before_it(env, played_card, monkeypatch):
+    """A setup that cannot run here (measure() skips it, e.g. no bitsandbytes kernel) after one that ran out
+    of memory: both tries are rows, each under its own name. The whole table had been one row naming the
+    first setup, with the second's error."""
+    def measure(plan, load, blocks, **kw):
+        played_card["tries"].append(plan.name)
+        if len(played_card["tries"]) == 1:
+            return {"status": "oom", "reason": "CUDA out of memory (played)"}
+        return {"status": "skipped", "reason": "bitsandbytes has no kernel here (played)"}
+
+    monkeypatch.setattr(fit_run, "measure", measure)
+    cfg = LadderConfig(base_size="tiny", micro_batch=4, seq_len=64)
+    config, load, blocks, _ = model_at_hand(cfg)
+    choice = search_here(config, fit_run.RUNGS["fp32"], device="cuda", batch=4, seq=64, budget_mib=30.0)
+    events = []
+    chosen, tries = run_choice(choice, config, load, blocks, device="cuda", batch=4, budget_mib=30.0,
+                               on_event=lambda **row: events.append(row))
+    first, second = (p.name for p in choice.fitting[:2])
+    assert chosen is None and played_card["tries"] == [first, second]
+    assert [(t["setup"], t["status"], t["device"]) for t in tries] == [(first, "oom", "cuda"),
+                                                                       (second, "skipped", "cuda")]
+    assert "played" in tries[0]["error"] and "bitsandbytes" in tries[1]["error"]
+    assert [(e["rung"], e["result"]) for e in events] == [(first, "oom"), (second, "skipped")]
+
+
 def test_device_cuda_without_a_card_is_a_one_line_error_before_anything_runs(env, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = LadderConfig(base_size="tiny", rungs=("fp32",), device="cuda", micro_batch=4, seq_len=64, reference_model="")
@@ -170,6 +198,8 @@ def test_the_checks_cap_lies_between_the_two_needs_only_where_it_is_clear_of_bot
     cap, setups = gpu_autofit.plan_cap(12.0, 24.0)  # the tiny base: the segments and the workspace decide
     assert setups == ["fp32"] and cap == 6.0  # fp32 must run out, and the step-down ends on the CPU
     assert gpu_autofit.plan_cap(10.0, 8.5)[1] == ["fp32"]  # a cap between them would be inside the error
+    # clear of bf16-true's need (110 MiB under a 110.5 cap) but not of fp32's (121 is 9.5% above it)
+    assert gpu_autofit.plan_cap(121.0, 100.0) == (60.5, ["fp32"])
 
 
 def _tries(first="oom", second=("bf16_true", "ok", 7_000.0), device="cuda"):
@@ -187,6 +217,9 @@ def _tries(first="oom", second=("bf16_true", "ok", 7_000.0), device="cuda"):
     (_tries(second=("bf16_true", "ok", 8_000.0)), 66.0, "bf16_true reserved 8,000 MiB, past the 7,766 MiB cap"),
     (_tries(), 2_066.0, "the card holds 2,000 MiB more allocated after the step-down than before it"),
     (_tries(device="cpu"), 66.0, "fp32 was not run on the card"),
+    # not run for the host's memory (fit_run counts it out of memory, on the card's device): no card error
+    ([{**_tries()[0], "error": "its predicted host memory 9,000.0 MiB > the 10 MiB this machine has free: not run"},
+      _tries()[1]], 66.0, "fp32 was not run on the card"),
     ([*_tries()[:1], {"setup": "bf16_true", "status": "oom", "error": "CUDA out of memory"}], 66.0,
      "nothing trained after the step-down (expected bf16_true): fp32: oom; bf16_true: oom"),
 ])
@@ -205,19 +238,29 @@ def test_the_auto_fit_check_runs_the_step_down_on_the_card_under_its_cap(tiny_ba
     on the card, under half its need, then the CPU."""
     import types
 
-    allocated = iter([66 * MiB, 66 * MiB])
+    allocated = iter([66 * MiB, 100 * MiB])  # before and after the step-down (within its tolerance)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(gpu_autofit, "release_held", lambda device: played_card["released"].append(str(device)))
+    asked = []  # the check's predictions: for the card at hand, loaded as measure() loads them
+    monkeypatch.setattr(gpu_autofit, "predict", lambda *a, **kw: asked.append(kw) or predict(*a, **kw))
     opts = types.SimpleNamespace(model="embedded", tiny=True, batch=4, seq=64, device="cuda")
     v = gpu_autofit.check_autofit(opts)
     assert v["status"] == "pass", v["failures"]
-    need = v["predicted_needs_mib"]["fp32"]  # fp32's allocated peak on the card
+    assert [(kw["card"].name, kw["load"]) for kw in asked] == [(CARD, "host")] * 2
+    config = model_at_hand(LadderConfig(base_size="tiny", micro_batch=4, seq_len=64))[0]
+    need = predict(config, "fp32", batch=4, seq=64, device="cuda", card=CARD, load="host")
+    assert v["predicted_needs_mib"]["fp32"] == need.allocated_peak_bytes / MiB != need.fit_bytes / MiB
+    need = need.allocated_peak_bytes / MiB  # fp32's allocated peak on the card: no cap below it holds the step
     assert v["cap_mib"] == need / 2 and v["expected"] == "cpu" and need > 2
     assert [(t["setup"], t["device"], t["cap"]) for t in played_card["tries"]] == [
         ("fp32", "cuda:0", need / 2), ("cpu", "cpu", None)]
+    assert [(t["setup"], t["device"], t["status"]) for t in v["tries"]] == [("fp32", "cuda:0", "oom"),
+                                                                          ("cpu", "cpu", "ok")]
     assert played_card["budgets"] == [("cuda:0", need / 2, "live")]  # the card's try alone under the cap
+    assert played_card["released"] == ["cuda:0", "cuda:0"]  # before the check, and before the card's try
+    assert (v["left_before_mib"], v["left_after_mib"]) == (66.0, 100.0)
 
 
 def test_the_finding_says_where_auto_fits_last_try_ran():

@@ -340,14 +340,17 @@ def run_with_step_down(choice: SetupChoice, attempt: Callable[[Plan], Any], *,
                        log: Callable[[str], None] = print) -> tuple[Plan, Any, list[dict[str, Any]]]:
     """Run `attempt(plan)` with the chosen setup; on a real out-of-memory error (torch's, or CUDA's
     own: `fallback.out_of_memory`) step down to the next setup predicted to fit (the same effective
-    batch); any other error is raised. Returns (plan that ran, its result, tries); raises
-    NoSetupFits (an OutOfMemoryError, with the tries) when none ran."""
+    batch); any other error is raised, carrying the tries so far and its own (`e.tries`; its status is
+    the error's `status`, else "error"). Returns (plan that ran, its result, tries); raises NoSetupFits
+    (an OutOfMemoryError, with the tries) when none ran."""
     tries = []
     for plan in choice.fitting:
         try:
             result = attempt(plan)
         except Exception as e:
             if not out_of_memory(e):
+                e.tries = [*tries, {"setup": plan.name, "status": getattr(e, "status", "error"),
+                                    "error": str(e)[:200]}]
                 raise
             tries.append({"setup": plan.name, "status": "oom", "error": str(e)[:200]})
             log(f"auto-fit: {plan.name} ran out of memory; stepping down (same effective batch {choice.batch})")

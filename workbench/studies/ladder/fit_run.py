@@ -96,7 +96,7 @@ ok...), as the study's event rows did before."""
         if m["status"] == "oom":
             raise torch.OutOfMemoryError(m["reason"])
         if m["status"] != "ok":
-            raise RuntimeError(f"{plan.name}: {m['status']}: {m['reason']}")
+            raise TryFailed(m["status"], f"{plan.name}: {m['status']}: {m['reason']}")
         measured[plan.name] = m
         return m
 
@@ -108,9 +108,8 @@ ok...), as the study's event rows did before."""
         chosen = ran.name
     except NoSetupFits as e:  # how each try went, then the verdict
         chosen, tries = None, [*e.tries, {"setup": None, "status": "oom", "error": str(e)}]
-    except RuntimeError as e:  # a setup that cannot run here after all
-        chosen, tries = None, [{"setup": choice.plan.name if choice.plan else None, "status": "skipped",
-                                "error": str(e)}]
+    except RuntimeError as e:  # a setup that cannot run here after all: the tries before it, then its own
+        chosen, tries = None, getattr(e, "tries", None) or [{"setup": None, "status": "error", "error": str(e)[:200]}]
     placement = {p.name: p.placement for p in order.fitting}
     for t in tries:
         if t["setup"] is not None:
@@ -118,6 +117,14 @@ ok...), as the study's event rows did before."""
     if chosen is not None:
         tries[-1].update(_figures(measured[chosen]))
     return chosen, tries
+
+
+class TryFailed(RuntimeError):
+    """A try that ended neither trained nor out of memory (`status`: measure()'s, e.g. skipped or error)."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 def past_free(p) -> str | None:
