@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-10)
+TORCH_INDEX ?=
 
 .PHONY: setup reproduce reproduce-quick test browser clean-cache gpu-check card-bundle
 
@@ -12,8 +13,9 @@ setup: $(STAMP)
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
-	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# torch first and pinned (the CUDA model follows 2.13's kernel and allocator rules). From PyPI on
+	# Linux it is the CUDA build (GBs); TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU one
+	$(BIN)/python -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# DeepSpeed builds against the installed torch, so without build isolation
 	$(BIN)/python -m pip install -q --no-build-isolation deepspeed==0.19.8

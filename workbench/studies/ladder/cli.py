@@ -233,8 +233,8 @@ def _estimate(args) -> int:
             "model": args.model, "batch": args.batch, "seq": args.seq, "budget_bytes": budget, "device": args.device,
             "labels": {"peak_bytes": "simulated (live tensor bytes)", "allocated_peak_bytes": "modelled (allocator)",
                        "reserved_peak_bytes": "modelled (allocator, on a card with room: what fits compares)",
-                       "needed_reserved_bytes": "modelled (allocator, the least cap it runs under; 5-19% low on "
-                                                "the H200, not compared)",
+                       "needed_reserved_bytes": "modelled (allocator, the least cap it runs under; up to 23% low "
+                                                "on the H200 (zero_offload), not compared)",
                        "nvidia_smi_bytes": "modelled (reserved + context)",
                        "fits_card": "the fit figure + the CUDA context within --card, no margin (null: no card)",
                        "fits_budget": "the fit figure + the prediction's measured margin within the budget "
@@ -279,7 +279,7 @@ def _estimate(args) -> int:
             print(f"  reserved peak    {p.reserved_peak_bytes / MiB:>12,.1f} MiB  modelled (max_memory_reserved "
                   "on a card with room; what fits compares)")
             print(f"  reserved needed  {p.needed_reserved_bytes / MiB:>12,.1f} MiB  modelled (the least cap it runs "
-                  "under, cached blocks given back; a card needed 5-19% more, so fits does not use it)")
+                  "under, cached blocks given back; a card needed up to 23% more, so fits does not use it)")
             if p.replayed_steps:
                 print(f"  allocator        {p.replayed_steps} steps replayed, "
                       + ("until its cache repeated (a long run's peaks)" if p.steady else
