@@ -200,6 +200,9 @@ def test_the_checks_cap_lies_between_the_two_needs_only_where_it_is_clear_of_bot
     assert gpu_autofit.plan_cap(10.0, 8.5)[1] == ["fp32"]  # a cap between them would be inside the error
     # clear of bf16-true's need (110 MiB under a 110.5 cap) but not of fp32's (121 is 9.5% above it)
     assert gpu_autofit.plan_cap(121.0, 100.0) == (60.5, ["fp32"])
+    # a card that cannot give the cap (under about 6 GB for this model): bf16-true would not fit it either
+    assert gpu_autofit.plan_cap(8_664.8, 5_156.0, room_mib=5_500.0) == (4_332.4, ["fp32"])
+    assert gpu_autofit.plan_cap(8_664.8, 5_156.0, room_mib=7_000.0)[1] == ["fp32", "bf16_true"]
 
 
 def _tries(first="oom", second=("bf16_true", "ok", 7_000.0), device="cuda"):
@@ -245,6 +248,12 @@ def test_the_auto_fit_check_runs_the_step_down_on_the_card_under_its_cap(tiny_ba
     monkeypatch.setattr(gpu_autofit, "release_held", lambda device: played_card["released"].append(str(device)))
     asked = []  # the check's predictions: for the card at hand, loaded as measure() loads them
     monkeypatch.setattr(gpu_autofit, "predict", lambda *a, **kw: asked.append(kw) or predict(*a, **kw))
+    # the card as found now: 8 GiB, of which 1.5 GiB in use by others and this process's context
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(6.5 * 1024) * MiB, 8192 * MiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    rooms = []  # the cap is planned within what the card can give
+    plan_cap = gpu_autofit.plan_cap
+    monkeypatch.setattr(gpu_autofit, "plan_cap", lambda *a: rooms.append(a[2:]) or plan_cap(*a))
     opts = types.SimpleNamespace(model="embedded", tiny=True, batch=4, seq=64, device="cuda")
     v = gpu_autofit.check_autofit(opts)
     assert v["status"] == "pass", v["failures"]
@@ -261,6 +270,7 @@ def test_the_auto_fit_check_runs_the_step_down_on_the_card_under_its_cap(tiny_ba
     assert played_card["budgets"] == [("cuda:0", need / 2, "live")]  # the card's try alone under the cap
     assert played_card["released"] == ["cuda:0", "cuda:0"]  # before the check, and before the card's try
     assert (v["left_before_mib"], v["left_after_mib"]) == (66.0, 100.0)
+    assert rooms == [(6.5 * 1024,)]
 
 
 def test_the_finding_says_where_auto_fits_last_try_ran():

@@ -11,8 +11,9 @@ capped with `set_per_process_memory_fraction`. fp32 must run out of memory on th
 allocator's error, not a prediction's skip), bf16-true must then train under the same cap, and the
 failed setup must leave nothing allocated on the card. Where the two needs are too close for a cap
 between them to be clear of the prediction's error (the tiny base of --quick, whose needs are mostly
-the allocator's 20 MiB segments and the cuBLAS workspace), the cap is half of fp32's allocated peak and
-the step-down must end on the CPU.
+the allocator's 20 MiB segments and the cuBLAS workspace), or where that cap would be past what the
+card can give (a card under about 6 GB for Qwen2-0.5B at 1 x 512: bf16-true would not fit it), the cap
+is half of fp32's allocated peak and the step-down must end on the CPU.
 
 The plan, the verdict and its report are plain functions, tested on the CPU (tests/test_fit_run.py,
 where `check_autofit`'s CUDA layer is also played); `check_autofit` runs on CUDA only.
@@ -43,13 +44,15 @@ CLEAR = 0.10
 LEFT_TOLERANCE_MIB = 64.0
 
 
-def plan_cap(first_allocated_mib: float, next_reserved_mib: float) -> tuple[float, list[str]]:
+def plan_cap(first_allocated_mib: float, next_reserved_mib: float,
+             room_mib: float = float("inf")) -> tuple[float, list[str]]:
     """(cap in MiB, the setups to try): halfway between the first setup's allocated peak (a cap below it
     cannot hold the step, whatever the allocator gives back) and the next one's reserved peak (a cap
-    above it holds the step as a card with room runs it), where both are clear of it; else half of the
-    first's allocated peak with only the first on the card (the step-down then ends on the CPU)."""
+    above it holds the step as a card with room runs it), where both are clear of it and the card can
+    give it (`room_mib`: what its allocator can reserve); else half of the first's allocated peak with
+    only the first on the card (the step-down then ends on the CPU)."""
     cap = (first_allocated_mib + next_reserved_mib) / 2
-    if first_allocated_mib >= cap * (1 + CLEAR) and next_reserved_mib * (1 + CLEAR) <= cap:
+    if first_allocated_mib >= cap * (1 + CLEAR) and next_reserved_mib * (1 + CLEAR) <= cap <= room_mib:
         return cap, [FIRST, NEXT]
     return first_allocated_mib / 2, [FIRST]
 
@@ -110,7 +113,7 @@ def check_autofit(opts) -> dict[str, Any]:
     p = {name: predict(config, name, batch=opts.batch, seq=opts.seq, device="cuda", card=card, load="host")
          for name in (FIRST, NEXT)}  # as measure() loads them
     needs = {FIRST: p[FIRST].allocated_peak_bytes / MiB, NEXT: p[NEXT].fit_bytes / MiB}
-    cap, setups = plan_cap(needs[FIRST], needs[NEXT])
+    cap, setups = plan_cap(needs[FIRST], needs[NEXT], cuda_model.card_free_now(dev).usable_bytes / MiB)
     plans = [RUNGS[s] for s in setups]
     choice = SetupChoice(plans[0], opts.batch, int(cap * MiB), 0.0, "gpu-check: a cap between the setups' needs",
                          fitting=plans)
