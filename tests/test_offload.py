@@ -229,6 +229,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     eng, _ = run_engine(model, data, k=0.5, precision="fp16", loss_scale=2.0**60)
     assert [r["skipped_overflow"] for r in eng.rows] == [True, True]
     assert eng.scale == 2.0**58
+    # each row holds the scale its step ran at, and the one the next step runs at
+    assert [(r["loss_scale"], r["next_loss_scale"]) for r in eng.rows] == [(2.0**60, 2.0**59), (2.0**59, 2.0**58)]
     masters = eng.master_weights()
     assert all(torch.equal(masters[n], before[n]) for n in before)
     eng.close()

@@ -695,7 +695,10 @@ class SplitEngine:
             "host_done_before_bwd_end_share": done_before / it.host_numel if it.host_numel else float("nan"),
             "accel_idle_share": max(0.0, 1.0 - busy / period) if period > 0 else float("nan"),
             "skipped_overflow": it.skipped,
-            "loss_scale": self.scale,
+            # the scale this step's backward ran at; the next step's (halved after an overflow, doubled
+            # after 2000 good steps) is next_loss_scale (this row is written after the verdict set it)
+            "loss_scale": it.gate.scale if it.gate is not None else self.scale,
+            "next_loss_scale": self.scale,
             "grad_norm": it.grad_norm,
             "clip_coef": it.clip_coef,
             "redone_host_params": it.redone_numel,  # speculated updates undone (skip) or redone (clip)
