@@ -236,6 +236,18 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     eng.close()
 
 
+def test_fp16_scale_doubles_after_2000_good_steps():
+    """GradScaler's growth: the 2000th step in a row without overflow doubles the scale for the next
+    step and starts the count again (the counter is set to 1999 rather than running 1999 steps)."""
+    eng, _ = run_engine(tiny_qwen(), batches(512, 1), k=0.5, precision="fp16", loss_scale=2.0**10,
+                        made=lambda e: setattr(e, "_good_steps", 1999))
+    (row,) = eng.rows
+    assert not row["skipped_overflow"]
+    assert eng.scale == 2.0**11 and eng._good_steps == 0
+    assert (row["loss_scale"], row["next_loss_scale"]) == (2.0**10, 2.0**11)
+    eng.close()
+
+
 @pytest.mark.skipif(backend_status("deepspeed") != "ok", reason=backend_status("deepspeed"))
 def test_deepspeed_cpu_adam_backend_close_to_adamw():
     """DeepSpeedCPUAdam is another kernel (SIMD, its own op order): 1% of one step, as above."""
