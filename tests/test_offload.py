@@ -639,7 +639,8 @@ def test_a_cards_memory_is_binary():
 def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     seen = []
-    result = run_split_study(SplitConfig.from_dict({**TINY, "host_share": 0.8}), sinks=[seen.append])
+    cfg = SplitConfig.from_dict({**TINY, "host_share": 0.8})
+    result = run_split_study(cfg, sinks=[seen.append])
     df = result.runs
     measured = df[df["source"] == "measured"]
     assert set(measured["run"]) == {"plain AdamW", "k=0", "k=0.5", "k=1", "adaptive"}
@@ -649,6 +650,13 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     modelled = df[df["source"] == "modelled"]
     assert {"adaptive", "ZeRO-Offload", "all on accelerator"} <= set(modelled["mode"])
     assert (modelled["host_share_from"].dropna() == "config").all()
+    # the card's memory caps the k the balance asks for: the modelled adaptive and seed-formula runs
+    # fit the card (with the master and Adam state of k on it, a 10B model's k from the balance alone
+    # does not fit 80 GB)
+    on_profiles = modelled[modelled["run"].str.startswith(tuple(f"{gpu}: " for gpu in cfg.profiles))]
+    balanced = on_profiles[on_profiles["mode"].isin(["adaptive", "seed formula (no transfers)"])]
+    assert len(balanced) == 2 * len(cfg.profiles)
+    assert (balanced["k_actual"] <= balanced["k_max_memory"] + 1e-9).all() and (balanced["status"] == "ok").all()
     assert set(df["source"]) == {"measured", "modelled", "published"}
     # an all-GPU 10B run does not fit an 80 GB card: kept as an oom row without a speed
     oom = modelled[modelled["mode"] == "all on accelerator"]
