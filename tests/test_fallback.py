@@ -92,12 +92,26 @@ def test_a_cpu_attempt_without_a_budget_is_held_to_the_memory_this_machine_has_f
 
     out = run_with_fallback((Attempt.parse("cpu"),), job, preflight=lambda a: (2 * free, "test"))
     assert out.status == "oom" and ran == []  # nothing was allocated for it
+    # the CPU named with its index is the same CPU (it had been let through unchecked)
+    spelled = run_with_fallback((Attempt.parse("cpu:0"),), job, preflight=lambda a: (2 * free, "test"))
+    assert spelled.status == "oom" and ran == [] and spelled.history[0]["phase"] == "preflight"
     (h,) = out.history
     assert h["result"] == "skipped" and h["phase"] == "preflight"
     assert re.fullmatch(r"predicted peak [\d,.]+ MiB \(test\) > the [\d,]+ MiB this machine has free "
                         r"\(preflight=False runs it anyway\)", h["reason"]), h["reason"]
     assert run_with_fallback((Attempt.parse("cpu"),), job, preflight=lambda a: (free / 4, "test")).status == "ok"
     assert ran == ["cpu"]
+
+
+def test_an_out_of_memory_error_without_a_message_falls_back():
+    """A bare torch.OutOfMemoryError() (no text) ended the study with an IndexError reading its first line."""
+    def job(attempt, budget, phase):
+        if attempt.budget_mib is not None:
+            raise torch.OutOfMemoryError()
+        return 1.0
+
+    out = run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")), job)
+    assert out.status == "fallback" and out.history[0]["reason"] == "OutOfMemoryError"
 
 
 def test_nothing_fits_is_an_oom_outcome_not_a_crash():

@@ -31,6 +31,9 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
     full = df.set_index("strategy").loc["full"]
     assert full["device_history"].startswith("cpu@11: oom in ") and full["device"] == "cpu"
     assert (df["ppl_after"] < df["ppl_before"]).all()  # every strategy learned something
+    # the findings' "N% better": the share of the base's perplexity the run took off
+    assert (df["improvement_pct"] - 100 * (1 - df["ppl_after"] / df["ppl_before"])).abs().max() < 1e-9
+    assert (df["improvement_pct"] > 0).all()
     assert df["ppl_before"].nunique() == 1  # all start from the same fresh base
     assert (df.set_index("strategy")["trainable_share"].loc[["adapter", "full"]].diff().iloc[1]) > 0
     # files: one folder per run, a runs table with every run and the environment
@@ -115,6 +118,23 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     monkeypatch.undo()  # the same version with other code (a pull): not the old code's run either
     monkeypatch.setattr(transfer, "code_fingerprint", lambda: "other-code")
     assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
+
+
+def test_a_run_that_did_not_train_is_run_again_as_the_machine_is_now(tiny_base, results_dir, monkeypatch):
+    """A run skipped or out of memory for what the machine was then (here: too little memory free for the
+    CPU attempt, named with its index) was read back on every later call, as if the settings had decided
+    it; once the memory is there it trains."""
+    cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), devices=("cpu:0",), **TINY)
+    free = fallback.host_free_mib
+    monkeypatch.setattr(fallback, "host_free_mib", lambda: 0.5)
+    (first,) = run_strategies(cfg, progress=False).runs.to_dict("records")
+    assert first["status"] == "oom" and first["device_history"] == "cpu:0: skipped in preflight"
+    monkeypatch.setattr(fallback, "host_free_mib", free)  # (not undo(): it would undo results_dir's folder too)
+    (again,) = run_strategies(cfg, progress=False).runs.to_dict("records")
+    assert again["status"] == "ok" and not again["reused"] and again["run_id"] == first["run_id"]
+    assert again["predicted_peak_mib"] > 0  # the finishing CPU attempt's prediction, beside its peak
+    (third,) = run_strategies(cfg, progress=False).runs.to_dict("records")
+    assert third["reused"] and third["ppl_after"] == again["ppl_after"]  # a run that trained is read back
 
 
 def test_an_interrupted_study_keeps_what_finished_and_leaves_no_folder_for_what_never_began(tiny_base,
@@ -298,7 +318,7 @@ def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(ti
     assert (runs["status"] == "oom").sum() == 3  # oom is a result: kept, not dropped
 
 
-def test_runs_on_a_two_worker_local_cluster_are_the_same_runs(tiny_base, results_dir):
+def test_runs_on_a_two_worker_local_cluster_are_the_same_runs(tiny_base, results_dir, tmp_path, monkeypatch):
     """workers=2: the (strategy, seed) runs go to two processes; their run ids, files and rows are the
     ones a run in this process makes (where they ran is not part of the science), the sinks get every
     run's steps, and a run in this process afterwards reads them back instead of training again."""
@@ -308,9 +328,14 @@ def test_runs_on_a_two_worker_local_cluster_are_the_same_runs(tiny_base, results
     assert list(df["strategy"]) == ["bitfit", "lora"] and (df["status"] == "ok").all()
     assert {r["strategy"] for r in rows} == {"bitfit", "lora"} and all("loss" in r for r in rows)
     again = run_strategies(cfg.replace(workers=0), progress=False).runs
-    assert list(again["run_id"]) == list(df["run_id"]) and list(again["ppl_after"]) == list(df["ppl_after"])
+    assert list(again["run_id"]) == list(df["run_id"]) and again["reused"].all()  # read back, not trained
     for run_id in df["run_id"]:
         assert json.loads((results_dir / "strategies" / run_id / "summary.json").read_text())["status"] == "ok"
+    # trained again in this process, in another results folder: the same runs (what the read-back cannot show)
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "in-process"))
+    here = run_strategies(cfg.replace(workers=0), progress=False).runs
+    assert not here["reused"].any() and list(here["run_id"]) == list(df["run_id"])
+    assert here["ppl_after"].tolist() == pytest.approx(df["ppl_after"].tolist(), rel=1e-6)
 
 
 def test_qlora_learns_what_lora_learns_at_the_same_rate(tiny_base, results_dir):

@@ -306,7 +306,7 @@ def run_with_fallback(
         except Exception as e:
             if not out_of_memory(e):
                 raise
-            oom = str(e).splitlines()[0][:300]
+            oom = (str(e).splitlines() or [type(e).__name__])[0][:300]  # a bare OutOfMemoryError() too
         if oom is not None:
             # Freed here, after the handler: inside it the exception (and through its traceback
             # the failed attempt's frames, model and activations) is still alive.
@@ -328,7 +328,7 @@ def _preflight_limit(attempt: Attempt) -> tuple[float, str] | None:
     killed, or swapping); none on a card without one (its OOM is caught)."""
     if attempt.budget_mib is not None:
         return attempt.budget_mib, f"budget {attempt.budget_mib:g} MiB"
-    if attempt.device == "cpu":
+    if torch.device(attempt.device).type == "cpu":  # cpu:0 too
         free = host_free_mib()
         return free, f"the {free:,.0f} MiB this machine has free (preflight=False runs it anyway)"
     return None

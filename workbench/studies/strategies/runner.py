@@ -205,7 +205,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
     # beside the measured peak, a prediction of the same kind: the finishing attempt's on a CPU (a card's is
     # of reserved memory, its peak allocated); none finished: the last CPU one's (why it was skipped)
     if outcome.attempt is not None:
-        mine = predicted.get(str(outcome.attempt)) if outcome.attempt.device == "cpu" else None
+        mine = predicted.get(str(outcome.attempt)) if torch.device(outcome.attempt.device).type == "cpu" else None
     else:
         mine = next((v for k, v in reversed(predicted.items()) if not k.startswith("cuda") and v), None)
     row["predicted_peak_mib"] = mine[0] if mine else None
@@ -272,7 +272,9 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     done: dict[int, dict] = {}
     for i, job in enumerate(jobs):
         summary = job.run_dir().summary() if reuse else None
-        if summary is not None and summary.get("status") in ("ok", "fallback", "oom", "skipped"):
+        # a run that trained is read back; one that did not (skipped: a device or library this machine
+        # lacked; oom: a budget, or the memory free then) is run again, as this machine is now
+        if summary is not None and summary.get("status") in ("ok", "fallback"):
             done[i] = summary["row"]
     pending = [i for i in range(len(jobs)) if i not in done]
     for i in sorted(done):  # runs read back: the live chart shows what they did (it stayed empty)
