@@ -1448,6 +1448,23 @@ def test_low_precision_clipping_same_update_whatever_k(precision):
     assert all(torch.equal(out[0.0][n], out[1.0][n]) for n in out[0.0])
 
 
+def test_fp16_clipping_norm_is_the_unscaled_gradients_norm():
+    """fp16 backward runs on the loss times the scale (2^16): the engine's global norm must be divided
+    by it. Held to an fp32 run's clip_grad_norm_ on the same batches (not to itself at another k: an
+    error on both sides passes that): the norm within 1% (fp16 gradients round at 2^-11, here ~0.2%
+    apart), and the weights per tensor within a tenth of lr on average (~0.01 lr here; single elements
+    with a gradient near 0 can take Adam's ~lr step the other way in fp16, so no bound per element)."""
+    base, data = tiny_qwen(), batches(512, 3)
+    ref_w, ref_norms = reference_clipped(copy.deepcopy(base), data, 0.05)
+    eng, _ = run_engine(copy.deepcopy(base), data, k=0.5, precision="fp16", max_grad_norm=0.05)
+    assert not any(r["skipped_overflow"] for r in eng.rows) and all(r["clip_coef"] < 1.0 for r in eng.rows)
+    assert [r["grad_norm"] for r in eng.rows] == pytest.approx(ref_norms, rel=1e-2)
+    masters = eng.master_weights()
+    for n, w in ref_w.items():
+        assert float((masters[n] - w).abs().mean()) < 0.1 * HP.lr, n
+    eng.close()
+
+
 def test_study_runner_clips_like_its_reference(tmp_path, monkeypatch, tiny_base):
     """max_grad_norm reaches both the engine runs and the plain-AdamW reference (clip_grad_norm_):
     the fp32 weights still agree to the bit."""
