@@ -279,7 +279,7 @@ def modelled_runs(cfg: SplitConfig, host: dict):
         specs = [(f"k={k:.2f}", "static" if k else "host only (k=0)", k, "split")
                  for k in (i / (cfg.modelled_k_points - 1) for i in range(cfg.modelled_k_points))]
         specs += [("adaptive", "adaptive", k_adapt, "split"),
-                  ("seed formula", "seed formula (no transfers)", balance_k(r, False), "split"),
+                  ("seed formula", "seed formula (no transfers)", min(balance_k(r, False), k_mem), "split"),
                   ("ZeRO-Offload", "ZeRO-Offload", 0.0, "zero-offload"),
                   ("all on accelerator", "all on accelerator", 1.0, "all-accelerator")]
         for name, mode, k, sim_mode in specs:
