@@ -25,8 +25,13 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
     # A budget between what the small strategies need and what full fine-tuning needs.
     cfg = StrategiesConfig(strategies=("adapter", "freeze_lower", "freeze_embeddings", "full"), seeds=(0,),
                            budget_mib=11.0, preflight=False, **TINY)
-    df = run_strategies(cfg, progress=False).runs
+    seen: list[dict] = []
+    df = run_strategies(cfg, [seen.append], progress=False).runs
     assert list(df["strategy"]) == ["adapter", "freeze_lower", "freeze_embeddings", "full"]
+    # the live chart hears how each attempt ended, as the row's history says (full: out of memory, then the CPU)
+    ends = {s: [r["result"] for r in seen if r.get("event") == "attempt" and r["strategy"] == s] for s in df["strategy"]}
+    assert ends == {s: [h["result"] for h in json.loads(h_)] for s, h_ in zip(df["strategy"], df["history"])}
+    assert ends["full"] == ["oom", "ok"]
     assert set(df["status"]) <= {"ok", "fallback"} and "fallback" in set(df["status"])
     full = df.set_index("strategy").loc["full"]
     assert full["device_history"].startswith("cpu@11: oom in ") and full["device"] == "cpu"
