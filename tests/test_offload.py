@@ -9,6 +9,7 @@ import copy
 import json
 import re
 import socket
+import time
 import warnings
 
 import pandas as pd
@@ -1462,6 +1463,30 @@ def test_fp16_clipping_norm_is_the_unscaled_gradients_norm():
     masters = eng.master_weights()
     for n, w in ref_w.items():
         assert float((masters[n] - w).abs().mean()) < 0.1 * HP.lr, n
+    eng.close()
+
+
+def test_the_accelerators_update_rate_leaves_the_verdict_out(monkeypatch):
+    """The clipping / overflow verdict runs after backward, before the accelerator's update: counted
+    as the update, it raised accel_s_per_elem, alpha and so k. A verdict made 0.2 s slower shows in
+    verdict_ms and in the timeline's verdict span, not in accel_update_ms nor in the learned
+    per-element rate (the tiny model's update takes milliseconds)."""
+    slow = 0.2
+    verdict = SplitEngine._verdict
+
+    def slow_verdict(self, it):
+        time.sleep(slow)
+        return verdict(self, it)
+
+    monkeypatch.setattr(SplitEngine, "_verdict", slow_verdict)
+    eng, _ = run_engine(tiny_qwen(), batches(512, 3), k=0.5, max_grad_norm=0.05)
+    for r in eng.rows:
+        assert r["accel_params"] > 0 and r["verdict_ms"] >= slow * 1e3 and r["accel_update_ms"] < slow * 1e3 / 4
+    assert eng.rates["accel_s_per_elem"] * eng.rows[-1]["accel_params"] < slow / 4
+    spans = {(e["iteration"], e["activity"]): e for e in eng.events if e["lane"] == "accelerator"}
+    for i in range(3):
+        assert spans[i, "verdict"]["end_ms"] - spans[i, "verdict"]["start_ms"] >= slow * 1e3
+        assert spans[i, "accelerator update"]["start_ms"] == spans[i, "verdict"]["end_ms"]
     eng.close()
 
 
