@@ -142,6 +142,26 @@ def test_a_run_that_did_not_train_is_run_again_as_the_machine_is_now(tiny_base, 
     assert third["reused"] and third["ppl_after"] == again["ppl_after"]  # a run that trained is read back
 
 
+def test_a_run_that_crashes_leaves_an_error_summary_and_runs_again(tiny_base, results_dir, monkeypatch):
+    """A run that fails for another reason than memory is raised, not hidden, and its folder says so
+    (status error, the error's text), so it is neither lost nor read back as a result."""
+    cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), devices=("cpu",), **TINY)
+    train = transfer.train
+
+    def broken(*a, **kw):
+        raise ValueError("a bug in training (played)")
+
+    monkeypatch.setattr(transfer, "train", broken)
+    with pytest.raises(ValueError, match="played"):
+        run_strategies(cfg, progress=False)
+    (run,) = [p for p in (results_dir / "strategies").iterdir() if p.is_dir()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "error" and summary["row"]["error"] == "ValueError: a bug in training (played)"
+    monkeypatch.setattr(transfer, "train", train)
+    (again,) = run_strategies(cfg, progress=False).runs.to_dict("records")
+    assert again["status"] == "ok" and not again["reused"] and again["run_id"] == run.name
+
+
 def test_an_interrupted_study_keeps_what_finished_and_leaves_no_folder_for_what_never_began(tiny_base,
                                                                                             results_dir):
     """Ctrl-C in `workbench strategies` left an empty folder for every run still to come (looking for
