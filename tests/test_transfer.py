@@ -5,6 +5,7 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from workbench.core.config import ConfigError
@@ -51,8 +52,6 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
     assert len(runs) == 4 and {"env_torch", "env_git_commit", "status"} <= set(runs.columns)
     assert {"corpus_fingerprint", "model_fingerprint", "workbench_version"} <= set(runs.columns)
     # The held-out overlap of the corpora the runs used is a results table (and a report part)
-    import pandas as pd
-
     overlap = pd.read_csv(results_dir / "strategies" / "corpus_overlap.csv").set_index("role")
     target = overlap.loc["target (fine-tuning, held-out perplexity)"]
     assert target["overlap_split_by_name_pct"] > 30 and target["overlap_pct"] <= 0.5 and target["within_limit"]
@@ -140,6 +139,23 @@ def test_a_run_that_did_not_train_is_run_again_as_the_machine_is_now(tiny_base, 
     assert again["predicted_peak_mib"] > 0  # the finishing CPU attempt's prediction, beside its peak
     (third,) = run_strategies(cfg, progress=False).runs.to_dict("records")
     assert third["reused"] and third["ppl_after"] == again["ppl_after"]  # a run that trained is read back
+
+
+def test_the_loss_curves_keep_only_the_attempt_that_finished(tiny_base, results_dir, tmp_path, monkeypatch):
+    """An attempt that ran out of memory after its first step wrote steps too; the study's loss curves
+    (result.steps) are the finishing attempt's alone, one curve per run."""
+    cfg = StrategiesConfig(strategies=("lora",), seeds=(0,), devices=("cpu",), preflight=False, **TINY)
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "measure"))
+    peak = run_strategies(cfg, progress=False).runs["peak_mem_mib"][0]
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(results_dir))
+    budget = f"cpu@{peak - 0.1:.2f}"  # the peak comes after the first step (the optimizer's state)
+    result = run_strategies(cfg.replace(devices=(budget, "cpu")), progress=False)
+    (row,) = result.runs.to_dict("records")
+    assert row["device_history"] == f"{budget}: oom in train -> cpu: ok"
+    written = pd.read_json(results_dir / "strategies" / row["run_id"] / "steps.jsonl", lines=True)
+    assert set(written["device"]) == {budget, "cpu"}  # the failed attempt's steps are in the run's file
+    assert set(result.steps["device"]) == {"cpu"} and list(result.steps["step"]) == list(
+        range(1, len(result.steps) + 1))
 
 
 def test_a_run_that_crashes_leaves_an_error_summary_and_runs_again(tiny_base, results_dir, monkeypatch):
