@@ -1399,6 +1399,54 @@ def test_clipping_keeps_overlap_when_under_the_norm():
 
 
 # ---------------------------------------------------------------- ZeRO-Offload baseline (item 5)
+@pytest.mark.parametrize("max_norm", [0.0, 1e9, 0.05])
+def test_idle_and_done_before_backward_end_shares_are_the_events(monkeypatch, max_norm):
+    """accel_idle_share and host_done_before_bwd_end_share recomputed from each iteration's own marks
+    and host events. Every host update but the input embedding's runs before backward ends (held);
+    clipped (0.05), each is undone and redone after backward: the kept update is the redo (the last
+    host update of that parameter), which ends after backward, and the share says so. It read as done
+    the speculated update that was thrown away: ~1, the unclipped reading, with no overlap at all."""
+    seen = []
+    fin = SplitEngine._finalize
+
+    def capture(self, it, end=None):
+        if it is not None:  # the period ends when the next iteration starts (finish(): its end mark)
+            nxt = self._cur.marks["start"] if self._cur is not None else end
+            seen.append((it, list(it.host_events), self.clock.ms(nxt)))
+        return fin(self, it, end)
+
+    monkeypatch.setattr(SplitEngine, "_finalize", capture)
+    model = tiny_qwen()
+    eng = SplitEngine(model, hp=HP, k=0.0, max_grad_norm=max_norm)
+    emb = model.get_input_embeddings().weight
+    hold = hold_until_host_done(eng, emb)
+    for b in batches(512, 3):
+        eng.step(b)
+    eng.finish()
+    hold.remove()
+    ms = eng.clock.ms
+    assert len(seen) == len(eng.rows) == 3
+    for (it, events, end), row in zip(seen, eng.rows):
+        m = {k: ms(v) for k, v in it.marks.items()}
+        period = end - m["start"]
+        busy = m["accel_update_end"] - m["start"] - sum(ms(b) - ms(a) for a, b in it.waits)
+        assert row["accel_idle_share"] == pytest.approx(max(0.0, 1.0 - busy / period), abs=1e-9)
+        kept = {}  # each parameter's last host update: a redo runs after the update it undoes
+        for lane, name, a, b, n, *_ in events:
+            if lane == "host update":
+                kept[name] = (ms(b), n)
+        done = sum(n for b, n in kept.values() if b <= m["backward_end"])
+        assert row["host_params"] == sum(s.numel for s in eng.slots.values()) > emb.numel()
+        share = row["host_done_before_bwd_end_share"]
+        assert share == pytest.approx(done / row["host_params"], abs=1e-12)
+        if max_norm == 0.05:  # all but the embedding speculated, then redone after backward
+            assert row["clip_coef"] < 1.0 and row["redone_host_params"] >= row["host_params"] - emb.numel()
+            assert share <= emb.numel() / row["host_params"] < 0.5
+        else:  # kept as they ran, before backward's end
+            assert row["redone_host_params"] == 0 and share >= 1.0 - emb.numel() / row["host_params"] > 0.5
+    eng.close()
+
+
 def test_zero_offload_backend_is_nccl_on_cuda_gloo_on_cpu():
     assert dist_backend("cuda") == "nccl" and dist_backend(torch.device("cuda", 1)) == "nccl"
     assert dist_backend("cpu") == "gloo" and dist_backend(torch.device("cpu")) == "gloo"

@@ -139,7 +139,8 @@ class _Iter:
     k_actual: float
     tokens: int
     marks: dict = field(default_factory=dict)  # accelerator timeline marks (Clock marks)
-    host_events: list = field(default_factory=list)  # (lane, slot name, start mark, end mark, numel, bytes)
+    # (lane, slot name, start mark, end mark, numel, bytes, redo: made by _redo after a skip / clip verdict)
+    host_events: list = field(default_factory=list)
     arrivals: list = field(default_factory=list)  # layer of each gradient, in arrival order
     waits: list = field(default_factory=list)  # (start, end) marks: forward waiting for weights
     wait_ms: float = 0.0  # their total (accelerator idle), filled in by _finalize
@@ -407,7 +408,7 @@ class SplitEngine:
         started = self.copier.to_host(grad, ready, s.host_grad)
         del grad  # the device's gradient memory can go now
         self._event(it, "to host", s.name, picked_up if started is None else started, self.clock.host_mark(),
-                    s.numel, s.numel * self.dtype.itemsize)
+                    s.numel, s.numel * self.dtype.itemsize, False)
 
     @torch.no_grad()
     def _host_update(self, it: _Iter, s: _Slot, copied: Future) -> None:
@@ -449,12 +450,13 @@ class SplitEngine:
             t = self.clock.host_mark()
             s.ready = self.copier.to_device(s.host_master, s.param.data)  # the old weights, again
             self._event(it, "to accelerator", s.name, t, s.ready if s.ready is not None else self.clock.host_mark(),
-                        s.numel, s.numel * self.dtype.itemsize)
+                        s.numel, s.numel * self.dtype.itemsize, True)
         else:
-            self._apply(it, s, gate.coef)
+            self._apply(it, s, gate.coef, redo=True)
 
-    def _apply(self, it: _Iter, s: _Slot, coef: torch.Tensor | None) -> None:
-        """Host Adam on the gradient in host_grad (times the clip coefficient), weights back."""
+    def _apply(self, it: _Iter, s: _Slot, coef: torch.Tensor | None, redo: bool = False) -> None:
+        """Host Adam on the gradient in host_grad (times the clip coefficient), weights back (redo:
+        called by _redo, its events are labelled so)."""
         t1 = self.clock.host_mark()
         if coef is not None:
             s.host_grad.mul_(coef)  # clip_grad_norm_'s own op: the same bits
@@ -462,10 +464,10 @@ class SplitEngine:
         s.opt.step()
         s.host_master.grad = None
         t2 = self.clock.host_mark()
-        self._event(it, "host update", s.name, t1, t2, s.numel, s.numel * 4)
+        self._event(it, "host update", s.name, t1, t2, s.numel, s.numel * 4, redo)
         s.ready = self.copier.to_device(s.host_master, s.param.data)  # downcast through the weight ring
         end = s.ready if s.ready is not None else self.clock.host_mark()  # CUDA: when the last chunk landed
-        self._event(it, "to accelerator", s.name, t2, end, s.numel, s.numel * self.dtype.itemsize)
+        self._event(it, "to accelerator", s.name, t2, end, s.numel, s.numel * self.dtype.itemsize, redo)
 
     # ------------------------------------------------------------------ one iteration
     def _autocast(self):
@@ -660,7 +662,11 @@ class SplitEngine:
         end = ms(self._cur.marks["start"] if self._cur is not None else end)
         t0 = m["start"]
         with self._lock:
-            ev = [(lane, name, ms(a), ms(b), n, nb) for lane, name, a, b, n, nb in it.host_events]
+            ev = [(lane, name, ms(a), ms(b), n, nb) for lane, name, a, b, n, nb, _ in it.host_events]
+            redo_ends = {}  # a redone parameter: when its redo ended (the clipped update, or the old weights sent back)
+            for lane, name, a, b, n, nb, redo in it.host_events:
+                if redo and (lane == "host update" or name not in redo_ends):
+                    redo_ends[name] = (ms(b), n)
         it.wait_ms = sum(ms(b) - ms(a) for a, b in it.waits)
         bwd_end = m["backward_end"]
         fwd = m["forward_end"] - t0
@@ -670,7 +676,9 @@ class SplitEngine:
         period = end - t0
         upd = [e for e in ev if e[0] == "host update"]
         host_upd_s = sum(e[3] - e[2] for e in upd) / 1e3
-        done_before = sum(e[4] for e in upd if e[3] <= bwd_end)
+        # done when backward ended: the update that was kept (an undone speculation is not done; its redo is)
+        done_before = (sum(e[4] for e in upd if e[1] not in redo_ends and e[3] <= bwd_end)
+                       + sum(n for b, n in redo_ends.values() if b <= bwd_end))
         to_host = [e for e in ev if e[0] == "to host"]
         to_acc = [e for e in ev if e[0] == "to accelerator"]
         busy = fwd - it.wait_ms + bwd + verdict + acc_upd
