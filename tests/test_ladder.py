@@ -829,3 +829,18 @@ def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_pat
     monkeypatch.setenv(RERUN_ENV, "1")
     run_ladder(cfg)
     assert measured[9:] == ["fp32", "bf16_ckpt", "cpu"]
+
+
+def test_the_published_fp16_rows_are_predicted_on_the_pure_16_bit_step_they_build_on(env):
+    """The published table's FP16 rows add checkpointing and an adapter to "FP16 full model", the pure
+    16-bit step (bf16_true). They had been mapped to autocast's rungs (bf16_ckpt, lora: fp32 weights and
+    AdamW state), so on Qwen2-0.5B checkpointing read as costing FP16 3.6 GB (8,059 against 4,394 MiB)."""
+    result = run_ladder(LadderConfig(base_size="tiny", rungs=("fp32", "bf16_true", "bf16_true_lora"), micro_batch=2,
+                                     seq_len=32, steps=2, measure=False, autofit=False))
+    pub = result.tables["published"].set_index("strategy")
+    full, ckpt, adapter = (pub.loc[s, "workbench_predicted_mib"] for s in
+                           ("FP16 full model", "FP16 + gradient checkpointing", "FP16 + adapter (6%)"))
+    assert pub.loc["FP16 + gradient checkpointing", "rung"] == "bf16_true_ckpt"
+    assert pub.loc["FP16 + adapter (6%)", "rung"] == "bf16_true_lora"
+    assert 0 < ckpt < full and 0 < adapter < full  # each saves on the pure step, as the published rows say
+    assert pub.loc["FP32 full model", "workbench_predicted_mib"] > 1.9 * full
