@@ -251,6 +251,17 @@ def test_the_fp16_halves_memory_verdict_is_made_on_pure_16_bit_not_autocast():
     assert ladder_study.published_table().set_index("strategy").loc["FP16 full model", "rung"] == "bf16_true"
 
 
+def test_the_prediction_finding_gives_the_worst_error_of_the_rungs_compared_in_percent():
+    """The cpu rung has no device peak to compare: it had been counted, and a ladder of it alone read
+    "within nan%"."""
+    runs = pd.DataFrame([{"rung": r, "role": "at hand", "status": "ok", "predicted_vs_measured": v}
+                         for r, v in (("fp32", 1.02), ("bf16", 0.995), ("cpu", float("nan")))])
+    said = [text for text, _ in ladder_figures.findings(StudyResult("ladder", runs=runs))]
+    assert any(t.startswith("Predicted peaks of 2 rung(s) measured here are within 2.0% of") for t in said), said
+    alone = ladder_figures.findings(StudyResult("ladder", runs=runs[runs["rung"] == "cpu"]))
+    assert not any("Predicted peaks" in text or "nan" in text for text, _ in alone), alone
+
+
 def test_the_published_rows_findings_say_which_setting_was_predicted():
     runs = pd.DataFrame([{"rung": "fp32", "role": "reference", "model": "qwen.json", "batch": 1, "seq": 512,
                           "predicted_peak_bytes": 1.0}])
