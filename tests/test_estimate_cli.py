@@ -343,6 +343,8 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--optimizer", "sgd"], "unknown optimizer 'sgd'; choose one of: adamw_torch"),
     (["--trainable", "lora", "--lora-targets", "query,value"], "names no linear module of this model; use some of:"),
     (["--precision", "fp16-mixed", "--device", "cpu"], "fp16-mixed needs --device cuda"),
+    # the same setup by its rung: a search from it had offered fp16-mixed setups on the CPU
+    (["--rung", "fp16", "--device", "cpu", "--search", "--budget-mib", "10"], "--rung fp16 needs --device cuda"),
     (["--card", "0.0001"], "estimate: 0.0001 GiB card (0.1 MiB) is smaller than the weights alone"),
     (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
     (["--trainable", "lora", "--lora-rank", "100000"], "lora_rank 100,000 is more than any layer LoRA adapts can use"),
