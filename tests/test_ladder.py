@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from workbench.core import common, training
-from workbench.core.common import single_process_env
+from workbench.core.common import MiB, single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory import monitor
@@ -844,3 +844,21 @@ def test_the_published_fp16_rows_are_predicted_on_the_pure_16_bit_step_they_buil
     assert pub.loc["FP16 + adapter (6%)", "rung"] == "bf16_true_lora"
     assert 0 < ckpt < full and 0 < adapter < full  # each saves on the pure step, as the published rows say
     assert pub.loc["FP32 full model", "workbench_predicted_mib"] > 1.9 * full
+
+
+def test_the_cpu_rungs_breakdown_sets_its_predicted_host_bytes_beside_the_measured_ones(env):
+    """The cpu rung's count is host memory; its prediction's device side is zeros. The chart had set those
+    zeros beside the measured host bytes, a total miss where the two agree to the byte."""
+    from workbench.studies.ladder.figures import breakdown_figure
+
+    result = run_ladder(LadderConfig(base_size="tiny", rungs=("cpu",), breakdown_rung="cpu", micro_batch=2, seq_len=32,
+                                     steps=2, autofit=False, reference_model=""))
+    fig = breakdown_figure(result, "cpu")
+    bars = {}
+    for trace in fig.data:
+        for x, y in zip(trace.x, trace.y):
+            bars[x] = bars.get(x, 0.0) + y
+    row = result.runs.set_index("rung").loc["cpu"]
+    assert bars["predicted"] == pytest.approx(row["host_bytes"] / MiB) and bars["predicted"] > 0
+    assert bars["measured"] == pytest.approx(bars["predicted"], rel=0.01)  # the CPU prediction is exact
+    assert "host bytes per category" in fig.layout.title.text

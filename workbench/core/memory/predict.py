@@ -160,6 +160,7 @@ class Prediction:
             "predicted_peak_bytes": self.peak_bytes, "predicted_peak_mib": self.peak_mib, "fit_bytes": self.fit_bytes,
             "first_step_peak_bytes": self.first_step_peak_bytes, "host_bytes": self.host_bytes, "where": self.where,
             "note": self.note, **{f"{c}_bytes": self.breakdown.get(c, 0) for c in CATEGORIES},
+            **{f"host_{c}_bytes": self.host_breakdown.get(c, 0) for c in CATEGORIES},
             "device": self.device, "allocated_peak_bytes": self.allocated_peak_bytes,
             "reserved_peak_bytes": self.reserved_peak_bytes, "needed_reserved_bytes": self.needed_reserved_bytes,
             "predict_seconds": self.seconds,  # read after needed_reserved_bytes: its replay counted

@@ -91,11 +91,17 @@ def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
     model at hand, predicted for the reference model. Each model has its own panel and scale: on
     one axis the tiny model's few MiB were invisible beside the reference model's thousands."""
     sel = result.runs[result.runs["rung"] == rung]
+    # the cpu rung's step is all host memory, and so is what measured it: its prediction's host side beside it
+    # (its device side is zeros, which had stood beside the measured host bytes as a total miss)
+    none = pd.Series(0.0, index=sel.index)
+    device, host_bytes = (sel.get(c, none).fillna(0) for c in ("predicted_peak_bytes", "host_bytes"))
+    host = len(sel) > 0 and bool(((device == 0) & (host_bytes > 0)).all())
     panels: dict[str, list[tuple[str, list[float]]]] = {}
     wheres: dict[str, str] = {}
     for _, r in sel.iterrows():
         bars = panels.setdefault(r["role"], [])
-        bars.append(("predicted", [r.get(f"{c}_bytes", 0) / MiB for c in CATEGORIES]))
+        bars.append(("predicted", [(r.get(f"host_{c}_bytes" if host else f"{c}_bytes", 0) or 0) / MiB
+                                   for c in CATEGORIES]))
         if r["role"] == "at hand" and r.get("status") == "ok" and f"measured_{CATEGORIES[0]}_bytes" in r:
             bars.append(("measured", [r[f"measured_{c}_bytes"] / MiB for c in CATEGORIES]))
         model = r.get("model", "")
@@ -111,7 +117,8 @@ def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
                                  marker_color=palette()[i], legendgroup=c, showlegend=col == 1), row=1, col=col)
         fig.update_yaxes(title_text="MiB at the peak" if col == 1 else None, row=1, col=col)
     return fig.update_layout(barmode="stack", height=460, margin={"t": 110},
-                             title=f"{rung}: bytes per category at the steady-state peak, per model")
+                             title=f"{rung}: {'host ' if host else ''}bytes per category at the steady-state peak, "
+                                   "per model")
 
 
 def reference_table(result: StudyResult) -> pd.DataFrame:
