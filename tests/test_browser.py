@@ -320,6 +320,33 @@ def test_voila_refuses_a_taken_port_instead_of_moving_to_another(tmp_path, serve
     assert not voila.config_dir.exists()
 
 
+def test_the_dashboards_server_listens_on_localhost_alone_and_asks_for_its_token(tmp_path, server_env):
+    """No browser needed. Voila logs the host's name, not 0.0.0.0, when it listens everywhere, so the log
+    could not show it: the listening sockets are read from the server's process. A page asked for without
+    the token is refused; with it, served."""
+    import psutil
+
+    folder = tmp_path / "apps"
+    folder.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")],
+                                            metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                     "language": "python"}}), folder / "page.ipynb")
+    port, token = free_port(), "listen-token-0123"
+    with open(tmp_path / "voila.log", "w") as log:
+        voila = start_voila(folder, port, token, env=server_env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+        try:
+            assert wait_http(f"http://127.0.0.1:{port}/?token={token}", voila) == 200
+            assert status_of(f"http://127.0.0.1:{port}/voila/render/page.ipynb") in (302, 403)  # no token
+            assert status_of(f"http://127.0.0.1:{port}/?token=not-{token}") in (302, 403)  # another token
+            procs = [psutil.Process(voila.pid), *psutil.Process(voila.pid).children(recursive=True)]
+            listening = {c.laddr.ip for p in procs for c in p.net_connections(kind="inet")
+                         if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+            assert listening and listening <= {"127.0.0.1"}, listening
+        finally:
+            stop_voila(voila)
+
+
 def test_a_stopped_dashboard_takes_its_server_and_token_with_it(tmp_path, server_env):
     """`kill` (SIGTERM) of `workbench dashboard` stops Voila and removes the folder holding the token."""
     port = free_port()
