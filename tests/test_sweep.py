@@ -156,6 +156,19 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(ConfigError, match="x has an empty list"):
         load_grid(bad)
     assert not out.exists()
+    # a grid file that is not text, a "notebook" that is not one, an --out that is a file: each had been a
+    # traceback (UnicodeDecodeError, nbformat's NotJSONError, FileExistsError)
+    bad.write_bytes(b"\xff\xfe\x00 not text")
+    not_nb = tmp_path / "script.ipynb"
+    not_nb.write_text("print('a script')\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for argv, said in (([str(NOTEBOOK), "--grid", str(bad), "--dry-run"], f"grid file {bad} is not text (UTF-8)"),
+                       ([str(not_nb), "-p", "x=1", "--dry-run"], f"{not_nb} is not a Jupyter notebook"),
+                       ([str(NOTEBOOK), "-p", "x=1", "--out", str(a_file)], f"--out {a_file}: cannot make the sweep's")):
+        assert main(["sweep", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"workbench sweep: {said}"), err
     # two sweeps never write one folder at once
 
     out.mkdir()

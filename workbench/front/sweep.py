@@ -257,7 +257,10 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     """
     path, planned = plan(notebook, points)
     out = (Path(out) if out else results_root() / "sweeps" / path.stem).resolve()  # workers see this path
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, or a folder this user cannot write in
+        raise ConfigError(f"--out {out}: cannot make the sweep's folder there ({e.strerror}); name another") from None
     lock = _lock(out)  # released in the finally below, or by the OS if this process dies
     reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
     todo = [p for p in planned if p.key not in reused]

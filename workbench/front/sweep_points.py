@@ -112,6 +112,8 @@ def load_grid(path: str | Path) -> list[dict[str, Any]]:
         text = path.read_text()
     except OSError as e:
         raise ConfigError(f"cannot read grid file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"grid file {path} is not text (UTF-8): give a YAML or JSON file") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_yaml_loader())
     except (json.JSONDecodeError, yaml.YAMLError) as e:
@@ -168,7 +170,10 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
     study = _study(path)
     known = None
     if study is None:
-        known = set(pm.inspect_notebook(str(path)))
+        try:
+            known = set(pm.inspect_notebook(str(path)))
+        except Exception as e:  # nbformat's NotJSONError, a JSON or schema error: not a notebook
+            raise ConfigError(f"{path} is not a Jupyter notebook ({type(e).__name__}): give an .ipynb file") from None
     errors, planned, seen = [], [], {}
     for i, params in enumerate(points):
         try:
