@@ -1,0 +1,54 @@
+"""What core/results.py promises about files on a crash: a write is whole or not at all, a torn last line
+of steps.jsonl is left out, and runs.csv keeps every row a new one does not replace."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from workbench.core import results
+from workbench.core.results import ResultsWriter, atomic_write_json, read_steps
+
+
+def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    atomic_write_json(path, {"status": "ok", "n": 1})
+
+    def crash(src, dst):
+        raise OSError("disk gone (played)")
+
+    monkeypatch.setattr(results.os, "replace", crash)
+    with pytest.raises(OSError, match="played"):
+        atomic_write_json(path, {"status": "error", "n": 2})
+    assert json.loads(path.read_text()) == {"status": "ok", "n": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no .summary.json.*.tmp left behind
+    assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # readable as results are, not mkstemp's 0600
+
+
+def test_a_torn_last_line_of_steps_is_left_out(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n" + json.dumps({"step": 2, "loss": 2.4}) + "\n"
+                    + '{"step": 3, "lo')  # the process killed mid-line
+    steps = read_steps(path)
+    assert steps["step"].tolist() == [1, 2] and steps["loss"].tolist() == [2.5, 2.4]
+
+
+def test_runs_csv_replaces_rows_with_the_same_key_and_keeps_every_other(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    writer = ResultsWriter("study")
+    writer.update_runs([{"run_id": "a", "x": 1}, {"run_id": "b", "x": 2}])
+    df = writer.update_runs([{"run_id": "b", "x": 20}, {"run_id": "c", "x": 3}])
+    on_disk = pd.read_csv(tmp_path / "study" / "runs.csv")
+    assert sorted(zip(on_disk["run_id"], on_disk["x"])) == [("a", 1), ("b", 20), ("c", 3)]
+    assert len(df) == 3 and {"recorded", "env_torch"} <= set(on_disk.columns)
+    # a key of several columns: a row is replaced only where all of them match
+    other = ResultsWriter("keyed")
+    other.update_runs([{"run_id": "a", "seed": 0, "x": 5}, {"run_id": "a", "seed": 1, "x": 6}], key=("run_id", "seed"))
+    other.update_runs([{"run_id": "a", "seed": 0, "x": 50}], key=("run_id", "seed"))
+    keyed = pd.read_csv(tmp_path / "keyed" / "runs.csv")
+    assert sorted(zip(keyed["seed"], keyed["x"])) == [(0, 50), (1, 6)]
+    assert not [p for p in (tmp_path / "study").iterdir() if p.name.endswith(".tmp")] and os.path.exists(
+        tmp_path / "study" / "runs.csv")
