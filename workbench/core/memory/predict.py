@@ -166,8 +166,7 @@ class Prediction:
             "predict_seconds": self.seconds,  # read after needed_reserved_bytes: its replay counted
             "context_bytes": self.context_bytes, "context_source": self.context_source,
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
-            "fits": self.fits, "headroom_bytes": self.headroom_bytes,
-            "reserved_by_stream_bytes": self.reserved_by_stream_bytes,
+            "fits": self.fits, "headroom_bytes": self.headroom_bytes, "reserved_by_stream_bytes": self.reserved_by_stream_bytes,
             "replayed_steps": self.replayed_steps, "steady": self.steady, "segment_sizes": self.segment_sizes,
         }
 

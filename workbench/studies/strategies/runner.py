@@ -272,9 +272,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     done: dict[int, dict] = {}
     for i, job in enumerate(jobs):
         summary = job.run_dir().summary() if reuse else None
-        # a run that trained is read back; one that did not (skipped: a device or library this machine
-        # lacked; oom: a budget, or the memory free then) is run again, as this machine is now
-        if summary is not None and summary.get("status") in ("ok", "fallback"):
+        if summary is not None and summary.get("status") in ("ok", "fallback"):  # trained (skipped, oom: run again)
             done[i] = summary["row"]
     pending = [i for i in range(len(jobs)) if i not in done]
     for i in sorted(done):  # runs read back: the live chart shows what they did (it stayed empty)
