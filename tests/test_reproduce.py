@@ -24,6 +24,29 @@ def test_cli_help_lists_the_main_job():
     assert "--quick" in out
 
 
+def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, results_dir, monkeypatch, capsys):
+    """The first notebook fails (its execution played): the second still runs, reproduce.json has both,
+    and the exit code says one failed."""
+    from workbench.front import reproduce
+
+    ran = []
+
+    def run(path, params, out, progress=None):
+        ran.append(Path(path).stem)
+        if len(ran) == 1:
+            raise RuntimeError("a cell raised (played)")
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("{}")
+
+    monkeypatch.setattr(reproduce, "run_notebook", run)
+    assert main(["reproduce", "--quick", "--no-report", "--only", "01_strategies", "02_ladder"]) == 1
+    assert ran == ["01_strategies", "02_ladder"]
+    log = json.loads((results_dir / "reproduce.json").read_text())
+    assert [(n["name"], n["status"]) for n in log["notebooks"]] == [("01_strategies", "error"), ("02_ladder", "ok")]
+    assert log["notebooks"][0]["error"] == "RuntimeError: a cell raised (played)" and log["quick"] is True
+    assert "workbench reproduce: 1 notebook(s) failed" in capsys.readouterr().err
+
+
 def test_an_unknown_notebook_is_one_line_naming_the_known_ones(results_dir, capsys):
     assert main(["reproduce", "--quick", "--only", "01_strategies", "04_nope"]) == 2
     err = capsys.readouterr().err.strip()
