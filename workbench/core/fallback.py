@@ -71,6 +71,11 @@ class Attempt:
             return cls(dev, mib, allocator)
         return cls(dev)
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the attempt runs on the CPU, however the device is written ('cpu', 'cpu:0')."""
+        return torch.device(self.device).type == "cpu"
+
     def __str__(self) -> str:
         if self.budget_mib is None:
             return self.device
@@ -328,7 +333,7 @@ def _preflight_limit(attempt: Attempt) -> tuple[float, str] | None:
     killed, or swapping); none on a card without one (its OOM is caught)."""
     if attempt.budget_mib is not None:
         return attempt.budget_mib, f"budget {attempt.budget_mib:g} MiB"
-    if torch.device(attempt.device).type == "cpu":  # cpu:0 too
+    if attempt.on_cpu:
         free = host_free_mib()
         return free, f"the {free:,.0f} MiB this machine has free (preflight=False runs it anyway)"
     return None

@@ -681,7 +681,7 @@ class SplitEngine:
                        + sum(n for b, n in redo_ends.values() if b <= bwd_end))
         to_host = [e for e in ev if e[0] == "to host"]
         to_acc = [e for e in ev if e[0] == "to accelerator"]
-        busy = fwd - it.wait_ms + bwd + verdict + acc_upd
+        busy = m["accel_update_end"] - t0 - it.wait_ms  # forward (less its waits), backward, verdict, update
         host_end = max((e[3] for e in ev), default=bwd_end)
         row = {
             "iteration": it.index,

@@ -205,7 +205,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
     # beside the measured peak, a prediction of the same kind: the finishing attempt's on a CPU (a card's is
     # of reserved memory, its peak allocated); none finished: the last CPU one's (why it was skipped)
     if outcome.attempt is not None:
-        mine = predicted.get(str(outcome.attempt)) if torch.device(outcome.attempt.device).type == "cpu" else None
+        mine = predicted.get(str(outcome.attempt)) if outcome.attempt.on_cpu else None
     else:
         mine = next((v for k, v in reversed(predicted.items()) if not k.startswith("cuda") and v), None)
     row["predicted_peak_mib"] = mine[0] if mine else None
