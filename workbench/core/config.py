@@ -109,7 +109,9 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
+            # a float counts as an integer only where it is one exactly (2**53: a float's last
+            # exact integer); 1e99 is a typo, not a step count
+            if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
                 return int(value)
             raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
         return value
