@@ -1,5 +1,8 @@
 import json
+import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -52,6 +55,23 @@ def test_cache_is_reused_and_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
     (path / "manifest.json").unlink()  # an interrupted build leaves no manifest
     ensure_embedded_base(spec, progress=False)
     assert len(builds) == 3
+
+
+def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(tmp_path, monkeypatch):
+    """A build killed outright runs no `finally`: its folder is removed by the next build, while a
+    folder of a build still running (this process) is kept."""
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    spec = replace(TINY_SPEC, steps=3, source_mib=0.1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    killed = tmp_path / f".embedded-{spec.key()}.{dead}.abc123"
+    running = tmp_path / f".embedded-{spec.key()}.{os.getpid()}.def456"
+    for d in (killed, running):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    path = ensure_embedded_base(spec, progress=False)
+    assert cache_is_valid(path)
+    assert not killed.exists() and running.exists()
 
 
 def test_local_directory_and_config_file(tiny_base, tmp_path):

@@ -138,6 +138,21 @@ def embedded_path(spec: EmbeddedSpec = EmbeddedSpec()) -> Path:
     return cache_root() / f"embedded-{spec.key()}"
 
 
+def _remove_orphaned_builds(root: Path) -> None:
+    """Remove the temporary folders of builds whose process is gone (killed: no `finally` ran).
+    A build's folder is `.embedded-KEY.PID.RANDOM`; a live process's folder is left alone."""
+    for tmp in root.glob(".embedded-*.*.*"):
+        pid = tmp.name.split(".")[2]
+        if not (tmp.is_dir() and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:  # alive, under another user
+            pass
+
+
 def ensure_embedded_base(spec: EmbeddedSpec = EmbeddedSpec(), *, progress: bool = True) -> Path:
     """Return the cached embedded base, building it first if the cache is missing or invalid."""
     path = embedded_path(spec)
@@ -147,7 +162,8 @@ def ensure_embedded_base(spec: EmbeddedSpec = EmbeddedSpec(), *, progress: bool 
         print(f"workbench: cached base at {path} is partial or corrupt; rebuilding it", file=sys.stderr)
         shutil.rmtree(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    _remove_orphaned_builds(path.parent)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}."))
     try:
         _build_embedded(spec, tmp, progress=progress)
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != MANIFEST}
