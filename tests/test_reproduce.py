@@ -25,8 +25,11 @@ def test_cli_help_lists_the_main_job():
 
 
 def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, results_dir, monkeypatch, capsys):
-    """The first notebook fails (its execution played): the second still runs, reproduce.json has both,
-    and the exit code says one failed."""
+    """The first notebook's cell raises, the third's kernel dies (both played): the second still runs,
+    reproduce.json has all three, and the exit code says two failed. A cell's error is one line on
+    stderr, its traceback (without colour codes) in the log; anything else prints its traceback."""
+    from papermill.exceptions import PapermillExecutionError
+
     from workbench.front import reproduce
 
     ran = []
@@ -34,17 +37,29 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     def run(path, params, out, progress=None):
         ran.append(Path(path).stem)
         if len(ran) == 1:
-            raise RuntimeError("a cell raised (played)")
+            raise PapermillExecutionError(4, 4, "train()", "ValueError", "a cell raised (played)",
+                                          ["\x1b[0;31mTraceback\x1b[0m", "  File cell 4, in train",
+                                           "ValueError: a cell raised (played)"])
+        if len(ran) == 3:
+            raise RuntimeError("Kernel died before replying (played)")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text("{}")
 
     monkeypatch.setattr(reproduce, "run_notebook", run)
-    assert main(["reproduce", "--quick", "--no-report", "--only", "01_strategies", "02_ladder"]) == 1
-    assert ran == ["01_strategies", "02_ladder"]
+    assert main(["reproduce", "--quick", "--no-report"]) == 1
+    assert ran == ["01_strategies", "02_ladder", "03_split"]
     log = json.loads((results_dir / "reproduce.json").read_text())
-    assert [(n["name"], n["status"]) for n in log["notebooks"]] == [("01_strategies", "error"), ("02_ladder", "ok")]
-    assert log["notebooks"][0]["error"] == "RuntimeError: a cell raised (played)" and log["quick"] is True
-    assert "workbench reproduce: 1 notebook(s) failed" in capsys.readouterr().err
+    assert [(n["name"], n["status"]) for n in log["notebooks"]] == [
+        ("01_strategies", "error"), ("02_ladder", "ok"), ("03_split", "error")]
+    first, _, third = log["notebooks"]
+    assert first["error"] == "ValueError: a cell raised (played)" and log["quick"] is True
+    assert first["traceback"] == "Traceback\n  File cell 4, in train\nValueError: a cell raised (played)"
+    assert third["error"] == "RuntimeError: Kernel died before replying (played)" and third["traceback"] is None
+    err = capsys.readouterr().err
+    assert "[01_strategies] ValueError: a cell raised (played)\n" in err
+    assert "File cell 4" not in err and "Exception encountered" not in err  # not the cell's traceback
+    assert "Traceback (most recent call last)" in err and "Kernel died" in err  # the kernel's: in full
+    assert "workbench reproduce: 2 notebook(s) failed" in err
 
 
 def test_an_unknown_notebook_is_one_line_naming_the_known_ones(results_dir, capsys):

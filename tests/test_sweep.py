@@ -222,6 +222,8 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, mon
     assert list(df.status) == ["ok", "ok", "error", "ok"]
     err = df.set_index("x").loc[3]
     assert err.error == "ValueError: failing on purpose at x=3"
+    trace = json.loads((out / err.point / "status.json").read_text())["traceback"]
+    assert "failing on purpose at x=3" in trace and "\x1b[" not in trace  # the cell's, without colour codes
     assert Path(err.notebook).exists()  # the failed run's notebook is kept: it shows the error
     ok = df[df.status == "ok"].set_index("x")
     assert list(ok.x_squared) == [1, 4, 16]

@@ -296,6 +296,17 @@ def run_notebook(
     return output
 
 
+def failure(e: BaseException) -> tuple[str, str | None]:
+    """A failed run as (one line, the cell's traceback or None): for an error raised in a cell,
+    the cell's exception and its traceback without colour codes (the executed notebook has it
+    too); for anything else (a dead kernel, a cell timeout), the exception itself."""
+    from papermill.exceptions import PapermillExecutionError, strip_color
+
+    if isinstance(e, PapermillExecutionError):
+        return f"{e.ename}: {e.evalue}", strip_color("\n".join(e.traceback))
+    return f"{type(e).__name__}: {e}", None
+
+
 if __name__ == "__main__":  # python -m workbench.front.notebooks: regenerate notebooks/
     for written in write_notebooks():
         print("wrote", written)

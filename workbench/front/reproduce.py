@@ -6,7 +6,8 @@
 
 Executed notebooks go to results/notebooks/, each study's tables to results/<study>/, and the
 report to results/index.html. A failing notebook is reported and the others still run; the exit
-code says whether all succeeded.
+code says whether all succeeded. A cell's error is one line here; its traceback is in the executed
+notebook and in results/reproduce.json.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import traceback
 from workbench.core.config import ConfigError
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, embedded_metrics, ensure_embedded_base
 from workbench.core.results import atomic_write_json, environment, now, results_root
-from workbench.front.notebooks import available, find, run_notebook
+from workbench.front.notebooks import available, failure, find, run_notebook
 from workbench.front.report import write_report
 
 
@@ -51,17 +52,21 @@ def main(args) -> int:
         out = root / "notebooks" / f"{nb.name}.ipynb"
         t0 = time.perf_counter()
         print(f"[{nb.name}] running{' (quick)' if args.quick else ''} ...", flush=True)
+        status, error, trace = "ok", None, None
         try:
             run_notebook(nb.path, params, out, progress=f"[{nb.name}] cells")
-            status, error = "ok", None
         except Exception as e:  # a failing notebook is reported; the others still run
             failed += 1
-            status, error = "error", f"{type(e).__name__}: {e}"
-            traceback.print_exc()
+            status, (error, trace) = "error", failure(e)
+            if trace is None:  # not a cell's error (a dead kernel, the workbench itself): its traceback
+                traceback.print_exc()
+            else:  # a cell's error: one line; its traceback is in the executed notebook and the log
+                print(f"[{nb.name}] {error}", file=sys.stderr, flush=True)
         dt = time.perf_counter() - t0
         print(f"[{nb.name}] {status} in {dt:.0f} s -> {out}", flush=True)
         log["notebooks"].append({"name": nb.name, "status": status, "seconds": round(dt, 1),
-                                 "output": str(out), "parameters": params, "error": error})
+                                 "output": str(out), "parameters": params, "error": error,
+                                 "traceback": trace})
         atomic_write_json(root / "reproduce.json", log)
     if not args.no_report:
         path = write_report()

@@ -73,7 +73,6 @@ import fcntl
 import functools
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -86,7 +85,7 @@ from workbench.core.common import environ
 from workbench.core.config import ConfigError
 from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, now, results_root
-from workbench.front.notebooks import run_notebook
+from workbench.front.notebooks import failure, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
 from workbench.front.sweep_points import (combine, load_grid, plan, points_from_options, read_status,
                                           write_tables)
@@ -125,10 +124,6 @@ def _stderr_to(path: Path) -> Iterator[None]:
         os.close(saved)
 
 
-def _strip_ansi(text: str) -> str:
-    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
-
-
 def abandon_points(out: str) -> int:
     """In a worker: stop the running points of the sweep writing to `out`, leaving no status."""
     for d in Path(out).iterdir() if Path(out).is_dir() else ():
@@ -143,8 +138,6 @@ def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[
     variables). Returns the status, or {"status": "abandoned"} (nothing written) if the sweep
     stopped this run.
     """
-    from papermill.exceptions import PapermillExecutionError  # here, not at the top: ~1.7 s to import
-
     point_dir = Path(point_dir)
     with _ONE_AT_A_TIME:
         _ABANDONED.discard(str(point_dir))
@@ -170,10 +163,8 @@ def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[
                 watchdog.start()
             try:
                 run_notebook(spec["notebook"], spec["parameters"], partial, cwd=point_dir, timeout_s=timeout_s)
-            except PapermillExecutionError as e:
-                error, trace = f"{e.ename}: {e.evalue}", _strip_ansi("\n".join(e.traceback))
-            except Exception as e:  # a dead kernel, a cell timeout, an unreadable notebook: this run failed
-                error = f"{type(e).__name__}: {e}"
+            except Exception as e:  # a cell's error, a dead kernel, a cell timeout: this run failed
+                error, trace = failure(e)
             finally:
                 watchdog.cancel()
         if error and str(point_dir) in _ABANDONED:  # killed by the sweep's stop: no status, redone later
