@@ -1431,11 +1431,17 @@ def test_idle_and_done_before_backward_end_shares_are_the_events(monkeypatch, ma
         period = end - m["start"]
         busy = m["accel_update_end"] - m["start"] - sum(ms(b) - ms(a) for a, b in it.waits)
         assert row["accel_idle_share"] == pytest.approx(max(0.0, 1.0 - busy / period), abs=1e-9)
-        kept = {}  # each parameter's last host update: a redo runs after the update it undoes
+        kept, spans = {}, {}  # each parameter's last host update: a redo runs after the update it undoes
         for lane, name, a, b, n, *_ in events:
             if lane == "host update":
                 kept[name] = (ms(b), n)
+                spans.setdefault(name, []).append(ms(b) - ms(a))
         done = sum(n for b, n in kept.values() if b <= m["backward_end"])
+        # the update time is the kept updates' (the rate host_s_per_elem is learned from); the undone
+        # speculations' is apart. Summed together, a clipped step read as a host twice as slow.
+        assert row["host_update_ms"] == pytest.approx(sum(d[-1] for d in spans.values()), abs=1e-9)
+        assert row["host_undone_ms"] == pytest.approx(sum(sum(d[:-1]) for d in spans.values()), abs=1e-9)
+        assert (row["host_undone_ms"] > 0) == (max_norm == 0.05)
         assert row["host_params"] == sum(s.numel for s in eng.slots.values()) > emb.numel()
         share = row["host_done_before_bwd_end_share"]
         assert share == pytest.approx(done / row["host_params"], abs=1e-12)

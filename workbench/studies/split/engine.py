@@ -674,7 +674,11 @@ class SplitEngine:
         verdict = m["verdict_end"] - bwd_end
         acc_upd = m["accel_update_end"] - m["verdict_end"]
         period = end - t0
-        upd = [e for e in ev if e[0] == "host update"]
+        # host updates: the ones kept (run once, or a redo) and the speculations a verdict undid
+        upd = [e for e, (*_, redo) in zip(ev, it.host_events) if e[0] == "host update"
+               and (redo or e[1] not in redo_ends)]
+        undone = [e for e, (*_, redo) in zip(ev, it.host_events) if e[0] == "host update"
+                  and not redo and e[1] in redo_ends]
         host_upd_s = sum(e[3] - e[2] for e in upd) / 1e3
         # done when backward ended: the update that was kept (an undone speculation is not done; its redo is)
         done_before = (sum(e[4] for e in upd if e[1] not in redo_ends and e[3] <= bwd_end)
@@ -699,7 +703,10 @@ class SplitEngine:
             "backward_ms": bwd,
             "verdict_ms": verdict,  # after backward: fp16 overflow / clipping verdict (and the loss read)
             "accel_update_ms": acc_upd,  # the accelerator's Adam on its share k only (accel_s_per_elem)
+            # the host's Adam on the updates kept (host_s_per_elem); a speculation the verdict undid
+            # (fp16 overflow, clipping) is host_undone_ms: time spent, not an update made
             "host_update_ms": host_upd_s * 1e3,
+            "host_undone_ms": sum(e[3] - e[2] for e in undone),
             "to_host_ms": sum(e[3] - e[2] for e in to_host),
             "to_accel_ms": sum(e[3] - e[2] for e in to_acc),
             "to_host_bytes": sum(e[5] for e in to_host),
