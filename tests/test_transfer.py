@@ -1,6 +1,7 @@
 """Study 1 end to end on the tiny embedded base: strategies, fallback, results files, bad input."""
 
 import json
+import os
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -114,14 +115,14 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
         (corpus / f"doc{i}.txt").write_text(" ".join(f"word{i}-{j} is here." for j in range(400)))
     other = run_strategies(cfg.replace(corpus=str(corpus)), progress=False).runs
     assert other["run_id"][0] != first["run_id"][0]
-    monkeypatch.setattr(transfer, "model_fingerprint", lambda *a: "other-weights")
-    assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
-    monkeypatch.undo()
-    monkeypatch.setattr(transfer, "__version__", "9.9.9")
-    assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
-    monkeypatch.undo()  # the same version with other code (a pull): not the old code's run either
-    monkeypatch.setattr(transfer, "code_fingerprint", lambda: "other-code")
-    assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
+    # each in its own context: monkeypatch.undo() would also undo results_dir's WORKBENCH_RESULTS,
+    # and the runs after it would land in the project's own results/
+    for name, value in [("model_fingerprint", lambda *a: "other-weights"), ("__version__", "9.9.9"),
+                        ("code_fingerprint", lambda: "other-code")]:  # code: the same version after a pull
+        with monkeypatch.context() as m:
+            m.setattr(transfer, name, value)
+            assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
+    assert os.environ["WORKBENCH_RESULTS"] == str(results_dir)
 
 
 def test_a_run_that_did_not_train_is_run_again_as_the_machine_is_now(tiny_base, results_dir, monkeypatch):
