@@ -618,9 +618,10 @@ def test_a_check_that_brings_its_own_report_section_has_it_in_the_report(tmp_pat
 # the notebooks check (workbench/front/gpu_programs.py), with a stand-in for papermill
 
 def _stand_in(recorded: dict[str, dict[str, str]], calls: list, fail: str = ""):
-    """Executes nothing: writes the executed notebook and appends the runs.csv rows a study would
-    (`recorded`: the columns of each study's measured row)."""
-    import pandas as pd
+    """Executes nothing: writes the executed notebook and the runs.csv rows a study would, through the
+    studies' own writer (a row of the same settings replaces the old one; `recorded`: the columns of
+    each study's measured row)."""
+    from workbench.core.results import ResultsWriter
 
     def execute(path, params, out, timeout_s=None, deadline=None):
         study = Path(path).stem.split("_", 1)[1]
@@ -630,13 +631,11 @@ def _stand_in(recorded: dict[str, dict[str, str]], calls: list, fail: str = ""):
             raise RuntimeError("PapermillExecutionError: cell 4 raised\nTraceback ...")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text("{}")
-        runs_csv = results_root() / study / "runs.csv"
-        runs_csv.parent.mkdir(parents=True, exist_ok=True)
-        old = pd.read_csv(runs_csv) if runs_csv.exists() else pd.DataFrame()
-        row = {"study": study, "source": "measured", **recorded.get(study, {})}
+        row = {"run_id": f"{study}-quick", "study": study, "source": "measured", **recorded.get(study, {})}
         # study 3 also writes modelled rows for other machines: they trained nowhere here
-        other = {"study": study, "source": "modelled", "hardware": "H100-PCIe + cuda (modelled)"}
-        pd.concat([old, pd.DataFrame([row, other])]).to_csv(runs_csv, index=False)
+        other = {"run_id": f"{study}-h100", "study": study, "source": "modelled",
+                 "hardware": "H100-PCIe + cuda (modelled)"}
+        ResultsWriter(study).update_runs([row, other])
     return execute
 
 
@@ -652,14 +651,18 @@ def test_notebooks_check_executes_every_study_notebook_under_its_folder_and_read
         changed = {"01_strategies": {"budget_mib": 0.0}, "02_ladder": {"budget_mib": 256.0}}.get(c["notebook"], {})
         assert c["params"] == {**STUDIES[c["notebook"]].quick, **changed}
         assert c["out"] == tmp_path / "notebooks" / f"{c['notebook']}.ipynb" and c["out"].exists()
-        assert c["root"] == tmp_path / "runs"
-    assert r["status"] == "pass", r["failures"]
-    rows = {row["study"]: row for row in r["rows"]}
-    assert rows["strategies"]["used_gpu"] and rows["strategies"]["devices"] == ["cuda"]
-    assert rows["split"]["devices"] == ["this machine (cuda)"]
-    # study 2's auto-fit trained on the card (its rungs are measured on the CPU by design)
-    assert rows["ladder"]["used_gpu"] and rows["ladder"]["devices"] == ["cuda"] and rows["ladder"]["passed"]
-    assert "| 03_split | ok |" in r["report"]
+        assert c["root"] == tmp_path / "runs" / "notebooks" / c["notebook"]
+    # a second check into the same folder (the default, results/gpu_check) runs the same settings,
+    # whose rows replace the first check's: it read the rows past the table's old length, none
+    for again in (False, True):
+        r = gn.check_notebooks(gc.Options(out=tmp_path), execute=_stand_in(recorded, calls)) if again else r
+        assert r["status"] == "pass", r["failures"]
+        rows = {row["study"]: row for row in r["rows"]}
+        assert rows["strategies"]["used_gpu"] and rows["strategies"]["devices"] == ["cuda"]
+        assert rows["split"]["devices"] == ["this machine (cuda)"]
+        # study 2's auto-fit trained on the card (its rungs are measured on the CPU by design)
+        assert rows["ladder"]["used_gpu"] and rows["ladder"]["devices"] == ["cuda"] and rows["ladder"]["passed"]
+        assert "| 03_split | ok |" in r["report"]
 
 
 def test_notebooks_check_keeps_to_the_time_budget(tmp_path, monkeypatch):
@@ -694,9 +697,10 @@ def test_notebooks_check_keeps_to_the_time_budget(tmp_path, monkeypatch):
 
 
 def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_notebook_that_raised(tmp_path):
-    # an earlier check's run on the card is in runs.csv already: only the rows this run adds count
-    (tmp_path / "runs" / "split").mkdir(parents=True)
-    (tmp_path / "runs" / "split" / "runs.csv").write_text("study,source,hardware\nsplit,measured,this machine (cuda)\n")
+    # an earlier run on the card is in the notebook's runs.csv already: only this execution's rows count
+    (tmp_path / "runs" / "notebooks" / "03_split" / "split").mkdir(parents=True)
+    (tmp_path / "runs" / "notebooks" / "03_split" / "split" / "runs.csv").write_text(
+        "run_id,study,source,hardware\nsplit-older,split,measured,this machine (cuda)\n")
     calls = []
     # study 1's attempts on the card were all skipped (as its quick 13 MiB budget did on the H200, 2026-11-26):
     # an attempt named in the history is not a run trained there

@@ -20,7 +20,8 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   out-of-memory error: `studies/ladder/gpu_autofit.py`; study 3's engine: `studies/split/gpu_check.py`;
   the notebooks and the memory monitor's cost: `front/gpu_programs.py`); versions and the card.
 Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
-memory_snapshot.pickle, notebooks/, runs/}. Two H200 runs: data/measured/h200-2026-11-22/, -11-26/.
+memory_snapshot.pickle, notebooks/, runs/ (runs/notebooks/<notebook>/: the notebooks check's)}.
+Two H200 runs: data/measured/h200-2026-11-22/, -11-26/.
 
 The logic (rows, errors, thresholds, verdicts, the summary and the report) is pure functions in
 front/gpu_report.py, tested on the CPU with fabricated measurements (tests/test_gpu_check.py);

@@ -5,9 +5,11 @@
 notebooks: every study notebook executed headless on the card, kept.
 Each study notebook runs through papermill (`workbench.front.notebooks.run_notebook`, the same path
 as `workbench reproduce --quick`) with its quick parameters, in a fresh kernel on this machine; the
-executed notebooks go to <out>/notebooks/, their study runs to <out>/runs/ (never the user's
-results/). Where each study's runs trained is read back from the rows the notebook added to its
-runs.csv, so "ran on the GPU" is what the runs recorded, not what was asked:
+executed notebooks go to <out>/notebooks/, their study runs to <out>/runs/notebooks/<notebook>/
+(never the user's results/), a folder emptied before each execution. Where each study's runs trained
+is read back from the runs.csv that execution wrote, so "ran on the GPU" is what the runs recorded,
+not what was asked. (It was the rows past the table's length before, which a second check into the
+same folder found empty: runs.csv replaces a row of the same settings, so its length stays.)
 - study 1 (strategies): its default attempts on a CUDA machine are the card, then the CPU (run
   without the quick budget: ON_A_CARD); a run counts where it finished (its `device`), not where it
   was attempted, and some must have finished on the card;
@@ -29,6 +31,7 @@ The verdicts and the device read-back are plain functions, tested on the CPU wit
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,7 +40,7 @@ import pandas as pd
 
 from workbench.core.common import one_line
 from workbench.core.memory.monitor import overhead
-from workbench.core.results import read_table, results_root, results_under
+from workbench.core.results import read_table, results_under
 from workbench.core.training import TrainSettings, train
 from workbench.front.gpu_report import TIME_SPENT
 from workbench.front.notebooks import available, run_notebook
@@ -109,24 +112,24 @@ def check_notebooks(opts, *, execute: Callable | None = None) -> dict[str, Any]:
     `execute` stands in for run_notebook in tests. One failing notebook is its row; the others still run."""
     execute = execute or run_notebook
     rows = []
-    with results_under(opts.out / "runs"):
-        for nb in available():
-            runs_csv = results_root() / nb.study / "runs.csv"
-            before = len(read_table(runs_csv))
-            out = opts.out / "notebooks" / f"{nb.name}.ipynb"
-            if opts.out_of_time():  # under --time-budget: a notebook that would begin past it is its row
-                rows.append(notebook_row(nb.name, nb.study, "not run", 0.0, out, TIME_SPENT, []))
-                continue
-            t0 = time.perf_counter()
+    for nb in available():
+        out = opts.out / "notebooks" / f"{nb.name}.ipynb"
+        if opts.out_of_time():  # under --time-budget: a notebook that would begin past it is its row
+            rows.append(notebook_row(nb.name, nb.study, "not run", 0.0, out, TIME_SPENT, []))
+            continue
+        runs = opts.out / "runs" / "notebooks" / nb.name
+        shutil.rmtree(runs, ignore_errors=True)  # its rows are this execution's, whatever ran before
+        t0 = time.perf_counter()
+        with results_under(runs):
             try:  # papermill's limit is per cell: under a budget each cell's is what is left of it
                 execute(nb.path, {**nb.quick, **ON_A_CARD.get(nb.study, {})}, out, timeout_s=NOTEBOOK_TIMEOUT_S,
                         deadline=opts.deadline_at)
                 status, error = "ok", None
             except Exception as e:
                 status, error = "error", one_line(e)
-            added = read_table(runs_csv).iloc[before:]
-            rows.append(notebook_row(nb.name, nb.study, status, time.perf_counter() - t0, out, error,
-                                     devices_recorded(added)))
+        added = read_table(runs / nb.study / "runs.csv")
+        rows.append(notebook_row(nb.name, nb.study, status, time.perf_counter() - t0, out, error,
+                                 devices_recorded(added)))
     return notebooks_verdict(rows)
 
 
