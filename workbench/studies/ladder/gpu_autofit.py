@@ -21,7 +21,6 @@ where `check_autofit`'s CUDA layer is also played); `check_autofit` runs on CUDA
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
@@ -40,7 +39,11 @@ FIRST, NEXT = "fp32", "bf16_true"
 # a cap between the two needs is used when each is this far from it (else the cap could land inside the
 # prediction's error: the card records' worst reserved miss on the card is 3.9%)
 CLEAR = 0.10
-# what the card may hold after the step-down above what it held before (a cuBLAS workspace made on the way)
+# what the card may hold after the step-down above what it held before, both read after `release_held`
+# (garbage, the cuBLAS workspaces, the cache): a leaked model's tensors are more. Read without the
+# release, a run leaves its workspaces (65-66 MiB on the H200 after any ladder rung: two cuBLAS
+# workspaces of 32 MiB, the forward's thread's and autograd's, and 1-2 MiB more) and the check failed
+# on a card even where the failed setup had freed all it held.
 LEFT_TOLERANCE_MIB = 64.0
 
 
@@ -120,8 +123,7 @@ def check_autofit(opts) -> dict[str, Any]:
     release_held(dev)
     before = torch.cuda.memory_allocated(dev) / MiB
     _, tries = run_choice(choice, config, load, blocks, device=dev, batch=opts.batch, budget_mib=cap)
-    gc.collect()
-    torch.cuda.synchronize(dev)
+    release_held(dev)  # as before the step-down: what is left is tensors
     after = torch.cuda.memory_allocated(dev) / MiB
     return autofit_verdict(tries, cap_mib=cap, needs_mib=needs, setups=setups, left_before_mib=before,
                            left_after_mib=after)
