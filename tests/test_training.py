@@ -150,3 +150,18 @@ def test_the_loop_learns_the_next_token_not_the_one_after():
     assert evaluate_perplexity(m, held) > 50  # untrained: near the vocabulary's 128
     train(m, cycle_blocks(64, seed=1), TrainSettings(steps=60, micro_batch=8, lr=1e-2))
     assert evaluate_perplexity(m, held) < 1.2
+
+
+def test_perplexity_weights_tokens_not_batches():
+    """3 blocks in batches of 2: the last batch holds a third of the tokens, not half of the score."""
+    m, blocks = model_and_blocks()
+    m.eval()
+    x = torch.cat([blocks[:2], torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))])
+    with torch.no_grad():
+        logits = m(input_ids=x).logits
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, 128), x[:, 1:].reshape(-1))  # the mean over all 3 x 31 tokens
+    ppl = evaluate_perplexity(m, x, batch_size=2)
+    assert math.log(ppl) == pytest.approx(float(nll), rel=1e-5)
+    by_batch = (F.cross_entropy(logits[:2, :-1].reshape(-1, 128), x[:2, 1:].reshape(-1))
+                + F.cross_entropy(logits[2:, :-1].reshape(-1, 128), x[2:, 1:].reshape(-1))) / 2
+    assert abs(float(by_batch) - float(nll)) > 1e-3  # 20x the tolerance: the test tells the two apart
