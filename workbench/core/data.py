@@ -4,14 +4,17 @@ The embedded default needs no network: both domains are built deterministically 
 ships with Python.
 
 - Source domain (pretraining the embedded base): the standard library's own `.py` files, sorted
-  by path (tests and site-packages left out), the first `source_mib` MiB; the last 5% of files is
-  held out.
+  by path (tests, site-packages, idlelib and pydoc_data left out: pydoc_data holds the target
+  domain), the first `source_mib` Mi characters; every 20th file (interleaved through the sorted
+  list) is held out.
 - Target domain (fine-tuning in study 1): the language reference that `pydoc_data.topics` ships
   (79 topics in CPython 3.11). A topic goes to held-out when a stable hash of its name falls in
   the held-out share.
 
 A user corpus (a text file or a folder of .txt/.md/.py files) can replace the target domain;
-its files are split the same way, by file.
+its files are split the same way, by file (keyed by the path inside the folder, so the folder's
+own name does not change the split; a few files whose hashes hold out none get the lowest-hashed
+share, `heldout_keys`); a single file is split by paragraph.
 
 Held-out means unseen in content, not only in name. pydoc's topics repeat each other word for
 word (`compound` holds the `if`, `while`, `for` and `try` topics), so a split by name alone left
@@ -212,9 +215,22 @@ def disjoint_split(items: list[tuple[str, str]], heldout_keys: set[str], name: s
     return Corpus(name, tuple(train_text), tuple(heldout), overlap)
 
 
+def _bucket(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % 10_000
+
+
 def _is_heldout(key: str, share: float = HELDOUT_SHARE) -> bool:
-    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return (h % 10_000) < share * 10_000
+    return _bucket(key) < share * 10_000
+
+
+def heldout_keys(keys: list[str], share: float = HELDOUT_SHARE) -> set[str]:
+    """The documents to hold out: those whose stable hash falls in `share`. Where that holds out none
+    (or every one) of a few documents, the `share` of them with the lowest hashes, at least one and
+    at most all but one (a folder of three files held out none about half the time)."""
+    held = {k for k in keys if _is_heldout(k, share)}
+    if len(keys) >= 2 and (not held or len(held) == len(keys)):
+        held = set(sorted(keys, key=lambda k: (_bucket(k), k))[:max(1, round(share * len(keys)))])
+    return held
 
 
 def source_corpus(source_mib: float = 8.0) -> Corpus:
@@ -227,6 +243,7 @@ def source_corpus(source_mib: float = 8.0) -> Corpus:
         and "test" not in p.parts
         and "tests" not in p.parts
         and "idlelib" not in p.parts
+        and "pydoc_data" not in p.parts  # the target domain's text (topics.py): never pretraining text
     )
     docs, total, limit = [], 0, int(source_mib * 2**20)
     for p in files:
@@ -262,7 +279,9 @@ def target_corpus(path: str | None = None) -> Corpus:
         files = [root] if root.is_file() else sorted(
             p for p in root.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES
         )
-        items = [(str(p.relative_to(root.parent)), p.read_text(encoding="utf-8", errors="replace")) for p in files]
+        # keyed by the path inside the corpus: the split does not depend on the folder's own name
+        items = [(root.name if p == root else str(p.relative_to(root)),
+                  p.read_text(encoding="utf-8", errors="replace")) for p in files]
         name = str(root)
     items = [(k, v) for k, v in items if v.strip()]
     if not items:
@@ -271,10 +290,11 @@ def target_corpus(path: str | None = None) -> Corpus:
         # One document: split it by paragraphs instead, so held-out text still exists.
         key, text = items[0]
         items = [(f"{key}#{i}", p) for i, p in enumerate(text.split("\n\n")) if p.strip()]
-    corpus = disjoint_split(items, {k for k, _ in items if _is_heldout(k)}, name)
+    corpus = disjoint_split(items, heldout_keys([k for k, _ in items]), name)
     if not corpus.train or not corpus.heldout:
         raise CorpusError(f"corpus {name!r} is too small to split into train and held-out text "
-                          "(after repeated text was removed from the held-out side)")
+                          "(after repeated text was removed from the held-out side): give it more text of "
+                          "its own, in more files or in more paragraphs (blank-line separated) of one file")
     ov = corpus.overlap
     if path and path != "embedded" and ov.share_by_name > MAX_OVERLAP:
         shown = ", ".join(ov.files[:5]) + (f" and {len(ov.files) - 5} more" if len(ov.files) > 5 else "")
