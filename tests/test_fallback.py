@@ -325,7 +325,10 @@ def test_attempt_parsing():
     assert Attempt.parse("cuda:1@512") == Attempt("cuda:1", 512.0)
     assert str(Attempt.parse("cpu@48")) == "cpu@48"
     for bad, fix in (("gpu", "use cpu, cuda or cuda:N"), ("mps", "'mps' is not a device the workbench runs on"),
-                     ("cpu@-1", "must be positive"), ("cpu@lots", "number of MiB")):
+                     ("cpu@-1", "must be a positive, finite number of MiB"), ("cpu@lots", "number of MiB"),
+                     # nan ended in int()'s ValueError when run; inf skipped the free-memory preflight
+                     ("cpu@nan", r"finite number of MiB \(e.g. cpu@8192\), or none \(cpu\)$"),
+                     ("cuda@inf", r"finite number of MiB \(e.g. cuda@8192\)")):
         with pytest.raises(ConfigError, match=fix):
             Attempt.parse(bad)
     if not torch.cuda.is_available():

@@ -66,8 +66,9 @@ class Attempt:
                 mib = float(budget)
             except ValueError:
                 raise ConfigError(f"attempt {text!r}: budget {budget!r} is not a number of MiB") from None
-            if mib <= 0:
-                raise ConfigError(f"attempt {text!r}: the budget must be positive")
+            if not (0 < mib < float("inf")):  # nan and inf as well: a budget is a finite number of MiB
+                raise ConfigError(f"attempt {text!r}: the budget must be a positive, finite number of MiB "
+                                  f"(e.g. {dev}@8192), or none ({dev})")
             return cls(dev, mib, allocator)
         return cls(dev)
 
