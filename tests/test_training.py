@@ -165,3 +165,35 @@ def test_perplexity_weights_tokens_not_batches():
     by_batch = (F.cross_entropy(logits[:2, :-1].reshape(-1, 128), x[:2, 1:].reshape(-1))
                 + F.cross_entropy(logits[2:, :-1].reshape(-1, 128), x[2:, 1:].reshape(-1))) / 2
     assert abs(float(by_batch) - float(nll)) > 1e-3  # 20x the tolerance: the test tells the two apart
+
+
+class BlockRecorder(torch.nn.Module):
+    """A model that notes which blocks each micro-batch holds (their first token is their index)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.seen = model, []
+
+    def forward(self, input_ids, labels):
+        self.seen.append(input_ids[:, 0].tolist())
+        return self.model(input_ids=input_ids, labels=labels)
+
+
+def test_the_seed_sets_the_data_order_and_the_dropout():
+    """The same seed gives the same batches and losses whatever the global RNG's state; another seed
+    gives other batches, and (gpt2's dropout draws from the global RNG) other losses."""
+    blocks = model_and_blocks()[1].clone()
+    blocks[:, 0] = torch.arange(len(blocks))
+
+    def run(seed, global_seed):
+        torch.manual_seed(0)
+        m = BlockRecorder(AutoModelForCausalLM.from_config(tiny_config("gpt2")))
+        assert m.model.config.resid_pdrop > 0
+        torch.manual_seed(global_seed)  # what ran before: the loop must not depend on it
+        r = train(m, blocks, TrainSettings(steps=4, micro_batch=4, lr=1e-3, seed=seed))
+        return r.losses, m.seen
+
+    (losses, order), (losses_again, order_again), (losses_1, order_1) = run(0, 100), run(0, 200), run(1, 100)
+    assert order == order_again and losses == losses_again
+    assert order != order_1 and losses != losses_1
+    assert sorted(sum(order, [])[:16]) == list(range(16))  # an epoch draws each block once
