@@ -125,6 +125,13 @@ def test_schedule_and_bad_settings():
     for bad in ({"steps": 0}, {"micro_batch": -1}, {"lr": 0.0}, {"grad_accum": 0}):
         with pytest.raises(ConfigError):
             TrainSettings.from_dict(bad)
+    # each error names the value that is wrong, what it was, and the range allowed, on one line
+    for bad, says in (({"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),
+                      ({"min_lr_ratio": 1.5}, r"min_lr_ratio .* must be in \[0, 1\], got 1.5"),
+                      ({"min_lr_ratio": -0.1}, r"min_lr_ratio .* must be in \[0, 1\], got -0.1")):
+        with pytest.raises(ConfigError, match=says) as e:
+            TrainSettings.from_dict(bad)
+        assert "\n" not in str(e.value)
     m, blocks = model_and_blocks()
     with pytest.raises(ConfigError, match="fp16"):
         train(m, blocks, TrainSettings(steps=1, precision="fp16"))

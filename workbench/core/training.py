@@ -51,8 +51,11 @@ class TrainSettings(Config):
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio (the final lr as a share of the peak) must be in [0, 1], "
+                              f"got {self.min_lr_ratio}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate for optimizer step `step` (0-based)."""
