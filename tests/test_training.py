@@ -119,14 +119,16 @@ def test_checkpointing_trains_without_transformers_use_cache_warning():
 
 
 def test_schedule_and_bad_settings():
+    # 10 warm-up steps climb below the peak (1/11 .. 10/11), the peak is step 10; they were 1/10 .. 10/10,
+    # and step 10 the peak again (lr_at's convention)
     s = TrainSettings(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    assert s.lr_at(0) == pytest.approx(0.1) and s.lr_at(9) == pytest.approx(1.0)
-    assert s.lr_at(99) == pytest.approx(0.1, abs=1e-3)
+    assert s.lr_at(0) == pytest.approx(1 / 11) and s.lr_at(9) == pytest.approx(10 / 11) and s.lr_at(10) == 1.0
+    assert s.lr_at(99) == pytest.approx(0.1, abs=1e-12)
     for bad in ({"steps": 0}, {"micro_batch": -1}, {"lr": 0.0}, {"grad_accum": 0}):
         with pytest.raises(ConfigError):
             TrainSettings.from_dict(bad)
     # each error names the value that is wrong, what it was, and the range allowed, on one line
-    for bad, says in (({"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),
+    for bad, says in (({"warmup_steps": -1}, r"^warmup_steps must be in 0..steps \(0..100\), got -1$"),
                       ({"min_lr_ratio": 1.5}, r"min_lr_ratio .* must be in \[0, 1\], got 1.5"),
                       ({"min_lr_ratio": -0.1}, r"min_lr_ratio .* must be in \[0, 1\], got -0.1")):
         with pytest.raises(ConfigError, match=says) as e:
@@ -204,3 +206,41 @@ def test_the_seed_sets_the_data_order_and_the_dropout():
     assert order == order_again and losses == losses_again
     assert order != order_1 and losses != losses_1
     assert sorted(sum(order, [])[:16]) == list(range(16))  # an epoch draws each block once
+
+
+@pytest.mark.parametrize("steps,warmup", [(8, 1), (10, 0), (100, 10), (150, 7), (3, 1), (2, 0)])
+def test_schedule_shapes(steps, warmup):
+    """Warm-up climbs below the peak, the peak comes once (step `warmup`), the decay never rises and its
+    last step is the floor: an 8-step cosine run (the tiny study's) ended at 0.145 of the peak and a
+    10-step linear one at 0.19, against a stated final 0.1, and warmup_steps=1 took the peak twice."""
+    for schedule in ("cosine", "linear", "constant"):
+        s = TrainSettings(steps=steps, lr=2.0, warmup_steps=warmup, min_lr_ratio=0.1, schedule=schedule)
+        lrs = [s.lr_at(i) for i in range(steps)]
+        assert lrs[:warmup] == pytest.approx([2.0 * (i + 1) / (warmup + 1) for i in range(warmup)])
+        assert lrs[warmup] == 2.0 and lrs.count(2.0) == (steps - warmup if schedule == "constant" else 1)
+        after = lrs[warmup:]
+        assert all(a >= b for a, b in zip(after, after[1:]))
+        if schedule == "constant":
+            continue
+        assert lrs[-1] == pytest.approx(0.2, abs=1e-12)  # the floor, at the last step
+        assert all(a > b for a, b in zip(after, after[1:]))  # no step repeats the floor or the peak
+        if schedule == "linear":
+            drops = [a - b for a, b in zip(after, after[1:])]
+            assert drops == pytest.approx([1.8 / len(drops)] * len(drops))
+        else:
+            mid = (len(after) - 1) / 2  # the cosine: halfway down at the middle, symmetric about it
+            if mid == int(mid):
+                assert after[int(mid)] == pytest.approx(1.1)
+            assert [a - 1.1 for a in after] == pytest.approx([1.1 - a for a in after[::-1]])
+
+
+def test_warmup_up_to_steps():
+    """warmup_steps = steps (a 1-step study run asks for max(1, steps // 10) = 1) climbs to the peak at
+    the last step, as steps - 1 does; more warm-up steps than steps is an error that names the fix."""
+    for warmup in (2, 3):
+        s = TrainSettings(steps=3, lr=1.0, warmup_steps=warmup)
+        assert [s.lr_at(i) for i in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert TrainSettings(steps=1, lr=1.0, warmup_steps=1).lr_at(0) == 1.0
+    assert TrainSettings(steps=1, lr=1.0).lr_at(0) == 1.0
+    with pytest.raises(ConfigError, match=r"^warmup_steps must be in 0..steps \(0..3\), got 4: lower warmup_steps"):
+        TrainSettings(steps=3, warmup_steps=4)
