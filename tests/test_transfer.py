@@ -62,6 +62,34 @@ def test_four_strategies_fallback_and_results(tiny_base, results_dir):
     claims = claims_table(df)
     assert list(claims["published_trainable"].str.extract(r"^(\d+)/291")[0].astype(int)) == [3, 26, 290, 291]
     assert claims["measured_ppl_after"].notna().all() and claims["why_they_differ"].str.len().gt(20).all()
+    # each published row beside its own strategy's measurements (the published order is not the runs'),
+    # and its own reason (the one naming its published count)
+    by = df.groupby("strategy")
+    for row in claims.itertuples():
+        assert row.measured_ppl_after == pytest.approx(by["ppl_after"].mean()[row.strategy], rel=1e-12)
+        assert row.measured_ppl_before == pytest.approx(by["ppl_before"].first()[row.strategy], rel=1e-12)
+        assert row.measured_trainable_params == by["trainable_params"].first()[row.strategy]
+        count = row.published_trainable.split()[0]
+        assert row.strategy == "full" or f"'{count}'" in row.why_they_differ, (row.strategy, row.why_they_differ)
+
+
+def test_each_published_row_is_set_beside_its_own_strategy():
+    """On the tiny base adapter and freeze_lower train the same tensors (its 4 layers' upper two), so the
+    end-to-end test cannot tell them apart: here every strategy's figures differ. The published order
+    (freeze_lower first) is not the runs' (adapter first); rows matched by position pass the other test."""
+    from workbench.core.claims import study1_comparison
+
+    names = ["adapter", "freeze_lower", "freeze_embeddings", "full"]
+    summary = pd.DataFrame({"strategy": names, "ppl_after_mean": [10.0, 20.0, 30.0, 40.0],
+                            "ppl_before": [99.0] * 4, "trainable_params": [1, 2, 3, 4],
+                            "improvement_pct_mean": [1.0, 2.0, 3.0, 4.0], "devices": ["cpu"] * 4})
+    rows = study1_comparison(summary).set_index("strategy")
+    assert list(rows.index) == ["freeze_lower", "adapter", "freeze_embeddings", "full"]  # the published order
+    for i, name in enumerate(names):
+        assert rows.loc[name, ["measured_ppl_after", "measured_trainable_params", "measured_improvement_pct"]
+                        ].tolist() == [10.0 * (i + 1), i + 1, i + 1.0]
+    partial = study1_comparison(summary[summary.strategy != "adapter"]).set_index("strategy")
+    assert partial.loc["adapter"].isna()["measured_ppl_after"] and partial.loc["full", "measured_ppl_after"] == 40.0
 
 
 def test_a_played_gpu_peak_is_the_predicted_step_to_the_byte(tiny_base, results_dir):
