@@ -100,7 +100,9 @@ STUDIES: dict[str, StudyNotebook] = {
         StudyNotebook(
             "ladder", 2, "Study 2: the memory ladder",
             LadderConfig, run_ladder, load_ladder, ladder_figures,
-            quick={"base_size": "tiny", "rungs": ["fp32", "bf16", "bf16_ckpt", "lora", "zero_offload", "cpu"],
+            # the pure 16-bit rungs too: the published table's FP16 rows are predicted on them
+            quick={"base_size": "tiny", "rungs": ["fp32", "bf16", "bf16_ckpt", "bf16_true", "lora", "bf16_true_lora",
+                                                  "zero_offload", "cpu"],
                    "micro_batch": 4, "seq_len": 64, "steps": 2, "budget_mib": 3.0, "reference_seq_len": 32},
         ),
         StudyNotebook(
