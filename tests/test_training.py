@@ -244,3 +244,32 @@ def test_warmup_up_to_steps():
     assert TrainSettings(steps=1, lr=1.0).lr_at(0) == 1.0
     with pytest.raises(ConfigError, match=r"^warmup_steps must be in 0..steps \(0..3\), got 4: lower warmup_steps"):
         TrainSettings(steps=3, warmup_steps=4)
+
+
+@pytest.mark.parametrize("fails", ["a token past the vocabulary", "a notebook cell interrupted"])
+def test_a_step_that_raises_leaves_the_model_as_it_was(fails):
+    """Checkpointing and use_cache are put back when a step raises, and evaluate_perplexity puts back
+    the training mode: they stayed checkpointed, uncached or in eval mode for the notebook's next cell."""
+    m, blocks = model_and_blocks()
+    sinks = []
+    if fails == "a token past the vocabulary":
+        blocks = blocks.clone()
+        blocks[:, 5] = 999  # the embedding's lookup raises in the step's forward
+        error = IndexError
+    else:
+        def interrupt(row):
+            raise KeyboardInterrupt
+        sinks, error = [interrupt], KeyboardInterrupt
+    with pytest.raises(error):
+        train(m, blocks, TrainSettings(steps=3, micro_batch=4, grad_checkpointing=True), sinks=sinks)
+    assert not m.is_activation_checkpointing and m.config.use_cache is True
+    m.activation_checkpointing_enable()  # checkpointed already: it stays so
+    train(m, model_and_blocks()[1], TrainSettings(steps=1, micro_batch=4, grad_checkpointing=True))
+    assert m.is_activation_checkpointing and m.config.use_cache is True
+    bad = blocks.clone()
+    bad[:, 5] = 999
+    for mode in (True, False):
+        m.train(mode)
+        with pytest.raises(IndexError):
+            evaluate_perplexity(m, bad)
+        assert m.training is mode

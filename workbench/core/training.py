@@ -166,80 +166,83 @@ def train(
     extra = dict(extra or {})
     torch.manual_seed(settings.seed)
     autocast(device, settings.precision)  # rejects fp16 without CUDA before anything runs
-    use_cache = None
+    use_cache, was_checkpointing = None, getattr(model, "is_activation_checkpointing", False)
     if settings.grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if getattr(model, "config", None) is not None:  # what transformers does then anyway, without its warning
             use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
-    model.train()
-    if optimizer is None:
-        optimizer = make_optimizer(model.parameters(), settings, device)
-    trainable = [p for g in optimizer.param_groups for p in g["params"]]
-    if settings.precision == "bf16" or any(p.dtype == torch.bfloat16 for p in trainable):
-        if note := monitor.bf16_emulated(device):
-            warnings.warn(note, stacklevel=2)
-    scaler = torch.amp.GradScaler("cuda") if settings.precision == "fp16" else None
-    if memory_probe is None and device.type == "cuda":
-        memory_probe = lambda: torch.cuda.max_memory_allocated(device) / 2**20  # noqa: E731  (the run's peak so far)
+    try:
+        model.train()
+        if optimizer is None:
+            optimizer = make_optimizer(model.parameters(), settings, device)
+        trainable = [p for g in optimizer.param_groups for p in g["params"]]
+        if settings.precision == "bf16" or any(p.dtype == torch.bfloat16 for p in trainable):
+            if note := monitor.bf16_emulated(device):
+                warnings.warn(note, stacklevel=2)
+        scaler = torch.amp.GradScaler("cuda") if settings.precision == "fp16" else None
+        if memory_probe is None and device.type == "cuda":
+            # the run's peak so far
+            memory_probe = lambda: torch.cuda.max_memory_allocated(device) / 2**20  # noqa: E731
 
-    gpu_columns = monitor.step_memory(device) if sinks else None  # CUDA peaks and NVML; None on the CPU
-    sampler = BlockSampler(len(blocks), settings.seed)
-    seq_len = blocks.shape[1]
-    tokens_per_step = settings.tokens_per_step(seq_len)
-    losses: list[float] = []
-    tokens = 0
-    seconds = 0.0  # the steps' own time: what the sinks take (a live chart's redraw, a file write) is not training
-    for step in range(settings.steps):
-        t0 = time.perf_counter()
-        lr = settings.lr_at(step)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        idx = sampler.take(settings.micro_batch * settings.grad_accum)
-        loss_sum = torch.zeros((), device=device)
-        for micro in idx.split(settings.micro_batch)[:run_micro_batches]:
-            batch = blocks[micro].to(device, non_blocking=True)
-            with autocast(device, settings.precision):
-                out = model(input_ids=batch, labels=batch)
-            loss = out.loss / settings.grad_accum
-            del out  # the output holds the logits: free them before backward (one logits tensor less at the peak)
-            (scaler.scale(loss) if scaler else loss).backward()
-            loss_sum += loss.detach()
-        if scaler:
-            scaler.unscale_(optimizer)
-        if settings.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss_sum)  # a device sync point: the step's time includes its work
-        dt = time.perf_counter() - t0
-        seconds += dt
-        tokens += tokens_per_step
-        losses.append(loss_value)
-        if sinks:
-            row = {
-                **extra,
-                "step": step + 1,
-                "loss": loss_value,
-                "lr": lr,
-                "tokens": tokens,
-                "step_ms": dt * 1e3,
-                "tokens_per_s": tokens_per_step / dt if dt > 0 else float("nan"),
-                "mem_mib": memory_probe() if memory_probe else None,
-                **(gpu_columns() if gpu_columns else {}),
-            }
-            for sink in sinks:
-                sink(row)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss became {loss_value} at step {step + 1}; lower the learning rate")
-    if settings.grad_checkpointing:
-        model.activation_checkpointing_disable()
+        gpu_columns = monitor.step_memory(device) if sinks else None  # CUDA peaks and NVML; None on the CPU
+        sampler = BlockSampler(len(blocks), settings.seed)
+        seq_len = blocks.shape[1]
+        tokens_per_step = settings.tokens_per_step(seq_len)
+        losses: list[float] = []
+        tokens = 0
+        seconds = 0.0  # the steps' own time: what the sinks take (a live chart's redraw, a file write) is not training
+        for step in range(settings.steps):
+            t0 = time.perf_counter()
+            lr = settings.lr_at(step)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            idx = sampler.take(settings.micro_batch * settings.grad_accum)
+            loss_sum = torch.zeros((), device=device)
+            for micro in idx.split(settings.micro_batch)[:run_micro_batches]:
+                batch = blocks[micro].to(device, non_blocking=True)
+                with autocast(device, settings.precision):
+                    out = model(input_ids=batch, labels=batch)
+                loss = out.loss / settings.grad_accum
+                del out  # the output holds the logits: free them before backward (one logits tensor less at the peak)
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += loss.detach()
+            if scaler:
+                scaler.unscale_(optimizer)
+            if settings.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(trainable, settings.max_grad_norm)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = float(loss_sum)  # a device sync point: the step's time includes its work
+            dt = time.perf_counter() - t0
+            seconds += dt
+            tokens += tokens_per_step
+            losses.append(loss_value)
+            if sinks:
+                row = {
+                    **extra,
+                    "step": step + 1,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "tokens": tokens,
+                    "step_ms": dt * 1e3,
+                    "tokens_per_s": tokens_per_step / dt if dt > 0 else float("nan"),
+                    "mem_mib": memory_probe() if memory_probe else None,
+                    **(gpu_columns() if gpu_columns else {}),
+                }
+                for sink in sinks:
+                    sink(row)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss became {loss_value} at step {step + 1}; lower the learning rate")
+        return TrainResult(settings.steps, tokens, seconds, losses[-1], losses)
+    finally:  # as it was, also when a step raises (an error, a notebook cell interrupted)
+        if settings.grad_checkpointing and not was_checkpointing:
+            model.activation_checkpointing_disable()
         if use_cache is not None:
             model.config.use_cache = use_cache
-    return TrainResult(settings.steps, tokens, seconds, losses[-1], losses)
 
 
 @torch.no_grad()
@@ -255,17 +258,19 @@ def evaluate_perplexity(
     """Token-weighted held-out perplexity: exp(total NLL / predicted tokens)."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
-    model.eval()
     if max_blocks is not None:
         blocks = blocks[:max_blocks]
     total, count = 0.0, 0
-    for batch in blocks.split(batch_size):
-        batch = batch.to(device)
-        with autocast(device, precision):
-            out = model(input_ids=batch, labels=batch)
-        n = batch.shape[0] * (batch.shape[1] - 1)  # the model predicts every token but the first
-        total += float(out.loss) * n
-        count += n
-        del out
-    model.train(was_training)
+    model.eval()
+    try:
+        for batch in blocks.split(batch_size):
+            batch = batch.to(device)
+            with autocast(device, precision):
+                out = model(input_ids=batch, labels=batch)
+            n = batch.shape[0] * (batch.shape[1] - 1)  # the model predicts every token but the first
+            total += float(out.loss) * n
+            count += n
+            del out
+    finally:
+        model.train(was_training)
     return math.exp(total / count)
