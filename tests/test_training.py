@@ -119,11 +119,12 @@ def test_checkpointing_trains_without_transformers_use_cache_warning():
 
 
 def test_schedule_and_bad_settings():
-    # 10 warm-up steps climb below the peak (1/11 .. 10/11), the peak is step 10; they were 1/10 .. 10/10,
-    # and step 10 the peak again (lr_at's convention)
+    # 10 warm-up steps climb to the peak (1/10 .. 10/10), the decay starts from it at step 10, and the
+    # floor is step 100's (one past the last, as Hugging Face's schedulers count: lr_at's convention)
     s = TrainSettings(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    assert s.lr_at(0) == pytest.approx(1 / 11) and s.lr_at(9) == pytest.approx(10 / 11) and s.lr_at(10) == 1.0
-    assert s.lr_at(99) == pytest.approx(0.1, abs=1e-12)
+    assert s.lr_at(0) == pytest.approx(1 / 10) and s.lr_at(9) == 1.0 and s.lr_at(10) == 1.0
+    assert s.lr_at(99) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)), abs=1e-12)
+    assert s.lr_at(100) == pytest.approx(0.1, abs=1e-12)
     for bad in ({"steps": 0}, {"micro_batch": -1}, {"lr": 0.0}, {"grad_accum": 0}):
         with pytest.raises(ConfigError):
             TrainSettings.from_dict(bad)
@@ -208,38 +209,42 @@ def test_the_seed_sets_the_data_order_and_the_dropout():
     assert sorted(sum(order, [])[:16]) == list(range(16))  # an epoch draws each block once
 
 
-@pytest.mark.parametrize("steps,warmup", [(8, 1), (10, 0), (100, 10), (150, 7), (3, 1), (2, 0)])
+@pytest.mark.parametrize("steps,warmup", [(8, 1), (10, 0), (100, 10), (150, 7), (3, 1), (2, 0), (146, 14)])
 def test_schedule_shapes(steps, warmup):
-    """Warm-up climbs below the peak, the peak comes once (step `warmup`), the decay never rises and its
-    last step is the floor: an 8-step cosine run (the tiny study's) ended at 0.145 of the peak and a
-    10-step linear one at 0.19, against a stated final 0.1, and warmup_steps=1 took the peak twice."""
+    """Warm-up climbs to the peak at step warmup - 1; the decay starts from the peak at step `warmup`,
+    never rises, and spans steps - warmup steps: step `steps` (one past the last) would be the floor.
+    The study's 146 steps end at 0.1001 of the peak, the tiny study's 8 at 0.145 (lr_at's docstring)."""
     for schedule in ("cosine", "linear", "constant"):
         s = TrainSettings(steps=steps, lr=2.0, warmup_steps=warmup, min_lr_ratio=0.1, schedule=schedule)
-        lrs = [s.lr_at(i) for i in range(steps)]
-        assert lrs[:warmup] == pytest.approx([2.0 * (i + 1) / (warmup + 1) for i in range(warmup)])
-        assert lrs[warmup] == 2.0 and lrs.count(2.0) == (steps - warmup if schedule == "constant" else 1)
+        lrs = [s.lr_at(i) for i in range(steps + 1)]  # and the step past the last
+        assert lrs[:warmup] == pytest.approx([2.0 * (i + 1) / warmup for i in range(warmup)])
+        assert lrs[warmup] == 2.0
         after = lrs[warmup:]
         assert all(a >= b for a, b in zip(after, after[1:]))
         if schedule == "constant":
+            assert set(after) == {2.0}
             continue
-        assert lrs[-1] == pytest.approx(0.2, abs=1e-12)  # the floor, at the last step
+        assert lrs[steps] == pytest.approx(0.2, abs=1e-12) and lrs[steps - 1] > 0.2  # the floor: one past
         assert all(a > b for a, b in zip(after, after[1:]))  # no step repeats the floor or the peak
         if schedule == "linear":
             drops = [a - b for a, b in zip(after, after[1:])]
-            assert drops == pytest.approx([1.8 / len(drops)] * len(drops))
+            assert drops == pytest.approx([1.8 / (steps - warmup)] * len(drops))
         else:
             mid = (len(after) - 1) / 2  # the cosine: halfway down at the middle, symmetric about it
             if mid == int(mid):
                 assert after[int(mid)] == pytest.approx(1.1)
             assert [a - 1.1 for a in after] == pytest.approx([1.1 - a for a in after[::-1]])
+    if (steps, warmup) == (146, 14):  # the study's run: what the docstring says it ends at
+        assert s.replace(schedule="cosine").lr_at(145) / 2.0 == pytest.approx(0.1001, abs=5e-5)
+    if (steps, warmup) == (8, 1):
+        assert s.replace(schedule="cosine").lr_at(7) / 2.0 == pytest.approx(0.145, abs=5e-4)
 
 
 def test_warmup_up_to_steps():
     """warmup_steps = steps (a 1-step study run asks for max(1, steps // 10) = 1) climbs to the peak at
-    the last step, as steps - 1 does; more warm-up steps than steps is an error that names the fix."""
-    for warmup in (2, 3):
-        s = TrainSettings(steps=3, lr=1.0, warmup_steps=warmup)
-        assert [s.lr_at(i) for i in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    the last step; more warm-up steps than steps is an error that names the fix (it never reached the peak)."""
+    s = TrainSettings(steps=3, lr=1.0, warmup_steps=3)
+    assert [s.lr_at(i) for i in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
     assert TrainSettings(steps=1, lr=1.0, warmup_steps=1).lr_at(0) == 1.0
     assert TrainSettings(steps=1, lr=1.0).lr_at(0) == 1.0
     with pytest.raises(ConfigError, match=r"^warmup_steps must be in 0..steps \(0..3\), got 4: lower warmup_steps"):

@@ -36,9 +36,9 @@ class TrainSettings(Config):
     micro_batch: int = param(8, "sequences per forward/backward pass")
     grad_accum: int = param(1, "micro-batches accumulated per optimizer step")
     lr: float = param(1e-3, "peak learning rate")
-    warmup_steps: int = param(0, "steps climbing linearly below the peak (0..steps; see lr_at)")
+    warmup_steps: int = param(0, "steps climbing linearly to the peak (0..steps; see lr_at)")
     schedule: Literal["cosine", "linear", "constant"] = param("cosine", "decay after warm-up")
-    min_lr_ratio: float = param(0.1, "final learning rate as a share of the peak")
+    min_lr_ratio: float = param(0.1, "the floor of the decay as a share of the peak (see lr_at)")
     weight_decay: float = param(0.0, "AdamW weight decay")
     max_grad_norm: float = param(1.0, "gradient clipping norm (0 = off)")
     precision: Literal["fp32", "bf16", "fp16"] = param("fp32", "autocast dtype (fp16 needs CUDA)")
@@ -55,25 +55,30 @@ class TrainSettings(Config):
             raise ConfigError(f"warmup_steps must be in 0..steps (0..{self.steps}), got {self.warmup_steps}"
                               + (": lower warmup_steps or raise steps" if self.warmup_steps > 0 else ""))
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio (the final lr as a share of the peak) must be in [0, 1], "
+            raise ConfigError(f"min_lr_ratio (the decay's floor as a share of the peak) must be in [0, 1], "
                               f"got {self.min_lr_ratio}")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate for optimizer step `step` (0-based) of `steps`.
+        """Learning rate for optimizer step `step` (0-based) of `steps`, counted as Hugging Face's
+        schedulers count (`get_cosine_schedule_with_warmup`, `get_linear_schedule_with_warmup`), except
+        that warm-up starts at lr / warmup_steps rather than 0:
 
-        The peak is step p = min(warmup_steps, steps - 1), taken once. The p steps before it climb
-        linearly below it, lr * (i + 1) / (p + 1), so warmup_steps=1 is one step at half the peak (the
-        studies ask for max(1, steps // 10)). After the peak the schedule decays so that the last step,
-        steps - 1, is exactly the floor lr * min_lr_ratio; "constant" stays at the peak. warmup_steps =
-        steps is taken as steps - 1 (a 1-step study run asks for 1): the run climbs to the peak at its
-        last step, as with warmup_steps = steps - 1, and no step is left to decay.
+        - warm-up: steps 0 .. w-1 climb linearly to the peak, lr * (i + 1) / w (w = warmup_steps);
+        - decay: from the peak at step w over steps - w steps, towards the floor lr * min_lr_ratio,
+          which step `steps` (one past the last) would take: the last step is one decay step above it
+          (0.1001 of the peak at the study's 146 steps, 0.145 at the tiny study's 8). "constant"
+          stays at the peak.
+
+        Every run in results/ and the README, and the embedded base, trained on this curve; a
+        change to it changes them all (a session that moved the floor to the last step was undone
+        for this reason, 2026-11-28).
         """
-        peak = min(self.warmup_steps, self.steps - 1)
-        if step < peak:
-            return self.lr * (step + 1) / (peak + 1)
-        if self.schedule == "constant" or peak == self.steps - 1:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
             return self.lr
-        progress = min(1.0, (step - peak) / (self.steps - 1 - peak))
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
         floor = self.lr * self.min_lr_ratio
         if self.schedule == "linear":
             return floor + (self.lr - floor) * (1 - progress)
