@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import socket
@@ -465,6 +466,19 @@ def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkey
     eng.close()
 
 
+def test_a_rate_that_is_not_a_number_is_an_error_not_k_0():
+    """NaN compares false, so min/max in balance_k gave k = 0 ('the host does everything') for a NaN
+    backward, host update or alpha, and a profile without a compute figure modelled NaN rows as ok."""
+    good = dict(t_backward_s=0.8, t_update_host_s=2.0, alpha=0.083, t_to_host_s=0.3, t_to_accel_s=0.4)
+    assert 0 < balance_k(Rates(**good)) < 1
+    for name in good:
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="balance_k needs finite rates"):
+                balance_k(Rates(**{**good, name: bad}))
+    with pytest.raises(ConfigError, match=r"^GPU profile 'RTX-4070-Ti-SUPER' has no compute figure .*use one of: A100"):
+        SplitConfig(profiles=("RTX-4070-Ti-SUPER",))
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_k_balances_the_two_sides(overlap):
     r = Rates(0.8, 2.0, 0.083, t_to_host_s=0.3, t_to_accel_s=0.4, copies_overlap=overlap)
@@ -477,15 +491,28 @@ HOST = {"per_core_bytes_per_s": 12e9, "bandwidth_share": 0.9, "bandwidth_share_r
         "adam_s_per_param": 2e-9}  # a fixed host measurement: the model's own inputs, not the seed's
 
 
-def test_seed_figures_are_not_inputs_of_the_model(monkeypatch):
+def test_seed_figures_are_not_inputs_of_the_model(monkeypatch, tmp_path):
     """The seed's alpha, throughput and k band are compared with, never used: changing them in the
-    claims changes nothing the model computes."""
+    claims file itself (not only the function that reads it: a read of the file elsewhere, in
+    machine() say, passed that) changes nothing the model computes; and no input in profiles.json
+    is one of those figures."""
+    from workbench.core import claims as claims_mod
 
     before = pm.published_operating_point(host_meas=HOST)
     claims = pm.published_claims()
-    fake = {**claims, "claims": {**claims["claims"], "alpha": 0.9, "throughput_tflops": 999.0, "k_range": [0.6, 0.7]}}
-    monkeypatch.setattr(pm, "published_claims", lambda: fake)
+    every = json.loads(claims_mod.CLAIMS_FILE.read_text())
+    every["study3_split"]["claims"].update({"alpha": 0.9, "throughput_tflops": 999.0, "k_range": [0.6, 0.7]})
+    fake_file = tmp_path / "published_claims.json"
+    fake_file.write_text(json.dumps(every))
+    monkeypatch.setattr(pm, "CLAIMS", fake_file)
+    monkeypatch.setattr(claims_mod, "CLAIMS_FILE", fake_file)
+    claims_mod.published.cache_clear()
+    monkeypatch.setattr(pm, "_profiles", functools.lru_cache(maxsize=1)(pm._profiles.__wrapped__))  # read anew
+    inputs = json.dumps(pm._profiles())
+    for figure in (claims["claims"]["alpha"], claims["claims"]["throughput_tflops"]):
+        assert not re.search(rf"(?<![\d.]){re.escape(str(figure))}(?![\d.])", inputs), figure
     after = pm.published_operating_point(host_meas=HOST)
+    claims_mod.published.cache_clear()
     for key in ("alpha_modelled", "k_seed_formula", "k_with_transfer", "k_best_simulated", "tflops_modelled",
                 "t_backward_s", "t_update_host_s"):
         assert after[key] == before[key], key

@@ -31,6 +31,8 @@ with I = 0 it is the formula above).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 
@@ -62,6 +64,9 @@ class Rates:
 
 def balance_k(r: Rates, include_transfer: bool = True) -> float:
     """The share of parameters to update on the accelerator (0: host only, 1: all)."""
+    times = (r.t_backward_s, r.t_update_host_s, r.alpha, r.t_to_host_s, r.t_to_accel_s, r.t_interference_s)
+    if not all(math.isfinite(t) for t in times):  # NaN compares false: min/max would quietly give k = 0
+        raise ValueError(f"balance_k needs finite rates, got {r}")
     t_h = r.host_side_s(include_transfer)
     acc_upd = r.alpha * r.t_update_host_s
     i = max(0.0, r.t_interference_s)

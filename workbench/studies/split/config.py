@@ -114,6 +114,10 @@ class SplitConfig(Config):
         for name in self.profiles:
             if name not in gpus:
                 raise ConfigError(f"unknown GPU profile {name!r}; known: {', '.join(gpus)}")
+            if not gpus[name].get("bf16_dense_tflops"):  # a validation point's link only: no compute to model
+                runnable = ", ".join(g for g, p in gpus.items() if p.get("bf16_dense_tflops"))
+                raise ConfigError(f"GPU profile {name!r} has no compute figure (it serves the validation table "
+                                  f"only), so its runs cannot be modelled; use one of: {runnable}")
         if self.host != "this-machine" and self.host not in hosts:
             raise ConfigError(f"unknown host profile {self.host!r}; known: this-machine, {', '.join(hosts)}")
 
