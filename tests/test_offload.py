@@ -466,6 +466,28 @@ def test_adaptive_engine_probes_another_k_when_the_balance_would_not_move(monkey
     eng.close()
 
 
+def test_a_runs_summary_weighs_its_iterations_and_says_where_it_settled():
+    """Two warm-up iterations left out; then k = 0 twice (long iterations, idle 0.1, all host parameters
+    done) and k = 1 twice (short, idle 0.9, no host parameters). A plain mean of the ratios read idle
+    0.5 and done 0.5, and k 0.5, a k never run; tokens/s is total over total; and the k the run settled
+    on is 1 with its own tokens/s."""
+    from workbench.studies.split.runner import _summary
+
+    def row(i, k, ms, idle, done, host):
+        return {"iteration": i, "loss": 5.0 - i, "tokens": 100, "iteration_ms": ms, "k_actual": k,
+                "accel_idle_share": idle, "host_done_before_bwd_end_share": done, "host_params": host}
+
+    rows = [row(0, 0.0, 999.0, 0.5, 0.5, 10), row(1, 0.0, 999.0, 0.5, 0.5, 10),  # warm-up: left out
+            row(2, 0.0, 300.0, 0.1, 1.0, 10), row(3, 0.0, 300.0, 0.1, 1.0, 10),
+            row(4, 1.0, 100.0, 0.9, float("nan"), 0), row(5, 1.0, 100.0, 0.9, float("nan"), 0)]
+    s = _summary(rows, warmup=2)
+    assert s["accel_idle_share"] == pytest.approx((0.1 * 600 + 0.9 * 200) / 800)  # 0.3, by time
+    assert s["host_done_before_bwd_end_share"] == pytest.approx(1.0)  # every host parameter there was
+    assert s["tokens_per_s"] == pytest.approx(400 / 0.8) and s["k_actual"] == pytest.approx(0.5)
+    assert (s["settled_k"], s["settled_from"], s["settled_tokens_per_s"]) == (1.0, 4, pytest.approx(200 / 0.2))
+    assert (s["iterations"], s["first_loss"], s["final_loss"]) == (6, 5.0, 0.0)
+
+
 def test_a_rate_that_is_not_a_number_is_an_error_not_k_0():
     """NaN compares false, so min/max in balance_k gave k = 0 ('the host does everything') for a NaN
     backward, host update or alpha, and a profile without a compute figure modelled NaN rows as ok."""

@@ -100,3 +100,19 @@ def backward_fit(obs: list[tuple[float, float]], min_spread: float = 0.2) -> tup
         return mb, 0.0
     t_b = mb + slope * (1 - mk)
     return (t_b, -slope) if t_b > 0 else None
+
+
+def settled(rows: list[dict], warmup: int) -> dict:
+    """An adaptive run after its last move of k: that k, the iteration it was first used in, and
+    the tokens/s of those iterations (warm-up left out); the figures None where fewer than two
+    measured iterations (after warm-up) ran at the last k."""
+    start = 0
+    for i in range(1, len(rows)):
+        if rows[i]["k_actual"] != rows[i - 1]["k_actual"]:
+            start = i
+    keep = [r for r in rows[start:] if r["iteration"] >= warmup]
+    ms = sum(r["iteration_ms"] for r in keep)
+    if len(keep) < 2 or ms <= 0:
+        return {"settled_k": None, "settled_from": None, "settled_tokens_per_s": None}
+    return {"settled_k": keep[0]["k_actual"], "settled_from": rows[start]["iteration"],
+            "settled_tokens_per_s": sum(r["tokens"] for r in keep) / (ms / 1e3)}

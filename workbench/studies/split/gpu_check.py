@@ -36,6 +36,7 @@ from workbench.core.common import one_line
 from workbench.core.fallback import release
 from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP
+from workbench.studies.split.balance import settled
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.zero_baseline import run_zero_offload
 
@@ -105,22 +106,6 @@ def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMU
         "timeline_problems": timeline_problems(ev),
         **extra,
     }
-
-
-def settled(rows: list[dict], warmup: int = WARMUP) -> dict[str, Any]:
-    """An adaptive run after its last move of k: that k, the iteration it was first used in, and
-    the tokens/s of those iterations (warm-up left out); the figures None where fewer than two
-    measured iterations (after warm-up) ran at the last k."""
-    start = 0
-    for i in range(1, len(rows)):
-        if rows[i]["k_actual"] != rows[i - 1]["k_actual"]:
-            start = i
-    keep = [r for r in rows[start:] if r["iteration"] >= warmup]
-    ms = sum(r["iteration_ms"] for r in keep)
-    if len(keep) < 2 or ms <= 0:
-        return {"settled_k": None, "settled_from": None, "settled_tokens_per_s": None}
-    return {"settled_k": keep[0]["k_actual"], "settled_from": rows[start]["iteration"],
-            "settled_tokens_per_s": sum(r["tokens"] for r in keep) / (ms / 1e3)}
 
 
 def baseline_row(name: str, rows: list[dict] | None, reason: str | None, warmup: int = WARMUP) -> dict[str, Any]:

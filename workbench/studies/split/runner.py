@@ -11,19 +11,17 @@ accelerator/host split of the Adam update win back?
     result.tables["model_inputs"]        # every input of the performance model with its source
     result.facts["host_and_published"]   # this machine's host rates; the seed's operating point
 
-Written to results/split/: runs.csv (rows of earlier settings kept; the report shows the latest),
-steps.csv and one CSV per side table, host_and_published.json.
+Written to results/split/: runs.csv (earlier settings' rows kept), steps.csv, a CSV per side table and
+host_and_published.json.
 
-Two halves. Measured: the engine fine-tunes the embedded base (the tiny one in tests) on the
-real target corpus here for k = 0 (host-only update), a static sweep of k, adaptive k and plain
-torch AdamW (optionally DeepSpeed ZeRO-Offload), on the same blocks from the same weights, with
-held-out perplexity before and after each run; on a CPU-only machine the accelerator is the CPU,
-so these runs show that training is unchanged and how the work overlaps, not GPU speed.
-Modelled: the performance model runs the same sweep for a real model on named GPUs, with the
-host's rate from a bandwidth model of the named host (see perf_model). Every row says which it
-is in `source` (measured / modelled / published).
-
-Charts and the report section: workbench.studies.split.figures; the widget app: workbench.front.apps.
+Two halves. Measured: the engine fine-tunes the embedded base (the tiny one in tests) on the real target
+corpus here for k = 0 (host-only update), a static sweep of k, adaptive k and plain torch AdamW (optionally
+DeepSpeed ZeRO-Offload), on the same blocks from the same weights, with held-out perplexity before and after
+each run; on a CPU-only machine the accelerator is the CPU, so these runs show that training is unchanged
+and how the work overlaps, not GPU speed. Modelled: the performance model runs the same sweep for a real
+model on named GPUs, with the host's rate from a bandwidth model of the named host (see perf_model). Every
+row says which it is in `source` (measured / modelled / published). Charts and the report section:
+workbench.studies.split.figures; the widget app: workbench.front.apps.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, r
 from workbench.core.training import evaluate_perplexity
 from workbench.studies.split import perf_model as pm
 from workbench.studies.split.adam import AdamHP, backend_status
-from workbench.studies.split.balance import balance_k
+from workbench.studies.split.balance import balance_k, settled
 from workbench.studies.split.config import STUDY, SplitConfig
 from workbench.studies.split.engine import SplitEngine, first_decision
 from workbench.studies.split.hostbench import measure_host
@@ -130,15 +128,19 @@ def _runs(cfg: SplitConfig) -> list[dict]:
 
 
 def _summary(rows: list[dict], warmup: int) -> dict:
-    """Means over the iterations after warm-up (they are left out and flagged in steps)."""
+    """After warm-up: tokens/s total over total, the shares weighted by time / host parameters, means;
+    and the k the run settled on with its tokens/s (an adaptive run's whole-run figures mix its ks)."""
     df = pd.DataFrame(rows)
     keep = df[df["iteration"] >= warmup] if len(df) > warmup else df
     out = {"iterations": len(df), "warmup": warmup, "first_loss": float(df["loss"].iloc[0]),
-           "final_loss": float(df["loss"].iloc[-1])}
-    for col in ("tokens_per_s", "iteration_ms", "accel_idle_share", "host_done_before_bwd_end_share",
-                "k_actual", "alpha", "forward_wait_ms", "host_tail_ms"):
+           "final_loss": float(df["loss"].iloc[-1]), **settled(rows, warmup)}
+    for col in ("iteration_ms", "k_actual", "alpha", "forward_wait_ms", "host_tail_ms"):
         if col in keep:
             out[col] = float(keep[col].mean())
+    for col, weight in (("accel_idle_share", "iteration_ms"), ("host_done_before_bwd_end_share", "host_params")):
+        if col in keep and weight in keep:
+            w = keep[weight].where(keep[col].notna(), 0.0)
+            out[col] = float((keep[col].fillna(0.0) * w).sum() / w.sum()) if w.sum() > 0 else float("nan")
     out["tokens_per_s"] = float(keep["tokens"].sum() / (keep["iteration_ms"].sum() / 1e3))
     return out
 
@@ -349,10 +351,9 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
 
         with freed_on_interrupt(cfg.resolved_device()):  # ^C: the runs' model is not kept on the card by the traceback
             runs, steps, events = measured_runs(cfg, sinks, run_dir)
-        # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth: a per-core
-        # figure that the host model scales to the named host's cores (on a shared machine a
-        # multi-threaded measurement mostly measures the other processes: a 2-thread step was
-        # seen 50x slower under load, a 1-thread one unchanged). Out of cache, about a second.
+        # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth, per core (the host
+        # model scales it to the named host's cores; on a shared machine a multi-threaded measurement mostly
+        # measures the other processes: 2 threads seen 50x slower under load, 1 unchanged). About a second.
         torch.set_num_threads(1)
         host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)
         mod_rows, mod_events = modelled_runs(cfg, host)
