@@ -287,7 +287,7 @@ def test_estimate_search_from_the_command_line(config, tmp_path, capsys, monkeyp
     assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--precision", "bf16-true",
                  "--search", "--card", "RTX 4060 Ti 8GB"]) == 0
     head = capsys.readouterr().out.splitlines()[:2]
-    assert head[0].endswith("budget 7,692 MiB (RTX 4060 Ti 8GB's 8,192 MiB less its CUDA context, 500 MiB modelled)")
+    assert head[0].endswith("budget 7,471 MiB (RTX 4060 Ti 8GB's 8,192 MiB less its CUDA context, 721 MiB modelled)")
     assert head[1] == "searched from your setup: custom (bf16-true, adamw_torch, full)"
     # the search is for the card named: before sm_80 (a T4) bf16 is emulated, and fp16 is the fast half precision
     assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--precision", "bf16-mixed",
@@ -296,7 +296,7 @@ def test_estimate_search_from_the_command_line(config, tmp_path, capsys, monkeyp
     assert out["chosen"].startswith("fp16-mixed") and out["tried"][0]["setup"] == out["chosen"], out["tried"]
     assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--search", "--card", "0.2"]) == 2
     assert capsys.readouterr().err == ("workbench estimate: --card 0.2: its 205 MiB do not hold the CUDA context "
-                                       "(500 MiB, modelled); give a larger card, or --budget-mib for a budget of "
+                                       "(721 MiB, modelled); give a larger card, or --budget-mib for a budget of "
                                        "your own\n")
 
 

@@ -54,12 +54,15 @@ GiB = 2**30
 # cards: memory, compute capability, and the CUDA context (modelled)
 
 # CUDA context + kernel images: memory a process holds on the card outside torch's allocator.
-# Not measured here; discuss.pytorch.org reports 700-800 MiB before lazy module loading
-# ("High gpu memory overhead", "What is the reason for pytorch's GPU memory floor?": 723 MiB);
-# with CUDA_MODULE_LOADING=LAZY (torch's default since CUDA 11.7) it is smaller. Modelled at
-# 500 MiB on every card, +-250 MiB; `workbench gpu-check` measures it (NVML used - reserved):
-# an H200 (sm_90, CUDA 13) measured 1,384 MiB, well above this, so on other cards too it may be low.
-CONTEXT_BYTES = 500 * MiB
+# Not measured here. The one figure a source states with its setup: discuss.pytorch.org, "What is
+# the reason for pytorch's GPU memory floor?" (torch 1.x, eager module loading): `th.randn(1).cuda()`
+# took 723 MiB, of which 2 MiB is the tensor's segment, so 721 MiB of context ("High gpu memory
+# overhead": "~700+MB", "~800mb"). Lazy module loading (CUDA's default on Linux since 12.2) is said
+# to be smaller, by no figure we found; the one card measured here with it (an H200, sm_90, CUDA
+# 13, after a training step: NVML used - reserved) held 1,384 MiB. So 721 MiB on every card without
+# a measurement of its own, a stated constant that is likelier low than high. (It was 500 MiB,
+# attributed to those reports, which give no such figure: an audit, 2026-11-28.)
+CONTEXT_BYTES = 721 * MiB
 
 
 @dataclass(frozen=True)
