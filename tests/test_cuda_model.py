@@ -560,15 +560,20 @@ def test_a_pure_half_qlora_says_its_weights_train_in_fp32(tmp_path):
     assert "4-bit ones in fp32" not in mixed.note and set(mixed.kernels) == {"flash"}
 
 
-def test_a_prediction_says_when_the_allocator_is_set_to_expandable_segments(tmp_path, monkeypatch):
+def test_a_prediction_says_when_the_allocators_settings_are_not_the_defaults_it_models(tmp_path, monkeypatch):
     """torch's own out-of-memory message suggests expandable segments; the allocator model plays the
     default segments, so a user who set them is told what the reserved figures are."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments: True")
-    assert "sets expandable_segments here" in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note
+    assert "sets expandable_segments, max_split_size_mb here" in predict(str(path), "bf16", batch=1, seq=32,
+                                                                         device="cuda").note
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    assert "expandable" not in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note
+    assert "ALLOC_CONF" not in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note
+    # a setting of the split and rounding rules alone changes reserved figures too (it was not said)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4,garbage_collection_threshold:0.6")
+    assert "sets roundup_power2_divisions, garbage_collection_threshold here" in predict(
+        str(path), "bf16", batch=1, seq=32, device="cuda").note
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # torch 2.13's own name for it
     assert "sets expandable_segments here" in predict(str(path), "bf16", batch=1, seq=32, device="cuda").note

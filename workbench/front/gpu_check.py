@@ -47,7 +47,8 @@ from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import MemoryMonitor, bf16_native, can_release_workspaces, release_held
 from workbench.core.memory.plan import RUNGS
-from workbench.core.memory.predict import ALLOC_CONF_VARS, WeightsExceedCard, predict
+from workbench.core.memory.cuda_model import ALLOC_CONF_VARS
+from workbench.core.memory.predict import WeightsExceedCard, predict
 from workbench.core.models import load_config
 from workbench.core.results import environment, results_root, results_under
 from workbench.core.training import TrainSettings, train

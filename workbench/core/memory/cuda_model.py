@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -63,6 +64,21 @@ GiB = 2**30
 # a measurement of its own, a stated constant that is likelier low than high. (It was 500 MiB,
 # attributed to those reports, which give no such figure: an audit, 2026-11-28.)
 CONTEXT_BYTES = 721 * MiB
+
+
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch 2.13 reads both (c10 AllocatorConfig.h)
+
+
+# the allocator settings torch 2.13 reads (c10/core/AllocatorConfig.h) that change its segments or
+# reuse: the model plays the defaults (expandable_segments:false is the default)
+ALLOC_SETTINGS = ("expandable_segments:true", "max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb",
+                  "roundup_power2_divisions", "garbage_collection_threshold")
+
+
+def allocator_settings() -> list[str]:
+    """The settings of ALLOC_SETTINGS this process's PYTORCH_(CUDA_)ALLOC_CONF makes (not modelled)."""
+    conf = ",".join(os.environ.get(v, "") for v in ALLOC_CONF_VARS).replace(" ", "").lower()
+    return [s.split(":")[0] for s in ALLOC_SETTINGS if s in conf]
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ the caching allocator (modelled): see workbench/core/memory/cuda_model.py.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -64,14 +63,6 @@ from workbench.core.training import train
 
 CUDA_STEPS = 3  # steps simulated for a CUDA target: the allocator model repeats the third relative to the second
 ACCUM_SIMULATED: int | None = 3  # micro-batches simulated per CPU step with accumulation (docstring)
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch 2.13 reads both (c10 AllocatorConfig.h)
-
-
-def expandable_segments() -> bool:
-    """Whether this process's CUDA allocator has expandable segments (as torch's OOM message suggests): not modelled."""
-    return any("expandable_segments:true" in os.environ.get(v, "").replace(" ", "").lower() for v in ALLOC_CONF_VARS)
-
-
 class WeightsExceedCard(ConfigError):
     """The card is smaller than the setup's weights alone (auto-fit: a setup that does not fit)."""
 
@@ -332,11 +323,11 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
                     "page out (--device cuda)")
-    if device == "cuda" and expandable_segments():
-        note = (note + "; " if note else "") + ("PYTORCH_(CUDA_)ALLOC_CONF sets expandable_segments here: the reserved "
-                                                "figures model the default allocator's segments (with expandable "
-                                                "ones a card's reserved peak is usually nearer the allocated one; "
-                                                "not modelled)")
+    if device == "cuda" and (settings := cuda_model.allocator_settings()):
+        note = (note + "; " if note else "") + (f"PYTORCH_(CUDA_)ALLOC_CONF sets {', '.join(settings)} here: the reserved "
+                                                "figures model the default allocator's segments and reuse (with "
+                                                "expandable ones a card's reserved peak is usually nearer the "
+                                                "allocated one; not modelled)")
     if plan.trainable == "qlora" and plan.pure_half:  # what the step simulated did: said, not changed
         note = (note + "; " if note else "") + ("QLoRA: peft's prepare_model_for_kbit_training keeps every weight but "
                                                 "the 4-bit ones in fp32, so a pure-half setup trains them in fp32 "
