@@ -433,3 +433,27 @@ def test_held_workspaces_after_another_setup_replay_that_setups_first_step(monke
         predict(cfg, "lora", after="fp33", **kw)
     with pytest.raises(ConfigError, match="use it with workspaces='held'"):
         predict(cfg, "lora", after="fp32", **{**kw, "workspaces": "fresh"})
+
+
+def test_a_large_block_splits_only_when_more_than_1_mib_would_be_left():
+    """torch's rule for the large pool (CUDACachingAllocator.cpp, shouldSplit: remaining > kSmallSize):
+    a 19 MiB request in its 20 MiB segment keeps the whole block (exactly 1 MiB left: allocated counts
+    20 MiB); 18.5 MiB leaves 1.5 MiB, which splits off. No other test told > from >=."""
+    mib = 2**20
+    for request, block, free_left in ((19 * mib, 20 * mib, 0), (int(18.5 * mib), int(18.5 * mib), int(1.5 * mib))):
+        a = allocator.CachingAllocator()
+        b = a.malloc(request)
+        assert (a.reserved, a.allocated, b.size) == (20 * mib, block, block)
+        if free_left:  # the split-off rest serves the next request of its size: no new segment
+            a.malloc(free_left)
+            assert (a.reserved, a.allocated) == (20 * mib, 20 * mib)
+
+
+def test_the_cublas_workspace_is_torchs_default_for_the_cards_architecture():
+    """torch 2.13's parseChosenWorkspaceSize: 4096 KiB x 2 + 16 KiB x 8 (8.125 MiB) before Hopper, 32 MiB on
+    sm_90, sm_10x and sm_12x. The tests compared the size with the same property; 32 MiB on an A100 passed."""
+    from workbench.core.memory import cuda_model as cm
+
+    assert cm.card("A100 40GB").cublas_workspace_bytes == 8_519_680 == cm.card("RTX 4090 24GB").cublas_workspace_bytes
+    assert cm.card("H100 80GB").cublas_workspace_bytes == 32 * 2**20
+    assert [w for _, w in cm.card("RTX 3060 12GB").cublas_workspaces] == [8_519_680] * 2
