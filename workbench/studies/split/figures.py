@@ -18,9 +18,9 @@ from workbench.core.results import StudyResult
 
 # k_actual and tokens_per_s: the whole run after warm-up (an adaptive run's mix its search's ks); settled_*:
 # after its last move of k
-RUN_COLUMNS = ["hardware", "run", "mode", "status", "k_actual", "tokens_per_s", "settled_k", "settled_tokens_per_s",
-               "tflops", "accel_idle_share", "host_done_before_bwd_end_share", "first_loss", "final_loss", "ppl_before", "ppl_after",
-               "max_abs_diff_vs_adamw", "accel_memory_gib", "reason"]
+RUN_COLUMNS = ["hardware", "run", "mode", "status", "k_actual", "tokens_per_s", "settled_k",
+               "settled_tokens_per_s", "tflops", "accel_idle_share", "host_done_before_bwd_end_share", "first_loss",
+               "final_loss", "ppl_before", "ppl_after", "max_abs_diff_vs_adamw", "accel_memory_gib", "reason"]
 RUN_TABLES = {"measured": "Measured runs (this machine)",
               "modelled": "Modelled runs (performance model; oom: the modelled card's memory does not fit)",
               "published": "Published claims (the seed's own figures, not measured here)"}
@@ -67,11 +67,11 @@ def throughput_figure(result: StudyResult) -> go.Figure:
 
 
 def tflops_figure(result: StudyResult) -> go.Figure:
-    """Achieved TFLOP/s of the key runs beside the seed's published figure (oom rows have none)."""
+    """TFLOP/s of the key runs (measured, modelled) beside the seed's published figure (oom rows have none)."""
     df = result.runs
     key = df[df["mode"].isin(KEY_MODES) | (df["source"] == "published")].dropna(subset=["tflops"])
     fig = px.bar(key, x="run", y="tflops", color="source", facet_col="source", hover_data=["status", "k_actual"],
-                 title="Achieved TFLOP/s of the key runs, by source (measured / modelled / published)",
+                 title="TFLOP/s of the key runs: measured here, modelled for a GPU profile, or published (the seed's)",
                  labels={"tflops": "TFLOP/s", "run": ""})
     fig.update_xaxes(matches=None)
     return _panels(fig, 1, 1)
@@ -94,9 +94,11 @@ def timeline_figure(result: StudyResult) -> go.Figure:
     if timeline.empty:
         return go.Figure().update_layout(title="Timeline of one iteration (nothing recorded)")
     tl = timeline[timeline["run"].isin(["k=0", "adaptive"]) | (timeline["source"] == "modelled")]
+    # each row's facet says its source: a modelled run's name ("A100-80GB-PCIe: adaptive") read as a measurement
+    tl = tl.assign(run=tl["source"] + ": " + tl["run"])
     fig = px.bar(tl, x="duration_ms", y="lane", base="start_ms", color="activity", orientation="h",
                  facet_row="run", hover_data=["what", "source"], height=260 * max(1, tl["run"].nunique()),
-                 labels={"duration_ms": "ms", "lane": ""}, title="Timeline of one iteration (source in each row's hover)")
+                 labels={"duration_ms": "ms", "lane": ""}, title="Timeline of one iteration (each row: measured or modelled)")
     fig.update_xaxes(matches=None, showticklabels=True)
     return fig.update_yaxes(matches=None)
 
@@ -146,8 +148,8 @@ def sensitivity_figure(result: StudyResult) -> go.Figure:
         return go.Figure().update_layout(title="k against sequence length (not modelled)")
     sens = sens.assign(setting=sens["host"] + ", MFU " + sens["mfu"].astype(str))
     fig = px.line(sens, x="seq_len", y="k_seed_formula", color="setting", markers=True, log_x=True,
-                  title="Published setting: k (seed's formula, modelled alpha) against sequence length; "
-                        "shaded: the seed's band")
+                  title="Modelled k at the seed's setting (its formula, modelled alpha) against sequence "
+                        "length; shaded: the seed's published band")
     return fig.add_hrect(y0=band[0], y1=band[1], opacity=0.15, line_width=0)
 
 
