@@ -675,10 +675,10 @@ class SplitEngine:
         acc_upd = m["accel_update_end"] - m["verdict_end"]
         period = end - t0
         # host updates: the ones kept (run once, or a redo) and the speculations a verdict undid
-        upd = [e for e, (*_, redo) in zip(ev, it.host_events) if e[0] == "host update"
-               and (redo or e[1] not in redo_ends)]
-        undone = [e for e, (*_, redo) in zip(ev, it.host_events) if e[0] == "host update"
-                  and not redo and e[1] in redo_ends]
+        upd, undone = [], []
+        for e, (*_, redo) in zip(ev, it.host_events):
+            if e[0] == "host update":
+                (upd if redo or e[1] not in redo_ends else undone).append(e)
         host_upd_s = sum(e[3] - e[2] for e in upd) / 1e3
         # done when backward ended: the update that was kept (an undone speculation is not done; its redo is)
         done_before = (sum(e[4] for e in upd if e[1] not in redo_ends and e[3] <= bwd_end)
