@@ -25,7 +25,7 @@ from workbench.core.config import ConfigError
 from workbench.front.notebooks import STUDIES, StudyNotebook
 from workbench.front.sweep_points import parse_value
 from workbench.studies.split.figures import operating_point_table
-from workbench.studies.split.perf_model import published_operating_point, seed_verdict
+from workbench.studies.split.perf_model import measure_here, published_operating_point, seed_verdict
 
 
 def parse_assignments(items: list[str]) -> dict:
@@ -74,7 +74,8 @@ def register(sub) -> None:
 def main(args) -> int:
     nb: StudyNotebook = args.study
     if getattr(args, "published", False):
-        op, verdict = published_operating_point(), seed_verdict()
+        host = measure_here()  # one measurement for both: two gave an operating point and a verdict of different alphas
+        op, verdict = published_operating_point(host_meas=host), seed_verdict(host)
         if args.json:  # stdout is one JSON document
             print(json.dumps({"operating_point": op, "verdict": verdict}, indent=1, default=str))
         else:

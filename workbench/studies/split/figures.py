@@ -141,15 +141,26 @@ def verdict_table(result: StudyResult) -> pd.DataFrame:
 
 
 def sensitivity_figure(result: StudyResult) -> go.Figure:
-    """k of the seed's setting against sequence length; shaded: the seed's band."""
+    """k of the seed's setting against sequence length, one panel with and one without activation
+    recompute: solid, the k the card lets the engine run (the seed's formula capped by the card's
+    memory; no point where even k = 0 does not fit); dotted, the formula alone. Shaded: the seed's band."""
     sens = result.tables.get("sensitivity", pd.DataFrame())
     band = _facts(result).get("published", {}).get("k_band", [0.1, 0.2])
     if sens.empty:
         return go.Figure().update_layout(title="k against sequence length (not modelled)")
     sens = sens.assign(setting=sens["host"] + ", MFU " + sens["mfu"].astype(str))
-    fig = px.line(sens, x="seq_len", y="k_seed_formula", color="setting", markers=True, log_x=True,
-                  title="Modelled k at the seed's setting (its formula, modelled alpha) against sequence "
-                        "length; shaded: the seed's published band")
+    if "recompute" in sens:
+        sens["recompute"] = sens["recompute"].map({True: "with activation recompute", False: "without recompute"})
+    ks = {"k_on_card": "on the card (capped by its memory)", "k_seed_formula": "the formula alone"}
+    long = sens.melt(id_vars=[c for c in ("seq_len", "setting", "recompute") if c in sens],
+                     value_vars=[c for c in ks if c in sens], var_name="k", value_name="modelled k")
+    long["k"] = long["k"].map(ks)
+    fig = px.line(long, x="seq_len", y="modelled k", color="setting", line_dash="k", markers=True, log_x=True,
+                  facet_col="recompute" if "recompute" in long else None,
+                  line_dash_map={ks["k_on_card"]: "solid", ks["k_seed_formula"]: "dot"},
+                  title="Modelled k at the seed's setting (its formula, modelled alpha) against sequence length; "
+                        "shaded: the seed's published band")
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))  # "recompute=with ...": the value
     return fig.add_hrect(y0=band[0], y1=band[1], opacity=0.15, line_width=0)
 
 
@@ -192,7 +203,7 @@ _HOST_FIELDS = {  # host_and_published.json's "host": what each field is, and it
 }
 
 
-_OP_UNITS = (("_gb_per_s", "GB/s"), ("_s", "s"), ("tflops", "TFLOP/s"))
+_OP_UNITS = (("_gb_per_s", "GB/s"), ("_gib", "GiB"), ("_s", "s"), ("tflops", "TFLOP/s"))
 
 
 def _three_digits(v: float) -> str:
@@ -274,8 +285,8 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
         ("figure", "", loss_figure(result)),
         ("table", RUN_TABLES["published"], runs_table(result, "published")),
         ("text", "", verdict_text(result)),
-        ("table", "Verdict on the seed's k band 0.1-0.2 (modelled): for which sequence lengths it holds, per host "
-                  "and MFU", verdict_table(result)),
+        ("table", "Verdict on the seed's k band 0.1-0.2 (modelled): for which sequence lengths it holds, per host, "
+                  "MFU and activation recompute", verdict_table(result)),
         ("table", "The performance model against published offload measurements (modelled vs published, error "
                   "per point)", validation_table(result)),
         ("table", "Every input of the performance model, with its source", inputs_table(result)),
@@ -326,8 +337,9 @@ NOTEBOOK = [
     ("## How much of the host's update is done when backward ends", "figures.host_done_figure(result).show()"),
     ("", "figures.k_figure(result).show()"),
     ("## The seed's k band: a verdict, not a reproduction\n\nThe seed reports alpha = 0.083 and k between 0.1 "
-     "and 0.2 (LLaMA2-10B, batch 8, A100 80 GB) without its sequence length or CPU. The model computes k for "
-     "that setting from its own inputs only.", "table(figures.verdict_table(result), caption=figures.verdict_text(result))"),
+     "and 0.2 (LLaMA2-10B, batch 8, A100 80 GB) without its sequence length, its CPU or whether it recomputes "
+     "activations. The model computes k for that setting from its own inputs only, and caps it at what the "
+     "card's memory holds.", "table(figures.verdict_table(result), caption=figures.verdict_text(result))"),
     ("", "figures.sensitivity_figure(result).show()"),
     ("## The model against published offload measurements", "table(figures.validation_table(result))"),
     ("## Every input of the performance model, and the host measured here", "table(figures.inputs_table(result))"),

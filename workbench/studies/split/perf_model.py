@@ -261,9 +261,10 @@ def times(shape: Shape, m: Machine, batch: int, recompute: bool = False) -> dict
     return {"t_forward_s": t_f, "t_backward_s": t_b, "share": share, "tokens": tokens}
 
 
-def rates(shape: Shape, m: Machine, batch: int) -> Rates:
-    """The balance formula's inputs for this model on this machine."""
-    t = times(shape, m, batch)
+def rates(shape: Shape, m: Machine, batch: int, recompute: bool = False) -> Rates:
+    """The balance formula's inputs for this model on this machine (with activation recompute, the
+    backward the host overlaps with includes the recomputed forward)."""
+    t = times(shape, m, batch, recompute)
     n = shape.n_params
     return Rates(t["t_backward_s"], n * m.host_s_per_param, m.alpha,
                  t_to_host_s=n * assumed("grad_bytes") * m.d2h_s_per_byte,
@@ -271,22 +272,39 @@ def rates(shape: Shape, m: Machine, batch: int) -> Rates:
                  copies_overlap=True)  # copy engines run beside the host Adam
 
 
-def accel_memory_bytes(shape: Shape, batch: int, k_actual: float, mode: str) -> float:
+def activation_bytes(shape: Shape, batch: int, recompute: bool = False) -> float:
+    """bf16 activations kept for backward (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", section 4 and Table 2): 34sbh + 5as^2b bytes per
+    block without recomputation; with full recomputation each block keeps only its input, 2sbh,
+    and one block's full activations are rebuilt at a time during backward (counted here; the
+    paper's table leaves that one block out)."""
+    s, b, h = shape.seq_len, batch, shape.hidden
+    block = assumed("activation_bytes_per_token_per_layer_per_hidden") * s * b * h + 5 * shape.n_heads * s**2 * b
+    return 2 * s * b * h * shape.n_blocks + block if recompute else block * shape.n_blocks
+
+
+def accel_memory_bytes(shape: Shape, batch: int, k_actual: float, mode: str, recompute: bool = False) -> float:
     """Accelerator memory: bf16 weights, the largest layer's gradients in flight, master
     (fp32) + Adam moments + fp32 gradient for its own share, and activations."""
     n = shape.n_params
-    act = (assumed("activation_bytes_per_token_per_layer_per_hidden") * batch * shape.seq_len * shape.hidden
-           + 5 * shape.n_heads * shape.seq_len**2 * batch) * shape.n_blocks
+    act = activation_bytes(shape, batch, recompute)
     if mode == "all-accelerator":
         return n * (2 + 2 + 4 + 8) + act
     largest = max(shape.sizes.values())
     return n * 2 + 2 * largest * 2 + k_actual * n * (4 + 8 + 4) + act
 
 
-def k_max_for_memory(shape: Shape, batch: int, memory_bytes: float) -> float:
-    """The largest accelerator share whose fp32 master + Adam state still fit (16 B/param)."""
-    free = memory_bytes - accel_memory_bytes(shape, batch, 0.0, "split")
-    return min(1.0, max(0.0, free / (16.0 * shape.n_params)))
+def k_max_for_memory(shape: Shape, batch: int, memory_bytes: float, recompute: bool = False) -> float:
+    """The largest accelerator share whose fp32 master, gradient and Adam state (16 B/param) still
+    fit beside the rest, in whole layers: those `simulate` places there (the last to arrive), so a
+    run at this k fits. 0.0 where even k = 0 does not fit (simulate then says so)."""
+    free = memory_bytes - accel_memory_bytes(shape, batch, 0.0, "split", recompute)
+    held = 0
+    for name in reversed(shape.arrival_order):  # last_arriving's order
+        if (held + shape.sizes[name]) * 16.0 > free:
+            break
+        held += shape.sizes[name]
+    return held / shape.n_params
 
 
 def simulate(shape: Shape, m: Machine, k: float, batch: int, mode: str = "split",
@@ -340,7 +358,7 @@ def simulate(shape: Shape, m: Machine, k: float, batch: int, mode: str = "split"
         events.append(("accelerator", "forward (next)", name, s, clock))
     period = clock
     host_n = sum(sizes[nm] for nm in order if nm not in accel)
-    mem = accel_memory_bytes(shape, batch, k_act, mode)
+    mem = accel_memory_bytes(shape, batch, k_act, mode, recompute)
     return {
         "mode": mode,
         "k_target": k if mode == "split" else k_act,
@@ -360,10 +378,13 @@ def simulate(shape: Shape, m: Machine, k: float, batch: int, mode: str = "split"
     }
 
 
-def best_static_k(shape: Shape, m: Machine, batch: int, points: int = 51) -> float:
-    """The k of the simulated static sweep with the highest throughput (memory not checked)."""
+def best_static_k(shape: Shape, m: Machine, batch: int, points: int = 51, recompute: bool = False) -> float:
+    """The k of the simulated static sweep with the highest throughput among the runs that fit the
+    card; NaN where none fits."""
     ks = [i / (points - 1) for i in range(points)]
-    return max(ks, key=lambda k: simulate(shape, m, k, batch)["tokens_per_s"])
+    runs = [(k, simulate(shape, m, k, batch, recompute=recompute)) for k in ks]
+    fit = [(k, sim["tokens_per_s"]) for k, sim in runs if sim["fits"]]
+    return max(fit, key=lambda t: t[1])[0] if fit else float("nan")
 
 
 # ---------------------------------------------------------------- the seed's operating point
@@ -372,19 +393,24 @@ def _setting(name: str):
 
 
 def published_operating_point(seq_len: int | None = None, host: str | None = None, mfu: float | None = None,
-                              host_meas: dict | None = None) -> dict:
+                              host_meas: dict | None = None, recompute: bool | None = None) -> dict:
     """k for the seed's setting (its model, batch and GPU), from the model's own inputs only: the
-    seed's alpha, k band and throughput are returned beside the modelled figures, as claims."""
+    seed's alpha, k band and throughput are returned beside the modelled figures, as claims.
+    k_seed_formula is the balance alone; k_on_card is what the card lets it run, the balance capped
+    by the card's memory (NaN where even k = 0 does not fit); the throughput is at k_on_card."""
     claims = published_claims()
     seq = seq_len or _setting("seq_len")
     host = host or _setting("hosts")[0]
-    host_meas = host_meas if host_meas is not None else _measure_here()
+    recompute = _setting("activation_recompute")[0] if recompute is None else recompute
+    host_meas = host_meas if host_meas is not None else measure_here()
     shape = model_shape(_setting("model"), seq)
     m = machine(_setting("gpu"), host, host_meas=host_meas, mfu=mfu)
     batch = claims["setup"]["batch"]
-    r = rates(shape, m, batch)
+    r = rates(shape, m, batch, recompute)
     k_seed = balance_k(r, include_transfer=False)
-    sim = simulate(shape, m, k_seed, batch)
+    k_mem = k_max_for_memory(shape, batch, m.memory_bytes, recompute)
+    sim = simulate(shape, m, min(k_seed, k_mem), batch, recompute=recompute)
+    nan = float("nan")
     return {
         "gpu": m.gpu,
         "host": host,
@@ -392,6 +418,7 @@ def published_operating_point(seq_len: int | None = None, host: str | None = Non
         "n_params": shape.n_params,
         "batch": batch,
         "seq_len": seq,
+        "recompute": recompute,
         "mfu": m.notes["mfu"],
         "alpha_modelled": m.alpha,
         "t_backward_s": r.t_backward_s,
@@ -400,8 +427,13 @@ def published_operating_point(seq_len: int | None = None, host: str | None = Non
         "host_adam_gb_per_s": ADAM_BYTES / m.host_s_per_param / GB,
         "k_seed_formula": k_seed,
         "k_with_transfer": balance_k(r, include_transfer=True),
-        "k_best_simulated": best_static_k(shape, m, batch),
-        "tflops_modelled": sim["tflops"],
+        "k_max_memory": k_mem,
+        "k_on_card": sim["k_actual"] if sim["fits"] else nan,
+        "accel_memory_gib": sim["accel_memory_gib"],
+        "card_memory_gib": m.memory_bytes / GIB,
+        "fits": sim["fits"],
+        "k_best_simulated": best_static_k(shape, m, batch, recompute=recompute),
+        "tflops_modelled": sim["tflops"] if sim["fits"] else nan,
         "host_rate_from": m.notes["host update"],
         "compute_from": m.notes["forward/backward"],
         # the seed's claims: compared with, never used above
@@ -411,8 +443,10 @@ def published_operating_point(seq_len: int | None = None, host: str | None = Non
     }
 
 
-def _measure_here() -> dict:
-
+def measure_here() -> dict:
+    """The host measurement the model's functions take (hostbench.measure_host, one thread). Pass one
+    measurement to every call whose figures are shown together: each call left without one measures
+    anew, and this machine's rate moves between runs (a share of 0.76 and one of 1.00 seen a second apart)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # a per-core figure (see the module docstring)
     try:
@@ -435,48 +469,68 @@ def band_intervals(points: list[tuple[float, float]], lo: float, hi: float) -> l
     return out
 
 
-def _k_at(seq: int, host: str, mfu: float, host_meas: dict) -> tuple[float, float]:
-    """(k by the seed's formula, k with transfers) at one setting: the cheap part of the point."""
+def _k_at(seq: int, host: str, mfu: float, host_meas: dict, recompute: bool) -> dict:
+    """The cheap part of the operating point at one setting: k by the seed's formula, k with
+    transfers, the card's cap, and both capped (NaN where even k = 0 does not fit)."""
     shape = model_shape(_setting("model"), seq)
     m = machine(_setting("gpu"), host, host_meas=host_meas, mfu=mfu)
-    r = rates(shape, m, published_claims()["setup"]["batch"])
-    return balance_k(r, include_transfer=False), balance_k(r, include_transfer=True)
+    batch = published_claims()["setup"]["batch"]
+    r = rates(shape, m, batch, recompute)
+    cap = k_max_for_memory(shape, batch, m.memory_bytes, recompute)
+    fits = accel_memory_bytes(shape, batch, 0.0, "split", recompute) <= m.memory_bytes
+    out = {"k_seed_formula": balance_k(r, include_transfer=False), "k_with_transfer": balance_k(r, include_transfer=True)}
+    for key in list(out):  # a run at min(k, cap) holds the layers last_arriving(cap) gives at most
+        capped = last_arriving(shape.arrival_order, shape.sizes, min(out[key], cap))[1]
+        out[key + "_on_card"] = capped if fits else float("nan")
+    return {**out, "fits": fits}
 
 
 FINE_SEQ = tuple(range(16, 2049, 8))  # the verdict's sequence lengths (step 8)
 
 
+def _spans(ranges: list[tuple[float, float]]) -> str:
+    return "; ".join(f"seq {a}" if a == b else f"seq {a}-{b}" for a, b in ranges) or \
+        f"nowhere in seq {FINE_SEQ[0]}-{FINE_SEQ[-1]}"
+
+
 def seed_verdict(host_meas: dict | None = None) -> dict:
-    """For which settings (host, MFU, sequence length) the seed's k band holds, as the model
-    computes k from its own inputs; with the seed's alpha and throughput beside the modelled ones.
-    Returns {"rows": the full operating point on the coarse seq grid of profiles.json, per
-    (host, mfu); "verdicts": one per (host, mfu), the band's seq ranges on a step-8 grid; "text"}."""
-    host_meas = host_meas if host_meas is not None else _measure_here()
+    """For which settings (host, MFU, activation recompute, sequence length) the seed's k band
+    holds, as the model computes k from its own inputs; with the seed's alpha and throughput beside
+    the modelled ones. The k judged is the one the card lets the engine run: the seed's formula
+    capped by what the card holds (k_seed_formula_on_card); the formula alone is shown beside it.
+    Returns {"rows": the full operating point on the coarse seq grid of profiles.json, per setting;
+    "verdicts": one per setting, the band's seq ranges on a step-8 grid; "text"}."""
+    host_meas = host_meas if host_meas is not None else measure_here()
     claims = published_claims()["claims"]
     lo, hi = claims["k_range"]
     rows, verdicts = [], []
-    for host in _setting("hosts"):
-        for mfu in _setting("mfu_range"):
-            coarse = [published_operating_point(s, host, mfu, host_meas) for s in _setting("seq_lens")]
-            rows += [{k: op[k] for k in ("host", "mfu", "seq_len", "alpha_modelled", "k_seed_formula",
-                                         "k_with_transfer", "k_best_simulated", "tflops_modelled",
-                                         "t_backward_s", "t_update_host_s")} for op in coarse]
-            fine = [(s, *_k_at(s, host, mfu, host_meas)) for s in FINE_SEQ]
-            spans = {"k_seed_formula": band_intervals([(s, a) for s, a, _ in fine], lo, hi),
-                     "k_with_transfer": band_intervals([(s, b) for s, _, b in fine], lo, hi),
-                     "k_best_simulated": band_intervals([(op["seq_len"], op["k_best_simulated"]) for op in coarse],
-                                                        lo, hi)}
-            verdicts.append({
-                "host": host, "mfu": mfu, "alpha_modelled": coarse[0]["alpha_modelled"],
-                **{f"band_holds_{key}": "; ".join(f"seq {a}" if a == b else f"seq {a}-{b}" for a, b in v)
-                   or f"nowhere in seq {FINE_SEQ[0]}-{FINE_SEQ[-1]}" for key, v in spans.items()},
-                "tflops_modelled_at_band": "; ".join(
-                    f"{op['tflops_modelled']:.0f}" for op in coarse if lo <= op["k_seed_formula"] <= hi) or "-",
-            })
+    for recompute in _setting("activation_recompute"):
+        for host in _setting("hosts"):
+            for mfu in _setting("mfu_range"):
+                coarse = [published_operating_point(s, host, mfu, host_meas, recompute) for s in _setting("seq_lens")]
+                rows += [{k: op[k] for k in ("host", "mfu", "recompute", "seq_len", "alpha_modelled", "k_seed_formula",
+                                             "k_with_transfer", "k_max_memory", "k_on_card", "k_best_simulated",
+                                             "tflops_modelled", "accel_memory_gib", "fits", "t_backward_s",
+                                             "t_update_host_s")} for op in coarse]
+                fine = [(s, _k_at(s, host, mfu, host_meas, recompute)) for s in FINE_SEQ]
+                keys = ("k_seed_formula_on_card", "k_seed_formula", "k_with_transfer_on_card")
+                spans = {key: band_intervals([(s, p[key]) for s, p in fine], lo, hi) for key in keys}
+                spans["k_best_simulated"] = band_intervals([(op["seq_len"], op["k_best_simulated"]) for op in coarse],
+                                                           lo, hi)
+                verdicts.append({
+                    "host": host, "mfu": mfu, "recompute": recompute, "alpha_modelled": coarse[0]["alpha_modelled"],
+                    "fits_card": _spans(band_intervals([(s, float(p["fits"])) for s, p in fine], 1.0, 1.0)),
+                    **{f"band_holds_{key}": _spans(v) for key, v in spans.items()},
+                    "tflops_modelled_at_band": "; ".join(
+                        f"{op['tflops_modelled']:.0f}" for op in coarse if lo <= op["k_on_card"] <= hi) or "-",
+                })
+    card = f"{load_profiles()[0][_setting('gpu')]['memory_gb']} GB"
     text = (f"Verdict on the seed's band k in [{lo}, {hi}] (its alpha {claims['alpha']}, {claims['throughput_tflops']} "
-            "TFLOP/s): computed from inputs independent of the seed, k depends on the sequence length the seed does "
-            "not state, on the host and on the MFU; the band holds (seed's formula, modelled alpha) for "
-            + "; ".join(f"{v['host']} at MFU {v['mfu']}: {v['band_holds_k_seed_formula']}" for v in verdicts)
+            "TFLOP/s): computed from inputs independent of the seed, k depends on the sequence length, the activation "
+            "recompute and the host the seed does not state, and on the MFU. The k judged is the seed's formula (modelled "
+            f"alpha) capped by what the {card} card holds; the band holds for "
+            + "; ".join(f"{v['host']} at MFU {v['mfu']}, {'with' if v['recompute'] else 'without'} recompute: "
+                        f"{v['band_holds_k_seed_formula_on_card']}" for v in verdicts)
             + ". Modelled alpha: " + ", ".join(sorted({f"{v['alpha_modelled']:.3f}" for v in verdicts}))
             + f" against the seed's {claims['alpha']}.")
     return {"rows": rows, "verdicts": verdicts, "text": text}
@@ -493,7 +547,7 @@ def validate(host_meas: dict | None = None) -> list[dict]:
     """The model against published measurements of offload systems that state their hardware:
     one row per point (source, hardware, model, setup, published, modelled, error %). No published
     figure of these points is an input of the model."""
-    host_meas = host_meas if host_meas is not None else _measure_here()
+    host_meas = host_meas if host_meas is not None else measure_here()
     rows = []
     for p in validation_points():
         m = machine(p["gpu"], p["host"], host_meas=host_meas)
@@ -543,7 +597,7 @@ def model_inputs(host_meas: dict | None = None) -> list[dict]:
         out.append({"input": "host Adam share of the Adam-pattern probe",
                     "value": f"{min(1.0, host_meas['bandwidth_share']):.3f} (raw {host_meas.get('bandwidth_share_raw', host_meas['bandwidth_share']):.3f})",
                     "source": "measured here (one thread), clipped to 1"})
-    for name in ("gpu", "model", "hosts", "seq_lens", "mfu_range"):
+    for name in ("gpu", "model", "hosts", "seq_lens", "mfu_range", "activation_recompute"):
         e = prof["published_setting"][name]
         out.append({"input": f"seed setting: {name}", "value": e["value"], "source": "assumed: " + e["why"]})
     return out

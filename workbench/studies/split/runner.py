@@ -312,13 +312,14 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
              "run": "seed (HyTrainDNN)", "mode": "adaptive", "model": claims["setup"]["model"],
              "tflops": claims["claims"]["throughput_tflops"], "alpha": claims["claims"]["alpha"],
              "k_band": f"{lo}-{hi}", "status": "ok"}
-    shape = pm.model_shape(op["model"], op["seq_len"])
-    m = pm.machine(op["gpu"], op["host"], host_meas=host)
-    sim = pm.simulate(shape, m, op["k_seed_formula"], op["batch"])
-    sim.pop("events")
+    shape, m = pm.model_shape(op["model"], op["seq_len"]), pm.machine(op["gpu"], op["host"], host_meas=host)
+    sim = pm.simulate(shape, m, min(op["k_seed_formula"], op["k_max_memory"]), op["batch"], recompute=op["recompute"])
+    sim.pop("events")  # at the seed's formula capped by what the card holds: uncapped, the card runs out
+    recompute = "with" if op["recompute"] else "without"
     model_row = {**sim, "source": "modelled", "hardware": f"{op['gpu']} + {op['host']} (published setting)",
-                 "run": f"published setting, seq {op['seq_len']}: seed formula", "model": op["model"],
-                 "n_params": op["n_params"], "alpha": op["alpha_modelled"], "mfu": op["mfu"],
+                 "run": f"published setting, seq {op['seq_len']}, {recompute} recompute: seed formula, memory-capped",
+                 "model": op["model"], "k_max_memory": op["k_max_memory"], "n_params": op["n_params"],
+                 "alpha": op["alpha_modelled"], "mfu": op["mfu"],
                  "t_backward_s": op["t_backward_s"], "t_update_host_s": op["t_update_host_s"],
                  "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
                  "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
@@ -373,8 +374,7 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
     timeline = pd.DataFrame(events + mod_events)
     if len(timeline):
         timeline["duration_ms"] = timeline["end_ms"] - timeline["start_ms"]
-    sensitivity = pd.DataFrame(verdict["rows"])
-    sensitivity["source"] = "modelled"
+    sensitivity = pd.DataFrame(verdict["rows"]).assign(source="modelled")
     verdicts = pd.DataFrame(verdict["verdicts"])
     op = {**op, "verdict": verdict["text"]}
     result = StudyResult(STUDY, runs=df, steps=steps_df,
