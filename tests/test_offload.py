@@ -591,6 +591,27 @@ def test_the_memory_cap_on_k_is_a_share_that_fits_in_whole_layers(recompute):
     assert (pm.k_max_for_memory(over, 8, m.memory_bytes, recompute) > 0.0) is recompute
 
 
+def test_modelled_runs_can_recompute_activations():
+    """At seq 1024 a 10B model's activations alone fill the 80 GB card (every modelled split run an
+    oom row, k = 0 too); with modelled_recompute they fit, backward lasts longer (the forward is run
+    twice) and the card holds a share of the optimizer state."""
+    from workbench.studies.split.runner import modelled_runs
+
+    by = {}
+    for recompute in (False, True):
+        cfg = SplitConfig(modelled_seq_len=1024, modelled_k_points=3, profiles=("A100-80GB-PCIe",),
+                          modelled_recompute=recompute)
+        rows, _ = modelled_runs(cfg, HOST)
+        by[recompute] = {r["run"].split(": ", 1)[1]: r for r in rows}
+    off, on = by[False], by[True]
+    assert off["k=0.00"]["status"] == "oom" and off["adaptive"]["status"] == "oom"
+    assert on["k=0.00"]["status"] == "ok" and on["adaptive"]["status"] == "ok" and on["adaptive"]["recompute"] is True
+    assert 0 < on["adaptive"]["k_max_memory"] < 1 and on["adaptive"]["k_actual"] <= on["adaptive"]["k_max_memory"]
+    assert on["k=0.00"]["backward_ms"] == pytest.approx(off["k=0.00"]["backward_ms"] * 3 / 2)  # 2 -> 3 forward units
+    # the balance sees the same longer backward (its host updates have more to hide behind)
+    assert on["adaptive"]["t_backward_s"] == pytest.approx(off["adaptive"]["t_backward_s"] * 3 / 2)
+
+
 def test_the_verdict_judges_the_k_the_card_holds():
     """The verdict and its operating point took the seed's formula alone: at seq 128 its k (0.74)
     needed about 137 GiB of the 80 GB card. The k judged is now the formula capped by the card's

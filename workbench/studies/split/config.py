@@ -74,6 +74,9 @@ class SplitConfig(Config):
     modelled_micro_batch: int = param(8, "micro-batch of the modelled runs")
     modelled_seq_len: int = param(128, "sequence length of the modelled runs")
     modelled_k_points: int = param(11, "points of the modelled static k sweep (0..1)")
+    modelled_recompute: bool = param(
+        False, "recompute activations in the modelled runs (less memory, a longer backward)"
+    )
     host_share: float | None = param(
         None, "host Adam's share of the Adam-pattern bandwidth (None: measured here, now, clipped to 1)"
     )

@@ -18,7 +18,7 @@ from workbench.core.results import StudyResult
 
 # k_actual and tokens_per_s: the whole run after warm-up (an adaptive run's mix its search's ks); settled_*:
 # after its last move of k
-RUN_COLUMNS = ["hardware", "run", "mode", "status", "k_actual", "tokens_per_s", "settled_k",
+RUN_COLUMNS = ["hardware", "run", "mode", "recompute", "status", "k_actual", "tokens_per_s", "settled_k",
                "settled_tokens_per_s", "tflops", "accel_idle_share", "host_done_before_bwd_end_share", "first_loss",
                "final_loss", "ppl_before", "ppl_after", "max_abs_diff_vs_adamw", "accel_memory_gib", "reason"]
 RUN_TABLES = {"measured": "Measured runs (this machine)",

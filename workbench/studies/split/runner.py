@@ -273,9 +273,9 @@ def modelled_runs(cfg: SplitConfig, host: dict):
     rows, events = [], []
     for gpu in cfg.profiles:
         m = pm.machine(gpu, cfg.host, host_meas=host, host_share=cfg.host_share, alpha=cfg.alpha)
-        r = pm.rates(shape, m, cfg.modelled_micro_batch)
+        r = pm.rates(shape, m, cfg.modelled_micro_batch, cfg.modelled_recompute)
         # the balance asks for k; the card's memory caps it (master + Adam state of k live there)
-        k_mem = pm.k_max_for_memory(shape, cfg.modelled_micro_batch, m.memory_bytes)
+        k_mem = pm.k_max_for_memory(shape, cfg.modelled_micro_batch, m.memory_bytes, cfg.modelled_recompute)
         k_adapt = min(balance_k(r, cfg.include_transfer), k_mem)
         hw = f"{gpu} + {cfg.host}"
         specs = [(f"k={k:.2f}", "static" if k else "host only (k=0)", k, "split")
@@ -285,10 +285,10 @@ def modelled_runs(cfg: SplitConfig, host: dict):
                   ("ZeRO-Offload", "ZeRO-Offload", 0.0, "zero-offload"),
                   ("all on accelerator", "all on accelerator", 1.0, "all-accelerator")]
         for name, mode, k, sim_mode in specs:
-            sim = pm.simulate(shape, m, k, cfg.modelled_micro_batch, sim_mode)
+            sim = pm.simulate(shape, m, k, cfg.modelled_micro_batch, sim_mode, cfg.modelled_recompute)
             ev = sim.pop("events")
             row = {**sim, "source": "modelled", "hardware": hw, "run": f"{gpu}: {name}", "mode": mode,
-                   "model": shape.name, "n_params": shape.n_params, "precision": "bf16",
+                   "model": shape.name, "n_params": shape.n_params, "precision": "bf16", "recompute": cfg.modelled_recompute,
                    "backend": "modelled", "alpha": m.alpha, "mfu": m.notes["mfu"], "t_backward_s": r.t_backward_s,
                    "t_update_host_s": r.t_update_host_s, "t_transfer_s": r.t_transfer_s,
                    "k_balance": balance_k(r, cfg.include_transfer), "k_max_memory": k_mem,
@@ -319,7 +319,7 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
     model_row = {**sim, "source": "modelled", "hardware": f"{op['gpu']} + {op['host']} (published setting)",
                  "run": f"published setting, seq {op['seq_len']}, {recompute} recompute: seed formula, memory-capped",
                  "model": op["model"], "k_max_memory": op["k_max_memory"], "n_params": op["n_params"],
-                 "alpha": op["alpha_modelled"], "mfu": op["mfu"],
+                 "alpha": op["alpha_modelled"], "mfu": op["mfu"], "recompute": op["recompute"],
                  "t_backward_s": op["t_backward_s"], "t_update_host_s": op["t_update_host_s"],
                  "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
                  "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
