@@ -240,3 +240,25 @@ def test_on_native_windows_the_package_says_in_one_line_to_use_wsl2():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env(ROOT),
                          timeout=120, cwd=ROOT)
     assert out.stdout.strip() == "workbench runs on Linux; on Windows, run it in WSL2 (see README.md, 'On Windows')"
+
+
+def test_a_relative_results_folder_is_the_callers_for_every_process(tmp_path, monkeypatch, capsys):
+    """WORKBENCH_RESULTS=out: the workbench process read it from the caller's folder and the study
+    kernels, which run in notebooks/, from there: the studies wrote to notebooks/out/ (not git-ignored)
+    and the report read ./out, where nothing was. The command makes it absolute before anything starts."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORKBENCH_RESULTS", "out")
+    assert main(["gpu-check"]) == 0  # on this machine: one line, nothing run
+    assert os.environ["WORKBENCH_RESULTS"] == str(tmp_path / "out")
+    root = Path(cli.__file__).parents[1]
+    kernel = subprocess.run([sys.executable, "-c", "from workbench.core.results import results_root; print(results_root())"],
+                            cwd=root / "notebooks", env=subprocess_env(root), capture_output=True, text=True, check=True)
+    assert kernel.stdout.strip() == str(tmp_path / "out")
+
+
+def test_a_results_folder_that_cannot_be_written_is_a_one_line_error(monkeypatch, capsys):
+    monkeypatch.setenv("WORKBENCH_RESULTS", "/proc/no-such-results")
+    assert main(["dashboard", "--prepare-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("workbench dashboard: cannot write the results folder /proc/no-such-results: No such file or "
+                   "directory (set WORKBENCH_RESULTS to a folder you can write)")

@@ -535,7 +535,7 @@ def test_seed_figures_are_not_inputs_of_the_model(monkeypatch, tmp_path):
         assert not re.search(rf"(?<![\d.]){re.escape(str(figure))}(?![\d.])", inputs), figure
     after = pm.published_operating_point(host_meas=HOST)
     claims_mod.published.cache_clear()
-    for key in ("alpha_modelled", "k_seed_formula", "k_with_transfer", "k_best_simulated", "tflops_modelled",
+    for key in ("alpha_modelled", "k_seed_formula", "k_with_transfer", "k_on_card", "k_best_simulated", "tflops_modelled",
                 "t_backward_s", "t_update_host_s"):
         assert after[key] == before[key], key
     assert after["claim_alpha"] == 0.9 and before["claim_alpha"] == claims["claims"]["alpha"]

@@ -14,6 +14,7 @@ Each subcommand lives beside the code it drives and adds itself with `register(s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 from workbench.core.config import ConfigError
 from workbench.core.data import CorpusError
 from workbench.core.models import ModelNotFoundError
+from workbench.core.results import results_root
 from workbench.core.trainable import StrategyNotApplicable
 from workbench.front import commands, dashboard, gpu_check, reproduce, sweep
 from workbench.studies.ladder import cli as estimate
@@ -70,12 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if os.environ.get("WORKBENCH_RESULTS"):  # relative: the caller's folder, also for kernels run in notebooks/
+        os.environ["WORKBENCH_RESULTS"] = str(results_root())
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)
             return int(args.func(args) or 0)
     except (ConfigError, ModelNotFoundError, CorpusError, StrategyNotApplicable) as e:
         print(f"workbench {args.command}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if not (e.filename and Path(str(e.filename)).absolute().is_relative_to(results_root())):
+            raise
+        print(f"workbench {args.command}: cannot write the results folder {results_root()}: {e.strerror} "
+              "(set WORKBENCH_RESULTS to a folder you can write)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"workbench {args.command}: interrupted; finished runs are kept", file=sys.stderr)

@@ -37,10 +37,11 @@ os.umask(_UMASK)
 
 
 def results_root() -> Path:
-    """The results folder: $WORKBENCH_RESULTS, else ./results beside the project."""
+    """The results folder: $WORKBENCH_RESULTS (a relative one from the working folder), else
+    ./results beside the project."""
     env = os.environ.get("WORKBENCH_RESULTS")
     if env:
-        return Path(env)
+        return Path(env).absolute()
     return PROJECT_ROOT / "results"
 
 
