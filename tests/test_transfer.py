@@ -309,10 +309,18 @@ def test_a_card_attempt_is_preflighted_with_the_reserved_memory_cuda_needs(tiny_
     ({"devices": ["tpu"]}, "not a device"),
     ({"precision": "fp16", "devices": ["cpu"]}, "fp16 autocast runs on CUDA only, and the attempts include cpu"),
     ({"precision": "fp16", "devices": ["cuda@6000", "cpu"]}, r"fp16 .* include cpu; use bf16 or fp32, or devices"),
+    # the attempts are the devices as written: a budget beside them was dropped without a word
+    ({"budget_mib": 64, "devices": ["cuda", "cpu"]},
+     r"^budget_mib applies only without devices: write the budget into devices, e\.g\. cuda@8192$"),
+    ({"budget_mib": 0, "devices": ["cpu@64"]}, "budget_mib applies only without devices"),
 ])
 def test_bad_input_is_rejected_before_training(bad, error):
     with pytest.raises(ConfigError, match=error):
         StrategiesConfig.from_dict(bad)
+
+
+def test_devices_with_the_default_budget_are_the_devices_as_written():
+    assert StrategiesConfig(devices=("cuda@8192", "cpu")).attempts_as_text() == ["cuda@8192", "cpu"]
 
 
 def test_missing_model_and_empty_corpus_fail_before_training(tmp_path, results_dir):
