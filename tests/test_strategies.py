@@ -174,3 +174,29 @@ def test_qlora_gets_the_same_gradient_after_a_held_out_evaluation():
     assert before[lowest].abs().sum() > 0
     for name in before:
         torch.testing.assert_close(after[name], before[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def tiny_jamba():
+    """A hybrid causal LM: Jamba's decoder list mixes Mamba and attention layers (one expert: plain MLPs;
+    a fake-tensor step of its mixture of experts needs bf16)."""
+    from transformers import JambaConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(JambaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4,
+        mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4))
+
+
+@pytest.mark.parametrize("name", ["adapter", "freeze_lower", "freeze_embeddings"])
+def test_a_hybrid_without_a_uniform_decoder_stack_is_not_applicable_to_the_layer_strategies(name):
+    """A hybrid's layer strategies ended `workbench strategies` with a ValueError traceback; not applicable,
+    they are a skipped row with the reason, and the strategies that pick no layers train it."""
+    with pytest.raises(StrategyNotApplicable, match=r"^JambaForCausalLM has no stack of identical decoder layers "
+                                                    r"\(its layers: JambaMambaDecoderLayer, JambaAttentionDecoderLayer\)"
+                                                    r": the strategies that select from it \(adapter, freeze_lower, "
+                                                    r"freeze_embeddings\) need one; full, lora and bitfit do not$"):
+        apply_strategy(tiny_jamba(), name)
+    for other in ("full", "lora", "bitfit"):
+        _, sel = apply_strategy(tiny_jamba(), other)
+        assert 0 < sel.trainable_params <= sel.total_params

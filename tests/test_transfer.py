@@ -333,6 +333,25 @@ def test_missing_model_and_empty_corpus_fail_before_training(tmp_path, results_d
     assert not (results_dir / "strategies").exists() or not list(Path(results_dir / "strategies").glob("*/summary.json"))
 
 
+def test_a_hybrid_model_skips_the_layer_strategies_and_trains_the_rest(tiny_base, results_dir, tmp_path):
+    """A local Jamba (Mamba and attention layers in one list) ended the study with a ValueError traceback at
+    its first layer strategy; that strategy is a skipped row that says why, and LoRA and BitFit train."""
+    from transformers import AutoTokenizer
+    from test_strategies import tiny_jamba
+
+    model = tmp_path / "jamba"
+    jamba = tiny_jamba()
+    jamba.resize_token_embeddings(len(AutoTokenizer.from_pretrained(tiny_base)))
+    jamba.save_pretrained(model)
+    AutoTokenizer.from_pretrained(tiny_base).save_pretrained(model)
+    cfg = StrategiesConfig(model=str(model), strategies=("adapter", "lora", "bitfit"), seeds=(0,), budget_mib=0,
+                           preflight=False, **{**TINY, "token_budget": 1024, "eval_blocks": 4})
+    df = run_strategies(cfg, progress=False).runs.set_index("strategy")
+    assert df["status"].to_dict() == {"adapter": "skipped", "lora": "ok", "bitfit": "ok"}
+    assert df.loc["adapter", "notes"].startswith("JambaForCausalLM has no stack of identical decoder layers")
+    assert df.loc[["lora", "bitfit"], "ppl_after"].notna().all()
+
+
 def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
     cfg = StrategiesConfig(strategies=("bitfit", "full"), seeds=(0,), budget_mib=11.0, **TINY)
     df = run_strategies(cfg, progress=False).runs.set_index("strategy")

@@ -8,7 +8,9 @@ The published study picked layers by substring ("layers.1" also matched layers 1
 counted tensors. Here the decoder stack is found as the model's largest ModuleList of identical
 blocks, the embeddings and head through transformers' `get_input_embeddings` /
 `get_output_embeddings`, and tied weights by identity. This works for Qwen2, Llama, GPT-2, OPT,
-GPT-NeoX and any other causal LM built the same way.
+GPT-NeoX and any other causal LM built the same way. A hybrid (Jamba: Mamba and attention layers in
+one list) has no such stack: the strategies chosen from it are not applicable (a skipped row in study
+1), and full fine-tuning, LoRA and BitFit, which need no stack, still train it.
 
 Tied embeddings (Qwen2-0.5B, GPT-2, OPT): the LM head *is* the input embedding. A strategy that
 trains the head therefore trains the embedding too, and one that freezes the embedding freezes
@@ -51,8 +53,13 @@ def model_parts(model: nn.Module) -> ModelParts:
             if len(kinds) == 1:
                 size = sum(p.numel() for p in mod.parameters())
                 stacks.append((size, name, mod))
-    if not stacks:
-        raise ValueError(f"{type(model).__name__}: found no stack of identical decoder layers")
+    if not stacks:  # a hybrid (Jamba: Mamba and attention layers in one list) has no uniform decoder stack
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+        biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=[])
+        kinds = ", ".join(dict.fromkeys(type(m).__name__ for m in biggest)) or "no layer list"
+        raise StrategyNotApplicable(
+            f"{type(model).__name__} has no stack of identical decoder layers (its layers: {kinds}): the strategies "
+            f"that select from it (adapter, freeze_lower, freeze_embeddings) need one; full, lora and bitfit do not")
     _, layers_name, layers = max(stacks, key=lambda t: t[0])
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -206,6 +213,7 @@ class Strategy:
     name: str
     help: str
     select: Callable | None = None  # (model, parts, notes) -> trainable params; None: see `apply_strategy`
+    by_structure: bool = True  # picks by layers/embeddings/head (model_parts); full and BitFit need none
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -214,9 +222,9 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("adapter", "last 2 decoder layers + final norm + LM head", _adapter),
         Strategy("freeze_lower", "freeze embeddings and the lower half of the decoder", _freeze_lower),
         Strategy("freeze_embeddings", "train everything but the input (and position) embeddings", _freeze_embeddings),
-        Strategy("full", "full fine-tuning", _full),
+        Strategy("full", "full fine-tuning", _full, by_structure=False),
         Strategy("lora", "LoRA (peft) on every linear layer of the decoder, rank 8", None),
-        Strategy("bitfit", "biases only (where the model has biases)", _bitfit),
+        Strategy("bitfit", "biases only (where the model has biases)", _bitfit, by_structure=False),
         Strategy("qlora", "4-bit NF4 base (bitsandbytes) + LoRA rank 8", None),
     )
 }
@@ -284,6 +292,6 @@ def apply_strategy(model: nn.Module, name: str, *, lora_rank: int = 8) -> tuple[
         model = get_peft_model(model, lora_config(model, lora_rank, "all-linear"))
         notes.append(f"LoRA rank {lora_rank} on every linear layer of the decoder (head excluded)")
         return model, count_selection(model, name, notes)
-    parts = model_parts(model)
+    parts = model_parts(model) if STRATEGIES[name].by_structure else None
     _set_trainable(model, STRATEGIES[name].select(model, parts, notes))
     return model, count_selection(model, name, notes)
