@@ -103,6 +103,21 @@ def test_table_and_auto_fit(tiny_config, capsys):
     assert fp32.rstrip().endswith(")") and " no (" in fp32  # with the margin it was judged with
 
 
+def test_auto_fit_from_python_judges_a_card_by_a_cards_prediction(tiny_config):
+    """auto_fit() targets CUDA by default, but without `predictions` it predicted a CPU step (live
+    bytes: no caching allocator, no cuBLAS workspace) and judged the card's budget with that: at 20
+    MiB it chose bf16_true, which the CLI (CUDA predictions) says does not fit."""
+    from workbench.core.memory.predict import predict
+    from workbench.studies.ladder.rungs import auto_fit
+
+    choice = auto_fit(tiny_config, batch=2, seq=32, budget_mib=20, rungs=("fp32", "bf16_true"))
+    for r in choice.table:
+        card = predict(tiny_config, r["rung"], batch=2, seq=32, device="cuda")
+        cpu = predict(tiny_config, r["rung"], batch=2, seq=32, device="cpu")
+        assert r["fit_bytes"] == card.fit_bytes > cpu.peak_bytes, r["rung"]
+    assert choice.rung is None  # the CLI's verdict too: neither fits 20 MiB of a card
+
+
 def test_auto_fit_to_a_card_fits_what_the_card_leaves_after_its_context(tiny_config, capsys):
     assert main(["estimate", "--model", tiny_config, "--batch", "2", "--seq", "32", "--auto-fit", "--card", "0.8"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -178,8 +193,8 @@ def test_card_here_fits_to_what_the_card_has_free_now(tiny_config, capsys, monke
     out = capsys.readouterr().out.splitlines()
     (context,) = [line.split() for line in out if line.strip().startswith("CUDA context")]
     assert context[2:6] == ["1,800.0", "MiB", "measured", "now:"]
-    (reserved,) = [float(line.split()[2].replace(",", "")) for line in out
-                   if line.strip().startswith("reserved needed")]
+    (reserved,) = [float(line.split()[2].replace(",", "")) for line in out  # what fits compares, not the need
+                   if line.strip().startswith("reserved peak")]
     (card,) = [line for line in out if line.strip().startswith("card Tesla T4")]
     assert card.split("headroom ")[1] == (f"{13560 - reserved:,.1f} MiB with no margin (the fit figure + the CUDA "
                                           "context; --budget-mib adds the measured one)")
@@ -210,10 +225,10 @@ def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):
     assert "fit MiB  card: fits, headroom MiB" in heading  # the figure the card's verdict compares
     context = num(rows["fp32"][-4]) - num(rows["fp32"][-5])  # smi less reserved (paged state aside)
     for rung, r in rows.items():
-        alloc, reserved, needed, headroom = num(r[-6]), num(r[-5]), num(r[-3]), num(r[-1])
-        if rung != "cpu":
-            assert alloc <= needed <= reserved, r
-            assert needed + context + headroom == pytest.approx(0.75 * 1024, abs=0.15), r
+        alloc, reserved, fit, headroom = num(r[-6]), num(r[-5]), num(r[-3]), num(r[-1])
+        if rung != "cpu":  # the fit figure is the reserved peak (paged state is outside it), not the least cap
+            assert alloc <= fit == reserved, r
+            assert reserved + context + headroom == pytest.approx(0.75 * 1024, abs=0.15), r
 
 
 def test_help_lists_the_rungs():
@@ -357,6 +372,9 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--auto-fit", "--card", "8", "--precision", "bf16-true"], "--auto-fit picks among the named rungs; to search "
      "from a setup of your own, use --search"),
     (["--snapshot", "."], "--snapshot . is a folder; name a file in it, e.g. step.pickle"),
+    # it wrote a 24 MiB CUDA timeline of a step whose prediction puts nothing on the card
+    (["--rung", "cpu", "--snapshot", "/tmp/wb-test-cpu-rung.pickle"], "the cpu rung trains on the CPU with nothing on "
+     "the card; pick a setup that trains on the card"),
 ])
 def test_bad_setups_are_one_line_naming_the_fix(tiny_config, capsys, args, message):
     assert main(["estimate", "--model", tiny_config, "--seq", "32", *args]) == 2
@@ -385,8 +403,8 @@ def test_the_fits_column_keeps_the_predictions_measured_margin(tiny_config, caps
     (p,) = json.loads(capsys.readouterr().out)["predictions"]
     margin = prediction_margin(RUNGS["bf16_true"], device="cuda")[0]
     assert margin > 0
-    need = p["needed_reserved_bytes"]
-    assert need == p["fit_bytes"] <= p["reserved_peak_bytes"]
+    need = p["fit_bytes"]  # the reserved peak, which a budget caps; the least cap is at most that
+    assert p["needed_reserved_bytes"] <= need == p["reserved_peak_bytes"]
     between = need * (1 + margin / 2) / 2**20  # fits without the margin, not with it
     assert main(base + ["--budget-mib", f"{between:.3f}"]) == 0
     (p,) = json.loads(capsys.readouterr().out)["predictions"]

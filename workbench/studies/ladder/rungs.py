@@ -365,10 +365,11 @@ def auto_fit(
     for n in names:
         rung(n)
     table = []
+    target = torch.device(device).type
     for n in names:
-        plan = RUNGS[n]
-        p = (predictions or {}).get(n) or predict(model, n, batch=batch, seq=seq)
-        need = p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
+        plan = RUNGS[n]  # predicted for the target: a CPU step's live bytes are not a card's reserved bytes
+        p = (predictions or {}).get(n) or predict(model, n, batch=batch, seq=seq, device=target)
+        need = p.fit_bytes if target == "cuda" else p.peak_bytes
         m = margin if margin is not None else prediction_margin(plan, device=str(device))[0]
         measured = (step_ms or {}).get(n)
         # Measured step times rank first (in ms); rungs without one follow, by their speed prior.
