@@ -471,6 +471,18 @@ def test_a_measured_cpu_step_exports_the_same_snapshot(tmp_path):
     assert len(measured["device_traces"][0]) > 100 and measured["segments"]
 
 
+def test_each_card_preset_is_as_large_as_nvidia_smi_reports_it():
+    """The presets' totals were nominal GiB: an L4 and an A10G 518-524 MiB larger than they are, an
+    RTX 4090 12 MiB, an H100 361 MiB, so `--card` (no margin) said "fits" for steps that overrun the
+    card. The totals nvidia-smi reports (its "used / total" column, as users post it)."""
+    reported_mib = {"RTX 3060 12GB": 12288, "RTX 3090 24GB": 24576, "RTX 4060 8GB": 8188, "RTX 4060 Ti 8GB": 8188,
+                    "RTX 4060 Ti 16GB": 16380, "RTX 4090 24GB": 24564, "T4 16GB": 15360, "RTX 2060 6GB": 6144,
+                    "RTX 2080 Ti 11GB": 11264, "V100 32GB": 32768, "L4 24GB": 23034, "A10G 24GB": 23028,
+                    "A100 40GB": 40960, "A100 80GB": 81920, "H100 80GB": 81559, "H200 141GB": 143771}
+    for name, mib in reported_mib.items():
+        assert cm.card(name).total_bytes == mib * 2**20, name
+
+
 def test_a_real_card_takes_its_presets_measured_context_and_its_own_size():
     h200 = cm.card_of("NVIDIA H200", 143156 * MiB, 90)
     assert h200.context_bytes == 1384 * MiB and h200.total_bytes == 143156 * MiB and h200.sm == 90

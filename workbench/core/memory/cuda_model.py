@@ -169,27 +169,30 @@ def after_a_run(events, steps_of, roles: dict, streams: dict | None, before=None
 
 
 CARDS = {c.name: c for c in (
+    # totals as nvidia-smi reports them (its "MiB / NMiB" column, read in users' posted outputs, each
+    # figure the same in several): the Ada cards and the L4, A10G and H100 show less than their
+    # nominal GiB (RTX 4090: 24,564 MiB; L4: 23,034; A10G: 23,028; H100 80GB, SXM and PCIe: 81,559)
     Card("RTX 3060 12GB", 12 * GiB, 86),
     Card("RTX 3090 24GB", 24 * GiB, 86),
-    Card("RTX 4060 8GB", 8 * GiB, 89),
-    Card("RTX 4060 Ti 8GB", 8 * GiB, 89),
-    Card("RTX 4060 Ti 16GB", 16 * GiB, 89),
-    Card("RTX 4090 24GB", 24 * GiB, 89),
+    Card("RTX 4060 8GB", 8188 * MiB, 89),
+    Card("RTX 4060 Ti 8GB", 8188 * MiB, 89),
+    Card("RTX 4060 Ti 16GB", 16380 * MiB, 89),
+    Card("RTX 4090 24GB", 24564 * MiB, 89),
     Card("T4 16GB", 15 * GiB, 75),
     # before sm_80 (bf16 emulated, no flash attention); torch's CUDA 12.9 and 13 builds start at sm_75,
     # so a V100 or a P100 (Kaggle's) trains under a CUDA 12.6 build. The V100 16GB's and the P100's
     # totals are torch's (get_device_properties as users post it: total_memory=16160MB, 16280MB; ECC
-    # takes its share), the others nominal
+    # takes its share)
     Card("RTX 2060 6GB", 6 * GiB, 75),
     Card("RTX 2080 Ti 11GB", 11 * GiB, 75),
     Card("V100 16GB", 16160 * MiB, 70),
     Card("V100 32GB", 32 * GiB, 70),
     Card("P100 16GB", 16280 * MiB, 60),
-    Card("L4 24GB", 23 * GiB, 89),
-    Card("A10G 24GB", 23 * GiB, 86),
+    Card("L4 24GB", 23034 * MiB, 89),
+    Card("A10G 24GB", 23028 * MiB, 86),
     Card("A100 40GB", 40 * GiB, 80),
     Card("A100 80GB", 80 * GiB, 80),
-    Card("H100 80GB", 80 * GiB, 90),
+    Card("H100 80GB", 81559 * MiB, 90),
     # measured by `workbench gpu-check` (2026-11-22; torch 2.11, CUDA 13.0, driver 580): NVML's used
     # memory less max_memory_reserved was 1,366-1,384 MiB on every rung before bitsandbytes' paged
     # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB
