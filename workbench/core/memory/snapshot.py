@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 
+from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import EMPTY_CACHE, MemoryReport
 from workbench.core.memory.allocator import CachingAllocator
@@ -104,6 +105,9 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = CUDA_S
 
     c = cuda_model.card(card) or cuda_model.Card("", 0, cuda_model.DEFAULT_SM)
     plan = rung(plan)
+    if plan.placement == "cpu":  # its step is predicted on the host, with no allocator: no card timeline
+        raise ConfigError(f"a memory snapshot is the card's timeline, and the {plan.name} rung trains on the CPU with "
+                          "nothing on the card; pick a setup that trains on the card")
     if plan.placement in SIMULATED_PLACEMENTS:  # the card's share of an offload rung
         report = simulate_placed(model_config(model), plan, batch=batch, seq=seq, steps=steps, target="cuda", sm=c.sm,
                                  card_bytes=c.usable_bytes if c.total_bytes else None).device

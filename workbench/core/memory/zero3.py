@@ -39,9 +39,10 @@ replays it inside the fake-tensor step of workbench.core.memory.offload, each st
 DeepSpeed runs here as it runs on one GPU (`deepspeed_stage3`, undone afterwards): linear layers run
 through DeepSpeed's own `zero3_linear_wrap`, as zero.Init installs it; its CPU accelerator stands in
 for CUDA's (streams and events are no-ops: no allocation changes); without a process group, the rank
-is 0 and the cross-rank consistency checks are skipped. What is
-not replayed: the separate caching-allocator pools of DeepSpeed's side streams (the reserved
-figure replays all allocations on one stream), NCCL's own device memory, and NVMe offload.
+is 0 and the cross-rank consistency checks are skipped. DeepSpeed's side streams are replayed with
+their own caching-allocator pools (the gathers on its allgather stream, the gradients' reduction on
+its reduce stream; `reserved_by_stream` reports each). What is not replayed: NCCL's own device
+memory, and NVMe offload.
 """
 
 from __future__ import annotations
