@@ -352,6 +352,32 @@ def test_a_hybrid_model_skips_the_layer_strategies_and_trains_the_rest(tiny_base
     assert df.loc[["lora", "bitfit"], "ppl_after"].notna().all()
 
 
+@pytest.mark.parametrize("strategy", ["lora", "qlora"])
+def test_a_model_folder_without_safetensors_is_one_line_for_every_strategy(tiny_base, results_dir, tmp_path, capsys,
+                                                                           strategy):
+    """Weights only as pytorch_model.bin: QLoRA's own 4-bit loader ended the command with an OSError
+    traceback where the other strategies' loader (load_model) says it in one line."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from workbench.cli import main
+
+    model = tmp_path / "bin-only"
+    model.mkdir()
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_base) / f, model / f)
+    torch.save(load_file(Path(tiny_base) / "model.safetensors"), model / "pytorch_model.bin")
+    rc = main(["strategies", f"model={model}", f"strategies=[{strategy}]", "seeds=[0]", "base_size=tiny",
+               "seq_len=64", "token_budget=1024", "eval_blocks=4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    err = err.strip().splitlines()[-1]  # (after the progress bar's line)
+    assert err.startswith(f"workbench strategies: model '{model}': the folder exists but holds no loadable model "
+                          "(needs config.json, tokenizer files and *.safetensors weights): "), err
+
+
 def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
     cfg = StrategiesConfig(strategies=("bitfit", "full"), seeds=(0,), budget_mib=11.0, **TINY)
     df = run_strategies(cfg, progress=False).runs.set_index("strategy")

@@ -60,7 +60,6 @@ def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
     """How much held-out text occurs verbatim in training text, for every corpus a study 1 run
     uses: the target domain it fine-tunes and evaluates on, and (for the embedded base) the source
     domain the base was pretrained and scored on. Measured on 50-character windows."""
-
     corpus = corpus or target_corpus(cfg.corpus)
     rows = []
     ov = corpus.overlap
@@ -140,9 +139,12 @@ def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
         # as the pre-flight prediction quantizes (NF4 with double quantization, QLoRA's recipe)
         q = bnb_4bit_config(torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
         path = resolve_model_path(cfg.model, cfg.spec())
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": device},
-                                                     use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
-                                                     **hub_options(path, model=True))
+        try:  # as load_model says a folder without *.safetensors: one line, not a traceback
+            model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": device},
+                                                         use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
+                                                         **hub_options(path, model=True))
+        except (OSError, ValueError) as e:
+            raise ModelNotFoundError(not_found_message(cfg.model, e)) from e
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         return model
     model, _ = load_model(cfg.model, device=device, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
@@ -310,7 +312,6 @@ def _replay(job: Job, sinks: list[Sink]) -> None:
 def _tokenizer(cfg: StrategiesConfig):
     from transformers import AutoTokenizer
 
-
     path = resolve_model_path(cfg.model, cfg.spec())
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **hub_options(path))
@@ -364,13 +365,11 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 def claims_table(df: pd.DataFrame) -> pd.DataFrame:
     """The published study's four rows beside what the workbench measured, with the reasons they differ."""
-
     return study1_comparison(summarize(df))
 
 
 def steps_frame(df: pd.DataFrame) -> pd.DataFrame:
     """Every run's per-step rows (loss curves), read from steps.jsonl."""
-
     frames = []
     for run_id, device in zip(df["run_id"], df["device"]):
         p = results_root() / STUDY / run_id / "steps.jsonl"
