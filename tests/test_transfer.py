@@ -378,6 +378,21 @@ def test_a_model_folder_without_safetensors_is_one_line_for_every_strategy(tiny_
                           "(needs config.json, tokenizer files and *.safetensors weights): "), err
 
 
+def test_a_lora_rank_no_layer_can_use_is_said_before_any_run(tiny_base, results_dir):
+    """lora_rank=100000 was said when the first LoRA run started, after the strategies before it had trained
+    (and written their runs); it is said before any run, in the words the LoRA run would have used."""
+    from workbench.core.models import TINY_SPEC, load_model
+    from workbench.core.trainable import apply_strategy
+
+    with pytest.raises(ConfigError) as late:
+        apply_strategy(load_model(spec=TINY_SPEC)[0], "lora", lora_rank=100_000)
+    cfg = StrategiesConfig(strategies=("bitfit", "qlora"), seeds=(0,), lora_rank=100_000, **TINY)
+    with pytest.raises(ConfigError) as early:
+        run_strategies(cfg, progress=False)
+    assert str(early.value) == str(late.value) and "use a smaller lora_rank" in str(late.value)
+    assert not list(results_dir.glob("strategies/*/config.json"))  # bitfit did not train first
+
+
 def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):
     cfg = StrategiesConfig(strategies=("bitfit", "full"), seeds=(0,), budget_mib=11.0, **TINY)
     df = run_strategies(cfg, progress=False).runs.set_index("strategy")

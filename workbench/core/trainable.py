@@ -251,6 +251,17 @@ def names_module(name: str, targets) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+def check_lora_rank(config, rank: int, *, trust_remote_code: bool = False) -> None:
+    """`lora_config`'s check of `rank`, from a model config alone (a meta model: no weights): a study
+    says a bad lora_rank before its first run, not when its first LoRA run starts after the others."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    _check_lora_rank(model, rank, "all-linear", Conv1D)
+
+
 def _check_lora_rank(model: nn.Module, rank: int, targets: str | list[str], conv1d: type) -> None:
     """A rank-r update of an in x out layer has rank at most min(in, out): a lora_rank above that for
     every layer LoRA adapts is a mistake (a typed 100000 ran for minutes before anything was said)."""

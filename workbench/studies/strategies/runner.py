@@ -51,7 +51,7 @@ from workbench.core.results import (
     results_root,
     reuse_finished_runs,
 )
-from workbench.core.trainable import StrategyNotApplicable, apply_strategy
+from workbench.core.trainable import StrategyNotApplicable, apply_strategy, check_lora_rank
 from workbench.core.training import evaluate_perplexity, train
 from workbench.studies.strategies.config import STUDY, StrategiesConfig
 
@@ -262,8 +262,10 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     each in its own process with its share of the cores, the same settings and seeds, so the same
     results; the sinks then get each run's step rows when the runs are done (read from steps.jsonl)."""
     sinks = list(sinks)
-    check_seq_len(load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code),
-                  cfg.seq_len, repr(cfg.model))
+    config = load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
+    check_seq_len(config, cfg.seq_len, repr(cfg.model))
+    if {"lora", "qlora"} & set(cfg.strategies):  # before any run: the first LoRA run said it after others trained
+        check_lora_rank(config, cfg.lora_rank, trust_remote_code=cfg.trust_remote_code)
     tokenizer = _tokenizer(cfg)
     corpus = target_corpus(cfg.corpus)
     train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len, cfg.eval_blocks)
@@ -359,8 +361,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         devices=("device", lambda s: ", ".join(sorted({str(x) for x in s}))),
         device_history=("device_history", "first"),
     )
-    out = status.join(agg, how="left").reindex(order).reset_index()
-    return out
+    return status.join(agg, how="left").reindex(order).reset_index()
 
 
 def claims_table(df: pd.DataFrame) -> pd.DataFrame:
