@@ -115,7 +115,7 @@ def test_two_strategies_that_train_the_same_parameters_are_said_to(layers):
     torch.manual_seed(0)
     _, lora_bf16 = apply_strategy(AutoModelForCausalLM.from_config(config).to(torch.bfloat16), "lora")
     assert lora.trainable_params == lora_bf16.trainable_params and lora.trainable_set != lora_bf16.trainable_set
-    summary = pd.DataFrame([{**s.as_row(), "ppl_before": 100.0, "ppl_after_mean": 90.0 + i, "improvement_pct_mean": 10.0,
+    summary = pd.DataFrame([{**s.as_row(), "ppl_before": 100.0, "ppl_after_mean": 90.0 + i, "improvement_mean_pct": 10.0,
                              "seeds": 1} for i, s in enumerate(sels.values())])
     said = [f for f, _ in findings(StudyResult("strategies", runs=pd.DataFrame(), tables={"summary": summary}))]
     same = [f for f in said if "train the same" in f]
@@ -130,7 +130,7 @@ def test_the_fallback_finding_says_which_runs_ran_out_and_which_were_kept_off():
     """A run the pre-flight prediction kept off the budgeted device never ran out of memory there;
     the finding said all of them had."""
     summary = pd.DataFrame([{"strategy": "lora", "ppl_before": 100.0, "ppl_after_mean": 90.0,
-                             "improvement_pct_mean": 10.0, "seeds": 2}])
+                             "improvement_mean_pct": 10.0, "seeds": 2}])
     runs = pd.DataFrame([
         {"strategy": "full", "seed": 0, "status": "fallback", "device_history": "cpu@13: skipped in preflight -> cpu: ok"},
         {"strategy": "full", "seed": 1, "status": "fallback", "device_history": "cpu@13: oom in backward -> cpu: ok"},
@@ -200,3 +200,35 @@ def test_a_hybrid_without_a_uniform_decoder_stack_is_not_applicable_to_the_layer
     for other in ("full", "lora", "bitfit"):
         _, sel = apply_strategy(tiny_jamba(), other)
         assert 0 < sel.trainable_params <= sel.total_params
+
+
+def test_the_shown_summary_gives_the_improvement_in_percent():
+    """The summary's improvement columns were improvement_pct_mean / _std, which the shown table's rounding
+    (units read from a name's end) left without a unit: they end in _pct, shown as (%)."""
+    from workbench.studies.strategies.figures import summary_table
+    from workbench.studies.strategies.runner import summarize
+
+    runs = pd.DataFrame([{"strategy": "lora", "seed": seed, "status": "ok", "device": "cpu", "device_history": "cpu: ok",
+                          "ppl_before": 100.0, "ppl_after": after, "improvement_pct": 100.0 - after}
+                         for seed, after in enumerate((80.0, 90.0))])
+    shown = summary_table(StudyResult("strategies", runs=runs, tables={"summary": summarize(runs)}))
+    assert shown.loc[0, ["improvement_mean (%)", "improvement_std (%)"]].tolist() == pytest.approx([15.0, 7.1], abs=0.05)
+    assert not [c for c in shown.columns if c.startswith("improvement") and "(%)" not in c]
+
+
+def test_a_summary_written_under_the_old_names_is_summarized_again_when_read_back(results_dir):
+    """A results folder from before the rename: its summary.csv has improvement_pct_mean, and the findings,
+    which read improvement_mean_pct, would end the report with a KeyError."""
+    from workbench.studies.strategies.figures import findings
+    from workbench.studies.strategies.runner import load_result, summarize
+
+    runs = pd.DataFrame([{"run_id": "lora-s0-x", "strategy": "lora", "seed": 0, "status": "ok", "device": "cpu",
+                          "device_history": "cpu: ok", "ppl_before": 100.0, "ppl_after": 80.0, "improvement_pct": 20.0,
+                          "seeds": 1, "finished": "2026-11-20T00:00:00"}])
+    (results_dir / "strategies").mkdir(parents=True)
+    runs.to_csv(results_dir / "strategies" / "runs.csv", index=False)
+    old = summarize(runs).rename(columns={"improvement_mean_pct": "improvement_pct_mean"})
+    old.to_csv(results_dir / "strategies" / "summary.csv", index=False)
+    result = load_result()
+    assert result.tables["summary"].loc[0, "improvement_mean_pct"] == 20.0
+    assert "(20.0% better; 1 seed)" in findings(result)[0][0]

@@ -82,7 +82,7 @@ def test_each_published_row_is_set_beside_its_own_strategy():
     names = ["adapter", "freeze_lower", "freeze_embeddings", "full"]
     summary = pd.DataFrame({"strategy": names, "ppl_after_mean": [10.0, 20.0, 30.0, 40.0],
                             "ppl_before": [99.0] * 4, "trainable_params": [1, 2, 3, 4],
-                            "improvement_pct_mean": [1.0, 2.0, 3.0, 4.0], "devices": ["cpu"] * 4})
+                            "improvement_mean_pct": [1.0, 2.0, 3.0, 4.0], "devices": ["cpu"] * 4})
     rows = study1_comparison(summary).set_index("strategy")
     assert list(rows.index) == ["freeze_lower", "adapter", "freeze_embeddings", "full"]  # the published order
     for i, name in enumerate(names):

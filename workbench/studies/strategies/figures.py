@@ -54,7 +54,7 @@ def overlap_table(result: StudyResult) -> pd.DataFrame:
 
 
 SUMMARY_COLUMNS = ["strategy", "statuses", "device_history", "trainable_params", "trainable_share", "ppl_before",
-                   "ppl_after_mean", "ppl_after_std", "improvement_pct_mean", "improvement_pct_std",
+                   "ppl_after_mean", "ppl_after_std", "improvement_mean_pct", "improvement_std_pct",
                    "train_seconds", "tokens_per_s", "peak_mem_mib", "seeds"]
 
 
@@ -86,7 +86,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     best = done.iloc[0]
     order = " < ".join(f"{r.strategy} {r.ppl_after_mean:.1f}" for r in done.itertuples())
     out = [(f"Best held-out perplexity: {best['strategy']}, {best['ppl_before']:.1f} -> {best['ppl_after_mean']:.1f} "
-            f"({best['improvement_pct_mean']:.1f}% better; "
+            f"({best['improvement_mean_pct']:.1f}% better; "
             + (f"mean of {int(best['seeds'])} seeds" if best["seeds"] != 1 else "1 seed") + f"). Order: {order}.",
             "; ".join(f"{r.strategy} {r.published_improvement_pct:.1f}%" for r in claims.itertuples()
                       if pd.notna(r.published_improvement_pct)) + " better (published, on random weights)")]

@@ -349,8 +349,8 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         ppl_before=("ppl_before", "mean"),
         ppl_after_mean=("ppl_after", "mean"),
         ppl_after_std=("ppl_after", "std"),
-        improvement_pct_mean=("improvement_pct", "mean"),
-        improvement_pct_std=("improvement_pct", "std"),
+        improvement_mean_pct=("improvement_pct", "mean"),
+        improvement_std_pct=("improvement_pct", "std"),
         tokens_per_s=("tokens_per_s", "mean"),
         train_seconds=("train_seconds", "mean"),
         peak_mem_mib=("peak_mem_mib", "max"),
@@ -392,7 +392,7 @@ def load_result() -> StudyResult | None:
         last = runs.sort_values("finished")["config_hash"].dropna().iloc[-1]
         runs = runs[runs["config_hash"] == last]
     tables = {name: read_table(root / f"{name}.csv") for name in ("summary", "claims", "corpus_overlap")}
-    if tables["summary"].empty:
+    if tables["summary"].empty or "improvement_mean_pct" not in tables["summary"]:  # none, or an older naming
         tables["summary"] = summarize(runs)
         tables["claims"] = claims_table(runs)
     config = RunDir(STUDY, str(runs["run_id"].iloc[-1])).config() or {}  # the settings' budget, for the findings
