@@ -8,6 +8,8 @@ cores, and no worker process may outlive the call.
 """
 
 import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -98,6 +100,27 @@ def test_local_cluster_listens_on_localhost_only():
         listening = [c.laddr for p in [me, *me.children(recursive=True)]
                      for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
         assert len(listening) >= 3 and {a.ip for a in listening} == {"127.0.0.1"}, listening
+        # 127.0.0.1 is every user's of this machine: only a holder of this cluster's certificate may
+        # connect (plain TCP let any local process run code as this user through the scheduler)
+        address = client.scheduler.address
+        assert address.startswith("tls://")
+        for a in (address, address.replace("tls://", "tcp://")):  # another process
+            stranger = subprocess.run([sys.executable, "-c", STRANGER, a], capture_output=True, text=True, timeout=120)
+            assert stranger.stdout.count("refused") == 2, (a, stranger.stdout, stranger.stderr[-2000:])
+
+
+STRANGER = """import sys
+from distributed import Client
+from distributed.security import Security
+said = []
+for security in (None, Security.temporary()):  # none, and a certificate of its own
+    try:
+        Client(sys.argv[1], timeout=5, set_as_default=False, security=security).submit(sum, [1]).result(timeout=20)
+        said.append("connected")
+    except Exception as e:
+        said.append(f"refused ({type(e).__name__})")
+print("; ".join(said))
+"""
 
 
 def _card_seen():  # in the worker (os.environ.get itself would be pickled with this process's environment)

@@ -32,22 +32,32 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
 
     from workbench.front import reproduce
 
-    ran = []
+    ran, ran_before = [], ("01_strategies", "02_ladder", "03_split")
 
     def run(path, params, out, progress=None):
         ran.append(Path(path).stem)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         if len(ran) == 1:
+            Path(out).write_text("half")  # papermill writes the notebook as it goes
             raise PapermillExecutionError(4, 4, "train()", "ValueError", "a cell raised (played)",
                                           ["\x1b[0;31mTraceback\x1b[0m", "  File cell 4, in train",
                                            "ValueError: a cell raised (played)"])
         if len(ran) == 3:
             raise RuntimeError("Kernel died before replying (played)")
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text("{}")
 
     monkeypatch.setattr(reproduce, "run_notebook", run)
+    executed = results_dir / "notebooks"
+    executed.mkdir(parents=True)
+    for name in ran_before:  # the last good executed notebooks: a failed run must not replace them
+        (executed / f"{name}.ipynb").write_text("good")
+    (executed / "02_ladder.failed.ipynb").write_text("an earlier failure")
     assert main(["reproduce", "--quick", "--no-report"]) == 1
     assert ran == ["01_strategies", "02_ladder", "03_split"]
+    assert (executed / "01_strategies.ipynb").read_text() == "good"
+    assert (executed / "01_strategies.failed.ipynb").read_text() == "half"
+    assert (executed / "02_ladder.ipynb").read_text() == "{}" and not (executed / "02_ladder.failed.ipynb").exists()
+    assert (executed / "03_split.ipynb").read_text() == "good" and not list(executed.glob(".*"))
     log = json.loads((results_dir / "reproduce.json").read_text())
     assert [(n["name"], n["status"]) for n in log["notebooks"]] == [
         ("01_strategies", "error"), ("02_ladder", "ok"), ("03_split", "error")]
@@ -55,6 +65,7 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     assert first["error"] == "ValueError: a cell raised (played)" and log["quick"] is True
     assert first["traceback"] == "Traceback\n  File cell 4, in train\nValueError: a cell raised (played)"
     assert third["error"] == "RuntimeError: Kernel died before replying (played)" and third["traceback"] is None
+    assert first["output"] == str(executed / "01_strategies.failed.ipynb") and third["output"] is None
     err = capsys.readouterr().err
     assert "[01_strategies] ValueError: a cell raised (played)\n" in err
     assert "File cell 4" not in err and "Exception encountered" not in err  # not the cell's traceback

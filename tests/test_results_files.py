@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from workbench.core import results
-from workbench.core.results import ResultsWriter, atomic_write_json, read_steps
+from workbench.core.results import ResultsWriter, atomic_write_json, latest, read_steps, read_table
 
 
 def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
@@ -34,6 +34,20 @@ def test_a_torn_last_line_of_steps_is_left_out(tmp_path):
                     + '{"step": 3, "lo')  # the process killed mid-line
     steps = read_steps(path)
     assert steps["step"].tolist() == [1, 2] and steps["loss"].tolist() == [2.5, 2.4]
+
+
+@pytest.mark.parametrize("key", ["012345678901", "1e3456789012", "123456789012"])
+def test_a_key_of_digits_is_text_and_its_row_is_replaced(tmp_path, monkeypatch, key):
+    """Study 3's key is a bare 12-hex-digit hash: one of digits, or of digits around one 'e', was read
+    back as a number (12345678901, inf), so the same settings run again added a second row and
+    latest() returned both."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    writer = ResultsWriter("split")
+    writer.update_runs([{"study_key": key, "x": 1}], key="study_key")
+    writer.update_runs([{"study_key": key, "x": 2}], key="study_key")
+    runs = read_table(tmp_path / "split" / "runs.csv")
+    assert list(runs["study_key"]) == [key] and list(runs["x"]) == [2]
+    assert list(latest(runs, "study_key")["x"]) == [2]
 
 
 def test_runs_csv_replaces_rows_with_the_same_key_and_keeps_every_other(tmp_path, monkeypatch):

@@ -228,9 +228,9 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, mon
     ok = df[df.status == "ok"].set_index("x")
     assert list(ok.x_squared) == [1, 4, 16]
     assert pd.isna(df.set_index("x").loc[3, "x_squared"])  # nothing recorded for the failed run
-    # a LocalCluster of two single-thread worker processes on 127.0.0.1 ran the points
+    # a LocalCluster of two single-thread worker processes on 127.0.0.1 (TLS: only this sweep may connect) ran the points
     workers = {json.loads((out / k / "status.json").read_text())["worker"] for k in df.point}
-    assert len(workers) == 2 and all(w.startswith("tcp://127.0.0.1:") for w in workers), workers
+    assert len(workers) == 2 and all(w.startswith("tls://127.0.0.1:") for w in workers), workers
     # two workers on these cores: each kernel got its share of threads, and torch used it
     share = threads_per_worker(2)
     assert set(ok.omp_threads.astype(int)) == {share}
@@ -391,3 +391,21 @@ def test_sweep_over_study_notebook(tmp_path, tiny_base):
     assert list(study.columns[:3]) == ["point", "study", "seeds"] and "token_budget" not in study
     assert [json.loads(v) for v in study.seeds] == [[s] for s in study.seed]
     assert set(study.point) == set(df.point) and (study.status == "ok").all()
+
+
+def test_the_tables_keep_a_swept_threads_and_no_earlier_grids_runs(tmp_path):
+    """collect() put the kernel's thread count into a `threads` column after the parameters, so a
+    grid over `threads` showed one value for every point; study_runs.csv was written only when a
+    point recorded runs, so a grid whose points all failed left the previous grid's rows there."""
+    from workbench.front.sweep_points import Point, collect, write_tables
+
+    points = [Point(f"p{t}", {"threads": t, "status": "mine"}) for t in (1, 2)]
+    for p in points:
+        (tmp_path / p.key).mkdir()
+        (tmp_path / p.key / "status.json").write_text(json.dumps({"status": "error", "threads": "4"}))
+    df = collect(tmp_path, points)
+    assert list(df["threads"]) == [1, 2] and list(df["param_status"]) == ["mine", "mine"]
+    assert list(df["status"]) == ["error", "error"] and list(df["kernel_threads"]) == ["4", "4"]
+    (tmp_path / "study_runs.csv").write_text("point,x\nold,1\n")  # an earlier grid's
+    write_tables(tmp_path, points, set())
+    assert not (tmp_path / "study_runs.csv").exists() and len(pd.read_csv(tmp_path / "runs.csv")) == 2

@@ -188,7 +188,10 @@ def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
     with dask.config.set(_LOCAL_CONFIG):
         local = LocalCluster(
             n_workers=workers, processes=True, threads_per_worker=1, memory_limit=0,
-            host="127.0.0.1", dashboard_address=None,  # no dashboard; its HTTP endpoint on a free local port:
+            # TLS with a certificate made for this cluster (Security.temporary): on 127.0.0.1 alone any
+            # process of any user here could connect to plain TCP and run code as this user
+            host="127.0.0.1", security=True,
+            dashboard_address=None,  # no dashboard; its HTTP endpoint on a free local port:
             scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
             env=thread_env(threads_per_worker(workers)),
             silence_logs=logging.CRITICAL,  # a run's exception is raised here, not logged twice

@@ -32,6 +32,9 @@ import pandas as pd
 from workbench.core.common import PROJECT_ROOT, environ
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")
+# columns that hold keys: read as text (a hash of digits, or digits around one 'e', read as a number:
+# 012345678901 became 12345678901 and 1e3456789012 inf, and the same settings added a second row)
+KEY_COLUMNS = ("run_id", "study_key", "point")
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -270,7 +273,7 @@ class ResultsWriter:
         new = [{**row, "recorded": stamp, **env} for row in rows]
         path = self.dir / "runs.csv"
         with locked(path):
-            old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
+            old = read_table(path, keys)
             if len(old) and new and all(k in old for k in keys):
                 taken = {tuple(str(r.get(k)) for k in keys) for r in new}
                 old = old[[tuple(str(v) for v in vals) not in taken
@@ -301,10 +304,11 @@ def latest(runs: pd.DataFrame, key: str) -> pd.DataFrame:
     return runs[runs[key] == last.iloc[-1]] if len(last) else runs
 
 
-def read_table(path: str | Path) -> pd.DataFrame:
-    """A results CSV; a missing or empty file (a table with no rows) is an empty DataFrame."""
+def read_table(path: str | Path, keys: Iterable[str] = ()) -> pd.DataFrame:
+    """A results CSV, its key columns (KEY_COLUMNS and `keys`) as text; a missing or empty file (a
+    table with no rows) is an empty DataFrame."""
     try:
-        return pd.read_csv(path)
+        return pd.read_csv(path, dtype={k: str for k in (*KEY_COLUMNS, *keys)})
     except (FileNotFoundError, pd.errors.EmptyDataError):
         return pd.DataFrame()
 

@@ -12,6 +12,7 @@ notebook and in results/reproduce.json.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -50,22 +51,30 @@ def main(args) -> int:
     for nb in notebooks:
         params = {**nb.reproduce, **(nb.quick if args.quick else {})}
         out = root / "notebooks" / f"{nb.name}.ipynb"
+        # papermill writes as it goes: into a partial file, renamed when the run ends, so a failed or
+        # interrupted run does not replace the last good executed notebook
+        partial = out.with_name(f".{nb.name}.partial.ipynb")
         t0 = time.perf_counter()
         print(f"[{nb.name}] running{' (quick)' if args.quick else ''} ...", flush=True)
         status, error, trace = "ok", None, None
         try:
-            run_notebook(nb.path, params, out, progress=f"[{nb.name}] cells")
+            run_notebook(nb.path, params, partial, progress=f"[{nb.name}] cells")
+            os.replace(partial, out)
+            out.with_name(f"{nb.name}.failed.ipynb").unlink(missing_ok=True)  # an earlier failure's
         except Exception as e:  # a failing notebook is reported; the others still run
             failed += 1
             status, (error, trace) = "error", failure(e)
+            out = out.with_name(f"{nb.name}.failed.ipynb") if partial.exists() else None  # beside the last good one
+            if out:
+                os.replace(partial, out)
             if trace is None:  # not a cell's error (a dead kernel, the workbench itself): its traceback
                 traceback.print_exc()
             else:  # a cell's error: one line; its traceback is in the executed notebook and the log
                 print(f"[{nb.name}] {error}", file=sys.stderr, flush=True)
         dt = time.perf_counter() - t0
-        print(f"[{nb.name}] {status} in {dt:.0f} s -> {out}", flush=True)
+        print(f"[{nb.name}] {status} in {dt:.0f} s" + (f" -> {out}" if out else ""), flush=True)
         log["notebooks"].append({"name": nb.name, "status": status, "seconds": round(dt, 1),
-                                 "output": str(out), "parameters": params, "error": error,
+                                 "output": str(out) if out else None, "parameters": params, "error": error,
                                  "traceback": trace})
         atomic_write_json(root / "reproduce.json", log)
     if not args.no_report:

@@ -29,7 +29,7 @@ import pandas as pd
 import yaml
 
 from workbench.core.config import ConfigError
-from workbench.core.results import atomic_write_csv
+from workbench.core.results import KEY_COLUMNS, atomic_write_csv
 from workbench.front.notebooks import STUDIES, find
 
 
@@ -216,15 +216,20 @@ def read_status(point_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+BOOKKEEPING = ("point", "status", "seconds", "error", "notebook", "finished", "kernel_threads", "reused")
+
+
 def collect(out: Path, planned: list[Point], reused: set[str] = frozenset()):
-    """The tidy table: one row per point, in grid order; unfinished points are `pending`."""
+    """The tidy table: one row per point, in grid order; unfinished points are `pending`. A
+    parameter named like a bookkeeping column is `param_<name>` (a swept `threads` had been
+    overwritten by the kernel's thread count)."""
     rows = []
     for p in planned:
         st = read_status(out / p.key) or {}
-        row = {"point": p.key, **p.parameters, "status": st.get("status", "pending"),
-               "seconds": st.get("seconds"), "error": st.get("error"),
+        row = {"point": p.key, **{f"param_{k}" if k in BOOKKEEPING else k: v for k, v in p.parameters.items()},
+               "status": st.get("status", "pending"), "seconds": st.get("seconds"), "error": st.get("error"),
                "notebook": str(out / p.key / st["notebook"]) if st.get("notebook") else None,
-               "finished": st.get("finished"), "threads": st.get("threads"), "reused": p.key in reused}
+               "finished": st.get("finished"), "kernel_threads": st.get("threads"), "reused": p.key in reused}
         for name, v in (st.get("results") or {}).items() if st.get("status") == "ok" else ():
             row[f"result_{name}" if name in row else name] = v
         rows.append(row)
@@ -259,7 +264,7 @@ def write_tables(out: Path, planned: list[Point], reused: set[str]):
             continue
         for f in sorted((out / p.key / "results").glob("*/runs.csv")):
             try:
-                runs = pd.read_csv(f)
+                runs = pd.read_csv(f, dtype={k: str for k in KEY_COLUMNS})
             except (pd.errors.EmptyDataError, pd.errors.ParserError):
                 continue
             lead = {"point": p.key, "study": f.parent.name,
@@ -267,4 +272,6 @@ def write_tables(out: Path, planned: list[Point], reused: set[str]):
             parts.append(pd.concat([pd.DataFrame([lead] * len(runs), index=runs.index), runs], axis=1))
     if parts:
         atomic_write_csv(out / "study_runs.csv", pd.concat(parts, ignore_index=True))
+    else:  # no point of this grid recorded runs: an earlier grid's must not stand for them
+        (out / "study_runs.csv").unlink(missing_ok=True)
     return df
