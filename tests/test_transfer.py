@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -444,10 +445,23 @@ def test_budget_smaller_than_any_strategy_gives_oom_rows_and_frees_everything(ti
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "warm-up"))
     run_strategies(replace(cfg, strategies=("lora",), devices=("cpu@2",)), progress=False)
     monkeypatch.setenv("WORKBENCH_RESULTS", str(results_dir))
+    # LiveBytes does not count weights loaded from safetensors (made outside its mode): a model or its weights
+    # left alive are seen by their weak references
+    models, weights, load = [], [], transfer._load_for
+
+    def load_and_watch(*args, **kwargs):
+        model = load(*args, **kwargs)
+        models.append(weakref.ref(model))
+        weights.extend(weakref.ref(p) for p in model.parameters())
+        return model
+
+    monkeypatch.setattr(transfer, "_load_for", load_and_watch)
     with LiveBytes() as outer:
         start = outer.current_bytes
         df = run_strategies(cfg, progress=False).runs
         # No gc.collect() here: the fallback itself must have freed each attempt once its OOM was handled.
+        alive = sum(m() is not None for m in models), sum(w() is not None for w in weights)
+        assert len(models) == 6 and weights and alive == (0, 0), alive  # (models, weights) of the attempts
         assert outer.current_bytes == start  # nothing the attempts allocated is still alive
     assert list(df["status"]) == ["oom", "oom", "oom"]
     assert df["device_history"].str.fullmatch(r"cpu@2: oom in \w+ -> cpu@3: oom in \w+").all()
