@@ -232,3 +232,23 @@ def test_a_summary_written_under_the_old_names_is_summarized_again_when_read_bac
     result = load_result()
     assert result.tables["summary"].loc[0, "improvement_mean_pct"] == 20.0
     assert "(20.0% better; 1 seed)" in findings(result)[0][0]
+
+
+def test_the_notes_name_what_trains_outside_the_layers():
+    """freeze_lower and adapter train every parameter outside the decoder layers and embeddings; their notes
+    said "the final norm", and Bloom's include its input-side word_embeddings_layernorm. Bloom ties its head
+    to the input embedding, which trains too: the notes and the strategies' help say so."""
+    from transformers import BloomConfig
+
+    torch.manual_seed(0)
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=128, hidden_size=32, n_layer=6, n_head=4))
+    emb_norm = ids(bloom.transformer.word_embeddings_layernorm.parameters())
+    m, sel = apply_strategy(bloom, "freeze_lower")
+    assert sel.notes[0] == ("trains decoder layers 3..5 of 6, transformer.word_embeddings_layernorm, transformer.ln_f "
+                            "and the head")
+    assert "training the LM head trains the input embedding too" in sel.notes[1]
+    assert emb_norm | ids(m.get_input_embeddings().parameters()) <= trainable_ids(m)  # as before: what trains is unchanged
+    _, sel = apply_strategy(fresh("qwen2"), "adapter")
+    assert sel.notes[0] == "trains the last 2 decoder layers, model.norm and the head"
+    for name in ("freeze_lower", "adapter"):
+        assert "a tied head is the input embedding, which then trains too" in STRATEGIES[name].help

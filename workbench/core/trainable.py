@@ -161,16 +161,23 @@ def _upper_layers(parts: ModelParts, n: int, notes: list[str]) -> list[nn.Parame
     return [p for layer in chosen for p in layer.parameters()]
 
 
+def _others_named(model: nn.Module, parts: ModelParts) -> str:
+    """The modules of `parts.others`, by name: ", model.norm" on Qwen2; Bloom's also hold its input-side
+    word_embeddings_layernorm, OPT's project_in (not only "the final norm")."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return "".join(f", {m}" for m in dict.fromkeys(names[id(p)].rpartition(".")[0] for p in parts.others))
+
+
 def _freeze_lower(model, parts, notes):
     n = len(parts.layers)
     upper = n - n // 2
-    notes.append(f"trains decoder layers {n - upper}..{n - 1} of {n}, the final norm and the head")
+    notes.append(f"trains decoder layers {n - upper}..{n - 1} of {n}{_others_named(model, parts)} and the head")
     return _upper_layers(parts, upper, notes) + parts.others + _head_params(parts, notes)
 
 
 def _adapter(model, parts, notes):
     n = min(2, len(parts.layers))
-    notes.append(f"trains the last {n} decoder layers, the final norm and the head")
+    notes.append(f"trains the last {n} decoder layers{_others_named(model, parts)} and the head")
     return _upper_layers(parts, n, notes) + parts.others + _head_params(parts, notes)
 
 
@@ -219,8 +226,13 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy("adapter", "last 2 decoder layers + final norm + LM head", _adapter),
-        Strategy("freeze_lower", "freeze embeddings and the lower half of the decoder", _freeze_lower),
+        Strategy("adapter", "last 2 decoder layers + what is outside the layers and embeddings (the final norm; "
+                            "on some models input-side norms or projections) + LM head; a tied head is the input "
+                            "embedding, which then trains too", _adapter),
+        Strategy("freeze_lower", "freeze embeddings and the lower half of the decoder; the upper half, what is "
+                                 "outside the layers and embeddings (the final norm; on some models input-side norms "
+                                 "or projections) and the LM head train, and a tied head is the input embedding, "
+                                 "which then trains too", _freeze_lower),
         Strategy("freeze_embeddings", "train everything but the input (and position) embeddings", _freeze_embeddings),
         Strategy("full", "full fine-tuning", _full, by_structure=False),
         Strategy("lora", "LoRA (peft) on every linear layer of the decoder, rank 8", None),
