@@ -262,3 +262,28 @@ def test_a_results_folder_that_cannot_be_written_is_a_one_line_error(monkeypatch
     err = capsys.readouterr().err.strip()
     assert err == ("workbench dashboard: cannot write the results folder /proc/no-such-results: No such file or "
                    "directory (set WORKBENCH_RESULTS to a folder you can write)")
+
+
+def test_quick_with_devices_of_ones_own_leaves_the_quick_budget_out(monkeypatch):
+    """Study 1's quick settings carry budget_mib 13, and a budget_mib beside devices is an error (it was
+    dropped without a word): `strategies --quick devices=[cpu]` failed on a budget the user never set."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def run(cfg, *a, **kw):
+        seen.append(cfg)
+        raise Stop
+
+    from workbench.front import commands
+
+    monkeypatch.setitem(commands.STUDIES, "01_strategies", dataclasses.replace(STUDIES["01_strategies"], run=run))
+    with pytest.raises(Stop):
+        main(["strategies", "--quick", "devices=[cpu]"])
+    with pytest.raises(Stop):
+        main(["strategies", "--quick"])
+    mine, quick = seen
+    assert mine.attempts_as_text() == ["cpu"] and mine.base_size == "tiny"
+    assert quick.budget_mib == 13.0 and quick.attempts_as_text() != ["cpu"]
+    assert main(["strategies", "--quick", "devices=[cpu]", "budget_mib=64"]) == 2  # given by the user: still an error

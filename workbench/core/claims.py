@@ -20,7 +20,8 @@ CLAIMS_FILE = PROJECT_ROOT / "data" / "published_claims.json"
 _STUDY1_WHY = {
     "freeze_lower": "Published '3/291' is a tensor count, and the layers were picked by substring: "
     "'layers.1' also matches layers 10-19, so 'freeze lower' trained only 3 non-layer tensors. "
-    "Here the decoder stack is found structurally and its upper half trains, with the final norm and head.",
+    "Here the decoder stack is found structurally and its upper half trains, with the final norm and the head "
+    "(with tied embeddings the head is the input embedding, so that trains too).",
     "adapter": "Published '26/291' counts tensors (2 layers x 12 tensors + norm + head); in elements the "
     "share is very different, and with tied embeddings the head is the embedding, so it trains too.",
     "freeze_embeddings": "Published '290/291' counts tensors; one tensor (the embedding) is 27% of "
@@ -67,7 +68,7 @@ def study1_comparison(summary: pd.DataFrame) -> pd.DataFrame:
             "measured_trainable_share": None if m is None else m.get("trainable_share"),
             "measured_ppl_before": None if m is None else m.get("ppl_before"),
             "measured_ppl_after": None if m is None else m.get("ppl_after_mean"),
-            "measured_improvement_pct": None if m is None else m.get("improvement_pct_mean"),
+            "measured_improvement_pct": None if m is None else m.get("improvement_mean_pct"),
             "measured_device": None if m is None else m.get("devices"),
             "why_they_differ": _STUDY1_WHY.get(name, ""),
         })

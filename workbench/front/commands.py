@@ -83,7 +83,11 @@ def main(args) -> int:
             print(Table(operating_point_table(op)))
             print(verdict["text"])
         return 0
-    cfg = nb.config.from_dict({**(nb.quick if args.quick else {}), **parse_assignments(args.assignments)})
+    given = parse_assignments(args.assignments)
+    quick = dict(nb.quick) if args.quick else {}
+    if "devices" in given:  # the user's devices carry their own budgets: the quick run's budget_mib would clash
+        quick.pop("budget_mib", None)
+    cfg = nb.config.from_dict({**quick, **given})
     with stdout_to_stderr(args.json):  # with --json, stdout carries the runs table alone
         result = nb.run(cfg)
     if args.json:
