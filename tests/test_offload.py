@@ -568,6 +568,17 @@ def test_activation_memory_is_korthikantis_with_and_without_recompute():
     assert pm.activation_bytes(shape, 8, recompute=True) == 2_516_582_400 == 2 * 512 * 8 * 4096 * 48 + per_block
 
 
+def test_the_cards_memory_counts_the_losss_logits_and_the_cuda_context():
+    """The memory model left out the loss's logits (bf16, the fp32 copy transformers' loss makes and
+    log-softmax's fp32 output: 10 B per token per vocabulary entry, 1.22 GiB for the 10B model at 8 x
+    512) and the CUDA context (721 MiB modelled): each range's upper end was optimistic by both."""
+    shape = model_shape("llama2-10b", 512)
+    assert shape.vocab == 32000 and pm.logits_bytes(shape, 8) == 10 * 8 * 512 * 32000 == 1_310_720_000
+    n, largest = shape.n_params, max(shape.sizes.values())
+    rest = pm.accel_memory_bytes(shape, 8, 0.0, "split") - 2 * n - 4 * largest - pm.activation_bytes(shape, 8)
+    assert rest == 1_310_720_000 + 721 * 2**20
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_the_memory_cap_on_k_is_a_share_that_fits_in_whole_layers(recompute):
     """k_max_for_memory was a continuous share; the simulation places whole layers (a layer goes in

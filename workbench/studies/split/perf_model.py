@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from workbench.core.common import PROJECT_ROOT
+from workbench.core.memory.cuda_model import CONTEXT_BYTES
 from workbench.studies.split.balance import Rates, balance_k
 from workbench.studies.split.hostbench import ADAM_BYTES, measure_host
 from workbench.studies.split.layers import find_block_list, guessed_arrival_order, last_arriving, split_layers
@@ -55,8 +56,8 @@ from workbench.studies.split.layers import find_block_list, guessed_arrival_orde
 PROFILES = Path(__file__).with_name("profiles.json")
 CLAIMS = PROJECT_ROOT / "data" / "published_claims.json"
 GB = 1e9  # rates (GB/s) are decimal on every data sheet
-GIB = 2**30  # a card's memory is binary: an "80 GB" A100 shows 81,920 MiB (CUDA's context and the
-# driver's reserve, a few hundred MiB to about 1.5 GiB, are not subtracted: the model's memory is the data sheet's)
+GIB = 2**30  # a card's memory is binary: an "80 GB" A100 shows 81,920 MiB; the CUDA context is counted in
+# accel_memory_bytes (cuda_model's modelled constant)
 
 # Model shapes the model can be run for (transformers configs; built on the meta device).
 SHAPES = {
@@ -114,6 +115,7 @@ class Shape:
     forward_order: list[str]
     arrival_order: list[str]
     blocks: set[str] = field(default_factory=set)  # the decoder blocks (attention work lives there)
+    vocab: int = 0  # the output head's size (the loss's logits are batch x seq x vocab)
 
     @property
     def n_params(self) -> int:
@@ -143,7 +145,7 @@ def shape_from_model(model: torch.nn.Module, name: str, seq_len: int) -> Shape:
     found = find_block_list(model)
     blocks = {l.name for l in layers if found and l.name.startswith(found[0] + ".")}
     return Shape(name, seq_len, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-                 sizes, matmul, [l.name for l in layers], guessed_arrival_order(layers), blocks)
+                 sizes, matmul, [l.name for l in layers], guessed_arrival_order(layers), blocks, cfg.vocab_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,15 +285,23 @@ def activation_bytes(shape: Shape, batch: int, recompute: bool = False) -> float
     return 2 * s * b * h * shape.n_blocks + block if recompute else block * shape.n_blocks
 
 
+def logits_bytes(shape: Shape, batch: int) -> float:
+    """The loss's tensors when the forward ends, beside every activation: the bf16 logits, the fp32
+    copy transformers' ForCausalLMLoss makes (`logits.float()`) and log-softmax's fp32 output, which
+    cross-entropy keeps for backward: 2 + 4 + 4 bytes per token per vocabulary entry."""
+    return 10.0 * batch * shape.seq_len * shape.vocab
+
+
 def accel_memory_bytes(shape: Shape, batch: int, k_actual: float, mode: str, recompute: bool = False) -> float:
     """Accelerator memory: bf16 weights, the largest layer's gradients in flight, master
-    (fp32) + Adam moments + fp32 gradient for its own share, and activations."""
+    (fp32) + Adam moments + fp32 gradient for its own share, activations, the loss's logits and the
+    CUDA context (workbench.core.memory.cuda_model's modelled constant)."""
     n = shape.n_params
-    act = activation_bytes(shape, batch, recompute)
+    rest = activation_bytes(shape, batch, recompute) + logits_bytes(shape, batch) + CONTEXT_BYTES
     if mode == "all-accelerator":
-        return n * (2 + 2 + 4 + 8) + act
+        return n * (2 + 2 + 4 + 8) + rest
     largest = max(shape.sizes.values())
-    return n * 2 + 2 * largest * 2 + k_actual * n * (4 + 8 + 4) + act
+    return n * 2 + 2 * largest * 2 + k_actual * n * (4 + 8 + 4) + rest
 
 
 def k_max_for_memory(shape: Shape, batch: int, memory_bytes: float, recompute: bool = False) -> float:
@@ -597,6 +607,11 @@ def model_inputs(host_meas: dict | None = None) -> list[dict]:
         out.append({"input": "host Adam share of the Adam-pattern probe",
                     "value": f"{min(1.0, host_meas['bandwidth_share']):.3f} (raw {host_meas.get('bandwidth_share_raw', host_meas['bandwidth_share']):.3f})",
                     "source": "measured here (one thread), clipped to 1"})
+    out.append({"input": "CUDA context", "value": f"{CONTEXT_BYTES / 2**20:,.0f} MiB",
+                "source": "workbench.core.memory.cuda_model.CONTEXT_BYTES (modelled, one user report; see its comment)"})
+    out.append({"input": "loss logits", "value": "10 B per token per vocabulary entry",
+                "source": "transformers' ForCausalLMLoss: bf16 logits, their fp32 copy (logits.float()) and "
+                          "log-softmax's fp32 output, kept for backward"})
     for name in ("gpu", "model", "hosts", "seq_lens", "mfu_range", "activation_recompute"):
         e = prof["published_setting"][name]
         out.append({"input": f"seed setting: {name}", "value": e["value"], "source": "assumed: " + e["why"]})
