@@ -121,6 +121,23 @@ def test_a_file_or_folder_that_is_not_a_model_says_which_and_what_it_needs(tmp_p
         load_config(str(empty))  # a config is all a prediction needs: no weights asked for
 
 
+@pytest.mark.parametrize("field, value", [("vocab_size", 0), ("hidden_size", -64), ("num_hidden_layers", 1.5)])
+def test_a_config_of_impossible_sizes_is_one_line(tmp_path, field, value, capsys):
+    """vocab_size 0 ended `workbench estimate` in torch's reshape error, deep in a fake-tensor step."""
+    from workbench.cli import main
+
+    cfg = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, field: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelNotFoundError, match=rf"(its config's {field} must be a positive integer, got {value}$|"
+                                                 rf"is not a valid qwen2 config: .*'{field}' expected int)"):
+        load_config(str(path))
+    assert main(["estimate", "--model", str(path), "--seq", "16", "--rung", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_config_files_fingerprint_follows_its_content(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "gpt2", "n_layer": 2}')

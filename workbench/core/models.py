@@ -55,6 +55,10 @@ def check_causal_lm(config, name: str) -> None:
         raise NotACausalLMError(
             f"model {name!r} is a {kind!r} model ({arch}), not a causal language model: the workbench "
             f"trains causal LMs (e.g. Qwen2, Llama, GPT-2, OPT, GPT-NeoX); pass one of those")
+    for attr in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        v = getattr(config, attr, None)  # GPT-2's n_embd and n_layer are read through these names too
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise ModelNotFoundError(f"model {name!r}: its config's {attr} must be a positive integer, got {v!r}")
 
 
 def max_positions(config) -> int | None:
@@ -349,7 +353,13 @@ def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpe
 
         if data["model_type"] not in CONFIG_MAPPING:
             raise ModelNotFoundError(f"{name}: unknown model_type {data['model_type']!r}")
-        config = CONFIG_MAPPING[data["model_type"]].from_dict(data)
+        from huggingface_hub.errors import StrictDataclassError
+
+        try:  # transformers 5 validates each field's type (num_hidden_layers 1.5: a TypeError inside)
+            config = CONFIG_MAPPING[data["model_type"]].from_dict(data)
+        except (StrictDataclassError, TypeError, ValueError) as e:
+            raise ModelNotFoundError(f"{name} is not a valid {data['model_type']} config: "
+                                     f"{' '.join(str(e).split())}") from e
     else:
         path = resolve_model_path(name, spec)
         try:
