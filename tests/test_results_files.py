@@ -25,7 +25,10 @@ def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path,
         atomic_write_json(path, {"status": "error", "n": 2})
     assert json.loads(path.read_text()) == {"status": "ok", "n": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no .summary.json.*.tmp left behind
-    assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # readable as results are, not mkstemp's 0600
+    # what open() would have made (0666 less the umask), not mkstemp's 0600 (nor anything wider)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~umask)
 
 
 def test_a_torn_last_line_of_steps_is_left_out(tmp_path):
