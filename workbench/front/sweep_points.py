@@ -29,7 +29,7 @@ import pandas as pd
 import yaml
 
 from workbench.core.config import ConfigError
-from workbench.core.results import KEY_COLUMNS, atomic_write_csv
+from workbench.core.results import atomic_write_csv, read_table
 from workbench.front.notebooks import STUDIES, find
 
 
@@ -264,8 +264,8 @@ def write_tables(out: Path, planned: list[Point], reused: set[str]):
             continue
         for f in sorted((out / p.key / "results").glob("*/runs.csv")):
             try:
-                runs = pd.read_csv(f, dtype={k: str for k in KEY_COLUMNS})
-            except (pd.errors.EmptyDataError, pd.errors.ParserError):
+                runs = read_table(f)  # its keys as text, as every results table is read
+            except pd.errors.ParserError:
                 continue
             lead = {"point": p.key, "study": f.parent.name,
                     **{k: _cell(p.parameters.get(k)) for k in axes if k not in runs.columns}}
