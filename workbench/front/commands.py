@@ -84,10 +84,7 @@ def main(args) -> int:
             print(verdict["text"])
         return 0
     given = parse_assignments(args.assignments)
-    quick = dict(nb.quick) if args.quick else {}
-    if "devices" in given:  # the user's devices carry their own budgets: the quick run's budget_mib would clash
-        quick.pop("budget_mib", None)
-    cfg = nb.config.from_dict({**quick, **given})
+    cfg = nb.config.from_dict(nb.quick_under(given) if args.quick else given)
     with stdout_to_stderr(args.json):  # with --json, stdout carries the runs table alone
         result = nb.run(cfg)
     if args.json:

@@ -66,6 +66,8 @@ class StudyNotebook:
     load: Callable             # load() -> the latest StudyResult in results/<study>/, or None
     figures: ModuleType        # NOTEBOOK_INTRO, NOTEBOOK, findings(result), report_section(result)
     quick: dict[str, Any] = field(default_factory=dict)  # tiny parameters: a fast, complete run
+    # a field the user gives -> the quick parameters that give way to it (they would clash with it)
+    quick_yields: dict[str, tuple[str, ...]] = field(default_factory=dict)
     reproduce: dict[str, Any] = field(default_factory=dict)  # what `workbench reproduce` adds (where runs go)
 
     @property
@@ -75,6 +77,11 @@ class StudyNotebook:
     @property
     def path(self) -> Path:
         return NOTEBOOK_DIR / f"{self.name}.ipynb"
+
+    def quick_under(self, given: dict[str, Any]) -> dict[str, Any]:
+        """The quick parameters with the user's `given` on top, less those that give way to a given field."""
+        quick = {k: v for k, v in self.quick.items() if not any(k in self.quick_yields.get(g, ()) for g in given)}
+        return {**quick, **given}
 
     def config_class(self) -> type[Config]:
         return self.config
@@ -93,6 +100,7 @@ STUDIES: dict[str, StudyNotebook] = {
             quick={"base_size": "tiny", "seq_len": 64, "token_budget": 6000, "seeds": [0, 1],
                    "strategies": ["adapter", "freeze_lower", "freeze_embeddings", "full", "lora"],
                    "budget_mib": 13.0, "eval_blocks": 16},
+            quick_yields={"devices": ("budget_mib",)},  # devices carry their own budgets (cpu@64, cuda@8192)
             # two single-thread processes trained the embedded base at 1.2x the tokens/s of one
             # two-thread process here; the runs and their results are the same
             reproduce={"workers": 2},
