@@ -117,6 +117,20 @@ def tiny_config(arch: str):
 ARCHS = ("qwen2", "llama", "gpt2", "opt", "gpt_neox")
 
 
+def tiny_moe_config(arch: str):
+    """Tiny random mixture-of-experts configs (transformers 5 runs their experts through torch._grouped_mm)."""
+    import transformers as T
+
+    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2)
+    if arch == "mixtral":
+        return T.MixtralConfig(intermediate_size=48, num_local_experts=4, **common)
+    if arch == "qwen2_moe":  # routed experts beside a shared one
+        return T.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=24, shared_expert_intermediate_size=48,
+                                num_experts=4, **common)
+    raise ValueError(arch)
+
+
 PLOTLY = "application/vnd.plotly.v1+json"
 
 

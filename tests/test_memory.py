@@ -210,6 +210,58 @@ def test_a_qlora_prediction_runs_where_fake_mode_refuses_parameter_subclasses(ti
     assert got.breakdown["weights"] > 0
 
 
+@pytest.mark.parametrize("arch, name", [("mixtral", "fp32"), ("mixtral", "bf16"), ("qwen2_moe", "fp32"),
+                                        ("qwen2_moe", "bf16_ckpt")])
+def test_a_mixture_of_experts_prediction_equals_the_real_step(arch, name):
+    """transformers 5 runs the experts through torch._grouped_mm, whose meta kernel in torch 2.13 takes
+    bf16 only: fp32 and mixed-precision steps stopped there (a traceback from `workbench estimate`).
+    The fake step makes the op's output as the kernels do (workbench.core.memory.fake.KernelOutputs),
+    and the prediction is a real CPU step's to the byte, per category."""
+    import transformers as T
+
+    from conftest import tiny_moe_config
+
+    config, blocks = tiny_moe_config(arch), torch.randint(0, 128, (2 * BATCH, 32), generator=torch.Generator().manual_seed(0))
+
+    def load():
+        torch.manual_seed(0)
+        return T.AutoModelForCausalLM.from_config(config)
+
+    real = measure(name, load, blocks, batch=BATCH, steps=2)
+    assert real["status"] == "ok", real
+    pred = predict(config, name, batch=BATCH, seq=32, n_blocks=len(blocks), instrumented=True)
+    assert (pred.peak_bytes, pred.where) == (real["measured_peak_bytes"], real["measured_where"])
+    assert {c: pred.breakdown[c] for c in CATEGORIES} == {c: real[f"measured_{c}_bytes"] for c in CATEGORIES}
+
+
+def test_the_grouped_mm_output_is_made_as_the_kernel_makes_it():
+    """Size, strides and bytes of torch._grouped_mm's result, real CPU kernel beside the fake rule, in the
+    three layouts an MoE step uses (forward 2D x 3D; weight gradient 2D x 2D) and a padded row; and the
+    kernel's refusal of operands whose strides are not 16-byte aligned."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from workbench.core.memory.fake import KernelOutputs
+
+    offs = torch.tensor([3, 7, 10], dtype=torch.int32)
+    cases = [(torch.randn(10, 8), torch.randn(3, 8, 8)),  # forward
+             (torch.randn(10, 8), torch.randn(3, 6, 8).transpose(-2, -1)),  # a 6-wide fp32 row is padded to 8
+             (torch.randn(10, 8).t(), torch.randn(10, 12)),  # the weight gradient: one output per group
+             (torch.randn(10, 16, dtype=torch.bfloat16), torch.randn(3, 16, 8, dtype=torch.bfloat16))]
+    for a, b in cases:
+        real = torch._grouped_mm(a, b, offs=offs)
+        with FakeTensorMode() as fake_mode:
+            fa, fb, fo = (fake_mode.from_tensor(t) for t in (a, b, offs))
+            with KernelOutputs():
+                got = torch._grouped_mm(fa, fb, offs=fo)
+        assert (got.shape, got.stride(), got.dtype) == (real.shape, real.stride(), real.dtype)
+        assert got.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch._grouped_mm(torch.randn(10, 6), torch.randn(3, 6, 8), offs=offs)
+    with FakeTensorMode() as fake_mode, KernelOutputs(), pytest.raises(RuntimeError, match="16 bytes"):
+        torch._grouped_mm(fake_mode.from_tensor(torch.randn(10, 6)), fake_mode.from_tensor(torch.randn(3, 6, 8)),
+                          offs=fake_mode.from_tensor(offs))
+
+
 SAME_FIGURES = ("peak_bytes", "first_step_peak_bytes", "breakdown", "where", "phases", "allocated_peak_bytes",
                 "reserved_peak_bytes", "needed_reserved_bytes", "allocated_breakdown", "segment_sizes")
 

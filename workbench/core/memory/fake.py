@@ -19,6 +19,7 @@ from typing import Any, ContextManager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbench.core.memory import cuda_model
 from workbench.core.memory.live_bytes import model_tensors
@@ -70,6 +71,59 @@ def unpacked_for_fake_inputs():
         masking_utils.find_packed_sequence_indices = original
 
 
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)  # (torch 2.8 on)
+
+
+class KernelOutputs(TorchDispatchMode):
+    """Fake outputs as the real kernels make them, where torch's meta kernel disagrees with them.
+
+    `aten._grouped_mm`, which transformers 5 runs the experts of MoE models through (Mixtral, Qwen2-MoE,
+    OLMoE; forward and both gradients): torch 2.13's meta kernel takes bf16 only and pads the output's
+    rows only on CUDA builds. The CPU and CUDA kernels take fp32, bf16 and fp16 (ATen's GroupedMMUtils.h,
+    `_grouped_mm_validate_inputs`; all but bf16 on sm_90+ run its per-group mm loop into the output) and
+    pad the rows to 16 bytes on every build but ROCm (`create_grouped_gemm_output_tensor`). Without this
+    an fp32 or mixed-precision step of an MoE model stopped at the meta kernel's dtype check; checked on
+    this CPU build: a (10, 6) fp32 output has row stride 8 and 312 bytes, as made here."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM and isinstance(args[0], FakeTensor):
+            return grouped_mm_output(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
+    """The tensor `torch._grouped_mm` returns, made (empty) as ATen makes it: size and padded strides."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if mat_a.dtype not in floats or mat_b.dtype not in floats:
+        raise RuntimeError(f"Expected mat_a and mat_b to be Float32, BFloat16 or Float16, got {mat_a.dtype}, {mat_b.dtype}")
+    if out_dtype not in (None, mat_a.dtype) or bias is not None:
+        raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype, and takes no bias")
+    for m in (mat_a, mat_b):  # check_valid_strides_and_return_transposed: one unit stride, the other 16-byte aligned
+        (s0, s1), (n0, n1), unit = m.stride()[-2:], m.shape[-2:], 16 // m.element_size()
+        if not ((s0 == 1 and s1 >= max(1, n0) and s1 % unit == 0) or (s1 == 1 and s0 >= max(1, n1) and s0 % unit == 0)):
+            raise RuntimeError(f"strides should be multiple of 16 bytes (grouped mm operand of strides {m.stride()})")
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a2:
+        size = [mat_a.size(0), mat_b.size(-1)]
+    elif b2:
+        size = [mat_a.size(1), mat_b.size(1)]
+    else:
+        size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    align = 16 // mat_a.element_size()
+    row = -(-size[-1] // align) * align
+    stride = [size[1] * row, row, 1] if a2 == b2 else [row, 1]
+    return torch.empty_strided(size, stride, dtype=mat_a.dtype, device=mat_a.device)
+
+
+@contextlib.contextmanager
+def _with_kernel_outputs(choices: ContextManager):
+    with choices as mode, KernelOutputs():
+        yield mode
+
+
 def check_step(config: Any, seq: int, steps: int) -> None:
     """What a simulated step refuses before anything is built: too few steps, too long a sequence."""
     if steps < 2:
@@ -92,7 +146,9 @@ class FakeStep:
     # lives. Their bytes are counted once, under the real tensor: the twins are aliases.
     twins: list[torch.Tensor]
     cuda: bool
-    choices: ContextManager  # CUDA's kernel, dropout and autocast choices for a cuda target; else nothing
+    # CUDA's kernel, dropout and autocast choices for a cuda target; for either, fake outputs as the
+    # kernels make them (KernelOutputs)
+    choices: ContextManager
 
 
 def fake_step(model: torch.nn.Module, *, n_blocks: int, seq: int, target: str = "cpu", sm: int | None = None,
@@ -106,4 +162,4 @@ def fake_step(model: torch.nn.Module, *, n_blocks: int, seq: int, target: str = 
     twins = [fake_mode.from_tensor(t) for t in model_tensors(model) if not isinstance(t, FakeTensor)]
     cuda = torch.device(target).type == "cuda"
     choices = cuda_model.cuda_step(sm or cuda_model.DEFAULT_SM, under_a_mode) if cuda else contextlib.nullcontext()
-    return FakeStep(fake_mode, model, blocks, twins, cuda, choices)
+    return FakeStep(fake_mode, model, blocks, twins, cuda, _with_kernel_outputs(choices))
