@@ -169,6 +169,30 @@ def _fake_card(monkeypatch, calls: list, measure_takes_s: float = 0.0) -> None:
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
 
 
+def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(monkeypatch, tmp_path):
+    """Where the machine has the cores (the H200's 16), gpu-check makes every rung's prediction side by
+    side on Dask workers before it measures any: one after another they were 4/5 of the ladder check's
+    315 s there (2026-11-26). The rows must be those made in process, rung by rung."""
+    from conftest import tiny_config
+    from workbench.core import parallel
+
+    calls = []
+    _fake_card(monkeypatch, calls)
+    monkeypatch.setattr(gc, "predict", gpu_cap.predict)  # the workers' own: the real one
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None,
+                                                          torch.zeros(4, 32, dtype=torch.long), None))
+    opts = gc.Options(out=tmp_path, rungs=("bf16", "zero_offload"), seq=32, steps=2)
+    here = gc.check_ladder(opts)
+    monkeypatch.setattr(parallel, "cores", lambda: 4)
+    calls.clear()
+    ahead = gc.check_ladder(opts)
+    assert (here["options"]["predicted"], ahead["options"]["predicted"]) == ("in this process",
+                                                                              "ahead, on 2 Dask workers")
+    assert here["rows"] == ahead["rows"] and not ahead["tracebacks"]
+    assert [r["predicted_allocated_mib"] > 0 for r in ahead["rows"]] == [True, True]
+    assert calls == [("measure", "bf16", False), ("measure", "zero_offload", False)]  # none predicted here
+
+
 def test_an_offload_rung_whose_host_state_is_past_the_free_memory_is_a_skipped_row(monkeypatch, tmp_path):
     """ZeRO keeps 16 bytes a parameter on the host: Qwen2-0.5B's is 7.4 GiB, more than a laptop's
     (or a WSL2 VM's, half the host's) free memory, where the OOM killer would end gpu-check itself."""
@@ -507,10 +531,13 @@ def test_only_runs_the_named_checks(tmp_path):
     assert ran == ["environment", "trace"]
 
 
-def test_the_ladder_cap_and_study3_checks_come_after_the_workbench_checks():
+def test_the_checks_run_quick_ones_first_and_the_cap_bisection_last():
+    """On 2026-11-26 the checks took 760 s in all (the cap 160-228 s, the notebooks 144 s), more than a
+    lent card's call of 600 s: under --time-budget what is left out should be what costs most and is on
+    record already."""
     found = gc.checks()
-    assert list(found) == ["environment", "ladder", "strategies", "trace", "cap", "autofit", "split", "monitor",
-                           "notebooks"]
+    assert list(found) == ["environment", "ladder", "strategies", "trace", "split", "monitor", "autofit",
+                           "notebooks", "cap"]
     assert found["split"] is split_check.check_split and found["cap"] is gpu_cap.check_cap
     sub = argparse.ArgumentParser().add_subparsers()
     gc.register(sub)
@@ -604,6 +631,15 @@ def test_rungs_names_the_ladder_checks_rungs_in_the_order_given(tmp_path):
     opts = gc._options(parser.parse_args(["gpu-check", "--rungs", "bf16,fp32", "--out", str(tmp_path)]))
     assert opts.rungs == ("bf16", "fp32")
     assert gc._options(parser.parse_args(["gpu-check", "--out", str(tmp_path)])).rungs == ()  # every GPU rung
+
+
+def test_a_relative_out_is_made_absolute(tmp_path, monkeypatch):
+    """The notebooks check's kernels run in notebooks/ under WORKBENCH_RESULTS=<out>/runs/...: a relative
+    --out put their runs in notebooks/<out>/ and the check, reading <out>/, failed every notebook."""
+    parser = argparse.ArgumentParser()
+    gc.register(parser.add_subparsers())
+    monkeypatch.chdir(tmp_path)
+    assert gc._options(parser.parse_args(["gpu-check", "--out", "card"])).out == tmp_path / "card"
 
 
 def test_a_check_that_brings_its_own_report_section_has_it_in_the_report(tmp_path):

@@ -320,3 +320,18 @@ def run_many(fn: Callable[[Any], Any], items: Iterable[Any], *, workers: int = 0
             if future.status != "finished":
                 future.result()  # raises the run's own exception with its traceback (the rest are cancelled)
         return client.gather(runs.futures)
+
+
+def run_ahead(fn: Callable[[Any], Any], items: dict[Any, Any], *, desc: str = "runs") -> tuple[dict, str]:
+    """({key: fn(item)}, how) on a LocalCluster of half this machine's cores (at least two), for CPU work
+    to be done before work that needs the machine to itself (gpu-check predicts every rung so, then
+    measures them on the card). Where there are fewer than 4 cores, or the cluster or a worker fails:
+    ({}, why), and the caller runs fn itself. `fn` must catch its own errors (the first one raised ends all)."""
+    workers = min(len(items), cores() // 2)
+    if workers < 2:
+        return {}, "in this process"
+    try:
+        results = run_many(fn, list(items.values()), workers=workers, desc=desc, progress=False)
+    except Exception as e:  # a cluster that cannot start here (a bare image), a worker killed
+        return {}, f"in this process ({workers} Dask workers failed: {type(e).__name__}: {e})"[:300]
+    return dict(zip(items, results)), f"ahead, on {workers} Dask workers"

@@ -45,11 +45,13 @@ from workbench.core.common import MiB, one_line, past_free_memory
 from workbench.core.config import ConfigError
 from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
-from workbench.core.memory.monitor import MemoryMonitor, bf16_native, can_release_workspaces, release_held
+from workbench.core.memory.monitor import (MemoryMonitor, bf16_native, can_release_workspaces, release_card,
+                                           release_held)
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.cuda_model import ALLOC_CONF_VARS
 from workbench.core.memory.predict import WeightsExceedCard, predict
 from workbench.core.models import load_config
+from workbench.core.parallel import run_ahead
 from workbench.core.results import environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
@@ -92,11 +94,13 @@ NOT_RUN = {"status": "not run", "reason": TIME_SPENT}
 
 
 def checks() -> dict[str, Callable[[Options], dict[str, Any]]]:
-    """The checks in order: the workbench's own, study 3's (owned by that package), the notebooks.
+    """The checks in order, the quick ones first and the cap's bisection (minutes of trials, its
+    finding on record twice) last, so a lent card's one call under --time-budget leaves out the least.
     A module that adds checks defines gpu_checks() -> {name: fn(options) -> result dict}."""
+    programs = gpu_programs.gpu_checks()
     return {"environment": check_environment, "ladder": check_ladder, "strategies": check_strategies,
-            "trace": check_trace, **gpu_cap.gpu_checks(), **gpu_autofit.gpu_checks(), **split_gpu_check.gpu_checks(),
-            **gpu_programs.gpu_checks()}
+            "trace": check_trace, **split_gpu_check.gpu_checks(), "monitor": programs["monitor"],
+            **gpu_autofit.gpu_checks(), "notebooks": programs["notebooks"], **gpu_cap.gpu_checks()}
 
 
 class Terminated(SystemExit):
@@ -159,22 +163,6 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
     return summary
 
 
-def release_card() -> None:
-    """Give the card back what a check left in this process's caching allocator before the next
-    check: the notebooks check's kernels are other processes, and on a small card the blocks cached
-    here would be their shortfall (its figures would count them too)."""
-    import torch
-
-    if torch.cuda.is_initialized():  # (a collection costs a big process a second: not where CUDA never ran)
-        gc.collect()
-        torch.cuda.empty_cache()
-        # and the page-locked host memory torch's host allocator keeps cached once freed: DeepSpeed's
-        # offload buffers (pinned through it: ZeRO-Offload's fp32 master and gradient among them) stay locked
-        # after the engine is gone, out of the host memory the next checks and kernels need
-        accelerator = getattr(torch, "accelerator", None)  # torch 2.13's public call; the CUDA one before it
-        (getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", lambda: None))()
-
-
 # ------------------------------------------------------------------------------------------------
 # CUDA: the thin layer that measures
 
@@ -210,23 +198,24 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     # held (this torch cannot release them): the first rung makes the workspaces, the rest find them
     names = opts.rungs or gpu_rungs(RUNGS)
     first = names[0] if RUNGS[names[0]].placement == "device" else None  # else each held rung after itself
+    # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless --counted
+    # measures the device rungs under the live-bytes count; loaded as measure() loads it
+    items = {name: (config, name, dict(batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda", card=here,
+                                       instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
+                                       load="host", **({"workspaces": "fresh"} if fresh or name == names[0] else
+                                                       {"workspaces": "held", "after": first})))
+             for name in names}
+    # The predictions are CPU work (about 20 s a rung for Qwen2-0.5B; on the H200's 16 cores, 4/5 of the
+    # ladder's 315 s on 2026-11-26, one after another): made side by side first where there are cores
+    ahead, how = run_ahead(_prediction, items, desc="predictions")
     for name in names:
         if opts.out_of_time():
             rows.append(rung_row(name, {}, dict(NOT_RUN), {}))
             continue
         # one rung's failure (its prediction or its run) is that rung's row, not the end of the check
-        try:
-            # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless
-            # --counted measures the device rungs under the live-bytes count
-            ws, after = ("fresh", None) if fresh or name == names[0] else ("held", first)
-            p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
-                        card=here, instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
-                        workspaces=ws, after=after, load="host").row()  # as measure() loads it
-            p["margin"] = prediction_margin(RUNGS[name], device="cuda")[0]  # what auto-fit adds: fits with it
-        except WeightsExceedCard as e:  # a verdict, not a failure: the card's out-of-memory error should agree
-            p = {"method": "weights > card", "fits": False, "note": one_line(e)}
-        except Exception as e:
-            p, tracebacks[f"{name} prediction"] = {"error": one_line(e)}, traceback.format_exc(limit=-12)
+        p, tb = ahead.pop(name, None) or _prediction(items[name])
+        if tb:
+            tracebacks[f"{name} prediction"] = tb
         release_held(opts.device)
         # an offload rung's host state (ZeRO: 16 bytes a parameter) past this machine's free memory
         # would have the OOM killer end gpu-check (a laptop, a WSL2 VM with half the host's memory)
@@ -254,8 +243,21 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     left = {"left_allocated_before_gc_bytes": before_gc,
             "left_allocated_after_gc_bytes": torch.cuda.memory_allocated(opts.device)}
     options = {"model": opts.model, "batch": opts.batch, "seq": opts.seq, "steps": opts.steps, "counted": opts.counted,
+               "predicted": how,
                "workspaces": "released before each rung" if fresh else "held from the first rung on"}
     return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, "options": options, **left}
+
+
+def _prediction(item) -> tuple[dict[str, Any], str | None]:
+    """(the prediction's row, its traceback if it failed) of one rung: `item` is (config, rung, predict's keywords)."""
+    config, name, kw = item
+    try:
+        return {**predict(config, name, **kw).row(),  # with the margin auto-fit adds: it fits with it
+                "margin": prediction_margin(RUNGS[name], device="cuda")[0]}, None
+    except WeightsExceedCard as e:  # a verdict, not a failure: the card's out-of-memory error should agree
+        return {"method": "weights > card", "fits": False, "note": one_line(e)}, None
+    except Exception as e:
+        return {"error": one_line(e)}, traceback.format_exc(limit=-12)
 
 
 card_at_hand = cuda_model.card_at_hand  # CUDA: this card as the prediction's card
@@ -355,7 +357,7 @@ def _options(args) -> Options:
                                     ("--steps", args.steps, 2, " (the first step is warm-up)")):
         if value < least:
             raise ConfigError(f"{flag} must be at least {least}{why}, got {value}")
-    out = Path(args.out) if args.out else results_root() / "gpu_check"
+    out = Path(args.out).resolve() if args.out else results_root() / "gpu_check"  # absolute: kernels run in notebooks/
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
                    seq=64 if args.quick else args.seq, steps=args.steps, counted=args.counted,

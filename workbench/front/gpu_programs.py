@@ -208,5 +208,5 @@ def workload_lasting(device: Any, steps: int, run_s: float,
 
 
 def gpu_checks() -> dict[str, Callable]:
-    # the monitor first: seconds, where the notebooks take minutes and end a run under a hard limit
+    # gpu_check.checks() places them: the monitor (seconds) early, the notebooks (minutes) late
     return {"monitor": check_monitor, "notebooks": check_notebooks}

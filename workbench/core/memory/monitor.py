@@ -48,6 +48,20 @@ def indexed(device: str | torch.device) -> torch.device:
     return device
 
 
+def release_card() -> None:
+    """Give the card back what a check left in this process's caching allocator before the next
+    check: the notebooks check's kernels are other processes, and on a small card the blocks cached
+    here would be their shortfall (its figures would count them too)."""
+    if torch.cuda.is_initialized():  # (a collection costs a big process a second: not where CUDA never ran)
+        gc.collect()
+        torch.cuda.empty_cache()
+        # and the page-locked host memory torch's host allocator keeps cached once freed: DeepSpeed's
+        # offload buffers (pinned through it: ZeRO-Offload's fp32 master and gradient among them) stay locked
+        # after the engine is gone, out of the host memory the next checks and kernels need
+        accelerator = getattr(torch, "accelerator", None)  # torch 2.13's public call; the CUDA one before it
+        (getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", lambda: None))()
+
+
 def release_held(device) -> bool:
     """CUDA: give back what this process holds that a fresh one would not: garbage, the cuBLAS
     workspaces (torch's `_cuda_clearCublasWorkspaces`, which its test suite calls before a leak check)
