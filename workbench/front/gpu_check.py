@@ -205,8 +205,8 @@ def check_ladder(opts: Options) -> dict[str, Any]:
                                        load="host", **({"workspaces": "fresh"} if fresh or name == names[0] else
                                                        {"workspaces": "held", "after": first})))
              for name in names}
-    # The predictions are CPU work (about 20 s a rung for Qwen2-0.5B; on the H200's 16 cores, 4/5 of the
-    # ladder's 315 s on 2026-11-26, one after another): made side by side first where there are cores
+    # Predictions are CPU work, ~20 s a rung for Qwen2-0.5B on a CI core; the H200's ladder check took 315 s
+    # (2026-11-26), its rungs' steps 23 s: made side by side first where there are cores (its 16)
     ahead, how = run_ahead(_prediction, items, desc="predictions")
     for name in names:
         if opts.out_of_time():
