@@ -53,6 +53,20 @@ def test_a_key_of_digits_is_text_and_its_row_is_replaced(tmp_path, monkeypatch, 
     assert list(latest(runs, "study_key")["x"]) == [2]
 
 
+def test_a_result_with_no_steps_leaves_no_earlier_steps_to_be_read_back(tmp_path, monkeypatch):
+    """Study 3 with no measured steps (every run skipped for memory, or none asked for) left the earlier
+    settings' steps.csv in place, and load_result showed its loss curves beside the new runs, as measured."""
+    from workbench.core.results import StudyResult
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    writer = ResultsWriter("split")
+    writer.write(StudyResult("split", runs=pd.DataFrame([{"study_key": "a"}]),
+                             steps=pd.DataFrame([{"run": "k=0", "loss": 5.0}])), runs_key="study_key")
+    writer.write(StudyResult("split", runs=pd.DataFrame([{"study_key": "b"}]), steps=pd.DataFrame()),
+                 runs_key="study_key")
+    assert read_table(tmp_path / "split" / "steps.csv").empty
+
+
 def test_runs_csv_replaces_rows_with_the_same_key_and_keeps_every_other(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     writer = ResultsWriter("study")

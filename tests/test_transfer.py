@@ -154,6 +154,28 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     assert os.environ["WORKBENCH_RESULTS"] == str(results_dir)
 
 
+def test_the_result_read_back_is_the_last_calls_and_each_run_keeps_its_own_environment(tiny_base, results_dir,
+                                                                                    monkeypatch):
+    """Settings A, then B, then A again (read back, not trained): the notebook's result is A's runs beside
+    A's summary. It had picked the runs of the latest `finished` (B's: a reused run keeps its old time)
+    beside the summary A's call wrote. And runs.csv, rebuilt from the folders on every call, had stamped
+    this process's environment on every row, the runs of months ago too."""
+    a = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)
+    b = a.replace(lr=a.lr / 2)
+    first = run_strategies(a, progress=False).runs
+    run_strategies(b, progress=False)
+    again = run_strategies(a, progress=False).runs
+    assert again["reused"].all()
+    got = load_result()
+    assert list(got.runs["run_id"]) == list(first["run_id"])
+    assert got.runs["ppl_after"][0] == got.table("summary")["ppl_after_mean"][0] == first["ppl_after"][0]
+    recorded = {k: v for k, v in results.environment().items()}
+    monkeypatch.setattr(results, "environment", lambda: {**recorded, "git_commit": "later123", "torch": "9.9"})
+    table = rebuild_runs_table().set_index("run_id")
+    assert table.loc[first["run_id"][0], "env_git_commit"] == recorded["git_commit"]
+    assert str(table.loc[first["run_id"][0], "env_torch"]) == recorded["torch"]
+
+
 def test_a_run_that_did_not_train_is_run_again_as_the_machine_is_now(tiny_base, results_dir, monkeypatch):
     """A run skipped or out of memory for what the machine was then (here: too little memory free for the
     CPU attempt, named with its index) was read back on every later call, as if the settings had decided
@@ -322,6 +344,25 @@ def test_bad_input_is_rejected_before_training(bad, error):
 
 def test_devices_with_the_default_budget_are_the_devices_as_written():
     assert StrategiesConfig(devices=("cuda@8192", "cpu")).attempts_as_text() == ["cuda@8192", "cpu"]
+
+
+def test_a_run_made_without_a_card_is_not_read_back_on_a_card(monkeypatch):
+    """Empty devices mean the GPU under the budget on a GPU machine and the CPU playing it elsewhere: the
+    key of a run made on the CPU (a shared home, a CPU node first) matched on the card, which read that
+    run back instead of training there. The devices as resolved are in the key."""
+    class Corpus:
+        @staticmethod
+        def fingerprint():
+            return "corpus"
+
+    monkeypatch.setattr(transfer, "model_fingerprint", lambda *a: "weights")
+    cfg, keys = StrategiesConfig(strategies=("full",), seeds=(0,), **TINY), {}
+    for machine, why in (("cpu only", "torch.cuda.is_available() is False"), ("a card", None)):
+        monkeypatch.setattr(fallback, "unavailable", lambda device, why=why: why if device.startswith("cuda") else None)
+        inputs = transfer.run_inputs(cfg, Corpus())
+        keys[machine] = cfg.run_id("full", 0, json.dumps(inputs, sort_keys=True))
+        assert inputs["attempts"] == ("cpu@160 cpu" if why else "cuda@160 cpu")
+    assert keys["cpu only"] != keys["a card"]
 
 
 def test_missing_model_and_empty_corpus_fail_before_training(tmp_path, results_dir):

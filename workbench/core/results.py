@@ -265,12 +265,12 @@ class ResultsWriter:
         return atomic_write_json(self._path(name, ".json", run), obj)
 
     def update_runs(self, rows: Iterable[dict[str, Any]], *, key: str | tuple[str, ...] = "run_id") -> pd.DataFrame:
-        """Put `rows` into runs.csv (environment columns and `recorded` added), replacing rows with
-        the same `key`; returns the whole table."""
+        """Put `rows` into runs.csv (`recorded` added, and this process's environment columns where a
+        row does not carry its own), replacing rows with the same `key`; returns the whole table."""
         keys = (key,) if isinstance(key, str) else tuple(key)
         env = {f"env_{k}": v for k, v in environment().items()}
         stamp = now()
-        new = [{**row, "recorded": stamp, **env} for row in rows]
+        new = [{**env, **row, "recorded": stamp} for row in rows]
         path = self.dir / "runs.csv"
         with locked(path):
             old = read_table(path, keys)
@@ -287,8 +287,8 @@ class ResultsWriter:
         and fact beside them (in the run's folder when `run` is given). Records the paths."""
         result.paths["runs"] = str(self.dir / "runs.csv")
         self.update_runs(result.runs.to_dict("records"), key=runs_key)
-        if len(result.steps):
-            result.paths["steps"] = str(self.table("steps", result.steps, run=run))
+        # even with no rows: an earlier call's steps left in place were read back beside these runs
+        result.paths["steps"] = str(self.table("steps", result.steps, run=run))
         for name, df in result.tables.items():
             result.paths[name] = str(self.table(name, df, run=run))
         for name, obj in result.facts.items():

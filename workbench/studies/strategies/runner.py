@@ -22,7 +22,6 @@ import pandas as pd
 import torch
 
 from workbench import __version__
-from workbench.core.claims import study1_comparison
 from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks, target_corpus
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
@@ -47,13 +46,13 @@ from workbench.core.results import (
     StudyResult,
     code_fingerprint,
     read_steps,
-    read_table,
-    results_root,
     reuse_finished_runs,
 )
 from workbench.core.trainable import StrategyNotApplicable, apply_strategy, check_lora_rank
 from workbench.core.training import evaluate_perplexity, train
 from workbench.studies.strategies.config import STUDY, StrategiesConfig
+from workbench.studies.strategies.tables import (  # noqa: F401 (load_result, summarize: this module's API too)
+    claims_table, load_result, rebuild_runs_table, steps_frame, summarize)
 
 
 def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
@@ -84,8 +83,11 @@ def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
 
 
 def run_inputs(cfg: StrategiesConfig, corpus) -> dict[str, str]:
-    """What a run's result depends on beyond its settings: a finished run is reused only when all match."""
-    return {"corpus_fingerprint": corpus.fingerprint(),
+    """What a run's result depends on beyond its settings: a finished run is reused only when all match.
+    `attempts`: the devices as resolved here. Empty `devices` means the GPU under the budget on a GPU
+    machine and the CPU playing it elsewhere, so the key of a run made on the CPU had matched on a
+    GPU machine, which then read the CPU's run back instead of training on the card."""
+    return {"attempts": " ".join(cfg.attempts_as_text()), "corpus_fingerprint": corpus.fingerprint(),
             "model_fingerprint": model_fingerprint(cfg.model, cfg.spec()),
             "workbench_version": __version__, "workbench_code": code_fingerprint()}
 
@@ -299,6 +301,9 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     rebuild_runs_table()
     writer = ResultsWriter(STUDY)
     result.paths = {name: str(writer.table(name, table)) for name, table in result.tables.items()}
+    # which runs this call's tables are of (load_result reads them back): a reused run keeps its old
+    # `finished`, so the latest finished run can belong to an earlier call of other settings
+    result.paths["latest"] = str(writer.json("latest", {"run_ids": list(df["run_id"])}))
     result.paths["runs"] = str(writer.dir / "runs.csv")
     return result
 
@@ -322,79 +327,3 @@ def _tokenizer(cfg: StrategiesConfig):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def rebuild_runs_table() -> pd.DataFrame:
-    """Put every run's summary.json into results/strategies/runs.csv (so it never disagrees with them,
-    even after a run finished by a process that was killed before it wrote the table)."""
-    rows = []
-    for p in sorted((results_root() / STUDY).glob("*/summary.json")):
-        s = json.loads(p.read_text())
-        rows.append({"run_id": p.parent.name, **s.get("row", {}), "status": s["status"], "finished": s.get("finished")})
-    return ResultsWriter(STUDY).update_runs(rows, key="run_id")
-
-
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean and spread over seeds, one row per strategy, in the order the strategies were run."""
-    order = list(dict.fromkeys(df["strategy"]))
-    measured = ("trainable_params", "trainable_share", "trainable_set", "ppl_before", "ppl_after", "improvement_pct", "tokens_per_s",
-                "train_seconds", "peak_mem_mib")
-    # a study where every run ran out of memory has no measured columns: they are empty, not missing
-    df = df.assign(**{c: float("nan") for c in measured if c not in df})
-    ok = df[df["status"].isin(["ok", "fallback"])]
-    agg = ok.groupby("strategy").agg(
-        trainable_params=("trainable_params", "first"),
-        trainable_share=("trainable_share", "first"),
-        trainable_set=("trainable_set", "first"),
-        ppl_before=("ppl_before", "mean"),
-        ppl_after_mean=("ppl_after", "mean"),
-        ppl_after_std=("ppl_after", "std"),
-        improvement_mean_pct=("improvement_pct", "mean"),
-        improvement_std_pct=("improvement_pct", "std"),
-        tokens_per_s=("tokens_per_s", "mean"),
-        train_seconds=("train_seconds", "mean"),
-        peak_mem_mib=("peak_mem_mib", "max"),
-        seeds=("seed", "count"),
-    )
-    status = df.groupby("strategy").agg(
-        statuses=("status", lambda s: ", ".join(sorted(set(s)))),
-        devices=("device", lambda s: ", ".join(sorted({str(x) for x in s}))),
-        device_history=("device_history", "first"),
-    )
-    return status.join(agg, how="left").reindex(order).reset_index()
-
-
-def claims_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The published study's four rows beside what the workbench measured, with the reasons they differ."""
-    return study1_comparison(summarize(df))
-
-
-def steps_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """Every run's per-step rows (loss curves), read from steps.jsonl."""
-    frames = []
-    for run_id, device in zip(df["run_id"], df["device"]):
-        p = results_root() / STUDY / run_id / "steps.jsonl"
-        if p.exists() and p.stat().st_size and isinstance(device, str):
-            steps = read_steps(p)
-            frames.append(steps[steps["device"] == device])  # the attempt that finished, not the ones that ran out
-    if not frames:
-        return pd.DataFrame(columns=["strategy", "seed", "step", "loss", "tokens"])
-    return pd.concat(frames, ignore_index=True)
-
-
-def load_result() -> StudyResult | None:
-    """The latest settings' result, read back from results/strategies/ (None if it never ran)."""
-    root = results_root() / STUDY
-    runs = read_table(root / "runs.csv")
-    if runs.empty:
-        return None
-    if "config_hash" in runs and runs["config_hash"].notna().any():
-        last = runs.sort_values("finished")["config_hash"].dropna().iloc[-1]
-        runs = runs[runs["config_hash"] == last]
-    tables = {name: read_table(root / f"{name}.csv") for name in ("summary", "claims", "corpus_overlap")}
-    if tables["summary"].empty or "improvement_mean_pct" not in tables["summary"]:  # none, or an older naming
-        tables["summary"] = summarize(runs)
-        tables["claims"] = claims_table(runs)
-    config = RunDir(STUDY, str(runs["run_id"].iloc[-1])).config() or {}  # the settings' budget, for the findings
-    facts = {"token_budget": config.get("token_budget")}
-    return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=steps_frame(runs), tables=tables, facts=facts)
