@@ -110,6 +110,37 @@ def test_user_corpus_that_repeats_itself_is_warned_about_and_cleaned(tmp_path):
     assert not any(shared in d for d in c.heldout)
 
 
+def test_a_user_corpus_holds_out_nothing_the_embedded_base_was_pretrained_on(tmp_path, monkeypatch):
+    """The embedded base is pretrained on the standard library's source: a user corpus of Python files
+    held out stdlib text the base had learned, unseen only in name (99.4% of a stdlib corpus's held-out
+    windows were in the base's pretraining text). Held-out paragraphs sharing a window with it are left out."""
+    import numpy as np
+
+    from workbench.core.data import _contains, _paragraphs, source_corpus
+    from workbench.core.models import TINY_SPEC, seen_windows
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    learned = [p for doc in source_corpus(TINY_SPEC.source_mib).train for p in _paragraphs(doc) if len(p) > 400]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(12):  # each file: text of its own, and a paragraph the base was pretrained on
+        own = " ".join(f"file{i}-word{j}" for j in range(60))
+        (folder / f"f{i:02d}.py").write_text(f"{own}\n\n{learned[i]}\n\n{own[::-1]}")
+    plain = target_corpus(str(folder))
+    seen = seen_windows("embedded", str(folder), TINY_SPEC)
+    assert (tmp_path / "cache").glob("pretraining-windows-*.npy") and seen_windows("embedded", None, TINY_SPEC) is None
+
+    def shares(corpus):
+        return sum(bool(_contains(seen, window_hashes(d)).any()) for d in corpus.heldout)
+
+    assert shares(plain) == len(plain.heldout) > 0  # the split by content alone keeps them
+    with pytest.warns(UserWarning, match="share text with what the model was pretrained on"):
+        held = target_corpus(str(folder), seen)
+    assert shares(held) == 0 and held.overlap.seen_by_model_paragraphs == len(plain.heldout)
+    assert np.array_equal(seen_windows("embedded", str(folder), TINY_SPEC), seen)  # read back from the cache
+    assert all(d.startswith("file") or d[0].isdigit() for d in held.heldout)  # its own text stays
+
+
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "blank_file"])
 def test_missing_or_empty_corpus_is_a_clear_error(tmp_path, make):
     path = tmp_path / "corpus"

@@ -24,7 +24,9 @@ paragraphs are kept once, the documents are split, and a held-out paragraph that
 50-character window with the training text is left out of the held-out text. What this removed,
 and the overlap left (`Overlap`: the share of held-out 50-character windows that occur verbatim
 in training text), travel with the corpus; a user corpus that needed it gets a warning naming
-the files.
+the files. A user corpus fine-tuning the embedded base is also held to the text the base was
+pretrained on (`pretrained`: the standard library's source): a held-out paragraph that shares a window
+with it is not unseen by the model, and is left out too (`Overlap.seen_by_model_paragraphs`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Overlap:
     dropped_chars: int
     heldout_windows: int
     files: tuple[str, ...] = ()  # held-out documents that lost text, worst first
+    seen_by_model_paragraphs: int = 0  # of those dropped: sharing a window with the model's pretraining text
 
     def row(self) -> dict:
         d = asdict(self)
@@ -130,7 +133,7 @@ def window_hashes(text: str, width: int = WINDOW) -> np.ndarray:
         return (prefix[width:width + n] - prefix[:n]) * inv
 
 
-def _window_set(docs) -> np.ndarray:
+def window_set(docs) -> np.ndarray:
     """Every window hash of `docs`, sorted and unique (for `_contains`)."""
     parts = [window_hashes(d) for d in docs]
     return np.unique(np.concatenate(parts)) if parts else np.empty(0, np.uint64)
@@ -150,14 +153,15 @@ def overlap_share(train: tuple[str, ...] | list[str], heldout: tuple[str, ...] |
     held = np.concatenate(held) if held else np.empty(0, np.uint64)
     if not len(held):
         return 0.0
-    return float(_contains(_window_set(train), held).mean())
+    return float(_contains(window_set(train), held).mean())
 
 
 def _paragraphs(text: str) -> list[str]:
     return [p.strip("\n") for p in _PARAGRAPH.split(text) if p.strip()]
 
 
-def disjoint_split(items: list[tuple[str, str]], heldout_keys: set[str], name: str) -> Corpus:
+def disjoint_split(items: list[tuple[str, str]], heldout_keys: set[str], name: str,
+                   pretrained: np.ndarray | None = None) -> Corpus:
     """Split (key, text) documents into train and held-out so that held-out text is unseen.
 
     1. Each document is cut into paragraphs (blank-line separated); a paragraph seen before (same
@@ -165,7 +169,8 @@ def disjoint_split(items: list[tuple[str, str]], heldout_keys: set[str], name: s
        exists once.
     2. Documents whose key is in `heldout_keys` are held out.
     3. A held-out paragraph that shares a `WINDOW`-character window with the training text (or, if
-       shorter than a window, occurs in it) is left out of the held-out text.
+       shorter than a window, occurs in it) is left out of the held-out text; so is one that shares
+       a window with `pretrained` (the `window_set` of text the model was pretrained on), if given.
     """
     by_name = ([v for k, v in items if k not in heldout_keys], [v for k, v in items if k in heldout_keys])
     seen: set[str] = set()
@@ -192,14 +197,16 @@ def disjoint_split(items: list[tuple[str, str]], heldout_keys: set[str], name: s
     train = [(k, ps) for k, ps in docs if k not in heldout_keys]
     held = [(k, ps) for k, ps in docs if k in heldout_keys]
     train_text = ["\n\n".join(ps) for _, ps in train]
-    train_windows = _window_set(train_text)
+    train_windows = window_set(train_text)
     joined = "\n\n".join(train_text)
-    heldout = []
+    heldout, seen_dropped = [], 0
     for key, ps in held:
         kept = []
         for p in ps:
             w = window_hashes(p)
             shared = _contains(train_windows, w).any() if len(w) else p in joined
+            if not shared and pretrained is not None and _contains(pretrained, w).any():
+                shared, seen_dropped = True, seen_dropped + 1
             if shared:
                 dropped += 1
                 dropped_chars += len(p)
@@ -211,7 +218,7 @@ def disjoint_split(items: list[tuple[str, str]], heldout_keys: set[str], name: s
     files = tuple(sorted(lost, key=lambda k: -lost[k]))
     held_windows = sum(max(0, len(d.encode("utf-8", "replace")) - WINDOW + 1) for d in heldout)
     overlap = Overlap(overlap_share(*by_name), overlap_share(train_text, heldout), duplicates,
-                      dropped, dropped_chars, held_windows, files)
+                      dropped, dropped_chars, held_windows, files, seen_dropped)
     return Corpus(name, tuple(train_text), tuple(heldout), overlap)
 
 
@@ -265,8 +272,9 @@ def source_corpus(source_mib: float = 8.0) -> Corpus:
     return disjoint_split(items, {items[i][0] for i in held_idx}, "python-stdlib-source")
 
 
-def target_corpus(path: str | None = None) -> Corpus:
-    """The target domain: pydoc's language reference by default, or a user's text."""
+def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None) -> Corpus:
+    """The target domain: pydoc's language reference by default, or a user's text. `pretrained`: the window
+    set of the model's pretraining text (models.seen_windows), held-out text sharing none of it."""
     if not path or path == "embedded":
         from pydoc_data import topics
 
@@ -290,12 +298,15 @@ def target_corpus(path: str | None = None) -> Corpus:
         # One document: split it by paragraphs instead, so held-out text still exists.
         key, text = items[0]
         items = [(f"{key}#{i}", p) for i, p in enumerate(text.split("\n\n")) if p.strip()]
-    corpus = disjoint_split(items, heldout_keys([k for k, _ in items]), name)
+    corpus = disjoint_split(items, heldout_keys([k for k, _ in items]), name, pretrained)
     if not corpus.train or not corpus.heldout:
         raise CorpusError(f"corpus {name!r} is too small to split into train and held-out text "
                           "(after repeated text was removed from the held-out side): give it more text of "
                           "its own, in more files or in more paragraphs (blank-line separated) of one file")
     ov = corpus.overlap
+    if ov.seen_by_model_paragraphs:
+        warnings.warn(f"corpus {name}: {ov.seen_by_model_paragraphs:,} held-out paragraphs share text with what the "
+                      f"model was pretrained on and were left out of the held-out text", stacklevel=2)
     if path and path != "embedded" and ov.share_by_name > MAX_OVERLAP:
         shown = ", ".join(ov.files[:5]) + (f" and {len(ov.files) - 5} more" if len(ov.files) > 5 else "")
         kept = sum(map(len, corpus.heldout))

@@ -28,7 +28,8 @@ import torch
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
-from workbench.core.data import SPLIT_VERSION, corpus_blocks, source_corpus, target_corpus, unigram_perplexity
+from workbench.core.data import (SPLIT_VERSION, corpus_blocks, source_corpus, target_corpus, unigram_perplexity,
+                                 window_set)
 from workbench.core.hub import hub_options, names_a_path, not_found_message
 from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
@@ -136,6 +137,29 @@ def cache_is_valid(path: Path) -> bool:
         return bool(files) and all(_sha256(path / name) == digest for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSpec()):
+    """For a user's corpus fine-tuning the embedded base: the window set (data.window_set) of the text
+    the base was pretrained on, so that no held-out paragraph shares text with it; else None (the
+    default target corpus is checked against it when the base is built, and a hub model's pretraining
+    text is not known). Made once (about 20 s for the default base) and cached beside the base."""
+    if model != EMBEDDED or not corpus or corpus == EMBEDDED:
+        return None
+    import numpy as np
+
+    path = cache_root() / f"pretraining-windows-{spec.key()}.npy"
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        pass
+    windows = window_set(source_corpus(spec.source_mib).train)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, windows)
+    os.replace(tmp, path)
+    return windows
 
 
 def embedded_path(spec: EmbeddedSpec = EmbeddedSpec()) -> Path:

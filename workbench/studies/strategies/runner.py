@@ -38,6 +38,7 @@ from workbench.core.models import (
     load_model,
     model_fingerprint,
     resolve_model_path,
+    seen_windows,
 )
 from workbench.core.parallel import run_many
 from workbench.core.results import (
@@ -59,7 +60,7 @@ def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
     """How much held-out text occurs verbatim in training text, for every corpus a study 1 run
     uses: the target domain it fine-tunes and evaluates on, and (for the embedded base) the source
     domain the base was pretrained and scored on. Measured on 50-character windows."""
-    corpus = corpus or target_corpus(cfg.corpus)
+    corpus = corpus or target_corpus(cfg.corpus, seen_windows(cfg.model, cfg.corpus, cfg.spec()))
     rows = []
     ov = corpus.overlap
     rows.append({"corpus": corpus.name, "role": "target (fine-tuning, held-out perplexity)",
@@ -269,7 +270,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     if {"lora", "qlora"} & set(cfg.strategies):  # before any run: the first LoRA run said it after others trained
         check_lora_rank(config, cfg.lora_rank, trust_remote_code=cfg.trust_remote_code)
     tokenizer = _tokenizer(cfg)
-    corpus = target_corpus(cfg.corpus)
+    corpus = target_corpus(cfg.corpus, seen_windows(cfg.model, cfg.corpus, cfg.spec()))
     train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len, cfg.eval_blocks)
     inputs = run_inputs(cfg, corpus)
     reuse = reuse_finished_runs()
