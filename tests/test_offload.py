@@ -31,7 +31,7 @@ from workbench.studies.split.balance import Rates, backward_fit, balance_k
 from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.figures import (host_table, idle_figure, operating_point_table, report_section,
-                                              sensitivity_figure, throughput_figure)
+                                              sensitivity_figure, tflops_figure, throughput_figure)
 from workbench.studies.split.layers import last_arriving, probe_k, split_layers
 from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
     validation_points)
@@ -236,6 +236,47 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     masters = eng.master_weights()
     assert all(torch.equal(masters[n], before[n]) for n in before)
     eng.close()
+
+
+def test_an_fp16_step_skipped_for_overflow_teaches_the_engine_no_update_rate():
+    """A skipped step runs no update, so its update times (near zero on a card) are no rate: blended in,
+    six of them took alpha from about 0.94 to 0.66 here and pushed k towards 1 (a study-3 audit)."""
+    seen = {}
+    eng, _ = run_engine(tiny_qwen(), batches(512, 3), k=0.5, precision="fp16", loss_scale=2.0**60,
+                        made=lambda e: seen.update(e.rates))
+    assert all(r["skipped_overflow"] for r in eng.rows) and eng.rows[-1]["accel_params"] > 0
+    assert {k: eng.rates[k] for k in ("host_s_per_elem", "accel_s_per_elem")} == \
+        {k: seen[k] for k in ("host_s_per_elem", "accel_s_per_elem")}
+    assert eng.rates["d2h_s_per_byte"] != seen["d2h_s_per_byte"]  # what did run is still learned
+    eng.close()
+
+
+def test_backward_is_timed_without_the_last_rows_bookkeeping_and_sinks():
+    """The last iteration's row is made (and sent to the sinks) between forward and backward: timed as
+    backward, it raised t_B and the fitted slowdown by the sinks' time; on a card the GPU idles through it."""
+    def slow_sink(row):
+        time.sleep(0.2)
+
+    eng, _ = run_engine(tiny_qwen(), batches(512, 3), k=0.5, sinks=[slow_sink])
+    later = eng.rows[1:]  # each made after the row before it was sunk
+    assert all(r["backward_ms"] < 150 for r in later), [r["backward_ms"] for r in later]
+    assert all(r["accel_idle_share"] > 0.4 for r in later)  # the sink's 200 ms: the accelerator was idle
+    eng.close()
+
+
+def test_a_sequence_past_a_learned_position_table_is_one_line(tiny_base, results_dir, tmp_path):
+    """A local GPT-2 of 32 positions at seq_len 64 ended study 3 in an IndexError from the embedding
+    (the base's perplexity, before any run); study 1 says it in one line, and now study 3 does too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    folder = tmp_path / "gpt2-32"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                                         vocab_size=len(tok))).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = SplitConfig.from_dict({**TINY, "model": str(folder), "seq_len": 64, "k_sweep": [0.5], "adaptive": False})
+    with pytest.raises(ConfigError, match="sequence length 64 is longer than .* allows \\(32 positions\\)"):
+        run_split_study(cfg)
 
 
 def test_fp16_scale_doubles_after_2000_good_steps():
@@ -785,6 +826,15 @@ def test_a_cards_memory_is_binary():
     assert not sim["fits"] and re.fullmatch(r"needs 1\d\d GiB of 80", _oom_reason(sim, m))
 
 
+def test_a_modelled_row_says_where_its_host_rate_came_from():
+    """With alpha given, or the host's own rate, no Adam share is used: the rows said "measured here"."""
+    from workbench.studies.split.runner import modelled_runs
+
+    for settings, said in (({"alpha": 0.1}, "not used (alpha given)"), ({"host_share": 0.8}, "config")):
+        rows, _ = modelled_runs(SplitConfig(profiles=("A100-80GB-SXM",), modelled_k_points=2, **settings), {})
+        assert {r["host_share_from"] for r in rows} == {said}
+
+
 def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     seen = []
@@ -816,6 +866,9 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     # 128) needs about 137 GiB, and this row was an oom row at it
     pub = df[df["run"].str.startswith("published setting")].iloc[0]
     assert pub["status"] == "ok" and pub["accel_memory_gib"] <= 80
+    # what it runs, named so (it was labelled "adaptive"), and still in the TFLOP/s chart beside the claim
+    assert pub["mode"] == "seed formula (no transfers)"
+    assert pub["run"] in {x for trace in tflops_figure(result).data for x in trace.x}
     assert pub["k_actual"] <= pub["k_max_memory"] + 1e-9 < pub["k_balance"]
     # real text: every run starts from the same held-out perplexity and improves on it
     assert measured["ppl_before"].nunique() == 1 and (measured["ppl_after"] < measured["ppl_before"]).all()
@@ -1597,7 +1650,8 @@ def test_idle_and_done_before_backward_end_shares_are_the_events(monkeypatch, ma
     for (it, events, end), row in zip(seen, eng.rows):
         m = {k: ms(v) for k, v in it.marks.items()}
         period = end - m["start"]
-        busy = m["accel_update_end"] - m["start"] - sum(ms(b) - ms(a) for a, b in it.waits)
+        busy = (m["accel_update_end"] - m["start"] - sum(ms(b) - ms(a) for a, b in it.waits)
+                - (m["backward_start"] - m["forward_end"]))  # the last row's bookkeeping between them
         assert row["accel_idle_share"] == pytest.approx(max(0.0, 1.0 - busy / period), abs=1e-9)
         kept, spans = {}, {}  # each parameter's last host update: a redo runs after the update it undoes
         for lane, name, a, b, n, *_ in events:

@@ -37,7 +37,7 @@ import torch
 from workbench.core.common import Sink
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.fallback import freed_on_interrupt, out_of_memory, release
-from workbench.core.models import load_model
+from workbench.core.models import check_seq_len, load_model, seen_windows
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
 from workbench.core.training import evaluate_perplexity
 from workbench.studies.split import perf_model as pm
@@ -86,7 +86,8 @@ def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch
     """(training batches, held-out blocks) from the target corpus: `iterations` batches of
     `batch_size` consecutive training blocks (from a seeded starting block, wrapping around), the
     same for every run; the first `eval_blocks` held-out blocks for perplexity."""
-    train, held = corpus_blocks(tokenizer, target_corpus(cfg.corpus), cfg.seq_len, cfg.eval_blocks)
+    corpus = target_corpus(cfg.corpus, seen_windows(cfg.model, cfg.corpus, cfg.spec()))
+    train, held = corpus_blocks(tokenizer, corpus, cfg.seq_len, cfg.eval_blocks)
     start = int(torch.randint(0, len(train), (1,), generator=torch.Generator().manual_seed(cfg.seed)))
     batches = []
     for i in range(cfg.steps):
@@ -154,6 +155,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     sinks = list(sinks)
     device = torch.device(cfg.resolved_device())
     base, tokenizer = load_model(cfg.model, spec=cfg.spec())  # the embedded base (built once, cached) or a real one
+    check_seq_len(base.config, cfg.seq_len, repr(cfg.model))  # past learned positions: one line, not an IndexError
     shape = pm.shape_from_model(base, cfg.model, cfg.seq_len)
     flops_tok = shape.flops_per_token()
     batches, held = text_batches(cfg, tokenizer)
@@ -293,7 +295,9 @@ def modelled_runs(cfg: SplitConfig, host: dict):
                    "t_update_host_s": r.t_update_host_s, "t_transfer_s": r.t_transfer_s,
                    "k_balance": balance_k(r, cfg.include_transfer), "k_max_memory": k_mem,
                    "host_rate_from": m.notes["host update"], "compute_from": m.notes["forward/backward"],
-                   "host_share_from": "config" if cfg.host_share else "measured here",
+                   "host_share_from": ("not used (alpha given)" if cfg.alpha is not None else "not used (host rate "
+                                       "measured here)" if cfg.host == "this-machine" else "config"
+                                       if cfg.host_share is not None else "measured here"),  # as machine() takes it
                    "status": "ok" if sim["fits"] else "oom",  # an OOM is a result: a row, without a speed
                    **({} if sim["fits"] else {"reason": _oom_reason(sim, m)})}
             rows.append(row)
@@ -323,7 +327,7 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
                  "t_backward_s": op["t_backward_s"], "t_update_host_s": op["t_update_host_s"],
                  "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
                  "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
-                 "mode": "adaptive", "status": "ok" if sim["fits"] else "oom",
+                 "mode": "seed formula (no transfers)", "status": "ok" if sim["fits"] else "oom",
                  **({} if sim["fits"] else {"reason": _oom_reason(sim, m)})}
     return [claim, model_row], op
 
