@@ -177,6 +177,21 @@ def test_perplexity_weights_tokens_not_batches():
     assert abs(float(by_batch) - float(nll)) > 1e-3  # 20x the tolerance: the test tells the two apart
 
 
+def test_perplexity_is_scored_with_dropout_off_and_the_mode_put_back():
+    """GPT-2 drops out 10% in training mode: a score taken so changes from call to call. The tiny
+    Qwen2 of the other tests has no dropout, so nothing failed with model.eval() taken out."""
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    assert m.config.resid_pdrop > 0
+    x = torch.randint(0, 128, (3, 32), generator=torch.Generator().manual_seed(3))
+    m.eval()
+    with torch.no_grad():
+        want = math.exp(float(m(input_ids=x, labels=x).loss))
+    m.train()
+    got = [evaluate_perplexity(m, x, batch_size=3) for _ in range(2)]
+    assert got == pytest.approx([want, want], rel=1e-6) and m.training
+
+
 class BlockRecorder(torch.nn.Module):
     """A model that notes which blocks each micro-batch holds (their first token is their index)."""
 
