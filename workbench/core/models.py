@@ -162,6 +162,12 @@ def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSp
     return windows
 
 
+def corpus_for(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSpec()):
+    """The target corpus a study fine-tunes `model` on: held out content-disjoint from its own training
+    text and, for the embedded base, from the base's pretraining text (`seen_windows`)."""
+    return target_corpus(corpus, seen_windows(model, corpus, spec))
+
+
 def embedded_path(spec: EmbeddedSpec = EmbeddedSpec()) -> Path:
     return cache_root() / f"embedded-{spec.key()}"
 

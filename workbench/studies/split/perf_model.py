@@ -225,11 +225,13 @@ def machine(gpu: str, host: str = "AMD-EPYC-7763", *, host_meas: dict | None = N
     if alpha is not None:
         host_rate = accel / alpha
         notes["host update"] = f"accelerator update / alpha (alpha={alpha:g}, given)"
+        notes["host share"] = "not used (alpha given)"
     elif host == "this-machine":
         if not host_meas:
             raise ValueError("host='this-machine' needs host_meas (measured here)")
         host_rate = host_meas["adam_s_per_param"]
         notes["host update"] = "measured on this machine"
+        notes["host share"] = "not used (host rate measured here)"
     else:
         if not host_meas and host_share is None:
             raise ValueError("a host profile needs host_meas (hostbench.measure_host) or host_share")
@@ -238,6 +240,7 @@ def machine(gpu: str, host: str = "AMD-EPYC-7763", *, host_meas: dict | None = N
         bw, how = host_bandwidth(host, per_core)
         host_rate = ADAM_BYTES / (bw * share)
         notes["host update"] = f"share {share:.2f} x {how}"
+        notes["host share"] = "config" if host_share is not None else "measured here"
     link = g["host_link_gb_per_s_both_ways"] / 2 * GB * assumed("link_efficiency")
     used_mfu, src = (mfu, "given") if mfu is not None else mfu_of(gpu)
     flops = g["bf16_dense_tflops"] * 1e12 * used_mfu if (used_mfu and g["bf16_dense_tflops"]) else float("nan")

@@ -35,9 +35,9 @@ import pandas as pd
 import torch
 
 from workbench.core.common import Sink
-from workbench.core.data import corpus_blocks, target_corpus
+from workbench.core.data import corpus_blocks
 from workbench.core.fallback import freed_on_interrupt, out_of_memory, release
-from workbench.core.models import check_seq_len, load_model, seen_windows
+from workbench.core.models import check_seq_len, corpus_for, load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
 from workbench.core.training import evaluate_perplexity
 from workbench.studies.split import perf_model as pm
@@ -83,11 +83,9 @@ class _RunSink:
 
 # ---------------------------------------------------------------- model and data
 def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(training batches, held-out blocks) from the target corpus: `iterations` batches of
-    `batch_size` consecutive training blocks (from a seeded starting block, wrapping around), the
-    same for every run; the first `eval_blocks` held-out blocks for perplexity."""
-    corpus = target_corpus(cfg.corpus, seen_windows(cfg.model, cfg.corpus, cfg.spec()))
-    train, held = corpus_blocks(tokenizer, corpus, cfg.seq_len, cfg.eval_blocks)
+    """(training batches, held-out blocks) from the target corpus: `steps` batches of `micro_batch` consecutive
+    blocks (from a seeded block, wrapping around), the same for every run; `eval_blocks` held-out blocks."""
+    train, held = corpus_blocks(tokenizer, corpus_for(cfg.model, cfg.corpus, cfg.spec()), cfg.seq_len, cfg.eval_blocks)
     start = int(torch.randint(0, len(train), (1,), generator=torch.Generator().manual_seed(cfg.seed)))
     batches = []
     for i in range(cfg.steps):
@@ -295,9 +293,7 @@ def modelled_runs(cfg: SplitConfig, host: dict):
                    "t_update_host_s": r.t_update_host_s, "t_transfer_s": r.t_transfer_s,
                    "k_balance": balance_k(r, cfg.include_transfer), "k_max_memory": k_mem,
                    "host_rate_from": m.notes["host update"], "compute_from": m.notes["forward/backward"],
-                   "host_share_from": ("not used (alpha given)" if cfg.alpha is not None else "not used (host rate "
-                                       "measured here)" if cfg.host == "this-machine" else "config"
-                                       if cfg.host_share is not None else "measured here"),  # as machine() takes it
+                   "host_share_from": m.notes["host share"],  # as machine() took it
                    "status": "ok" if sim["fits"] else "oom",  # an OOM is a result: a row, without a speed
                    **({} if sim["fits"] else {"reason": _oom_reason(sim, m)})}
             rows.append(row)

@@ -23,7 +23,7 @@ import torch
 
 from workbench import __version__
 from workbench.core.common import Sink
-from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks, target_corpus
+from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.hub import hub_options, not_found_message
 from workbench.core.memory import cuda_model
@@ -33,12 +33,12 @@ from workbench.core.models import (
     EMBEDDED,
     ModelNotFoundError,
     check_seq_len,
+    corpus_for,
     embedded_metrics,
     load_config,
     load_model,
     model_fingerprint,
     resolve_model_path,
-    seen_windows,
 )
 from workbench.core.parallel import run_many
 from workbench.core.results import (
@@ -60,7 +60,7 @@ def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
     """How much held-out text occurs verbatim in training text, for every corpus a study 1 run
     uses: the target domain it fine-tunes and evaluates on, and (for the embedded base) the source
     domain the base was pretrained and scored on. Measured on 50-character windows."""
-    corpus = corpus or target_corpus(cfg.corpus, seen_windows(cfg.model, cfg.corpus, cfg.spec()))
+    corpus = corpus or corpus_for(cfg.model, cfg.corpus, cfg.spec())
     rows = []
     ov = corpus.overlap
     rows.append({"corpus": corpus.name, "role": "target (fine-tuning, held-out perplexity)",
@@ -270,7 +270,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     if {"lora", "qlora"} & set(cfg.strategies):  # before any run: the first LoRA run said it after others trained
         check_lora_rank(config, cfg.lora_rank, trust_remote_code=cfg.trust_remote_code)
     tokenizer = _tokenizer(cfg)
-    corpus = target_corpus(cfg.corpus, seen_windows(cfg.model, cfg.corpus, cfg.spec()))
+    corpus = corpus_for(cfg.model, cfg.corpus, cfg.spec())
     train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len, cfg.eval_blocks)
     inputs = run_inputs(cfg, corpus)
     reuse = reuse_finished_runs()
