@@ -128,7 +128,8 @@ def test_a_user_corpus_holds_out_nothing_the_embedded_base_was_pretrained_on(tmp
         (folder / f"f{i:02d}.py").write_text(f"{own}\n\n{learned[i]}\n\n{own[::-1]}")
     plain = target_corpus(str(folder))
     seen = seen_windows("embedded", str(folder), TINY_SPEC)
-    assert (tmp_path / "cache").glob("pretraining-windows-*.npy") and seen_windows("embedded", None, TINY_SPEC) is None
+    assert [f.name for f in (tmp_path / "cache").iterdir()] == [f"pretraining-windows-{TINY_SPEC.key()}.npy"]
+    assert seen_windows("embedded", None, TINY_SPEC) is None and seen_windows("org/model", str(folder)) is None
 
     def shares(corpus):
         return sum(bool(_contains(seen, window_hashes(d)).any()) for d in corpus.heldout)

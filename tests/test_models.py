@@ -144,3 +144,21 @@ def test_a_config_files_fingerprint_follows_its_content(tmp_path):
     first = model_fingerprint(str(path))
     path.write_text('{"model_type": "gpt2", "n_layer": 4}')  # same name, another model: results not reused
     assert model_fingerprint(str(path)) != first
+
+
+def test_a_hub_models_fingerprint_follows_its_cached_revision(tmp_path, monkeypatch):
+    """A hub id was keyed as given: a new revision of the model (or its tokenizer) pulled into the cache
+    reused the old revision's runs. The key holds the commit of the cached snapshot."""
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--org--tiny"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    keys = []
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "refs" / "main").write_text(commit)
+        keys.append(model_fingerprint("org/tiny"))
+    assert keys[0] != keys[1] and model_fingerprint("org/other") != keys[0]  # not cached: the id alone

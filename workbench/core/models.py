@@ -24,7 +24,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from huggingface_hub import try_to_load_from_cache
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
@@ -103,7 +105,6 @@ class EmbeddedSpec:
     seed: int = 0
 
     def key(self) -> str:
-
         # v3: corpora split content-disjoint (the tokenizer and the pretraining text changed),
         # and the pretraining report holds the source corpus's held-out overlap
         blob = json.dumps({**asdict(self), "python": sys.version.split()[0], "v": 3, "split": SPLIT_VERSION},
@@ -140,14 +141,11 @@ def cache_is_valid(path: Path) -> bool:
 
 
 def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSpec()):
-    """For a user's corpus fine-tuning the embedded base: the window set (data.window_set) of the text
-    the base was pretrained on, so that no held-out paragraph shares text with it; else None (the
-    default target corpus is checked against it when the base is built, and a hub model's pretraining
-    text is not known). Made once (about 20 s for the default base) and cached beside the base."""
+    """For a user's corpus fine-tuning the embedded base, the window set (data.window_set) of the base's
+    pretraining text, cached beside it (made once: ~20 s); else None (the default corpus is checked at
+    the base's build; a hub model's pretraining text is not known)."""
     if model != EMBEDDED or not corpus or corpus == EMBEDDED:
         return None
-    import numpy as np
-
     path = cache_root() / f"pretraining-windows-{spec.key()}.npy"
     try:
         return np.load(path, allow_pickle=False)
@@ -155,16 +153,14 @@ def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSp
         pass
     windows = window_set(source_corpus(spec.source_mib).train)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, windows)
+    tmp = path.with_name(f".{os.getpid()}.{path.name}")  # ends in .npy: np.save adds nothing
+    np.save(tmp, windows)
     os.replace(tmp, path)
     return windows
 
 
 def corpus_for(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSpec()):
-    """The target corpus a study fine-tunes `model` on: held out content-disjoint from its own training
-    text and, for the embedded base, from the base's pretraining text (`seen_windows`)."""
+    """A study's target corpus for `model`: held-out text unseen by the embedded base too (`seen_windows`)."""
     return target_corpus(corpus, seen_windows(model, corpus, spec))
 
 
@@ -217,7 +213,7 @@ def ensure_embedded_base(spec: EmbeddedSpec = EmbeddedSpec(), *, progress: bool 
 def model_fingerprint(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
     """A key of the weights a run starts from: the embedded base's manifest (every file's SHA-256),
     a local directory's files (names, sizes, modification times), a config.json's content (a model
-    initialised at random from it), or a hub id as given."""
+    initialised at random from it), or a hub id with its cached snapshot's commit (else the id alone)."""
     h = hashlib.sha256()
     if name == EMBEDDED:
         manifest = json.loads((ensure_embedded_base(spec, progress=False) / MANIFEST).read_text())
@@ -229,7 +225,11 @@ def model_fingerprint(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
                 h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     elif Path(name).expanduser().is_file():
         h.update(Path(name).expanduser().read_bytes())
-    else:
+    else:  # a hub id, with its cached snapshot's commit (none cached, or an id the hub refuses: the id alone)
+        try:
+            name += "@" + Path(try_to_load_from_cache(name, "config.json")).parent.name  # snapshots/<commit>/
+        except (TypeError, ValueError):
+            pass
         h.update(name.encode())
     return h.hexdigest()[:16]
 
