@@ -826,9 +826,12 @@ def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_pat
     monkeypatch.setattr(runner, "code_fingerprint", lambda: "other-code")  # the same version, other code
     run_ladder(cfg)
     assert measured[6:] == ["fp32", "bf16_ckpt", "cpu"]
-    monkeypatch.setenv(RERUN_ENV, "1")
+    monkeypatch.setattr(runner, "library_versions", lambda: "torch 9.9.9")  # an upgraded library
     run_ladder(cfg)
     assert measured[9:] == ["fp32", "bf16_ckpt", "cpu"]
+    monkeypatch.setenv(RERUN_ENV, "1")
+    run_ladder(cfg)
+    assert measured[12:] == ["fp32", "bf16_ckpt", "cpu"]
 
 
 def test_the_published_fp16_rows_are_predicted_on_the_pure_16_bit_step_they_build_on(env):

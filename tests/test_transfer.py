@@ -147,7 +147,8 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     # each in its own context: monkeypatch.undo() would also undo results_dir's WORKBENCH_RESULTS,
     # and the runs after it would land in the project's own results/
     for name, value in [("model_fingerprint", lambda *a: "other-weights"), ("__version__", "9.9.9"),
-                        ("code_fingerprint", lambda: "other-code")]:  # code: the same version after a pull
+                        ("code_fingerprint", lambda: "other-code"),  # code: the same version after a pull
+                        ("library_versions", lambda: "torch 9.9.9")]:  # an upgraded library: other kernels
         with monkeypatch.context() as m:
             m.setattr(transfer, name, value)
             assert run_strategies(cfg, progress=False).runs["run_id"][0] != first["run_id"][0]
@@ -265,13 +266,31 @@ def test_the_code_key_follows_every_module_by_content(tmp_path):
     (pkg / "notes.txt").write_text("not code")
     first = code_fingerprint(pkg)
     (pkg / "notes.txt").write_text("other notes")
-    assert code_fingerprint.__wrapped__(pkg) == first  # only modules count
+    assert code_fingerprint(pkg) == first  # only modules count
+    # read on every call, in the same process: a notebook kernel that reloads edited modules (autoreload)
+    # had kept the first call's key for good and read the old code's runs back
     (pkg / "sub" / "b.py").write_text("y = 3\n")
-    assert code_fingerprint.__wrapped__(pkg) != first
+    assert code_fingerprint(pkg) != first
     (pkg / "sub" / "b.py").write_text("y = 2\n")
+    assert code_fingerprint(pkg) == first
     (pkg / "sub" / "b.py").rename(pkg / "b.py")  # the same content elsewhere is other code
-    assert code_fingerprint.__wrapped__(pkg) != first
+    assert code_fingerprint(pkg) != first
     assert len(code_fingerprint()) == 12 and code_fingerprint() == code_fingerprint()
+
+
+def test_the_environment_a_row_carries_follows_the_code_and_the_key_names_each_library(monkeypatch):
+    """environment() had cached the code key with the versions, once a process: rows written after an
+    edit said the old code made them. The libraries' key names each library a run's figures depend on."""
+    from workbench.core import results
+    before = results.environment()["workbench_code"]
+    monkeypatch.setattr(results, "code_fingerprint", lambda: "edited-code")
+    assert before != "edited-code" and results.environment()["workbench_code"] == "edited-code"
+    key = results.library_versions()
+    assert [part.split(" ")[0] for part in key.split(", ")] == list(results.KEY_LIBRARIES)
+    import torch
+    assert f"torch {torch.__version__}" in key
+    monkeypatch.setattr(results, "_version", lambda lib: "0.0" if lib == "peft" else "1.0")
+    assert "peft 0.0" in results.library_versions() and results.library_versions() != key
 
 
 def test_the_commit_a_result_names_says_when_the_code_was_edited(tmp_path, monkeypatch):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
-import functools
 import hashlib
 import importlib.metadata
 import json
@@ -106,13 +105,24 @@ def environment() -> dict[str, Any]:
             **{lib: _version(lib) for lib in ("torch", "transformers", "peft")},
             "cpu": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
-            "git_commit": git_commit(),
-            "workbench_code": code_fingerprint(),
         }
     torch = sys.modules.get("torch")  # imported by whatever trained; never imported just to describe it
-    live = {"torch_threads": torch.get_num_threads() if torch else None,
+    # the code is read on every call: a kernel that reloaded edited modules is another code (~4 ms)
+    live = {"git_commit": git_commit(), "workbench_code": code_fingerprint(),
+            "torch_threads": torch.get_num_threads() if torch else None,
             "gpu": (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none") if torch else None}
     return {**_ENV_CACHE, **live}
+
+
+# what a finished run's figures depend on beyond the workbench's own code: training, memory and kernels
+KEY_LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "deepspeed")
+
+
+def library_versions() -> str:
+    """The installed versions of the libraries a run's figures depend on, as one key ("torch 2.13.0,
+    transformers 5.0.0, ..."): a finished run is read back only under the same ones, so an upgrade
+    (another attention kernel, another optimizer, another allocator) measures again."""
+    return ", ".join(f"{lib} {_version(lib)}" for lib in KEY_LIBRARIES)
 
 
 def _version(lib: str) -> str:
@@ -176,13 +186,14 @@ class RunDir:
 RERUN_ENV = "WORKBENCH_RERUN"
 
 
-@functools.lru_cache(maxsize=None)
 def code_fingerprint(package: Path = PROJECT_ROOT / "workbench") -> str:
     """A key of the code that made a result: every module of the package, by path and content.
 
     Part of a finished run's inputs beside the version: a checkout that pulled new code keeps its
     version string, and a run made by the old code would otherwise be read back as current (its
-    rows without what the new code adds to them, its figures from the old code)."""
+    rows without what the new code adds to them, its figures from the old code). Read on every call
+    (about 4 ms), not once a process: a notebook kernel that reloaded edited modules had kept the
+    old code's key and read back the old code's runs."""
     h = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         h.update(f"{path.relative_to(package).as_posix()}\0".encode())

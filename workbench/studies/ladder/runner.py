@@ -50,7 +50,7 @@ from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
 from workbench.core.models import load_model, model_fingerprint
 from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, atomic_write_text, code_fingerprint,
-                                    read_steps, read_table, results_root, reuse_finished_runs)
+                                    library_versions, read_steps, read_table, results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
 from workbench.studies.ladder.fit_run import past_free, run_choice, search_here
 from workbench.studies.ladder.rungs import measure
@@ -145,7 +145,7 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyRe
     budget = int(cfg.budget_mib * MiB)
     rows: list[dict[str, Any]] = []
     inputs = {"model_fingerprint": model_fingerprint(_resolve(cfg.model), cfg.spec()), "workbench_version": __version__,
-              "workbench_code": code_fingerprint()}
+              "workbench_code": code_fingerprint(), "libraries": library_versions()}
     finished = _finished_rungs(run, inputs) if reuse_finished_runs() else {}
     steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl", fresh=True)
     for row in finished.values():

@@ -46,6 +46,7 @@ from workbench.core.results import (
     RunDir,
     StudyResult,
     code_fingerprint,
+    library_versions,
     read_steps,
     reuse_finished_runs,
 )
@@ -90,7 +91,7 @@ def run_inputs(cfg: StrategiesConfig, corpus) -> dict[str, str]:
     GPU machine, which then read the CPU's run back instead of training on the card."""
     return {"attempts": " ".join(cfg.attempts_as_text()), "corpus_fingerprint": corpus.fingerprint(),
             "model_fingerprint": model_fingerprint(cfg.model, cfg.spec()),
-            "workbench_version": __version__, "workbench_code": code_fingerprint()}
+            "workbench_version": __version__, "workbench_code": code_fingerprint(), "libraries": library_versions()}
 
 
 # ------------------------------------------------------------------------------------------------
