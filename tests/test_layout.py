@@ -36,30 +36,45 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
-def _imports(path: Path) -> tuple[set[str], list[str]]:
-    """(workbench modules imported at top level, workbench imports inside functions)."""
+def _imports(path: Path, module: str = "workbench.probe") -> tuple[set[str], list[str]]:
+    """(workbench modules imported outside functions, workbench imports inside functions).
+
+    Outside functions means anywhere in the module's own code: inside `try:`, `if TYPE_CHECKING:` or a
+    class body too (such an import is an edge all the same); relative imports are resolved from
+    `module`'s package. Only `tree.body`'s plain statements had been read, so an import in a `try:`
+    or `if` block was no edge at all and a relative one no import."""
     tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     top, nested = set(), []
 
     def names(node) -> list[str]:
         if isinstance(node, ast.Import):
             return [a.name for a in node.names]
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            return [f"{node.module}.{a.name}" for a in node.names]
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+            return [f"{base}.{a.name}" for a in node.names]
         return []
 
-    for node in tree.body:
-        for n in names(node):
-            if n.startswith("workbench") and _resolve(n):
-                top.add(_resolve(n))
-    for fn in ast.walk(tree):
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for node in ast.walk(fn):
-                nested += [f"{path.name}:{node.lineno} {n}" for n in names(node) if n.startswith("workbench")]
+    def visit(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for n in names(child):
+                if not n.startswith("workbench"):
+                    continue
+                if inside:
+                    nested.append(f"{path.name}:{child.lineno} {n}")
+                elif _resolve(n):
+                    top.add(_resolve(n))
+            visit(child, inside)
+
+    visit(tree, False)
     return top, nested
 
 
-GRAPH = {m: _imports(p)[0] - {m} for m, p in MODULES.items()}
+GRAPH = {m: _imports(p, m)[0] - {m} for m, p in MODULES.items()}
 
 
 def _layer(module: str) -> tuple[int, str]:
@@ -84,7 +99,7 @@ def test_the_layout_has_the_three_layers_and_each_study_the_same_shape():
 
 
 def test_no_module_imports_a_workbench_module_inside_a_function():
-    nested = [hit for p in MODULES.values() for hit in _imports(p)[1]]
+    nested = [hit for m, p in MODULES.items() for hit in _imports(p, m)[1]]
     assert nested == []
 
 
@@ -124,6 +139,14 @@ def test_the_checker_finds_a_cycle_and_a_nested_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from workbench.core import config\n")
     assert _imports(bad)[1] and "workbench.core.config" not in _imports(bad)[0]
+    # imports in a try or TYPE_CHECKING block, in a class body, or relative, are edges too
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workbench.front import sweep\n"
+                      "try:\n    import workbench.front.live\nexcept ImportError:\n    pass\n"
+                      "class A:\n    from ..front import panel\n"
+                      "from . import results\n")
+    assert _imports(hidden, "workbench.core.probe") == (
+        {"workbench.front.sweep", "workbench.front.live", "workbench.front.panel", "workbench.core.results"}, [])
     GRAPH["workbench.core.config"].add("workbench.core.results")
     GRAPH["workbench.core.results"].add("workbench.core.config")
     try:

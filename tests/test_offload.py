@@ -1597,11 +1597,22 @@ def test_fp16_host_updates_overlap_backward():
 
 
 def test_cuda_calls_name_their_device():
-    """current_stream() without a device is the current GPU's stream, not the model's."""
+    """current_stream() without a device is the current GPU's stream, not the model's; so are
+    Stream() and synchronize(). Read from the source's syntax tree: every such call passes a device
+    that is not None (a text search for "current_stream()" had passed current_stream(None))."""
+    import ast
     import inspect
 
-    src = inspect.getsource(_cuda)
-    assert "current_stream()" not in src and "current_stream(self.device)" in src
+    calls = [n for n in ast.walk(ast.parse(inspect.getsource(_cuda))) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr in ("current_stream", "Stream", "synchronize")
+             and ast.unparse(n.func.value) == "torch.cuda"]
+    assert len(calls) >= 5  # three streams read, two made, one wait for the card: not vacuous
+
+    def device_of(call):
+        given = call.args[:1] + [k.value for k in call.keywords if k.arg == "device"]
+        return ast.unparse(given[0]) if given else None
+
+    assert [device_of(c) for c in calls if device_of(c) in (None, "None")] == []
 
 
 # ---------------------------------------------------------------- gradient clipping (item 8)

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from distributed import Client, LocalCluster
 
-from workbench.core.parallel import cluster, cores, run_many, threads_per_worker, visible_cards
+from workbench.core.parallel import cluster, cores, run_many, visible_cards
 
 RAN = []  # the sequential path runs here: what ran, in order
 
@@ -81,7 +81,7 @@ def test_local_cluster_order_threads_and_errors(monkeypatch):
     assert finished != sorted(finished)  # they did not finish in that order
     pids = {r["pid"] for r in rows}
     assert len(pids) == 2 and os.getpid() not in pids and not RAN  # two worker processes ran them
-    share = threads_per_worker(2)
+    share = max(1, cores() // 2)  # each of two workers half the cores (not the function under test's answer)
     assert {r["omp"] for r in rows} == {str(share)} and {r["torch_threads"] for r in rows} == {share}
     # the run's own exception type and message, raised here; the cluster is closed behind it
     with pytest.raises(Boom, match="run 2 failed on purpose"):
@@ -89,7 +89,7 @@ def test_local_cluster_order_threads_and_errors(monkeypatch):
     assert set(workers()) <= before, "a worker process outlived run_many"
 
 
-def test_local_cluster_listens_on_localhost_only():
+def test_local_cluster_listens_on_localhost_only(tmp_path):
     with cluster(2) as client:
         info = client.scheduler_info()
         assert len(info["workers"]) == 2 and all(w["nthreads"] == 1 for w in info["workers"].values())
@@ -107,6 +107,27 @@ def test_local_cluster_listens_on_localhost_only():
         for a in (address, address.replace("tls://", "tcp://")):  # another process
             stranger = subprocess.run([sys.executable, "-c", STRANGER, a], capture_output=True, text=True, timeout=120)
             assert stranger.stdout.count("refused") == 2, (a, stranger.stdout, stranger.stderr[-2000:])
+        # ... and the refusal is the scheduler's: a stranger that trusts this cluster's authority but has
+        # no certificate of its own completes no handshake (the two above fail on their own side too)
+        ca = tmp_path / "ca.pem"
+        ca.write_text(client.security.tls_ca_file)
+        stranger = subprocess.run([sys.executable, "-c", NO_CERTIFICATE, address, str(ca)], capture_output=True,
+                                  text=True, timeout=120)
+        assert "CERTIFICATE_REQUIRED" in stranger.stdout, (stranger.stdout, stranger.stderr[-2000:])
+
+
+NO_CERTIFICATE = """import socket, ssl, sys
+host, port = sys.argv[1].removeprefix("tls://").rsplit(":", 1)
+trusts = ssl.create_default_context(cafile=sys.argv[2])
+trusts.check_hostname = False
+try:
+    with socket.create_connection((host, int(port)), timeout=5) as raw, trusts.wrap_socket(raw) as tls:
+        tls.settimeout(5)
+        tls.sendall(b"hello")
+        print("connected", tls.recv(16))
+except Exception as e:
+    print(f"refused ({type(e).__name__}: {e})")
+"""
 
 
 STRANGER = """import sys

@@ -30,7 +30,7 @@ from workbench.core.config import ConfigError
 from workbench.core import parallel
 from workbench.core.parallel import cores
 from workbench.front import sweep
-from workbench.front.sweep import (SWEEP_OUT_ENV, SweepBusy, _lock, combine, load_grid, points_from_options, run_sweep, threads_per_worker)
+from workbench.front.sweep import (SWEEP_OUT_ENV, SweepBusy, _lock, combine, load_grid, points_from_options, run_sweep)
 from workbench.studies.strategies.runner import StrategiesConfig
 
 NOTEBOOK = Path(__file__).parent / "notebooks" / "sweep_point.ipynb"
@@ -232,7 +232,7 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, mon
     workers = {json.loads((out / k / "status.json").read_text())["worker"] for k in df.point}
     assert len(workers) == 2 and all(w.startswith("tls://127.0.0.1:") for w in workers), workers
     # two workers on these cores: each kernel got its share of threads, and torch used it
-    share = threads_per_worker(2)
+    share = max(1, cores() // 2)  # half the cores each (not the function under test's answer)
     assert set(ok.omp_threads.astype(int)) == {share}
     assert ok.loc[4, "torch_threads"] == share
     table = pd.read_csv(out / "runs.csv")
