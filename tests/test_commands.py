@@ -214,11 +214,12 @@ def test_three_library_messages_no_user_can_act_on_are_dropped_and_no_other():
              "ids = torch.zeros(1, 4, dtype=torch.long)\n"
              "gpt2(input_ids=ids, labels=ids)\n"
              "logging.getLogger('transformers.modeling_utils').warning('another transformers message')\n"
-             "from bitsandbytes.functional import has_avx512bf16\n"
              "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('another bitsandbytes message')\n"
+             # the message as bitsandbytes logs it on an AVX512-BF16 CPU, said here on any CPU
+             "logging.getLogger('bitsandbytes.backends.cpu.ops').warning('Failed to load CPU gemm_4bit_forward "
+             "from kernels-community: %s. Please make sure you already `pip install kernels`', 'No module named x')\n"
              "warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed in v6.', FutureWarning)\n"
-             "warnings.warn('another deprecation', FutureWarning)\n"
-             "print(has_avx512bf16())\n")
+             "warnings.warn('another deprecation', FutureWarning)\n")
     env = {**subprocess_env(ROOT), "PYTHONWARNINGS": "default"}
     run = [subprocess.run([sys.executable, "-c", probe.format(first=first)], capture_output=True, text=True,
                           timeout=300, env=env, check=True) for first in ("import workbench\n", "")]
@@ -229,8 +230,7 @@ def test_three_library_messages_no_user_can_act_on_are_dropped_and_no_other():
     assert "loss_type=None" not in quiet.stderr
     assert "is_gradient_checkpointing" in plain.stderr  # the probe would see them without the workbench
     assert "loss_type=None" in plain.stderr
-    if plain.stdout.strip() == "True":  # bitsandbytes tries the hub kernel only on AVX512-BF16 CPUs
-        assert "kernels-community" in plain.stderr
+    assert "kernels-community" in plain.stderr  # (bitsandbytes itself says it only on AVX512-BF16 CPUs)
 
 
 def test_on_native_windows_the_package_says_in_one_line_to_use_wsl2():
