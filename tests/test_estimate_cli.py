@@ -384,6 +384,25 @@ def test_bad_setups_are_one_line_naming_the_fix(tiny_config, capsys, args, messa
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_moe_model_whose_experts_the_grouped_kernel_refuses_is_one_line(tmp_path, capsys, device):
+    """Expert rows that are not 16-byte aligned (an intermediate size of 6 in fp32) are refused by
+    torch._grouped_mm, the real kernel and the prediction's alike: that ended `estimate` in a RuntimeError
+    traceback. One line now, naming the sizes to use."""
+    from conftest import tiny_moe_config
+
+    path = tmp_path / "config.json"
+    path.write_text(tiny_moe_config("mixtral").to_json_string())
+    assert main(["estimate", "--model", str(path), "--seq", "16", "--device", device]) == 0  # 48 wide: runs
+    capsys.readouterr()
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "intermediate_size": 6}))
+    assert main(["estimate", "--model", str(path), "--seq", "16", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert "not a multiple of 16 bytes" in err and "multiples of 8" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_setup_from_flags_on_a_card(tiny_config, capsys):
     args = ["estimate", "--model", tiny_config, "--batch", "4", "--seq", "32", "--precision", "bf16-true",
             "--trainable", "lora", "--lora-targets", "q_proj,v_proj", "--checkpointing", "--micro-batch", "2",

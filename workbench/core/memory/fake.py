@@ -21,6 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.live_bytes import model_tensors
 from workbench.core.memory.meta import model_label
@@ -92,6 +93,11 @@ class KernelOutputs(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class GroupedMMRefused(ConfigError, RuntimeError):
+    """An MoE model whose expert matrices torch._grouped_mm refuses (rows not 16-byte aligned): the real
+    kernel's RuntimeError, and a one-line ConfigError for the command that predicted the step."""
+
+
 def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
     """The tensor `torch._grouped_mm` returns, made (empty) as ATen makes it: size and padded strides."""
     floats = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,7 +108,11 @@ def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> tor
     for m in (mat_a, mat_b):  # check_valid_strides_and_return_transposed: one unit stride, the other 16-byte aligned
         (s0, s1), (n0, n1), unit = m.stride()[-2:], m.shape[-2:], 16 // m.element_size()
         if not ((s0 == 1 and s1 >= max(1, n0) and s1 % unit == 0) or (s1 == 1 and s0 >= max(1, n1) and s0 % unit == 0)):
-            raise RuntimeError(f"strides should be multiple of 16 bytes (grouped mm operand of strides {m.stride()})")
+            raise GroupedMMRefused(
+                f"an expert matrix of shape {tuple(m.shape)} in {str(m.dtype).removeprefix('torch.')} has rows that "
+                f"are not a multiple of 16 bytes ({unit} elements): torch._grouped_mm, which transformers runs the "
+                f"experts of MoE models through, refuses it (the model cannot train on this torch either); make "
+                f"hidden_size and the experts' intermediate size multiples of 8")
     a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
     if a2 and b2:
         size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
