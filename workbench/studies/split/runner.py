@@ -311,7 +311,7 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
     claim = {"source": "published", "hardware": f"{claims['setup']['gpu']} + {claims['setup']['cpu']}",
              "run": "seed (HyTrainDNN)", "mode": "adaptive", "model": claims["setup"]["model"],
              "tflops": claims["claims"]["throughput_tflops"], "alpha": claims["claims"]["alpha"],
-             "k_band": f"{lo}-{hi}", "status": "ok"}
+             "k_band": f"{lo}-{hi}", "status": "ok", "published_setting": True}
     shape, m = pm.model_shape(op["model"], op["seq_len"]), pm.machine(op["gpu"], op["host"], host_meas=host)
     sim = pm.simulate(shape, m, min(op["k_seed_formula"], op["k_max_memory"]), op["batch"], recompute=op["recompute"])
     sim.pop("events")  # at the seed's formula capped by what the card holds: uncapped, the card runs out
@@ -323,7 +323,7 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
                  "t_backward_s": op["t_backward_s"], "t_update_host_s": op["t_update_host_s"],
                  "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
                  "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
-                 "mode": "seed formula (no transfers)", "status": "ok" if sim["fits"] else "oom",
+                 "mode": "seed formula (no transfers)", "status": "ok" if sim["fits"] else "oom", "published_setting": True,
                  **({} if sim["fits"] else {"reason": _oom_reason(sim, m)})}
     return [claim, model_row], op
 
