@@ -30,7 +30,7 @@ from workbench.core.memory.offload import REDUCE_BUCKET_SIZE, device_map_max_mem
 from workbench.core.memory.plan import RUNGS, apply_trainable, quantize_4bit
 from workbench.core.memory.predict import predict
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, load_model
-from workbench.core.results import RERUN_ENV
+from workbench.core.results import RERUN_ENV, RunDir
 from workbench.core.trainable import apply_strategy
 from workbench.core.training import TrainSettings, train
 from workbench.studies.ladder import figures as ladder_figures
@@ -763,6 +763,31 @@ def test_the_default_budget_makes_auto_fit_choose_a_middle_setup_of_the_embedded
     assert joint.plan is not None and joint.plan.placement == "device" and not joint.table[0]["fits"]
     assert joint.plan.accum > 1 and cfg.micro_batch // joint.plan.accum * joint.plan.accum == cfg.micro_batch
     assert "micro-batch 4 x 2" in joint.plan.name
+
+
+def test_the_same_ladder_started_twice_at_once_waits_for_the_first(tmp_path, monkeypatch, tiny_base, capsys):
+    """Two callers given the same ladder at once both measured it into one rungs.jsonl and steps.jsonl
+    (and, on a card, each measured its peak beside the other's). The second waits now, said in one line;
+    the first is played by holding the run's lock here."""
+    import threading
+    import time
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32, steps=2,
+                       measure=False, autofit=False, reference_model="")
+    run_dir, done = tmp_path / "ladder" / cfg.run_id(), []
+    with RunDir("ladder", cfg.run_id()).training():
+        second = threading.Thread(target=lambda: done.append(run_ladder(cfg, progress=False)))
+        second.start()
+        said, t0 = "", time.monotonic()
+        while ("being trained by another process" not in said and second.is_alive()
+               and not (run_dir / "rungs.jsonl").exists() and time.monotonic() - t0 < 300):
+            time.sleep(0.2)
+            said += capsys.readouterr().err
+        assert not (run_dir / "rungs.jsonl").exists() and not done  # nothing written while the first holds it
+        assert f"ladder run {cfg.run_id()} is being trained by another process" in said, said
+    second.join(300)
+    assert done and list(done[0].runs["rung"]) == ["fp32"]
 
 
 def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_path, monkeypatch, tiny_base):

@@ -155,6 +155,44 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     assert os.environ["WORKBENCH_RESULTS"] == str(results_dir)
 
 
+def test_the_same_run_started_twice_at_once_is_trained_once(tiny_base, results_dir, capsys):
+    """Two callers given the same run at once (two notebooks, a sweep beside a notebook) had both trained
+    it, each appending to its one steps.jsonl. The second waits for the first now (said in one line),
+    then reads the run back. Threads here: the lock (flock on its own open file) holds between them as
+    between processes."""
+    import threading
+    import time
+
+    cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)
+    started, release, got = threading.Event(), threading.Event(), {}
+
+    def held(row):  # the first caller stays in its first step until the second is waiting
+        started.set()
+        release.wait(120)
+
+    def call(name, sinks):
+        got[name] = run_strategies(cfg, sinks=sinks, progress=False).runs
+
+    first = threading.Thread(target=call, args=("first", [held]))
+    first.start()
+    assert started.wait(300)
+    second = threading.Thread(target=call, args=("second", []))
+    second.start()
+    said, t0 = "", time.monotonic()
+    while "being trained by another process" not in said and second.is_alive() and time.monotonic() - t0 < 300:
+        time.sleep(0.2)
+        said += capsys.readouterr().err
+    release.set()
+    first.join(300)
+    second.join(300)
+    a, b = got["first"].iloc[0], got["second"].iloc[0]
+    steps = (results_dir / "strategies" / a["run_id"] / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in steps] == list(range(1, len(steps) + 1))  # one run's steps
+    assert a["run_id"] == b["run_id"] and not a["reused"] and b["reused"]
+    assert b["ppl_after"] == a["ppl_after"]
+    assert "strategies run bitfit-s0-" in said and "waiting for it to finish" in said, said
+
+
 def test_the_result_read_back_is_the_last_calls_and_each_run_keeps_its_own_environment(tiny_base, results_dir,
                                                                                     monkeypatch):
     """Settings A, then B, then A again (read back, not trained): the notebook's result is A's runs beside

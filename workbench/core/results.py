@@ -178,6 +178,13 @@ class RunDir:
         p = self.path / "summary.json"
         return json.loads(p.read_text()) if p.exists() else None
 
+    def training(self):
+        """Held while this process trains the run (a lock in its folder, released if the process dies):
+        another process given the same run at once waits for it, then finds it finished. Two had
+        trained it side by side, appending to one steps.jsonl."""
+        return locked(self.path / "training", waiting=f"{self.study} run {self.run_id} is being trained by "
+                                                       f"another process; waiting for it to finish")
+
     def config(self) -> dict[str, Any] | None:
         p = self.path / "config.json"
         return json.loads(p.read_text()) if p.exists() else None
@@ -214,14 +221,20 @@ def results_under(path: str | Path):
 
 
 @contextlib.contextmanager
-def locked(path: str | Path):
-    """An exclusive lock (fcntl, a `.lock` file beside `path`) for read-modify-write of a shared table.
+def locked(path: str | Path, waiting: str | None = None):
+    """An exclusive lock (fcntl, a `.lock` file beside `path`) for read-modify-write of a shared table,
+    or for a run while it trains; `waiting` is said (one line) when another holder makes this one wait.
 
     The OS releases it when the holder dies, so a crash never leaves the table locked."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(f"workbench: {waiting}", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:

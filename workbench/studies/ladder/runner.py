@@ -132,7 +132,8 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _run_ladder(cfg, list(sinks), progress)
+        with RunDir(STUDY, cfg.run_id()).training():  # the same ladder started elsewhere at once waits, then reads back
+            return _run_ladder(cfg, list(sinks), progress)
     finally:
         torch.set_num_threads(threads)
 

@@ -239,9 +239,24 @@ class Job:
         return RunDir(STUDY, self.cfg.run_id(self.strategy, self.seed, json.dumps(self.inputs, sort_keys=True)))
 
 
+def finished_row(run: RunDir) -> dict | None:
+    """A run's row if it trained (ok, or fell back), else None: a run skipped or out of memory runs again."""
+    summary = run.summary() if reuse_finished_runs() else None
+    return summary["row"] if summary is not None and summary.get("status") in ("ok", "fallback") else None
+
+
 def run_job(job: Job, sinks: Iterable[Sink] = ()) -> dict:
-    """Train one run and write its folder (config.json first, summary.json last); returns its row."""
+    """Train one run and write its folder (config.json first, summary.json last); returns its row.
+    The run is held while it trains: the same run started elsewhere at once waits, then reads it back."""
     run = job.run_dir()
+    with run.training():
+        if (row := finished_row(run)) is not None:  # another process trained it while this one waited
+            _replay(job, list(sinks))
+            return {**row, "reused": True}
+        return _train_job(job, run, sinks)
+
+
+def _train_job(job: Job, run: RunDir, sinks: Iterable[Sink]) -> dict:
     run.write_config({**job.cfg.to_dict(), "strategy": job.strategy, "seed": job.seed,
                       "train_blocks": len(job.train_blocks), "heldout_blocks": len(job.held_blocks),
                       **job.corpus_info, **job.inputs})
@@ -274,14 +289,12 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     corpus = corpus_for(cfg.model, cfg.corpus, cfg.spec())
     train_blocks, held_blocks = corpus_blocks(tokenizer, corpus, cfg.seq_len, cfg.eval_blocks)
     inputs = run_inputs(cfg, corpus)
-    reuse = reuse_finished_runs()
     jobs = [Job(cfg, s, seed, inputs, corpus.describe(), corpus.overlap.share if corpus.overlap else None,
                 train_blocks, held_blocks) for seed in cfg.seeds for s in cfg.strategies]
     done: dict[int, dict] = {}
     for i, job in enumerate(jobs):
-        summary = job.run_dir().summary() if reuse else None
-        if summary is not None and summary.get("status") in ("ok", "fallback"):  # trained (skipped, oom: run again)
-            done[i] = summary["row"]
+        if (row := finished_row(job.run_dir())) is not None:
+            done[i] = row
     pending = [i for i in range(len(jobs)) if i not in done]
     for i in sorted(done):  # runs read back: the live chart shows what they did (it stayed empty)
         _replay(jobs[i], sinks)
@@ -292,7 +305,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
             _replay(jobs[i], sinks)
     else:
         rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress)
-    reused = set(done)
+    reused = set(done) | {i for i, row in zip(pending, rows) if row.get("reused")}  # one another process trained
     done.update(zip(pending, rows))
     df = pd.DataFrame([done[i] for i in range(len(jobs))])
     df["reused"] = [i in reused for i in range(len(jobs))]  # read back, not trained by this call
