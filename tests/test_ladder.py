@@ -727,6 +727,8 @@ def test_the_report_says_what_a_budget_caps_on_each_device(env):
     run_ladder(LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32,
                             steps=2, measure=False, autofit=False, reference_model=""))
     parts = report_section(load_result())
+    shown = ladder_figures.ladder_table(load_result())  # how the predicted peak was made, not "method: predicted"
+    assert "method" not in shown and list(shown["how_predicted"]) == ["simulated"]
     assert "reserved memory" in BUDGET_NOTE and "live tensor bytes" in BUDGET_NOTE
     assert BUDGET_NOTE in parts[0][2]
     assert "reserved memory on a GPU, live tensor bytes on the CPU" in parts[1][1]

@@ -41,9 +41,14 @@ def budget_mib(result: StudyResult) -> float:
 
 
 def ladder_table(result: StudyResult) -> pd.DataFrame:
-    """The ladder for the model at hand: predicted and measured peak, speed, loss, fit, per rung."""
+    """The ladder for the model at hand: predicted and measured peak, speed, loss, fit, per rung. The
+    runs' `method` (how the predicted peak was made) is shown as `how_predicted`, simulated or estimated:
+    "method: predicted" beside a measured peak had read as if the measured figure were predicted too."""
     hand = _hand(result)
-    return rounded(hand[[c for c in LADDER_COLUMNS if c in hand]])
+    table = rounded(hand[[c for c in LADDER_COLUMNS if c in hand]])
+    if "method" in table:
+        table["method"] = table["method"].replace({"predicted": "simulated"})
+    return table.rename(columns={"method": "how_predicted"})
 
 
 def ladder_figure(result: StudyResult, title: str = "") -> go.Figure:
