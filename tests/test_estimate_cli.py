@@ -371,6 +371,10 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--batch", "4", "--micro-batch", "3"], "--micro-batch 3 must divide --batch 4"),
     (["--batch", "4", "--micro-batch", "0"], "--micro-batch must be a positive integer, got 0"),
     (["--auto-fit"], "--auto-fit needs --budget-mib or --card"),
+    # each had been ignored without a word (a user-journey audit)
+    (["--trainable", "full", "--lora-rank", "4"], "--lora-rank: LoRA's, not --trainable full's; use lora or qlora"),
+    (["--allow-lora", "--card", "8"], "--allow-lora is an option of --search (LoRA may replace full fine-tuning): "
+     "add --search"),
     (["--auto-fit", "--card", "8", "--precision", "bf16-true"], "--auto-fit picks among the named rungs; to search "
      "from a setup of your own, use --search"),
     (["--snapshot", "."], "--snapshot . is a folder; name a file in it, e.g. step.pickle"),
@@ -401,6 +405,17 @@ def test_an_moe_model_whose_experts_the_grouped_kernel_refuses_is_one_line(tmp_p
     err = capsys.readouterr().err
     assert "not a multiple of 16 bytes" in err and "multiples of 8" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_lora_flag_alone_means_lora_with_its_rank(tiny_config, capsys):
+    """--lora-rank 4 alone had predicted full fine-tuning (the rank dropped), while --lora-targets alone
+    meant LoRA: each alone means LoRA now, with the rank given (the adapters' AdamW state says which)."""
+    state = {}
+    for flags in [(), ("--lora-rank", "4"), ("--lora-rank", "8"), ("--lora-targets", "q_proj")]:
+        assert main(["estimate", "--model", tiny_config, "--seq", "32", "--device", "cpu", *flags, "--json"]) == 0
+        state[flags[:2]] = json.loads(capsys.readouterr().out)["predictions"][0]["optimizer_state_bytes"]
+    assert state[("--lora-rank", "4")] < state[("--lora-rank", "8")] < state[()], state
+    assert state[("--lora-targets", "q_proj")] < state[("--lora-rank", "8")], state  # one target of the seven
 
 
 def test_a_setup_from_flags_on_a_card(tiny_config, capsys):

@@ -2,13 +2,11 @@
 
     workbench estimate --model data/configs/qwen2-0.5b.json --batch 1 --seq 512 --rung bf16_ckpt
     workbench estimate --model data/configs/qwen2-0.5b.json --rung all --json
-    workbench estimate --model data/configs/qwen2-0.5b.json --auto-fit --budget-mib 6144
     workbench estimate --model data/configs/qwen2-0.5b.json --auto-fit --card "RTX 4060 Ti 8GB"
     workbench estimate --model data/configs/qwen2-0.5b.json --batch 4 --seq 1024 --precision bf16-true \
         --trainable lora --lora-targets q_proj,v_proj --checkpointing --card "RTX 4060 Ti 8GB"
 
-MODEL is a hub id, a local model directory or a config.json file (the hub may be unreachable:
-a config file always works). The breakdown is printed as a table, or as JSON with bytes.
+MODEL is a hub id, a model directory or a config.json file (works offline); a table, or JSON (bytes).
 A setup is a named rung (--rung) or composed from flags (--precision, --optimizer, --trainable, ...).
 With --device cuda (the default) the step makes CUDA's choices (simulated) and the caching
 allocator and CUDA context are modelled (workbench/core/memory/cuda_model.py); --device cpu predicts
@@ -109,7 +107,10 @@ def _plan(args):
     if targets == ():
         raise ConfigError(f"--lora-targets {args.lora_targets!r} names no module; give comma-separated names "
                           "(e.g. q_proj,v_proj), or leave it out for every linear layer of the decoder")
-    trainable = args.trainable or ("lora" if targets else "full")
+    lora = [f"--{n.replace('_', '-')}" for n in ("lora_rank", "lora_targets") if getattr(args, n) is not None]
+    if lora and args.trainable not in (None, "lora", "qlora"):  # the rank had been dropped without a word
+        raise ConfigError(f"{' and '.join(lora)}: LoRA's, not --trainable {args.trainable}'s; use lora or qlora")
+    trainable = args.trainable or ("lora" if lora else "full")  # a LoRA flag alone means LoRA
     return plan_from_flags(precision=precision, optimizer=args.optimizer or "adamw_torch", trainable=trainable,
                            lora_rank=8 if args.lora_rank is None else args.lora_rank, lora_targets=targets,
                            checkpointing=bool(args.checkpointing), batch=args.batch, micro_batch=args.micro_batch)
@@ -143,6 +144,8 @@ def _check(args) -> list[str]:
                           "optimizer and offload)")
     if args.search and args.budget_mib is None and args.card is None:
         raise ConfigError("--search needs --budget-mib or --card (the memory to fit)")
+    if args.allow_lora and not args.search:  # it had been ignored without a word
+        raise ConfigError("--allow-lora is an option of --search (LoRA may replace full fine-tuning): add --search")
     if args.search and args.auto_fit:
         raise ConfigError("--search and --auto-fit are two searches: pick one (--search keeps the batch and "
                           "searches more than the rungs)")
