@@ -369,6 +369,9 @@ def test_unknown_card_and_a_card_smaller_than_the_weights(tmp_path):
     with pytest.raises(ConfigError, match="unknown card"):
         cm.card("GTX 9999")
     assert cm.card("a100 80gb").total_bytes == 80 * 2**30 and cm.card("8").total_bytes == 8 * 2**30
+    # a size with its unit written, and the one preset a name begins (both had been "unknown card")
+    assert cm.card("8 GiB").total_bytes == cm.card("8gib").total_bytes == 8 * 2**30
+    assert cm.card("T4") is cm.CARDS["T4 16GB"] and cm.card("h200") is cm.CARDS["H200 141GB"]
     with pytest.raises(ConfigError, match="smaller than the weights alone") as fp32:
         predict(str(path), "fp32", batch=1, seq=32, device="cuda", card=0.0001)
     assert fp32.value.args[0].endswith("use a larger --card, --precision bf16-true, --trainable qlora, or --auto-fit "

@@ -365,7 +365,11 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--card", "0.0001"], "estimate: 0.0001 GiB card (0.1 MiB) is smaller than the weights alone"),
     (["--card", "GTX 9999"], "unknown card 'GTX 9999'"),
     (["--trainable", "lora", "--lora-rank", "100000"], "lora_rank 100,000 is more than any layer LoRA adapts can use"),
-    (["--card", "inf"], "--card must be a positive size in GiB or a card name, got 'inf'"),
+    (["--card", "inf"], "--card must be a card name or its size in GiB (more than 0, at most 1,024), got 'inf'"),
+    # a terabyte of headroom had been printed; GB is not GiB, so "8GB" is no size (a user-journey audit)
+    (["--card", "1e9"], "--card must be a card name or its size in GiB (more than 0, at most 1,024), got '1e9'"),
+    (["--card", "8GB"], "unknown card '8GB'; give its size as a number of GiB (e.g. 8) or one of: RTX 3060 12GB"),
+    (["--card", "A100"], "unknown card 'A100' (it begins A100 40GB, A100 80GB); give its size as a number of GiB"),
     (["--trainable", "lora", "--lora-targets", " , "], "--lora-targets ' , ' names no module; give comma-separated"),
     (["--rung", "bf16", "--precision", "fp32"], "--rung and --precision both describe the setup"),
     (["--batch", "4", "--micro-batch", "3"], "--micro-batch 3 must divide --batch 4"),

@@ -200,6 +200,9 @@ CARDS = {c.name: c for c in (
 )}
 
 
+MAX_CARD_GIB = 1024  # more than any card's memory (an H200's 141 GiB, a B200's 180)
+
+
 def card(spec: str | float | Card | None) -> Card | None:
     """A card preset by name (case and spaces ignored), a size in GiB (sm_80 assumed), or "here":
     this machine's card as it is now (card_free_now: what CUDA reports free)."""
@@ -210,16 +213,22 @@ def card(spec: str | float | Card | None) -> Card | None:
         if not torch.cuda.is_available():
             raise ConfigError("--card here: this machine has no CUDA card; name one (e.g. 'T4 16GB') or give its GiB")
         return card_free_now()
-    try:
-        gib = float(spec)
+    text = str(spec).strip()
+    try:  # a number of GiB, its unit written or not ("8", "8 GiB"; "8GB" is a name, GB not being GiB)
+        gib = float(text[:-3] if text.lower().endswith("gib") else text)
     except (TypeError, ValueError):
-        key = str(spec).lower().replace(" ", "").replace("gb", "")
-        for c in CARDS.values():
-            if c.name.lower().replace(" ", "").replace("gb", "") == key:
-                return c
-        raise ConfigError(f"unknown card {spec!r}; use a size in GiB or one of: {', '.join(CARDS)}") from None
-    if not (gib > 0 and math.isfinite(gib)):
-        raise ConfigError(f"--card must be a positive size in GiB or a card name, got {spec!r}")
+        key = text.lower().replace(" ", "").replace("gb", "")
+        names = {c.name.lower().replace(" ", "").replace("gb", ""): c for c in CARDS.values()}
+        if key in names:
+            return names[key]
+        begun = [c for n, c in names.items() if key and n.startswith(key)]  # "T4": the one preset it begins
+        if len(begun) == 1:
+            return begun[0]
+        raise ConfigError(f"unknown card {spec!r}" + (f" (it begins {', '.join(c.name for c in begun)})" if begun else "")
+                          + f"; give its size as a number of GiB (e.g. 8) or one of: {', '.join(CARDS)}") from None
+    if not (0 < gib <= MAX_CARD_GIB):  # a NaN or infinity fails it too; 1e9 had given a terabyte of headroom
+        raise ConfigError(f"--card must be a card name or its size in GiB (more than 0, at most {MAX_CARD_GIB:,}), "
+                          f"got {spec!r}")
     return Card(f"{gib:g} GiB card", int(gib * GiB), DEFAULT_SM)
 
 
