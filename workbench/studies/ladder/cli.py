@@ -275,8 +275,8 @@ def _estimate(args) -> int:
             print(f"{setup} on {args.device}: {p.method} peak 0 MiB on the device (CPU only); host memory "
                   f"{p.host_bytes / MiB:,.1f} MiB ({p.host_bytes:,} bytes) at {p.where}  [{p.seconds:.1f} s]")
         else:
-            print(f"{setup} on {args.device}: {p.method} peak {p.peak_mib:,.1f} MiB ({p.peak_bytes:,} bytes) at "
-                  f"{p.where}  [{p.seconds:.1f} s]")
+            print(f"{setup} on {args.device}: {p.method} peak{' of live tensors' * bool(p.reserved_peak_bytes)} "
+                  f"{p.peak_mib:,.1f} MiB ({p.peak_bytes:,} bytes) at {p.where}  [{p.seconds:.1f} s]")  # not the fit
         if p.device == "cuda" and p.reserved_peak_bytes:
             print(f"  {'':<16} {'live (simulated)':>18} {'allocated (modelled)':>22}")
             for c, b in p.breakdown.items():
