@@ -109,5 +109,5 @@ def not_found_message(name: str, err: Exception,
         f"model {name!r} is not a local directory and could not be loaded from the Hugging Face hub "
         f"({why}). Fix: pass a local directory that holds the model (config.json, tokenizer, "
         f"*.safetensors), run where the hub is reachable once so it is cached (HF_HOME), or use "
-        f"model='embedded'.{hint}"
+        f"the workbench's own base, 'embedded' (--model embedded; model='embedded' in Python).{hint}"
     )

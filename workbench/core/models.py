@@ -330,7 +330,7 @@ def resolve_model_path(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
         raise ModelNotFoundError(
             f"model {name!r}: no such file or directory, and not a Hugging Face model id. Fix: check the "
             f"path (a config.json, or a folder with config.json and *.safetensors), or pass a hub id such "
-            f"as 'Qwen/Qwen2-0.5B', or model='embedded'.")
+            f"as 'Qwen/Qwen2-0.5B', or the workbench's own base, 'embedded' (--model embedded, model='embedded').")
     return name
 
 
