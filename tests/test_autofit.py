@@ -123,6 +123,11 @@ def test_the_fastest_setup_that_fits_with_the_margin_is_chosen(config):
     roomy = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=10_000, keep=1)
     ranked = sorted(candidates(setup, BATCH), key=cost)
     assert roomy.plan.name == ranked[0].name and len(roomy.table) == 1  # the cheapest prior fits: one prediction
+    # what the choice changes of the setup searched from is said (fp32 had become pure bf16 without a word)
+    assert "precision fp32 -> bf16-true" in roomy.changes and all(c in roomy.why for c in roomy.changes)
+    assert roomy.why.endswith("(your setup as given was not predicted: one expected faster fits first)")
+    again = search(config, roomy.plan, batch=BATCH, seq=SEQ, budget_mib=10_000, keep=1)  # from the choice itself
+    assert again.changes == [] and again.why.endswith("; it is your setup as given")
     need = roomy.table[0]["need_mib"]
     # a budget the cheapest setup fits only without the margin: the search moves on, to a setup that
     # fits with it, and says why

@@ -215,6 +215,33 @@ class SetupChoice:
     margin_source: str
     table: list[dict[str, Any]] = field(default_factory=list)  # every setup tried, in order (predicted or ruled out)
     fitting: list[Plan] = field(default_factory=list)  # the step-down order: fastest first, each needing less
+    given: Plan | None = None  # the setup searched from
+
+    def settings(self, p: Plan) -> dict[str, str]:
+        return {"precision": PRECISION_FAMILY.get(p.precision, p.precision),
+                "optimizer": OPTIMIZER_FLAG.get(p.optimizer, p.optimizer), "trainable": p.trainable,
+                "checkpointing": "on" if p.grad_checkpointing else "off", "micro-batch": str(self.batch // p.accum),
+                "placement": p.placement}
+
+    @property
+    def changes(self) -> list[str]:
+        """What the chosen setup changes of the one searched from ("precision fp32 -> bf16-true", ...)."""
+        if self.plan is None or self.given is None:
+            return []
+        a, b = self.settings(self.given), self.settings(self.plan)
+        return [f"{k} {a[k]} -> {b[k]}" for k in a if a[k] != b[k]]
+
+    def _given_text(self) -> str:  # the chosen setup's changes, and what was found of the setup as given
+        if not self.changes:
+            return "; it is your setup as given"
+        row = next((r for r in self.table if self.given is not None and r["need_mib"] is not None
+                    and r["setup"] == self.given_name), None)
+        found = ("your setup as given was not predicted: one expected faster fits first" if row is None else
+                 f"your setup as given {'fits too' if row['fits'] else 'does not fit'}, "
+                 f"{mib_text(row['with_margin_mib'])} MiB with its margin")
+        return f"; it changes {', '.join(self.changes)} ({found})"
+
+    given_name: str = ""  # the search's name of the setup as given (its row, where predicted)
 
     @property
     def micro_batch(self) -> int | None:
@@ -236,7 +263,8 @@ class SetupChoice:
         return (f"{self.plan.name}: predicted {mib_text(row['need_mib'])} MiB + {self.margin:.1%} margin "
                 f"({self.margin_source}) = {mib_text(row['with_margin_mib'])} MiB <= "
                 f"{mib_text(self.budget_bytes / MiB)} MiB{paged}; "
-                f"{len(faster)} setup(s) expected faster did not fit" + (f" (first: {faster[0]})" if faster else ""))
+                f"{len(faster)} setup(s) expected faster did not fit" + (f" (first: {faster[0]})" if faster else "")
+                + self._given_text())
 
 
 def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, device: str = "cuda",
@@ -268,7 +296,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora, sm=sm)
                      if runnable is None or runnable(p)),
                     key=lambda p: (p.trainable != setup.trainable, cost(p, sm)))
-    choice = SetupChoice(None, batch, budget, *margin_of(setup))
+    choice = SetupChoice(None, batch, budget, *margin_of(setup), given=setup)
+    choice.given_name = next((p.name for p in ranked if choice.settings(p) == choice.settings(setup)), "")
     last_need = math.inf
     too_big: dict[tuple, str] = {}  # what earlier predictions showed (ruled_out)
     floors: dict[tuple, tuple[int, str]] = {}
