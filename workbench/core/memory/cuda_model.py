@@ -36,7 +36,6 @@ never freed; a process that ran the step before holds them where that run made t
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
 from dataclasses import dataclass

@@ -216,6 +216,7 @@ class SetupChoice:
     table: list[dict[str, Any]] = field(default_factory=list)  # every setup tried, in order (predicted or ruled out)
     fitting: list[Plan] = field(default_factory=list)  # the step-down order: fastest first, each needing less
     given: Plan | None = None  # the setup searched from
+    given_name: str = ""  # the search's name of the setup as given (its row, where predicted)
 
     def settings(self, p: Plan) -> dict[str, str]:
         return {"precision": PRECISION_FAMILY.get(p.precision, p.precision),
@@ -234,14 +235,11 @@ class SetupChoice:
     def _given_text(self) -> str:  # the chosen setup's changes, and what was found of the setup as given
         if not self.changes:
             return "; it is your setup as given"
-        row = next((r for r in self.table if self.given is not None and r["need_mib"] is not None
-                    and r["setup"] == self.given_name), None)
+        row = next((r for r in self.table if r["need_mib"] is not None and r["setup"] == self.given_name), None)
         found = ("your setup as given was not predicted: one expected faster fits first" if row is None else
                  f"your setup as given {'fits too' if row['fits'] else 'does not fit'}, "
                  f"{mib_text(row['with_margin_mib'])} MiB with its margin")
         return f"; it changes {', '.join(self.changes)} ({found})"
-
-    given_name: str = ""  # the search's name of the setup as given (its row, where predicted)
 
     @property
     def micro_batch(self) -> int | None:
