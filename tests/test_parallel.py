@@ -8,6 +8,7 @@ cores, and no worker process may outlive the call.
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -113,7 +114,10 @@ def test_local_cluster_listens_on_localhost_only(tmp_path):
         ca.write_text(client.security.tls_ca_file)
         stranger = subprocess.run([sys.executable, "-c", NO_CERTIFICATE, address, str(ca)], capture_output=True,
                                   text=True, timeout=120)
-        assert "CERTIFICATE_REQUIRED" in stranger.stdout, (stranger.stdout, stranger.stderr[-2000:])
+        # the scheduler's alert, or its closing the connection before the alert is read (a race seen in CI);
+        # a scheduler that let it in would keep the connection open and say nothing: "timed out"
+        assert re.search(r"refused \(SSL\w*Error: .*(CERTIFICATE_REQUIRED|EOF)", stranger.stdout), (
+            stranger.stdout, stranger.stderr[-2000:])
 
 
 NO_CERTIFICATE = """import socket, ssl, sys
@@ -123,8 +127,7 @@ trusts.check_hostname = False
 try:
     with socket.create_connection((host, int(port)), timeout=5) as raw, trusts.wrap_socket(raw) as tls:
         tls.settimeout(5)
-        tls.sendall(b"hello")
-        print("connected", tls.recv(16))
+        print("connected", tls.recv(16))  # TLS 1.3: the server's verdict on the client comes with the first read
 except Exception as e:
     print(f"refused ({type(e).__name__}: {e})")
 """

@@ -132,14 +132,14 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
+        device = cfg.resolved_device() if cfg.autofit else None  # where auto-fit runs: a missing card says so first
         with RunDir(STUDY, cfg.run_id()).training():  # the same ladder started elsewhere at once waits, then reads back
-            return _run_ladder(cfg, list(sinks), progress)
+            return _run_ladder(cfg, list(sinks), progress, device)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool) -> StudyResult:
-    device = cfg.resolved_device() if cfg.autofit else None  # where auto-fit runs: a missing card says so first
+def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) -> StudyResult:
     run = RunDir(STUDY, cfg.run_id())
     run.write_config(cfg.to_dict())
     config, load, blocks, data_note = model_at_hand(cfg)
