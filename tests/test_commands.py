@@ -87,9 +87,11 @@ def test_a_warning_of_the_workbench_is_one_line_naming_the_command(tiny_base, re
     assert shown == [("a library's own", pd.__file__)] and not capsys.readouterr().err
 
 
-def test_json_is_all_that_reaches_stdout(tiny_base, results_dir, capfd, monkeypatch):
-    """`--json`: whatever is printed while the study runs (here a line on descriptor 1, as a library's
-    log handler or C code writes) goes to stderr; stdout is the runs table alone."""
+@pytest.mark.parametrize("as_json", [True, False])
+def test_json_is_all_that_reaches_stdout(tiny_base, results_dir, capfd, monkeypatch, as_json):
+    """Whatever is printed while the study runs (here a line on descriptor 1, as a library's log
+    handler or C code writes: DeepSpeed's accelerator warning) goes to stderr; stdout is the runs
+    table alone (`--json`) or the table and its findings."""
     ladder = STUDIES["02_ladder"]
     real_run = ladder.run
 
@@ -99,11 +101,13 @@ def test_json_is_all_that_reaches_stdout(tiny_base, results_dir, capfd, monkeypa
 
     monkeypatch.setitem(STUDIES, "02_ladder", dataclasses.replace(ladder, run=noisy_run))
     code = main(["ladder", "--quick", "rungs=[fp32, cpu]", "breakdown_rung=fp32", "reference_model=''", "autofit=false",
-                 "steps=2", "micro_batch=2", "seq_len=32", "--json"])
+                 "steps=2", "micro_batch=2", "seq_len=32"] + ["--json"] * as_json)
     out, err = capfd.readouterr()
-    rows = json.loads(out)
-    assert "noise" in err
-    assert code == 0 and sorted(r["rung"] for r in rows) == ["cpu", "fp32"]
+    assert "noise" in err and "noise" not in out and code == 0
+    if as_json:
+        assert sorted(r["rung"] for r in json.loads(out)) == ["cpu", "fp32"]
+    else:
+        assert out.splitlines()[0].startswith("rung ")
 
 
 def test_the_cli_starts_without_the_notebook_stack_and_charts_still_render_as_plotly_json():

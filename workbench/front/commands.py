@@ -85,8 +85,8 @@ def main(args) -> int:
         return 0
     given = parse_assignments(args.assignments)
     cfg = nb.config.from_dict(nb.quick_under(given) if args.quick else given)
-    with stdout_to_stderr(args.json):  # with --json, stdout carries the runs table alone
-        result = nb.run(cfg)
+    with stdout_to_stderr():  # what is printed while it runs (DeepSpeed's accelerator warning, progress)
+        result = nb.run(cfg)  # goes to stderr: stdout carries the runs table and findings alone
     if args.json:
         print(result.runs.to_json(orient="records", indent=1))
     else:
