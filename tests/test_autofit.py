@@ -169,7 +169,7 @@ def test_a_setup_that_fits_only_with_its_paged_state_paged_out_says_so(config, m
     row = tight.table[0]
     assert row["fits"] and row["fits_only_paged_out"] and tight.plan.name == row["setup"]
     assert f"with its {mib_text(row['paged_mib'])} MiB of paged optimizer state paged out to the host" in tight.why
-    args = types.SimpleNamespace(json=False, model="tiny", batch=BATCH, seq=SEQ)
+    args = types.SimpleNamespace(json=False, model="tiny", batch=BATCH, seq=SEQ, device="cuda")
     assert cli._print_search(args, tight, between, setup, "--budget-mib") == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith(row["setup"][:40])]
     assert line.endswith(f"yes  (only with its {mib_text(row['paged_mib'])} MiB of paged state paged out)"), line
@@ -291,7 +291,12 @@ def test_estimate_search_from_the_command_line(config, tmp_path, capsys, monkeyp
     # than its CUDA context is a one-line error (it was "budget must be positive, got -479.52...")
     assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--precision", "bf16-true",
                  "--search", "--card", "RTX 4060 Ti 8GB"]) == 0
-    head = capsys.readouterr().out.splitlines()[:2]
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[:2]
+    # the table's prior column and need are said (prior: an assumed cost, not a measurement)
+    assert [line for line in lines if line.startswith("prior: ")] == [
+        "prior: step time relative to fp32 AdamW, the product of each mechanism's assumed cost (autofit.py COSTS, "
+        "not measured); need: the predicted reserved peak it is compared with"]
     assert head[0].endswith("budget 7,467 MiB (RTX 4060 Ti 8GB's 8,188 MiB less its CUDA context, 721 MiB modelled)")
     assert head[1] == "searched from your setup: custom (bf16-true, adamw_torch, full)"
     # the search is for the card named: before sm_80 (a T4) bf16 is emulated, and fp16 is the fast half precision
@@ -409,7 +414,7 @@ def test_a_bound_that_rules_out_nothing_that_fits(config, capsys):
     first = choice.table[0]
     under = search(config, _setup(), batch=2, seq=SEQ, budget_mib=first["floor_mib"] * 0.99, **fp32)
     assert [bool(r["not_predicted"]) for r in under.table] == [False, True, True, True]
-    args = types.SimpleNamespace(json=False, model="tiny", batch=2, seq=SEQ)
+    args = types.SimpleNamespace(json=False, model="tiny", batch=2, seq=SEQ, device="cuda")
     assert cli._print_search(args, under, first["floor_mib"] * 0.99, _setup(), "--budget-mib") == 1
     out = capsys.readouterr().out
     (line,) = [line for line in out.splitlines() if line.startswith(under.table[-1]["setup"])]
@@ -437,3 +442,29 @@ def test_the_least_cap_is_replayed_only_when_read(config, monkeypatch):
     q = predict(config, choice.plan, batch=2, seq=SEQ, device="cuda")
     before = q.seconds
     assert q.row()["predict_seconds"] == q.seconds > before  # a row made first (the replay inside it) counts it
+
+
+def test_the_choice_says_whether_the_setup_as_given_fits_where_it_was_predicted(config):
+    """The why names what the choice changes of the setup as given and what the search found of
+    that setup: fits too, does not fit (with its need), or not predicted (a faster one fitted first)."""
+    given = _setup(precision="bf16-mixed")  # the search offers bf16-true (faster by the prior) before it
+
+    def run(p):  # micro-batch 8, full AdamW on the device: bf16-true, bf16-mixed; each with checkpointing or not
+        return (p.placement == "device" and p.optimizer == "adamw_torch" and p.trainable == "full" and p.accum == 1
+                and p.precision in ("bf16", "bf16_true"))
+
+    roomy = search(config, given, batch=BATCH, seq=SEQ, budget_mib=10_000, runnable=run, keep=4, margin=0.0)
+    need = {r["setup"]: r["need_mib"] for r in roomy.table}
+    assert roomy.plan.name == roomy.table[0]["setup"] and roomy.given_name == roomy.table[1]["setup"]
+    assert roomy.why.endswith(f"it changes precision bf16-mixed -> bf16-true (your setup as given fits too, "
+                              f"{mib_text(need[roomy.given_name])} MiB with its margin)")
+    first = search(config, given, batch=BATCH, seq=SEQ, budget_mib=10_000, runnable=run, keep=1, margin=0.0)
+    assert first.why.endswith("(your setup as given was not predicted: one expected faster fits first)")
+    # a budget only checkpointing fits: the setup as given was predicted on the way, and did not fit
+    ckpt = min(need, key=need.get)
+    assert "checkpointing" in ckpt and need[ckpt] < min(v for k, v in need.items() if "checkpointing" not in k)
+    tight = search(config, given, batch=BATCH, seq=SEQ, budget_mib=need[ckpt], runnable=run, keep=1, margin=0.0)
+    assert tight.plan.name == ckpt and tight.why.endswith(
+        "it changes precision bf16-mixed -> bf16-true, checkpointing off -> on (your setup as given does not fit, "
+        f"{mib_text(need[tight.given_name])} MiB with its margin)"), tight.why
+    assert tight.given_name in [r["setup"] for r in tight.table if r["fits"] is False]

@@ -337,8 +337,7 @@ def _estimate(args) -> int:
     if cuda:
         print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
               "smi: reserved + the CUDA context (modelled; with --card here, all in use on the card now, measured); "
-              "device_map, zero_offload and zero_offload_params: the "
-              "card's share (simulated placement, host memory in the note)")
+              "device_map, zero_offload and zero_offload_params: the card's share (simulated placement, host memory in the note)")
     if on_card:
         first = next(iter(preds.values()))
         print(f"card: {first.card} ({first.card_bytes / MiB:,.0f} MiB) less the CUDA context ({first.context_source}) "
@@ -382,6 +381,8 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
               + (f"  (only with its {mib_text(r['paged_mib'])} MiB of paged state paged out)"
                  if r["fits_only_paged_out"] else "")
               + (f"  (not predicted: {r['not_predicted']})" if r["not_predicted"] else ""))
+    print("prior: step time relative to fp32 AdamW, the product of each mechanism's assumed cost (autofit.py COSTS, "
+          f"not measured); need: the predicted {'reserved peak' if args.device == 'cuda' else 'peak'} it is compared with")
     if any(r["not_predicted"] for r in choice.table):
         print("not predicted: what a prediction made above showed for a setup holding the same weights and optimizer "
               "state (it differs only in micro-batch and checkpointing); --json names which")
@@ -396,5 +397,4 @@ _SHORT = {"optimizer_state": "optimizer"}  # the column's heading; the JSON keep
 
 
 def p_cats():
-
     return CATEGORIES
