@@ -165,9 +165,36 @@ def test_blocks_and_unigram(tiny_base):
     assert held.flatten().tolist() == ids[:len(ids) // 32 * 32] and len(ids) - held.numel() < 32
     ppl = unigram_perplexity(train, held, len(tok))
     assert 1 < ppl < len(tok)
-    # add-one counts fitted on the training blocks alone: tokens 0, 1, 1, 1 of 3 -> (2, 4, 1) / 7
-    fit = unigram_perplexity(torch.tensor([[0, 1], [1, 1]]), torch.tensor([[1, 0]]), 3)
-    assert fit == pytest.approx(math.exp(-(math.log(4 / 7) + math.log(2 / 7)) / 2), rel=1e-12)
+    # add-one counts fitted on the training blocks alone: tokens 0, 1, 1, 1 of 3 -> (2, 4, 1) / 7; scored
+    # on every held-out token but each block's first (0 and 2 here), as a causal LM is
+    fit = unigram_perplexity(torch.tensor([[0, 1], [1, 1]]), torch.tensor([[1, 0, 2], [2, 1, 1]]), 3)
+    assert fit == pytest.approx(math.exp(-(math.log(2 / 7) + math.log(1 / 7) + 2 * math.log(4 / 7)) / 4), rel=1e-12)
     with pytest.raises(CorpusError, match=r"text of 3 tokens is shorter than one block of seq_len 4,096 tokens: "
                                           "lower seq_len"):
         token_blocks(tok, "tiny", 4096)
+
+
+def test_the_unigram_floor_scores_the_tokens_a_language_model_is_scored_on(tiny_base):
+    """A causal LM whose every prediction is the unigram distribution, scored by `evaluate_perplexity`
+    (transformers' own causal-LM loss: each block's first token is never predicted), has exactly the
+    unigram floor's perplexity: the floor and the model's figure compare the same tokens."""
+    from transformers import AutoTokenizer
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from workbench.core.training import evaluate_perplexity
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    train, held = corpus_blocks(tok, target_corpus(), 32)
+    counts = torch.bincount(train.flatten(), minlength=len(tok)).double() + 1.0
+
+    class Unigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logp = torch.nn.Parameter((counts / counts.sum()).log().float())
+
+        def forward(self, input_ids, labels):
+            logits = self.logp.expand(*input_ids.shape, -1)
+            return type("Out", (), {"loss": ForCausalLMLoss(logits, labels, len(tok))})
+
+    model_ppl = evaluate_perplexity(Unigram(), held[:40], batch_size=16)  # batches of 16, 16 and 8 blocks
+    assert unigram_perplexity(train, held[:40], len(tok)) == pytest.approx(model_ppl, rel=1e-5)

@@ -350,7 +350,9 @@ def corpus_blocks(tokenizer, corpus: Corpus, seq_len: int,
 
 
 def unigram_perplexity(train: torch.Tensor, heldout: torch.Tensor, vocab_size: int) -> float:
-    """Held-out perplexity of an add-one unigram model fitted on `train`: the floor any LM must beat."""
+    """Held-out perplexity of an add-one unigram model fitted on `train`: the floor any LM must beat.
+    Scored on the tokens a causal LM is scored on (`evaluate_perplexity`): every token of a block but
+    the first, which has no context to be predicted from."""
     counts = torch.bincount(train.flatten(), minlength=vocab_size).double() + 1.0
     logp = (counts / counts.sum()).log()
-    return float(torch.exp(-logp[heldout.flatten()].mean()))
+    return float(torch.exp(-logp[heldout[:, 1:].flatten()].mean()))
