@@ -41,7 +41,8 @@ from workbench.studies.split.perf_model import (GB, assumed, band_intervals, hos
     validation_points)
 from workbench.studies.split.preflight import MemoryHold
 from workbench.studies.split.reference import plain_adamw
-from workbench.studies.split.runner import measured_runs, run_split_study, text_batches
+from workbench.studies.split.batches import text_batches
+from workbench.studies.split.runner import measured_runs, run_split_study
 from workbench.studies.split.zero_baseline import dist_backend
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
@@ -841,6 +842,34 @@ def test_a_modelled_row_says_where_its_host_rate_came_from():
         assert {r["host_share_from"] for r in rows} == {said}
 
 
+def test_the_same_settings_started_twice_at_once_are_measured_one_after_the_other(tmp_path, monkeypatch, tiny_base,
+                                                                                   capsys):
+    """Two callers given the same settings at once had both written each run's one steps.jsonl (one
+    truncating it while the other appended) and timed their runs on shared cores. The second waits
+    now, said in one line; the first is played by holding the settings' lock here."""
+    import threading
+    import time
+
+    from workbench.core.results import locked
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.5], "adaptive": False, "reference": False})
+    done, said = [], ""
+    with locked(tmp_path / "split" / f"{cfg.hash()}-measuring"):
+        second = threading.Thread(target=lambda: done.append(run_split_study(cfg)))
+        second.start()
+        t0 = time.monotonic()
+        while "being measured by another process" not in said and second.is_alive() and time.monotonic() - t0 < 300:
+            time.sleep(0.2)
+            said += capsys.readouterr().err
+        time.sleep(1)  # time enough to start a run's folder, had it not waited
+        assert not list((tmp_path / "split").glob("*/steps.jsonl")) and not done  # nothing while the first measures
+        assert f"split: study 3 with these settings ({cfg.hash()}) is being measured by another process" in said
+    second.join(300)
+    assert done and list(done[0].runs.query("source == 'measured'")["status"]) == ["ok"]
+    assert len(list((tmp_path / "split").glob("*/steps.jsonl"))) == 1
+
+
 def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     seen = []
@@ -1127,7 +1156,7 @@ def test_the_base_stays_on_the_cpu_after_its_perplexity_on_the_card(error):
     second model beside each run's own copy, counted in every run's `mem_mib`. Played: the card is
     a device the base's `to` pretends to move to, or runs out of memory on (torch's error, or
     CUDA's own: a cuBLAS handle on a full card); any other error is not a perplexity on the CPU."""
-    from workbench.studies.split.runner import base_perplexity, heldout_ppl
+    from workbench.studies.split.batches import base_perplexity, heldout_ppl
 
     base = tiny_qwen()
     held = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))

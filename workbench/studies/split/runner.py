@@ -26,6 +26,7 @@ workbench.studies.split.figures; the widget app: workbench.front.apps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -35,14 +36,13 @@ import pandas as pd
 import torch
 
 from workbench.core.common import Sink
-from workbench.core.data import corpus_blocks
-from workbench.core.fallback import freed_on_interrupt, out_of_memory, release
-from workbench.core.models import check_seq_len, corpus_for, load_model
-from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, read_table, results_root
-from workbench.core.training import evaluate_perplexity
+from workbench.core.fallback import freed_on_interrupt, release
+from workbench.core.models import check_seq_len, load_model
+from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, locked, read_table, results_root
 from workbench.studies.split import perf_model as pm
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import balance_k, settled
+from workbench.studies.split.batches import base_perplexity, heldout_ppl, text_batches
 from workbench.studies.split.config import STUDY, SplitConfig
 from workbench.studies.split.engine import SplitEngine, first_decision
 from workbench.studies.split.hostbench import measure_host
@@ -79,37 +79,6 @@ class _RunSink:
             for sink in self.sinks:
                 sink(row)
         self.rows = []
-
-
-# ---------------------------------------------------------------- model and data
-def text_batches(cfg: SplitConfig, tokenizer) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(training batches, held-out blocks) from the target corpus: `steps` batches of `micro_batch` consecutive
-    blocks (from a seeded block, wrapping around), the same for every run; `eval_blocks` held-out blocks."""
-    train, held = corpus_blocks(tokenizer, corpus_for(cfg.model, cfg.corpus, cfg.spec()), cfg.seq_len, cfg.eval_blocks)
-    start = int(torch.randint(0, len(train), (1,), generator=torch.Generator().manual_seed(cfg.seed)))
-    batches = []
-    for i in range(cfg.steps):
-        idx = (start + i * cfg.micro_batch + torch.arange(cfg.micro_batch)) % len(train)
-        batches.append(train[idx])
-    return batches, held[: cfg.eval_blocks]
-
-
-def heldout_ppl(model, held: torch.Tensor) -> float:
-    return evaluate_perplexity(model, held, batch_size=8)
-
-
-def base_perplexity(base, held: torch.Tensor, device: torch.device) -> float:
-    """The base's held-out perplexity on `device` (on the CPU where its fp32 weights do not fit on
-    the card); the base is left on the CPU, so a card holds one run's copy at a time."""
-    try:
-        ppl = heldout_ppl(base.to(device), held)
-    except Exception as e:  # a card too small for the fp32 weights (the runs may still fit)
-        if not out_of_memory(e):  # CUDA's own (a cuBLAS handle) as well as torch's
-            raise
-        ppl = None
-    base.to("cpu")
-    release(device)
-    return heldout_ppl(base, held) if ppl is None else ppl
 
 
 # ---------------------------------------------------------------- measured runs
@@ -350,13 +319,18 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
                 rd.write_config({**cfg.to_dict(), "run": name})
                 return rd
 
-        with freed_on_interrupt(cfg.resolved_device()):  # ^C: the runs' model is not kept on the card by the traceback
+        # the same settings started elsewhere at once wait: both had written each run's one steps.jsonl
+        # (and timed their runs on shared cores); study 3 reuses nothing, so the second measures after the first
+        hold = locked(results_root() / STUDY / f"{key}-measuring", waiting=f"split: study 3 with these settings "
+                      f"({key}) is being measured by another process; waiting for it to finish") \
+            if cfg.write_results else contextlib.nullcontext()
+        with hold, freed_on_interrupt(cfg.resolved_device()):  # ^C: the runs' model is not kept on the card
             runs, steps, events = measured_runs(cfg, sinks, run_dir)
-        # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth, per core (the host
-        # model scales it to the named host's cores; on a shared machine a multi-threaded measurement mostly
-        # measures the other processes: 2 threads seen 50x slower under load, 1 unchanged). About a second.
-        torch.set_num_threads(1)
-        host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)
+            # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth, per core (the host
+            # model scales it to the named host's cores; on a shared machine a multi-threaded measurement mostly
+            # measures the other processes: 2 threads seen 50x slower under load, 1 unchanged). About a second.
+            torch.set_num_threads(1)
+            host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)
         mod_rows, mod_events = modelled_runs(cfg, host)
         pub_rows, op = published_rows(host)
         verdict = pm.seed_verdict(host)
