@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbench.core.common import MiB, in_wsl
+from workbench.core.common import MiB, in_wsl, mib_text
 from workbench.core.config import ConfigError
 from workbench.core.memory import allocator, card_load, cuda_model
 from workbench.core.memory.accounting import CATEGORIES, MemoryAccounting, MemoryReport
@@ -296,7 +296,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         peak, breakdown, where = report.steady_peak_bytes, report.breakdown(), report.where()
         host, host_breakdown = placed.host.steady_peak_bytes, placed.host.breakdown()
         placement = _placement_text(plan, placed.summary)
-        note = (f"simulated placement: {placement}; host memory {host / MiB:,.0f} MiB at its own peak"
+        note = (f"simulated placement: {placement}; host memory {mib_text(host / MiB)} MiB at its own peak"
                 + ("; estimated: fp16 autocast needs CUDA, bf16 simulated instead" if as_bf16 else ""))
     elif plan.precision == "fp16" and not simulated_fp16:
         report = _estimate_fp16(config, plan, batch=batch, seq=seq, steps=steps, instrumented=instrumented)
@@ -313,7 +313,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         if plan.placement == "cpu":
             # Everything lives in host memory: the simulated peak is the host's; the device holds nothing.
             host, peak, host_breakdown, breakdown = peak, 0, breakdown, dict.fromkeys(CATEGORIES, 0)
-            note = f"CPU only: nothing is on the device; host memory {host / MiB:,.0f} MiB at its own peak (simulated)"
+            note = f"CPU only: nothing is on the device; host memory {mib_text(host / MiB)} MiB at its own peak (simulated)"
         if plan.optimizer == "paged_adamw8bit" and device == "cuda":
             pageable = report.breakdown()["optimizer_state"]
             note = "paged 8-bit state lives in CUDA unified memory outside torch's allocator; " + (
