@@ -409,3 +409,52 @@ def test_the_tables_keep_a_swept_threads_and_no_earlier_grids_runs(tmp_path):
     (tmp_path / "study_runs.csv").write_text("point,x\nold,1\n")  # an earlier grid's
     write_tables(tmp_path, points, set())
     assert not (tmp_path / "study_runs.csv").exists() and len(pd.read_csv(tmp_path / "runs.csv")) == 2
+
+
+def test_a_stopped_rerun_gives_the_finished_run_back(tmp_path, counter):
+    """--rerun deleted a finished point's status, notebook and results as its new run started, so a
+    rerun stopped there (Ctrl-C, SIGTERM, SIGKILL) lost a run that had finished. They are kept aside
+    now until the new run finishes: a stopped rerun puts them back, a finished one replaces them."""
+    out = tmp_path / "sweep"
+    point = out / sweep.plan(NOTEBOOK, [{"x": 3}])[1][0].key  # the folder a sweep of x=3 keeps
+    point.mkdir(parents=True)
+
+    def spec(**params):
+        (point / "point.json").write_text(json.dumps({"notebook": str(NOTEBOOK), "parameters": {"x": 3, **params}}))
+
+    spec()
+    env = {SWEEP_OUT_ENV: str(out)}
+    first = sweep.run_point(point, env=env)
+    assert first["status"] == "ok" and first["results"]["x_squared"] == 9
+    (point / "results").mkdir()
+    (point / "results" / "study.txt").write_text("the finished run's")
+    kept = {p.name: p.read_bytes() for p in point.iterdir() if p.is_file() and p.name != "point.json"}
+    assert {"status.json", "sweep_result.json", "sweep_point.ipynb"} <= set(kept)
+
+    spec(sleep_s=600.0)  # the rerun holds until stopped
+    done = []
+    rerun = threading.Thread(target=lambda: done.append(sweep.run_point(point, env={**env, "WORKBENCH_RERUN": "1"})))
+    rerun.start()
+    wait_until(lambda: sweep_processes(out) and len(runs_of(counter)) == 2, 120, "the rerun's kernel to start")
+    assert not (point / "status.json").exists() and not (point / "results").exists()  # the rerun's own, started afresh
+    sweep.abandon_points(str(out))  # what the sweep's Ctrl-C does on each worker
+    rerun.join(60)
+    assert done == [{"status": "abandoned"}]
+    assert {p.name: p.read_bytes() for p in point.iterdir() if p.is_file() and p.name != "point.json"} == kept
+    assert (point / "results" / "study.txt").read_text() == "the finished run's"
+    assert not (point / sweep.PREVIOUS).exists()
+
+    # killed before it could give them back (SIGKILL): the next sweep gives them back and reuses the point
+    spec()
+    sweep.set_aside(point, ("status.json", "sweep_result.json", "sweep_point.ipynb", "stderr.log", "results"))
+    assert not (point / "status.json").exists() and (point / sweep.PREVIOUS / "status.json").exists()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sweep.parallel, "cluster", None)  # nothing may run: the point is finished again
+        again = run_sweep(NOTEBOOK, [{"x": 3}], out=out, progress=False)
+    assert list(again.reused) == [True] and list(again.x_squared) == [9] and len(runs_of(counter)) == 2
+    assert json.loads((point / "status.json").read_text()) == first and not (point / sweep.PREVIOUS).exists()
+
+    # a rerun that finishes replaces the finished run, and nothing is kept aside
+    second = sweep.run_point(point, env={**env, "WORKBENCH_RERUN": "1"})
+    assert second["status"] == "ok" and second["finished"] != first["finished"] and len(runs_of(counter)) == 3
+    assert not (point / "results").exists() and not (point / sweep.PREVIOUS).exists()

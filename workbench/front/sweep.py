@@ -31,6 +31,7 @@ Layout (default `<out>` = results/sweeps/<notebook stem>/):
     <out>/<key>/results/           $WORKBENCH_RESULTS of this run (a study's own tables)
     <out>/<key>/stderr.log         the kernel's and papermill's own warnings
     <out>/<key>/status.json        written last, atomically: status ok or error, seconds, error
+    <out>/<key>/.previous/         a finished point's files while --rerun runs it again (back if stopped)
 
 `<key>` is the study config's `.hash()` for a study notebook (so points that spell the same config
 differently are one run), else a hash of the sorted parameters.
@@ -48,8 +49,9 @@ same paths (a shared filesystem). A failed run is a row (status error, the error
 is a run whose worker died, or one that took longer than --timeout (its kernel is killed).
 
 Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun
-redoes every point, e.g. after the notebook changed, since the key is the parameters only). A
-point's status.json is written only after its executed notebook is complete and renamed into
+redoes every point, e.g. after the notebook changed, since the key is the parameters only; a
+finished point's files are kept aside until its new run finishes, and a rerun stopped any way gives
+them back, by itself or at the next call). A point's status.json is written only after its executed notebook is complete and renamed into
 place, so a run stopped halfway has none and is redone. A finished point's files are on disk the
 moment it finishes and runs.csv is rebuilt from the points' folders (after each finished point and
 by every call), so a sweep killed any way (Ctrl-C, SIGTERM, SIGKILL, a crash) loses no finished
@@ -73,6 +75,7 @@ import fcntl
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -87,8 +90,8 @@ from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, now, results_root
 from workbench.front.notebooks import failure, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
-from workbench.front.sweep_points import (combine, load_grid, plan, points_from_options, read_status,
-                                          write_tables)
+from workbench.front.sweep_points import (PREVIOUS, combine, give_back, load_grid, plan, points_from_options,
+                                          read_status, set_aside, write_tables)
 
 SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
 # A run is killed this long after --timeout if papermill's per-cell timeout did not stop it first.
@@ -144,8 +147,10 @@ def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[
         spec = json.loads((point_dir / "point.json").read_text())
         stem, timeout_s = Path(spec["notebook"]).stem, spec.get("timeout_s")
         final, partial = point_dir / f"{stem}.ipynb", point_dir / f".{stem}.partial.ipynb"
-        for stale in ("status.json", RESULT_FILE, final.name, partial.name, "stderr.log"):
-            (point_dir / stale).unlink(missing_ok=True)
+        outputs = ("status.json", RESULT_FILE, final.name, partial.name, "stderr.log", "results")
+        if (read_status(point_dir) or {}).get("status") != "ok":
+            outputs = outputs[:-1]  # a failed or stopped run's results/ stay: its study reads finished runs back
+        set_aside(point_dir, outputs)  # a finished run's: kept until this one finishes
         timed_out = threading.Event()  # papermill's timeout is per cell; this one is for the whole run
         def stop_run():
             timed_out.set()
@@ -168,6 +173,7 @@ def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[
             finally:
                 watchdog.cancel()
         if error and str(point_dir) in _ABANDONED:  # killed by the sweep's stop: no status, redone later
+            give_back(point_dir, outputs)  # a stopped --rerun: the finished run it was redoing is back
             return {"status": "abandoned"}
         if timed_out.is_set():
             error, trace = f"TimeoutError: the run passed --timeout {timeout_s:g} s; its kernel was killed", None
@@ -183,6 +189,7 @@ def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[
                   "threads": os.environ.get("OMP_NUM_THREADS"), "results": results, "traceback": trace,
                   "worker": worker.address if worker is not None else None}
         atomic_write_json(point_dir / "status.json", status)  # last: a status here means finished
+        shutil.rmtree(point_dir / PREVIOUS, ignore_errors=True)  # the run it replaces
         return status
 
 
@@ -253,6 +260,9 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     except OSError as e:  # a file of that name, or a folder this user cannot write in
         raise ConfigError(f"--out {out}: cannot make the sweep's folder there ({e.strerror}); name another") from None
     lock = _lock(out)  # released in the finally below, or by the OS if this process dies
+    for p in planned:  # a rerun killed before it could give a finished run back (SIGKILL): given back now
+        if not (out / p.key / "status.json").exists():
+            give_back(out / p.key)
     reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
     todo = [p for p in planned if p.key not in reused]
     workers = max(1, min(workers, len(todo) or 1))
@@ -264,7 +274,7 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
                  f"{workers} worker(s) x {threads_per_worker(workers)} thread(s)")
         print(f"sweep {path.stem}: {len(planned)} points, {len(reused)} already finished, {where} -> {out}",
               file=sys.stderr, flush=True)
-    for p in todo:  # a point's old status stays until its new run starts (a stopped --rerun loses nothing)
+    for p in todo:  # a finished point run again keeps its outputs aside until the new run finishes
         (out / p.key).mkdir(exist_ok=True)
         atomic_write_json(out / p.key / "point.json", {"notebook": str(path), "parameters": p.parameters,
                                                        "key": p.key, "timeout_s": timeout_s})

@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +216,43 @@ def read_status(point_dir: Path) -> dict[str, Any] | None:
         return json.loads((point_dir / "status.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+PREVIOUS = ".previous"  # a finished point's outputs while it is run again (--rerun)
+
+
+def set_aside(point_dir: Path, names: tuple[str, ...]) -> None:
+    """Before a point runs: its outputs `names` go, except a finished (ok) run's, which move into
+    `PREVIOUS` until the new run finishes; a stopped rerun gives them back (`give_back`)."""
+    prev = point_dir / PREVIOUS
+    keep = not prev.exists() and (read_status(point_dir) or {}).get("status") == "ok"
+    if keep:
+        prev.mkdir()
+    for name in names:
+        path = point_dir / name
+        if keep and path.exists():
+            os.replace(path, prev / name)
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def give_back(point_dir: Path, names: tuple[str, ...] = ()) -> bool:
+    """A rerun that did not finish: its partial outputs `names` go and the finished run's come back
+    (each over what the rerun left of the same name). False where nothing was set aside."""
+    prev = point_dir / PREVIOUS
+    if not prev.is_dir():
+        return False
+    for path in [point_dir / n for n in names] + [point_dir / p.name for p in prev.iterdir()]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    for p in prev.iterdir():
+        os.replace(p, point_dir / p.name)
+    prev.rmdir()
+    return True
 
 
 BOOKKEEPING = ("point", "status", "seconds", "error", "notebook", "finished", "kernel_threads", "reused")
