@@ -99,6 +99,8 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
     # test (left behind, every later DeepSpeed subprocess of the suite took this one port: EADDRINUSE)
     for name, value in single_process_env().items():
         monkeypatch.setenv(name, value)
+    groups = []  # the one-process group each rung makes (on the card: NCCL, which a CPU-only torch lacks)
+    monkeypatch.setattr(ladder, "single_process_group", groups.append)
     for name in ("empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)
     partitioned = []  # ZeRO-3 partitions the model from the host first (it moves the buffers to the card)
@@ -115,7 +117,7 @@ def test_a_zero_rung_that_fails_on_the_card_destroys_its_engine(monkeypatch):
             ladder.measure_offloaded(RUNGS[rung_name], lambda: model, torch.zeros(4, 8, dtype=torch.long), batch=1,
                                      steps=1, device=torch.device("cuda"), lr=1e-3)
     assert engine.destroyed == 2 and torch.nn.functional.linear is linear
-    assert partitioned == ["zero_offload_params"]
+    assert partitioned == ["zero_offload_params"] and groups == [torch.device("cuda")] * 2
     monkeypatch.undo()
     assert os.environ.get("MASTER_PORT") == before
 
@@ -141,6 +143,8 @@ def test_an_offloaded_setup_trains_what_its_plan_trains(monkeypatch):
     monkeypatch.setattr(deepspeed, "initialize", initialize)
     for name, value in single_process_env().items():
         monkeypatch.setenv(name, value)
+    groups = []  # the one-process group each rung makes (on the card: NCCL, which a CPU-only torch lacks)
+    monkeypatch.setattr(ladder, "single_process_group", groups.append)
     for name in ("empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)
     lora = RUNGS["zero_offload"].compose("zero lora", "", trainable="lora")

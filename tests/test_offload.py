@@ -1246,7 +1246,9 @@ for b in batches:
     opt.step()
     opt.zero_grad()
     losses.append(loss.item())
-print(json.dumps({"why": why, "rows": rows, "reference": losses}))
+import psutil  # the sockets the process group left listening (it lives as long as the process)
+listening = sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN})
+print(json.dumps({"why": why, "rows": rows, "reference": losses, "listening": listening}))
 """
 
 
@@ -1256,7 +1258,8 @@ def test_zero_offload_trains_as_adamw_with_the_clip_it_is_given():
     backend builds it), on the CPU accelerator, in a child process (it starts a process group). Every
     other test of run_zero_offload plays deepspeed.initialize, so a wrong config (betas, weight decay,
     the clip, the optimizer's type) or a config DeepSpeed refuses, which the study reports as a
-    skipped row, went unseen. Its losses are torch's AdamW with clip_grad_norm_ on the same batches."""
+    skipped row, went unseen. Its losses are torch's AdamW with clip_grad_norm_ on the same batches; its
+    process group listens on the loopback interface only."""
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-c", _REAL_ZERO_OFFLOAD], cwd=root, capture_output=True, text=True,
                           timeout=900, env=subprocess_env(root))
@@ -1266,6 +1269,9 @@ def test_zero_offload_trains_as_adamw_with_the_clip_it_is_given():
     assert [r["iteration"] for r in got["rows"]] == [0, 1, 2, 3] and all(r["tokens"] == 64 for r in got["rows"])
     assert got["reference"][-1] != got["reference"][0]  # the updates change the loss: a parity that can fail
     assert [r["loss"] for r in got["rows"]] == pytest.approx(got["reference"], abs=1e-5)
+    # nothing listens beyond this machine: DeepSpeed's own rendezvous (env://) left an unauthenticated
+    # TCPStore on every interface for the life of the process
+    assert got["listening"] and set(got["listening"]) <= {"127.0.0.1", "::1"}, got["listening"]
 
 
 def test_zero_offload_is_destroyed_after_an_error_too(monkeypatch):

@@ -41,13 +41,11 @@ from tests.zero3_trace import recording, recording_reduces
 from transformers import AutoModelForCausalLM
 from workbench.core.memory.plan import RUNGS
 from workbench.studies.ladder.rungs import partition_on_host, zero_config
-from workbench.core.common import single_process_env
-for k, v in single_process_env().items():
-    os.environ.setdefault(k, v)
+from workbench.core.common import single_process_group
 settings, bucket, accum = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 try:  # the one step a machine may lack (a process group); what follows is the code under test, whose
     # errors fail the test (they had been caught with this one and reported as a skip)
-    deepspeed.init_distributed(dist_backend="gloo")
+    single_process_group("cpu")  # as the ladder makes it: an in-memory store, loopback sockets
 except Exception as e:
     print(json.dumps({"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
     sys.exit(0)
@@ -210,13 +208,11 @@ from tests.conftest import tiny_config
 from transformers import AutoModelForCausalLM
 from workbench.core.memory.plan import RUNGS
 from workbench.studies.ladder.rungs import partition_on_host, zero_config
-from workbench.core.common import single_process_env
-for k, v in single_process_env().items():
-    os.environ.setdefault(k, v)
+from workbench.core.common import single_process_group
 on_host = sys.argv[1] == "1"
 try:  # the one step a machine may lack (a process group); what follows is the code under test, whose
     # errors fail the test (they had been caught with this one and reported as a skip)
-    deepspeed.init_distributed(dist_backend="gloo")
+    single_process_group("cpu")  # as the ladder makes it: an in-memory store, loopback sockets
 except Exception as e:
     print(json.dumps({"unavailable": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}))
     sys.exit(0)

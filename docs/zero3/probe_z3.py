@@ -26,7 +26,8 @@ from deepspeed.runtime.zero import stage3 as s3
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 import transformers as T
 
-deepspeed.init_distributed(dist_backend="gloo")
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+# (deepspeed.init_distributed's env:// rendezvous would leave a TCPStore listening on every interface)
 
 if variant == "q05":
     cfg = T.Qwen2Config(vocab_size=9500, hidden_size=56, intermediate_size=304, num_hidden_layers=24,

@@ -21,7 +21,8 @@ import deepspeed
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, InflightParamRegistry
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-deepspeed.init_distributed(dist_backend="gloo")
+torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+# (deepspeed.init_distributed's env:// rendezvous would leave a TCPStore listening on every interface)
 
 d = json.load(open(sys.argv[1]))
 mode = sys.argv[2]

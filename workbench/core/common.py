@@ -11,6 +11,8 @@
     in_wsl       whether this is Linux under Windows (WSL2: pinned host memory is limited)
     single_process_env  the torch.distributed variables of a one-process group (rank 0 of 1) on a
                  free local port, for DeepSpeed
+    single_process_group  that group, made with an in-memory store and loopback sockets (no port
+                 open to the network); dist_backend: its backend for a device
     stdout_to_stderr  standard output sent to standard error for a while (a `--json` command's
                  work: its stdout carries the JSON alone)
 """
@@ -98,6 +100,31 @@ def single_process_env() -> dict[str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def dist_backend(device) -> str:
+    """torch.distributed backend for a one-process DeepSpeed run on `device`: DeepSpeed's CUDA
+    accelerator expects NCCL (gloo has no CUDA collectives for ZeRO's reduce paths); gloo on the CPU."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def single_process_group(device) -> None:
+    """A torch.distributed group of this process alone (rank 0 of 1) for DeepSpeed, unless one exists
+    (a launcher's). Its store is in memory: DeepSpeed's own rendezvous (env://) starts a TCPStore
+    that listens on every interface, whatever MASTER_ADDR says (that is where clients connect),
+    unauthenticated, for the rest of the process. Gloo's and NCCL's sockets are on the loopback
+    interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: lo, where not set already). The variables of
+    `single_process_env` are set too, where unset: DeepSpeed reads RANK and LOCAL_RANK."""
+    import torch.distributed as dist
+
+    for k, v in single_process_env().items():
+        os.environ.setdefault(k, v)
+    if dist.is_initialized():
+        return
+    backend = dist_backend(device)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # read when NCCL makes its first communicator
+    with environ({"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}):  # read as the group is made
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def host_free_mib() -> float:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbench.core.common import clear_stale_build_lock, in_wsl, single_process_env
+from workbench.core.common import clear_stale_build_lock, in_wsl, single_process_group
 from workbench.core.config import ConfigError
 from workbench.core.fallback import out_of_memory
 from workbench.core.memory.accounting import MemoryAccounting
@@ -246,8 +246,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
     else:
         import deepspeed
 
-        for k, v in single_process_env().items():
-            os.environ.setdefault(k, v)
+        single_process_group(device)  # in-memory store, loopback sockets: DeepSpeed's own rendezvous listens on all
         if plan.grad_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             if getattr(model, "config", None) is not None:  # what transformers does then anyway, without its warning

@@ -8,19 +8,12 @@ them after backward. One process, rank 0 of 1: NCCL when the model is on CUDA, g
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from workbench.core.common import clear_stale_build_lock, one_line, single_process_env
+from workbench.core.common import clear_stale_build_lock, dist_backend, one_line, single_process_group  # noqa: F401
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE  # DeepSpeed's default
-
-
-def dist_backend(device: torch.device | str) -> str:
-    """torch.distributed backend for a one-process DeepSpeed run on `device`: DeepSpeed's CUDA
-    accelerator expects NCCL (gloo has no CUDA collectives for ZeRO's reduce paths); gloo on the CPU."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: float, weight_decay: float,
@@ -29,12 +22,8 @@ def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: fl
     ([], reason) when DeepSpeed cannot run here."""
     try:
         import deepspeed
-        import torch.distributed as dist
 
-        if not dist.is_initialized():
-            for k, v in single_process_env().items():
-                os.environ.setdefault(k, v)
-            deepspeed.init_distributed(dist_backend=dist_backend(next(model.parameters()).device))
+        single_process_group(next(model.parameters()).device)  # no port open to the network (DeepSpeed's own would)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         config = {
             "train_micro_batch_size_per_gpu": batches[0].shape[0],
