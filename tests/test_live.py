@@ -93,6 +93,20 @@ def test_knobs_validate_like_the_parameters_cell_and_run():
     assert len(seen) == 1 and "seeds" in panel.message.value
 
 
+def test_no_knob_runs_code_a_dashboard_viewer_chooses():
+    """The panel is a Voila app too, whose viewers must not run code: study 1's offered
+    trust_remote_code (a hub repository's Python) and a Dask scheduler address (which hands the
+    kernel pickles to load). Set in code, they are kept as given; asked for by name, still no knob."""
+    seen = []
+    given = StrategiesConfig(trust_remote_code=True, scheduler="tls://10.0.0.5:8786")
+    for fields in (None, ["token_budget", "trust_remote_code", "scheduler"]):
+        panel = knobs(StrategiesConfig, given, seen.append, fields=fields)
+        assert "token_budget" in panel.controls
+        assert not {"trust_remote_code", "scheduler"} & set(panel.controls)
+        panel.button.click()
+        assert seen[-1].trust_remote_code is True and seen[-1].scheduler == "tls://10.0.0.5:8786"
+
+
 PLOTLY = "application/vnd.plotly.v1+json"
 KERNEL_CODE = """
 from workbench.front.live import LiveChart

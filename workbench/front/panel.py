@@ -3,7 +3,7 @@
     panel = knobs(StrategiesConfig, cfg, on_run=run_fn)   # one widget per config field + Run
     panel                                                   # show it in a notebook or Voila
 
-Each field of the config becomes a widget chosen from its type (Literal: dropdown, bool: checkbox,
+Each field of the config (but `NOT_A_KNOB`'s) becomes a widget chosen from its type (Literal: dropdown, bool: checkbox,
 int/float/str: text boxes, a tuple with known choices: multi-select, other tuples: a YAML list).
 Run builds the config with `from_dict`, the same validation as the notebook's `parameters` cell,
 so a bad value is shown as the same error and nothing runs. `on_run(cfg)` runs inside the panel's
@@ -20,6 +20,12 @@ import ipywidgets as W
 import yaml
 
 from workbench.core.config import Config, ConfigError
+
+
+# Set in code, never offered as knobs: the panel is also a Voila app, whose viewers must not run code
+# (trust_remote_code runs a hub repository's Python; a Dask scheduler of their choosing hands this
+# kernel pickles to load). A value given in the config is kept.
+NOT_A_KNOB = ("trust_remote_code", "scheduler")
 
 
 def _label_width(names: list[str]) -> str:
@@ -73,7 +79,7 @@ class Knobs(W.VBox):
         hints = get_type_hints(config_cls)
         helps = config_cls.help()
         meta = config_cls.fields()
-        names = fields or list(meta)
+        names = [n for n in fields or meta if n not in NOT_A_KNOB]
         self.hints = hints
         label_width = _label_width(names)
         self.controls: dict[str, W.Widget] = {
