@@ -94,13 +94,17 @@ def test_local_cluster_listens_on_localhost_only(tmp_path):
     with cluster(2) as client:
         info = client.scheduler_info()
         assert len(info["workers"]) == 2 and all(w["nthreads"] == 1 for w in info["workers"].values())
-        # the scheduler's HTTP endpoint (health, metrics) is up, but not the dashboard
-        with pytest.raises(urllib.error.HTTPError, match="404"):
-            urllib.request.urlopen(f"http://127.0.0.1:{info['services']['dashboard']}/status")
         me = psutil.Process()
         listening = [c.laddr for p in [me, *me.children(recursive=True)]
                      for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
         assert len(listening) >= 3 and {a.ip for a in listening} == {"127.0.0.1"}, listening
+        # no dashboard, and no HTTP route of the scheduler's or the workers' (logs, call stacks and metrics
+        # had been served without a token to every user here)
+        assert info["services"]["dashboard"] in {a.port for a in listening}
+        for a in listening:
+            for path in ("/status", "/info/main/workers.html", "/metrics", "/health"):
+                with pytest.raises(OSError):  # 404 (an HTTPError), or not HTTP at all: the TLS ports
+                    urllib.request.urlopen(f"http://127.0.0.1:{a.port}{path}", timeout=5)
         # 127.0.0.1 is every user's of this machine: only a holder of this cluster's certificate may
         # connect (plain TCP let any local process run code as this user through the scheduler)
         address = client.scheduler.address

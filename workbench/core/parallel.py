@@ -58,7 +58,10 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # A LocalCluster's scheduler: a worker holds exactly one task (runs are long and uneven, so no
 # task waits behind another on a busy worker while a free one idles), and a run that killed its
 # worker is an error, not retried three times.
-_LOCAL_CONFIG = {"distributed.scheduler.worker-saturation": 1.0, "distributed.scheduler.allowed-failures": 0}
+_LOCAL_CONFIG = {"distributed.scheduler.worker-saturation": 1.0, "distributed.scheduler.allowed-failures": 0,
+                 # their HTTP endpoints serve no route: /info (logs, call stacks) and /metrics had no token,
+                 # open to every user of this machine (127.0.0.1 is theirs too)
+                 "distributed.scheduler.http.routes": [], "distributed.worker.http.routes": []}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,7 +194,7 @@ def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
             # TLS with a certificate made for this cluster (Security.temporary): on 127.0.0.1 alone any
             # process of any user here could connect to plain TCP and run code as this user
             host="127.0.0.1", security=True,
-            dashboard_address=None,  # no dashboard; its HTTP endpoint on a free local port:
+            dashboard_address=None,  # no dashboard; its HTTP endpoint (serving no route) on a free local port:
             scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
             env=thread_env(threads_per_worker(workers)),
             silence_logs=logging.CRITICAL,  # a run's exception is raised here, not logged twice
