@@ -176,12 +176,15 @@ def test_existing_scheduler():
     with LocalCluster(n_workers=1, processes=True, threads_per_worker=1, host="127.0.0.1",
                       dashboard_address=None, memory_limit=0) as cluster, \
             Client(cluster, set_as_default=False) as client:
-        rows = run_many(probe, [2, 0, 1], scheduler=cluster.scheduler_address, progress=False)
+        # plain TCP is said: whoever reaches the scheduler can run code on its workers
+        with pytest.warns(UserWarning, match=r"^the Dask scheduler tcp://127\.0\.0\.1:\d+ speaks plain TCP: "
+                                             r".*use tls:// with Dask's distributed.comm.tls settings$"):
+            rows = run_many(probe, [2, 0, 1], scheduler=cluster.scheduler_address, progress=False)
         assert [r["x"] for r in rows] == [2, 0, 1]
         worker_pids = set(client.run(os.getpid).values())
         assert {r["pid"] for r in rows} == worker_pids
         # the only task on this host may use every core
         assert {r["torch_threads"] for r in rows} == {cores()}
-        with pytest.raises(Boom):
+        with pytest.raises(Boom), pytest.warns(UserWarning, match="plain TCP"):
             run_many(explode_at_2, [2], scheduler=cluster.scheduler_address, progress=False)
         assert set(client.run(os.getpid).values()) == worker_pids  # the scheduler's worker lives on

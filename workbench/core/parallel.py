@@ -39,13 +39,14 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import dask
 import psutil
 from distributed import (Client, Future, KilledWorker, LocalCluster, WorkerPlugin, as_completed, get_client,
                          get_worker)
-from distributed.comm import get_address_host, resolve_address
+from distributed.comm import get_address_host, parse_address, resolve_address
 from tqdm.auto import tqdm
 
 from workbench.core.config import ConfigError
@@ -178,7 +179,10 @@ def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
     cards their launcher gave them."""
     if scheduler:
         try:  # an address checked first: a Client that fails on one hangs for a minute when collected
-            resolve_address(scheduler)
+            if parse_address(resolve_address(scheduler))[0] == "tcp":
+                warnings.warn(f"the Dask scheduler {scheduler} speaks plain TCP: whoever reaches it can run code "
+                              "on its workers, and one posing as it on the network, in this process; use tls:// "
+                              "with Dask's distributed.comm.tls settings", stacklevel=3)
             client = Client(scheduler, set_as_default=False, timeout=SCHEDULER_TIMEOUT_S)
         except (OSError, ValueError) as e:  # not an address (ValueError), unknown host or unreachable (OSError)
             raise ConfigError(f"cannot use the Dask scheduler {scheduler!r}: {' '.join(str(e).split())} "
