@@ -5,9 +5,9 @@
     .venv/bin/python benchmarks/monitor_overhead.py --device cuda   # on a card (also: workbench gpu-check --only monitor)
 
 What it counts: the wall time of `workbench.core.training.train` on a small random Qwen2 (hidden
-128, 4 layers, vocab 2048; batch 8 x 128, fused AdamW; `gpu_programs.monitor_workload`) on
-`--device` without and with a MemoryMonitor sampling every `--interval` s (process RSS via psutil;
-on a card also NVML and torch's CUDA counters) and sending each row to a sink. Each run is timed
+128, 4 layers, vocab 2048; batch 8 x 128, fused AdamW; `gpu_programs.monitor_workload`, lengthened
+to last about `--run-s` a run, as gpu-check's) on `--device` without and with a MemoryMonitor
+sampling every `--interval` s (process RSS via psutil; on a card also NVML and torch's CUDA counters) and sending each row to a sink. Each run is timed
 the same way, from outside (`memory.monitor.overhead`): time.perf_counter around the whole `train`
 call (with the monitor, its start and stop included; on CUDA after a synchronize), after
 gc.collect(). The order alternates ABBA (off, on | on, off | ...), so neither side always runs
@@ -35,29 +35,37 @@ import torch  # noqa: E402
 
 from workbench.core.memory.monitor import overhead  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
-from workbench.front.gpu_programs import MONITOR_TARGET, monitor_workload  # noqa: E402
+from workbench.front.gpu_programs import MONITOR_TARGET, RUN_S, monitor_workload, workload_lasting  # noqa: E402
 from workbench.front.sweep import threads_per_worker  # noqa: E402
 
 NAME = "monitor_overhead"
-VERSION = 3  # bump when the method changes (2: default interval 0.5 s; 3: ABBA order, a real run's threads)
+VERSION = 4  # bump when the method changes (2: default interval 0.5 s; 3: ABBA order, a real run's threads;
+# 4: each run lengthened to about --run-s, as gpu-check's)
 TARGET = MONITOR_TARGET  # at most 1% of a run's time
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4, help="off/on pairs (order reversed every round)")
-    ap.add_argument("--steps", type=int, default=15, help="training steps per run")
+    ap.add_argument("--steps", type=int, default=15, help="training steps per run, at least (see --run-s)")
+    ap.add_argument("--run-s", type=float, default=RUN_S, help="lengthen a run to about this many seconds (0: "
+                    "--steps as given); 15 steps took 0.3 s on an H200, timing the monitor's start and stop")
     ap.add_argument("--interval", type=float, default=0.5, help="monitor sampling interval (s); at 0.1 s it cost about 4%% here")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the monitor adds NVML and torch's CUDA counters)")
     ap.add_argument("--threads", type=int, default=threads_per_worker(1),
                     help="torch threads (default: what a real run gets, all usable cores)")
     args = ap.parse_args()
+    if args.rounds < 1 or args.steps < 1 or args.interval <= 0 or args.threads < 1 or args.run_s < 0:
+        print(f"{NAME}: --rounds, --steps and --threads must be at least 1, --interval positive and --run-s "
+              "0 or more", file=sys.stderr)
+        return 2
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    run, params = monitor_workload(device, args.steps)
+    params = monitor_workload("meta", 1)[1]
+    run, steps = workload_lasting(device, args.steps, args.run_s)  # a run of seconds, not its start and stop
     print(f"{NAME} v{VERSION}: {params / 1e6:.1f}M params, "
-          f"{args.steps} steps x {args.rounds} off/on pairs, interval {args.interval} s, {device}, "
+          f"{steps} steps x {args.rounds} off/on pairs, interval {args.interval} s, {device}, "
           f"{args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
 
     result = overhead(run, device, rounds=args.rounds, interval_s=args.interval, say=print)
@@ -69,7 +77,7 @@ def main() -> int:
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio, "unit": "ratio (with / without monitor)",
                 "median_round_ratio": statistics.median(ratios), "threads": args.threads,
                 "start_stop_ms": 1e3 * result["start_stop_s"],
-                "detail": f"rounds={args.rounds} steps={args.steps} interval={args.interval} threads={args.threads} order=ABBA "
+                "detail": f"rounds={args.rounds} steps={steps} interval={args.interval} threads={args.threads} order=ABBA "
                           f"device={device.type}",
                 "load_avg": os.getloadavg()[0]})
     print(f"{NAME}: {ratio:.4f}")
