@@ -114,6 +114,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=threads_per_worker(1),
                     help="torch threads for all loops (default: what a real run gets, all usable cores)")
     args = ap.parse_args()
+    if min(args.steps, args.rounds, args.batch, args.threads) < 1 or args.budget_mib < 0:
+        print("loop_overhead: --steps, --rounds, --batch and --threads must be at least 1, --budget-mib 0 or more",
+              file=sys.stderr)
+        return 2
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     spec = EmbeddedSpec()

@@ -60,6 +60,12 @@ def main() -> int:
     ap.add_argument("--validate", action="store_true", help="write results/ladder/validation.csv instead")
     ap.add_argument("--cards", action="store_true", help="re-predict the committed card records instead")
     args = ap.parse_args()
+    unknown = [r for r in args.rungs if r not in RUNGS]
+    if not args.rungs or unknown or args.batch < 1 or args.seq < 1 or args.threads < 1:
+        print(f"{NAME}: " + (f"unknown rung(s) {', '.join(unknown)}; known: {', '.join(RUNGS)}" if unknown else
+                             "--rungs needs at least one rung" if not args.rungs else
+                             "--batch, --seq and --threads must be at least 1"), file=sys.stderr)
+        return 2
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)
     if args.cards:

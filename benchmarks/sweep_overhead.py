@@ -53,6 +53,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=8, help="points of the sweep (default 8)")
     ap.add_argument("--workers", type=int, default=1, help="parallel workers (default 1: per-run cost)")
     args = ap.parse_args()
+    if args.runs < 1 or args.workers < 1:
+        print(f"{NAME}: --runs and --workers must be at least 1", file=sys.stderr)
+        return 2
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
 
     import papermill  # noqa: F401  (the sweeping process imports it once; not part of a run)

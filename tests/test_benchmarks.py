@@ -1,0 +1,51 @@
+"""The benchmark scripts' own behaviour (their figures are not asserted here: targets live in the
+scripts, which print them and write them to results/benchmarks.csv): bad arguments are one line on
+stderr and exit 2, before anything is timed; the short real runs write the row their last line states."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, results_dir, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "WORKBENCH_RESULTS": str(results_dir)})
+
+
+@pytest.mark.parametrize("args, said", [
+    (["benchmarks/cpu_adam.py", "--numel", "10"], "cpu_adam: --numel must be at least 50"),  # was a ZeroDivisionError
+    (["benchmarks/cpu_adam.py", "--rounds", "0"], "cpu_adam: --numel must be at least 50 (50 tensors), --reps"),
+    (["benchmarks/loop_overhead.py", "--rounds", "0"], "loop_overhead: --steps, --rounds, --batch and --threads"),
+    (["benchmarks/monitor_overhead.py", "--rounds", "0"], "monitor_overhead: --rounds, --steps and --threads"),
+    (["benchmarks/predict_ladder.py", "--rungs"], "predict_ladder: --rungs needs at least one rung"),
+    (["benchmarks/predict_ladder.py", "--rungs", "fp32", "nosuch"], "predict_ladder: unknown rung(s) nosuch; known: fp32"),
+    (["benchmarks/sweep_overhead.py", "--runs", "0"], "sweep_overhead: --runs and --workers must be at least 1"),
+])
+def test_a_bad_argument_is_one_line_and_exit_2(args, said, tmp_path):
+    out = _run(args, tmp_path, timeout=120)
+    lines = [line for line in out.stderr.splitlines() if "[WARNING]" not in line]  # DeepSpeed's accelerator line
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(said), out.stderr[-2000:]
+    assert not (tmp_path / "benchmarks.csv").exists()
+
+
+def test_cpu_adam_measures_its_headline_pair_in_alternating_rounds_and_writes_its_row(tmp_path):
+    out = _run(["benchmarks/cpu_adam.py", "--numel", "200000", "--reps", "1", "--rounds", "3", "--threads", "1"],
+               tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    row = pd.read_csv(tmp_path / "benchmarks.csv").iloc[-1]
+    assert last == f"cpu_adam: {row['value']:.3f}" and row["version"] == 4 and row["rounds"] == 3
+    probe_line = next(line for line in out.stdout.splitlines() if "Adam-pattern probe" in line)
+    rounds = probe_line.split("(rounds: ")[1].split(";")[0].split(", ")
+    fused = probe_line.split("torch_fused's: ")[1].split(";")[0].split(", ")
+    assert len(rounds) == len(fused) == 3  # each side measured once a round
+    assert float(row["memory_bytes_per_s"]) / 1e9 == pytest.approx(max(map(float, rounds)), abs=0.051)
+    assert json.loads(row["details"])["torch_fused"]["bytes_per_s"] / 1e9 == pytest.approx(max(map(float, fused)),
+                                                                                           abs=0.051)
