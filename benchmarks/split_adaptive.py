@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -113,6 +114,12 @@ def main() -> int:
                           "detail": f"rounds={args.rounds} iterations={args.iterations} warmup={args.warmup} "
                                     f"device={device.type} k_last={k_last} best_fixed={best_fixed} "
                                     + " ".join(f"{n}={v:.0f}" for n, v in med.items()),
+                          # what each round printed: backward per run, the adaptive run's probes, its slowdown
+                          # of backward and its tokens/s after the last move of k (None: it never settled)
+                          "rounds_json": json.dumps({n: [{k: r[k] for k in ("tokens_per_s", "backward_ms", "k_last",
+                                                                           "probes", "interference_ms",
+                                                                           "settled_tokens_per_s", "settled_from")}
+                                                         for r in rs] for n, rs in got.items()}),
                           "load_avg": os.getloadavg()[0]})
     print(f"{NAME}: {ratio:.4f}")
     return 0

@@ -1892,6 +1892,13 @@ def test_split_adaptive_benchmark_runs_and_writes_its_row(results_dir):
     assert last.startswith("split_adaptive: ") and float(last.split()[-1]) > 0
     row = pd.read_csv(results_dir / "benchmarks.csv").iloc[-1]
     assert row["benchmark"] == "split_adaptive" and row["value"] == pytest.approx(float(last.split()[-1]), rel=1e-3)
+    # what each round printed is in the row too: the adaptive run's backward, probes and settled speed
+    import json
+
+    rounds = json.loads(row["rounds_json"])
+    assert set(rounds) == {"k=0", "k=1", "adaptive"} and all(len(v) == 1 for v in rounds.values())
+    adaptive = rounds["adaptive"][0]
+    assert f"backward {adaptive['backward_ms']:>7.1f} ms" in out.stdout and adaptive["probes"] >= 0
     bad = subprocess.run([sys.executable, "benchmarks/split_adaptive.py", "--iterations", "2", "--warmup", "2"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--iterations must exceed --warmup" in bad.stderr
