@@ -91,7 +91,8 @@ def main() -> int:
     config = model_config(args.model)
     print(f"{NAME} v{VERSION}: {Path(args.model).name}, batch {args.batch} x seq {args.seq}, "
           f"{args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
-    predict(config, "fp32", batch=1, seq=16)  # warm-up: imports and first-call caches, not counted
+    predict(config, "fp32", batch=1, seq=16, device=args.device)  # warm-up: imports and first-call caches (of
+    # the device predicted for: a CUDA path's had fallen in the first rung's time), not counted
     rows = []
     print(f"  {'rung':<20} {'method':<10} {'peak MiB':>10} {'seconds':>8}  where")
     for name in args.rungs:
