@@ -300,8 +300,11 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     too_big: dict[tuple, str] = {}  # what earlier predictions showed (ruled_out)
     floors: dict[tuple, tuple[int, str]] = {}
     with tqdm(total=len(ranked), desc="auto-fit", unit="setup", disable=not progress, file=sys.stderr) as bar:
+        least = math.inf  # while nothing fits: the least need with its margin so far (a user may stop there)
         for plan in ranked:
-            bar.set_postfix_str(plan.name)
+            bar.set_postfix_str(plan.name if choice.plan or least == math.inf else
+                                f"{plan.name}; nothing fits yet, the least need {mib_text(least / MiB)} MiB with "
+                                f"its margin, over the budget's {mib_text(budget_mib)} MiB")
             t0 = time.perf_counter()
             m, src = margin_of(plan)
             row = {"setup": plan.name, "prior_cost": round(cost(plan, sm), 3), "margin": m, "fits": False,
@@ -327,6 +330,7 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
                     floors.setdefault(_floor_key(plan), (floor_bytes(p), plan.name))
             need = math.inf if p is None else p.fit_bytes if torch.device(device).type == "cuda" else p.peak_bytes
             fits = need * (1 + m) <= budget
+            least = min(least, need * (1 + m))
             # a paged optimizer's state is left out of the need (it pages out under pressure): say where
             # the setup fits only because it does, which costs host transfers in every step that touches it
             paged = 0 if p is None or not p.pages_out else p.pageable_bytes
