@@ -24,7 +24,7 @@ import transformers
 from tests.conftest import subprocess_env
 from workbench.cli import main
 from workbench.core import common
-from workbench.core.common import single_process_env
+from workbench.core.common import dist_backend, single_process_env
 from workbench.core.config import ConfigError
 from workbench.core.models import load_config
 from workbench.core.results import StudyResult
@@ -43,7 +43,6 @@ from workbench.studies.split.preflight import MemoryHold
 from workbench.studies.split.reference import plain_adamw
 from workbench.studies.split.batches import text_batches
 from workbench.studies.split.runner import measured_runs, run_split_study
-from workbench.studies.split.zero_baseline import dist_backend
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
 

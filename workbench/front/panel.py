@@ -3,11 +3,11 @@
     panel = knobs(StrategiesConfig, cfg, on_run=run_fn)   # one widget per config field + Run
     panel                                                   # show it in a notebook or Voila
 
-Each field of the config (but `NOT_A_KNOB`'s) becomes a widget chosen from its type (Literal: dropdown, bool: checkbox,
-int/float/str: text boxes, a tuple with known choices: multi-select, other tuples: a YAML list).
-Run builds the config with `from_dict`, the same validation as the notebook's `parameters` cell,
-so a bad value is shown as the same error and nothing runs. `on_run(cfg)` runs inside the panel's
-output area, where its live charts and tables appear.
+Each field of the config (but `NOT_A_KNOB`'s) becomes a widget chosen from its type (Literal:
+dropdown, bool: checkbox, int/float/str: text boxes, a tuple with known choices: multi-select, other
+tuples: a YAML list). Run builds the config with `from_dict`, the same validation as the notebook's
+`parameters` cell, so a bad value is shown as the same error and nothing runs. `on_run(cfg)` runs
+inside the panel's output area, where its live charts and tables appear.
 """
 
 from __future__ import annotations

@@ -51,13 +51,13 @@ is a run whose worker died, or one that took longer than --timeout (its kernel i
 Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun
 redoes every point, e.g. after the notebook changed, since the key is the parameters only; a
 finished point's files are kept aside until its new run finishes, and a rerun stopped any way gives
-them back, by itself or at the next call). A point's status.json is written only after its executed notebook is complete and renamed into
-place, so a run stopped halfway has none and is redone. A finished point's files are on disk the
-moment it finishes and runs.csv is rebuilt from the points' folders (after each finished point and
-by every call), so a sweep killed any way (Ctrl-C, SIGTERM, SIGKILL, a crash) loses no finished
-run. Ctrl-C and SIGTERM stop the running points (their kernels are killed, on a scheduler's
-workers too) and write runs.csv with the unfinished points `pending`; on SIGKILL a LocalCluster's
-workers exit with the sweep process, and their kernels with them.
+them back, by itself or at the next call). A point's status.json is written only after its executed
+notebook is complete and renamed into place, so a run stopped halfway has none and is redone. A
+finished point's files are on disk the moment it finishes and runs.csv is rebuilt from the points'
+folders (after each finished point and by every call), so a sweep killed any way (Ctrl-C, SIGTERM,
+SIGKILL, a crash) loses no finished run. Ctrl-C and SIGTERM stop the running points (their kernels
+are killed, on a scheduler's workers too) and write runs.csv with the unfinished points `pending`;
+on SIGKILL a LocalCluster's workers exit with the sweep process, and their kernels with them.
 
 Progress: a tqdm bar over the points (finished ones count as done) with `running=R failed=F`;
 tqdm's rate gives the time left.

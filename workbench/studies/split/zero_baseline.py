@@ -2,7 +2,7 @@
 
 The baseline the split is meant to beat: gradients go to the host and DeepSpeedCPUAdam updates
 them after backward. One process, rank 0 of 1: NCCL when the model is on CUDA, gloo on the CPU
-(`dist_backend`). The first run builds DeepSpeed's ops
+(`workbench.core.common.single_process_group`). The first run builds DeepSpeed's ops
 (about two minutes here); any failure is returned as a reason, never raised into the study.
 """
 
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from workbench.core.common import clear_stale_build_lock, dist_backend, one_line, single_process_group  # noqa: F401
+from workbench.core.common import clear_stale_build_lock, one_line, single_process_group
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE  # DeepSpeed's default
 
 
