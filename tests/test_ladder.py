@@ -322,6 +322,9 @@ def test_config_and_budget_errors():
         LadderConfig(budget_mib=0.0)
     with pytest.raises(ConfigError, match="unknown parameter"):
         LadderConfig.from_dict({"budjet_mib": 3.0})
+    with pytest.raises(ConfigError, match=r"^threads must be 0 \(leave as set\) or more, got -2$"):  # was torch's traceback
+        LadderConfig(threads=-2)
+    assert LadderConfig(threads=0).threads == 0
     with pytest.raises(ConfigError, match="budget must be a positive"):
         auto_fit("unused", batch=1, seq=8, budget_mib=-1)
     # an uncounted measurement is the CUDA allocator's peak: nothing to read on the CPU

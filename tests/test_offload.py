@@ -1377,6 +1377,13 @@ def test_cli_published_and_bad_set(capsys):
     table = operating_point_table({"alpha_modelled": 0.09998, "claim_alpha": 0.083, "t_backward_s": 1.8003})
     assert list(table["value"]) == ["0.100", "0.083", "1.80 s"]
     assert shown["accel_memory_gib"].endswith(" GiB") and shown["recompute"] == "False"
+    # the host rate's derivation ends in the rate used ("share 0.82 x 1 x min(...) = 164 GB/s" beside 135)
+    assert shown["host_rate_from"].endswith(f") = {shown['host_adam_gb_per_s']}"), shown
+    # it takes no settings of one's own (they were ignored, exit 0)
+    assert main(["split", "--published", "host=bogus"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "workbench split: --published models the seed's own setting and takes no NAME=VALUE; run "
+        "`workbench split host=bogus` for a study of your own settings")
 
 
 def test_cli_published_json_shows_one_host_measurement(capsys, monkeypatch):

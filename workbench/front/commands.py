@@ -74,6 +74,10 @@ def register(sub) -> None:
 def main(args) -> int:
     nb: StudyNotebook = args.study
     if getattr(args, "published", False):
+        if args.assignments or args.quick:  # the seed's setting is fixed: they were ignored without a word
+            raise ConfigError(f"--published models the seed's own setting and takes no "
+                              f"{'NAME=VALUE' if args.assignments else '--quick'}; run `workbench split "
+                              f"{' '.join(args.assignments) or '--quick'}` for a study of your own settings")
         host = measure_here()  # one measurement for both: two gave an operating point and a verdict of different alphas
         op, verdict = published_operating_point(host_meas=host), seed_verdict(host)
         if args.json:  # stdout is one JSON document

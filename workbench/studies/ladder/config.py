@@ -77,6 +77,8 @@ class LadderConfig(Config):
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.steps < 2:
             raise ConfigError(f"steps must be at least 2 (the first is warm-up), got {self.steps}")
+        if self.threads < 0:  # it was torch's own traceback (set_num_threads expects a positive integer)
+            raise ConfigError(f"threads must be 0 (leave as set) or more, got {self.threads}")
         for name in ("budget_mib", "reference_budget_mib"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of MiB, got {getattr(self, name)}")

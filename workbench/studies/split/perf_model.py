@@ -239,7 +239,8 @@ def machine(gpu: str, host: str = "AMD-EPYC-7763", *, host_meas: dict | None = N
         per_core = (host_meas or {}).get("per_core_bytes_per_s") or hosts[host]["memory_gb_per_s_per_socket"] * GB
         bw, how = host_bandwidth(host, per_core)
         host_rate = ADAM_BYTES / (bw * share)
-        notes["host update"] = f"share {share:.2f} x {how}"
+        # the product stated: "share 0.82 x 1 x min(...) = 164 GB/s" read as if 164 were the rate used (135)
+        notes["host update"] = f"share {share:.2f} x ({how}) = {bw * share / GB:.0f} GB/s"
         notes["host share"] = "config" if host_share is not None else "measured here"
     link = g["host_link_gb_per_s_both_ways"] / 2 * GB * assumed("link_efficiency")
     used_mfu, src = (mfu, "given") if mfu is not None else mfu_of(gpu)
