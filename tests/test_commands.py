@@ -145,6 +145,14 @@ def test_a_figure_column_with_gaps_is_rounded_under_its_unit():
     assert out["predicted_peak (MiB)"].isna().all() and out["fits"].tolist() == [True, False]
 
 
+def test_a_figure_in_a_sentence_is_rounded_to_what_it_says():
+    """A 0.01 MiB budget read "nothing fits 0.0 MiB", where 0 means no budget."""
+    from workbench.core.common import mib_text
+
+    assert [mib_text(v) for v in (0.01, 0.0234, -0.01, 0.0, 0.05, 1.25, 99.94, 100.4, 12_345.6)] == [
+        "0.01", "0.023", "-0.01", "0.0", "0.1", "1.2", "99.9", "100", "12,346"]
+
+
 def test_a_small_figure_that_is_not_zero_is_not_shown_as_zero():
     """A tiny model's 0.023 TFLOP/s read "0.0" in the runs table, as if nothing was computed."""
     df = pd.DataFrame({"tflops": [0.0229811693, 46.73, 0.0534, None], "iteration_ms": [0.0423, 14.236, 0.0, 1.0],

@@ -615,6 +615,9 @@ def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, 
     (["--seq", "-4"], "--seq must be at least 1, got -4"),
     (["--model", "data/configs/qwen2-0.5.json"], "'data/configs/qwen2-0.5.json': no such file or directory"),
     (["--rungs", "fp32,cpu"], "--rungs: cpu is no rung that uses the GPU; rungs: fp32, fp16"),
+    # a file where the results go: it was found after the checks (on a card: after its minutes)
+    (["--out", "README.md"], "README.md: it is a file; name a folder you can write"),
+    (["--out", "README.md/gpu"], "README.md is a file; name a folder you can write"),
 ])
 def test_a_bad_argument_is_one_line_even_without_a_gpu(args, error, monkeypatch, capsys):
     """A command prepared here for a lent card's one call must fail here, not on the card."""

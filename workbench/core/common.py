@@ -39,7 +39,10 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 def mib_text(mib: float) -> str:
     """`mib` rounded for a sentence: whole MiB from 100 up, one decimal below (a tiny model's
-    "2 MiB + 1% = 2 MiB <= 3 MiB" hides the sums it states)."""
+    "2 MiB + 1% = 2 MiB <= 3 MiB" hides the sums it states), two significant digits below 0.05
+    (a budget of 0.01 MiB read "nothing fits 0.0 MiB", where 0 means no budget)."""
+    if mib and abs(mib) < 0.05:
+        return f"{mib:.2g}"
     return f"{mib:,.0f}" if abs(mib) >= 100 else f"{mib:,.1f}"
 
 

@@ -29,6 +29,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from workbench.core.common import PROJECT_ROOT, environ
+from workbench.core.config import ConfigError
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")
 # columns that hold keys: read as text (a hash of digits, or digits around one 'e', read as a number:
@@ -191,6 +192,17 @@ class RunDir:
 
 
 RERUN_ENV = "WORKBENCH_RERUN"
+
+
+def check_folder(path: Path, name: str) -> None:
+    """A one-line ConfigError naming `name` where a folder could not be made or written at `path`;
+    nothing is made. A command checks its output folder so before its work (a file there had been
+    found after it)."""
+    there = next(a for a in (path, *path.parents) if a.exists())  # the deepest part that exists
+    why = ("it is a file" if there == path else f"{there} is a file") if not there.is_dir() else \
+        None if os.access(there, os.W_OK | os.X_OK) else f"{there} is not writable by you"
+    if why:
+        raise ConfigError(f"{name} {path}: {why}; name a folder you can write")
 
 
 def code_fingerprint(package: Path = PROJECT_ROOT / "workbench") -> str:

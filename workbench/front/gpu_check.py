@@ -52,7 +52,7 @@ from workbench.core.memory.cuda_model import ALLOC_CONF_VARS
 from workbench.core.memory.predict import WeightsExceedCard, predict
 from workbench.core.models import load_config
 from workbench.core.parallel import run_ahead
-from workbench.core.results import environment, results_root, results_under
+from workbench.core.results import check_folder, environment, results_root, results_under
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
 from workbench.front.gpu_report import (TIME_SPENT, gpu_rungs, ladder_verdict, rung_row, study1_verdict, summarize,
@@ -358,6 +358,7 @@ def _options(args) -> Options:
         if value < least:
             raise ConfigError(f"{flag} must be at least {least}{why}, got {value}")
     out = Path(args.out).resolve() if args.out else results_root() / "gpu_check"  # absolute: kernels run in notebooks/
+    check_folder(out, "--out" if args.out else "the results folder")  # a card's one call found it after its checks
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
     opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
                    seq=64 if args.quick else args.seq, steps=args.steps, counted=args.counted,
@@ -371,8 +372,7 @@ def _options(args) -> Options:
         raise ConfigError(f"--rungs: {', '.join(bad)} is no rung that uses the GPU; "
                           f"rungs: {', '.join(gpu_rungs(RUNGS))}")
     opts = dataclasses.replace(opts, rungs=rungs)
-    # A --model given is loaded as a config here; the default is the checkout's own file (relative to
-    # its root, where `make gpu-check` runs), and the embedded base (--quick) takes minutes to build.
+    # a --model given is read as a config here (the default: the checkout's file; --quick's base takes minutes)
     if not args.quick and args.model != Options.model:
         load_config(opts.model)
     return opts
