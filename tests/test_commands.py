@@ -276,6 +276,19 @@ def test_a_results_folder_that_cannot_be_written_is_a_one_line_error(monkeypatch
                    "directory (set WORKBENCH_RESULTS to a folder you can write)")
 
 
+def test_reproduce_checks_its_results_folder_before_building_the_base(tmp_path, monkeypatch, capsys):
+    """A file where the results go was found after the base's build, as a traceback (NotADirectoryError)
+    under a line blaming 'File exists'."""
+    from workbench.front import reproduce
+
+    monkeypatch.setattr(reproduce, "ensure_embedded_base", lambda *a, **k: pytest.fail("built before the check"))
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path / "afile"))
+    assert main(["reproduce", "--quick", "--only", "03_split"]) == 2
+    assert capsys.readouterr().err.strip() == (f"workbench reproduce: the results folder (WORKBENCH_RESULTS) "
+                                               f"{tmp_path / 'afile'}: it is a file; name a folder you can write")
+
+
 def test_quick_with_devices_of_ones_own_leaves_the_quick_budget_out(monkeypatch):
     """Study 1's quick settings carry budget_mib 13, and a budget_mib beside devices is an error (it was
     dropped without a word): `strategies --quick devices=[cpu]` failed on a budget the user never set."""

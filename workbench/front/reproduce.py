@@ -19,7 +19,7 @@ import traceback
 
 from workbench.core.config import ConfigError
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, embedded_metrics, ensure_embedded_base
-from workbench.core.results import atomic_write_json, environment, now, results_root
+from workbench.core.results import atomic_write_json, check_folder, environment, now, results_root
 from workbench.front.notebooks import available, failure, find, run_notebook
 from workbench.front.report import write_report
 
@@ -39,6 +39,7 @@ def main(args) -> int:
     except KeyError as e:  # an unknown --only name: one line, before the base is built
         raise ConfigError(e.args[0]) from e
     root = results_root()
+    check_folder(root, "the results folder (WORKBENCH_RESULTS)")  # before the base's minutes, not in a traceback after
     print(f"workbench reproduce: {len(notebooks)} notebook(s) -> {root}", flush=True)
     # Build (or verify) the embedded base here, where its progress bar is visible.
     spec = TINY_SPEC if args.quick else EmbeddedSpec()
