@@ -138,3 +138,15 @@ def test_every_study_uses_the_shared_vocabulary():
                 assert f.metadata["help"].startswith(help_) and f.metadata.get("setting") == name, (cls.__name__, name)
     shared = set(StrategiesConfig.fields()) & set(LadderConfig.fields()) & set(SplitConfig.fields())
     assert {"model", "base_size", "seq_len", "micro_batch", "lr"} <= shared
+
+
+@pytest.mark.parametrize("config", ["StrategiesConfig", "SplitConfig"])
+def test_a_corpus_that_does_not_exist_is_refused_as_the_settings_are_made(config, tmp_path):
+    """Study 1 built the embedded base (minutes) before it found the corpus missing."""
+    cls = {"StrategiesConfig": StrategiesConfig, "SplitConfig": SplitConfig}[config]
+    with pytest.raises(ConfigError, match=rf"^corpus '{tmp_path}/none' does not exist; give a text file, a folder "
+                                          r"of them, or 'embedded' \(Python's language reference\)$"):
+        cls.from_dict({"corpus": str(tmp_path / "none")})
+    (tmp_path / "notes.txt").write_text("text")
+    assert cls.from_dict({"corpus": str(tmp_path / "notes.txt")}).corpus == str(tmp_path / "notes.txt")
+    assert cls().corpus == "embedded"

@@ -18,6 +18,7 @@ import json
 import math
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 
@@ -59,6 +60,14 @@ VOCABULARY: dict[str, tuple[Any, str]] = {
 LEAST: dict[str, tuple[int, str]] = {
     "seq_len": (2, "a block of one token has no next token to predict"),
 }
+
+
+def check_corpus(corpus: str) -> None:
+    """A `corpus` path that does not exist is a one-line error as the settings are made (it was one
+    after minutes: study 1 builds the embedded base first)."""
+    if corpus != "embedded" and not Path(corpus).expanduser().exists():
+        raise ConfigError(f"corpus {corpus!r} does not exist; give a text file, a folder of them, or 'embedded' "
+                          "(Python's language reference)")
 
 
 def setting(name: str, default: Any, note: str = "") -> Any:

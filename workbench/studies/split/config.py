@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from workbench.core.config import Config, ConfigError, param, setting
+from workbench.core.config import Config, ConfigError, check_corpus, param, setting
 from workbench.core.fallback import resolve_device
 from workbench.core.models import TINY_SPEC, EmbeddedSpec
 from workbench.studies.split.perf_model import load_profiles
@@ -87,6 +87,7 @@ class SplitConfig(Config):
     write_results: bool = param(True, "write results/split/ (runs.csv, steps.csv, timeline.csv)")
 
     def __post_init__(self) -> None:
+        check_corpus(self.corpus)
         positive = ("eval_blocks", "micro_batch", "seq_len", "steps",
                     "host_workers", "k_every", "threads", "modelled_micro_batch", "modelled_seq_len")
         for name in positive:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from workbench.core.config import Config, ConfigError, param, setting
+from workbench.core.config import Config, ConfigError, check_corpus, param, setting
 from workbench.core.fallback import Attempt, default_attempts
 from workbench.core.models import EMBEDDED, TINY_SPEC, EmbeddedSpec
 from workbench.core.trainable import PAPER_STRATEGIES, STRATEGIES
@@ -51,6 +51,7 @@ class StrategiesConfig(Config):
                                "'': none)")
 
     def __post_init__(self):
+        check_corpus(self.corpus)
         if self.workers < 0:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
         for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
