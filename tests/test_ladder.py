@@ -900,3 +900,16 @@ def test_the_cpu_rungs_breakdown_sets_its_predicted_host_bytes_beside_the_measur
     assert bars["predicted"] == pytest.approx(row["host_bytes"] / MiB) and bars["predicted"] > 0
     assert bars["measured"] == pytest.approx(bars["predicted"], rel=0.01)  # the CPU prediction is exact
     assert "host bytes per category" in fig.layout.title.text
+
+
+def test_a_reference_model_that_does_not_exist_is_said_before_any_rung(tmp_path, monkeypatch, tiny_base):
+    """It was read after every rung had been measured: minutes of work, then the error."""
+    from workbench.core.models import ModelNotFoundError
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    monkeypatch.setattr(runner, "measure", lambda *a, **k: pytest.fail("a rung was measured first"))
+    monkeypatch.setattr(runner, "predict", lambda *a, **k: pytest.fail("a rung was predicted first"))
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32, steps=2,
+                       autofit=False, reference_model=str(tmp_path / "none.json"))
+    with pytest.raises(ModelNotFoundError, match="none.json"):
+        run_ladder(cfg, progress=False)

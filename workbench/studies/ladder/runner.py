@@ -143,6 +143,8 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
     run = RunDir(STUDY, cfg.run_id())
     run.write_config(cfg.to_dict())
     config, load, blocks, data_note = model_at_hand(cfg)
+    # read before the rungs (a missing one was said after every rung was measured)
+    ref = model_config(_resolve(cfg.reference_model)) if cfg.reference_model else None
     budget = int(cfg.budget_mib * MiB)
     rows: list[dict[str, Any]] = []
     inputs = {"model_fingerprint": model_fingerprint(_resolve(cfg.model), cfg.spec()), "workbench_version": __version__,
@@ -187,7 +189,6 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
 
     ref_rows = []
     if cfg.reference_model:
-        ref = model_config(_resolve(cfg.reference_model))
         ref_budget = int(cfg.reference_budget_mib * MiB)
         for name in cfg.rungs:
             p = predict(ref, name, batch=cfg.reference_micro_batch, seq=cfg.reference_seq_len, device=cfg.reference_device)
