@@ -913,3 +913,14 @@ def test_a_reference_model_that_does_not_exist_is_said_before_any_rung(tmp_path,
                        autofit=False, reference_model=str(tmp_path / "none.json"))
     with pytest.raises(ModelNotFoundError, match="none.json"):
         run_ladder(cfg, progress=False)
+
+
+def test_the_ladder_shows_its_progress_over_the_rungs(tmp_path, monkeypatch, tiny_base, capsys):
+    """The default ladder said nothing for minutes (auto-fit's bar, at the end, was its only one)."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32", "bf16_ckpt"), breakdown_rung="fp32", micro_batch=2,
+                       seq_len=32, steps=2, measure=False, autofit=False, reference_model="")
+    run_ladder(cfg)
+    assert re.search(r"ladder: 100%\S* *\S* 2/2 \[", capsys.readouterr().err)
+    run_ladder(cfg, progress=False)
+    assert "ladder:" not in capsys.readouterr().err

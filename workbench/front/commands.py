@@ -62,7 +62,7 @@ def register(sub) -> None:
         p = sub.add_parser(nb.study, help=nb.title, description=__doc__, epilog=f"fields (NAME=VALUE):\n{fields}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("assignments", nargs="*", metavar="NAME=VALUE", help=f"a field of {nb.config.__name__}")
-        p.add_argument("--quick", action="store_true", help="start from the tiny settings (a minute or less)")
+        p.add_argument("--quick", action="store_true", help="start from the tiny settings (a minute or two)")
         p.add_argument("--json", action="store_true", help="print the runs table as JSON records")
         if nb.study == "split":
             p.add_argument("--published", action="store_true",

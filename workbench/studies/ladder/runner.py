@@ -35,10 +35,12 @@ workbench.studies.ladder.figures; the widget app: workbench.front.apps.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Iterable
 
 import pandas as pd
 import torch
+from tqdm import tqdm
 
 from workbench import __version__
 from workbench.core.common import MiB, Sink
@@ -125,8 +127,8 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
     """Predict (and where possible measure) every rung: `runs` has one row per (model, rung).
 
     `sinks` get every measured training step as a plain row (see the module docstring). `progress`:
-    auto-fit's search shows a bar on standard error (one tick per setup predicted; a large
-    micro_batch has many divisors to try)."""
+    bars on standard error, over the rungs (each predicted, then measured: the default ladder said
+    nothing for minutes) and over auto-fit's setups (a large micro_batch has many divisors to try)."""
 
     threads = torch.get_num_threads()  # given back after: the next study in a notebook's kernel has its own
     if cfg.threads:
@@ -153,7 +155,7 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
     steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl", fresh=True)
     for row in finished.values():
         rungs_sink({"rung": row["rung"], "inputs": inputs, "row": row})
-    for name in cfg.rungs:
+    for name in tqdm(cfg.rungs, desc="ladder", unit="rung", disable=not progress, file=sys.stderr):
         plan = RUNGS[name]
         if name in finished:
             rows.append({**finished[name], "reused": True})  # read back, not measured by this call
