@@ -179,15 +179,16 @@ def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
     cards their launcher gave them."""
     if scheduler:
         try:  # an address checked first: a Client that fails on one hangs for a minute when collected
-            if parse_address(resolve_address(scheduler))[0] == "tcp":
-                warnings.warn(f"the Dask scheduler {scheduler} speaks plain TCP: whoever reaches it can run code "
-                              "on its workers, and one posing as it on the network, in this process; use tls:// "
-                              "with Dask's distributed.comm.tls settings", stacklevel=3)
+            scheme = parse_address(resolve_address(scheduler))[0]
             client = Client(scheduler, set_as_default=False, timeout=SCHEDULER_TIMEOUT_S)
         except (OSError, ValueError) as e:  # not an address (ValueError), unknown host or unreachable (OSError)
             raise ConfigError(f"cannot use the Dask scheduler {scheduler!r}: {' '.join(str(e).split())} "
                               f"(start it first, e.g. `dask scheduler`, and pass its address, "
                               f"tcp://HOST:8786)") from None
+        if scheme == "tcp":  # said once connected (one that cannot be used is its one-line error alone)
+            warnings.warn(f"the Dask scheduler {scheduler} speaks plain TCP: whoever reaches it can run code "
+                          "on its workers, and one posing as it on the network, in this process; use tls:// "
+                          "with Dask's distributed.comm.tls settings", stacklevel=3)
         with client:
             yield client
         return
