@@ -199,10 +199,13 @@ def check_folder(path: Path, name: str) -> None:
     nothing is made. A command checks its output folder so before its work (a file there had been
     found after it)."""
     there = next(a for a in (path, *path.parents) if a.exists())  # the deepest part that exists
-    why = ("it is a file" if there == path else f"{there} is a file") if not there.is_dir() else \
-        None if os.access(there, os.W_OK | os.X_OK) else f"{there} is not writable by you"
-    if why:
-        raise ConfigError(f"{name} {path}: {why}; name a folder you can write")
+    if not there.is_dir():
+        why = "it is a file" if there == path else f"{there} is a file"
+    elif not os.access(there, os.W_OK | os.X_OK):
+        why = f"{there} is not writable by you"
+    else:
+        return
+    raise ConfigError(f"{name} {path}: {why}; name a folder you can write")
 
 
 def code_fingerprint(package: Path = PROJECT_ROOT / "workbench") -> str:
