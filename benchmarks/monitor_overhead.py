@@ -7,15 +7,16 @@
 What it counts: the wall time of `workbench.core.training.train` on a small random Qwen2 (hidden
 128, 4 layers, vocab 2048; batch 8 x 128, fused AdamW; `gpu_programs.monitor_workload`, lengthened
 to last about `--run-s` a run, as gpu-check's) on `--device` without and with a MemoryMonitor
-sampling every `--interval` s (process RSS via psutil; on a card also NVML and torch's CUDA counters) and sending each row to a sink. Each run is timed
-the same way, from outside (`memory.monitor.overhead`): time.perf_counter around the whole `train`
-call (with the monitor, its start and stop included; on CUDA after a synchronize), after
-gc.collect(). The order alternates ABBA (off, on | on, off | ...), so neither side always runs
-second and a linear drift of load from other processes hits both alike; one untimed warm-up run
-of each comes first. Threads: by default what a real study run gets (torch's threads = the cores
-this process may use, as `workbench sweep` gives a single worker; study 1 and 2 runs leave
-torch's default), because the monitor's thread competes with torch's for the cores. The ratio
-is the total time with the monitor over the total without, from this one run. Target: at most 1.01.
+sampling every `--interval` s (process RSS via psutil; on a card also NVML and torch's CUDA
+counters) and sending each row to a sink. Each run is timed the same way, from outside
+(`memory.monitor.overhead`): time.perf_counter around the whole `train` call (with the monitor, its
+start and stop included; on CUDA after a synchronize), after gc.collect(). The order alternates ABBA
+(off, on | on, off | ...), so neither side always runs second and a linear drift of load from other
+processes hits both alike; one untimed warm-up run of each comes first. Threads: by default what a
+real study run gets (torch's threads = the cores this process may use, as `workbench sweep` gives a
+single worker; study 1 and 2 runs leave torch's default), because the monitor's thread competes with
+torch's for the cores. The ratio is the total time with the monitor over the total without, from
+this one run. Target: at most 1.01.
 
 Last line: `monitor_overhead: VALUE`.
 A row goes to results/benchmarks.csv with versions and hardware.
