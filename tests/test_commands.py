@@ -20,7 +20,7 @@ import pytest
 from workbench import cli
 from workbench.cli import main
 from workbench.core.charts import Table, rounded
-from workbench.front.commands import parse_assignments, split_long_text
+from workbench.front.commands import json_records, parse_assignments, split_long_text
 from workbench.front.notebooks import STUDIES
 from workbench.front.sweep_points import points_from_options
 from tests.conftest import subprocess_env
@@ -47,6 +47,14 @@ def test_bad_assignments_are_one_line_errors(argv, message, capsys):
     assert message in err and "\n" not in err
 
 
+def test_json_records_decode_the_json_text_of_csv_cells():
+    table = pd.DataFrame({"history": ['[{"device": "cuda", "status": "oom"}]', None],
+                          "note": ["[fp32] was skipped", "{not json"], "peak": [1.5, float("nan")]})
+    assert json_records(table) == [
+        {"history": [{"device": "cuda", "status": "oom"}], "note": "[fp32] was skipped", "peak": 1.5},
+        {"history": None, "note": "{not json", "peak": None}]
+
+
 def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_dir, capsys):
     # the rungs alone: the breakdown's default follows them
     code = main(["ladder", "--quick", "rungs=[fp32, cpu]", "reference_model=''", "autofit=false",
@@ -69,8 +77,11 @@ def test_a_warning_of_the_workbench_is_one_line_naming_the_command(tiny_base, re
         own = " ".join(f"chapter{i}-word{j}" for j in range(40))
         (tmp_path / f"ch{i:02d}.md").write_text(f"{own}\n\n{shared} Variant {i % 2}.\n\n{own[::-1]}")
     code = main(["strategies", "base_size=tiny", f"corpus={tmp_path}", "strategies=[bitfit]", "seeds=[0]",
-                 "seq_len=16", "token_budget=512", "eval_blocks=100000", "budget_mib=0"])
-    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line.lower()]
+                 "seq_len=16", "token_budget=512", "eval_blocks=100000", "budget_mib=0", "--json"])
+    out, err = capsys.readouterr()
+    history = json.loads(out)[0]["history"]  # a list of attempts: it was the CSV cell's JSON text, a string
+    assert [a["result"] for a in history] == ["ok"], history
+    err = [line for line in err.splitlines() if "warning" in line.lower()]
     assert code == 0 and len(err) == 2, err
     assert re.fullmatch(rf"workbench strategies: warning: eval_blocks 100,000 is more than the held-out text of "
                         rf"{tmp_path} holds: all of it is scored, [1-9]\d* blocks of 16 tokens", err[1]), err[1]

@@ -76,6 +76,14 @@ def test_a_subclass_checks_run_after_the_type_checks():
     assert StrategiesConfig(seeds=[0, 1]).seeds == (0, 1)  # coerced as from_dict does
 
 
+def test_an_empty_list_of_strategies_or_seeds_names_what_to_give():
+    with pytest.raises(ConfigError, match=r"^strategies is empty: give at least one, e.g. strategies=\[full\]; "
+                                          r"known: .*full"):
+        StrategiesConfig.from_dict({"strategies": []})
+    with pytest.raises(ConfigError, match=r"^seeds is empty: give at least one seed, e.g. seeds=\[0\]$"):
+        StrategiesConfig.from_dict({"seeds": []})
+
+
 def test_lossless_coercions():
     cfg = Demo.from_dict({"lr": 1, "steps": 4.0, "seeds": [1, 2]})
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)

@@ -114,10 +114,15 @@ def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(caps
     assert sorted(p["x"] for p in listed) == [1, 2, 3, 4]
     with pytest.raises(SystemExit):  # an unknown option, or a word that is no NAME=VALUE, is still refused
         main(["sweep", str(NOTEBOOK), "--dry-run", "x=1", "--nosuch"])
-    assert "unrecognized arguments: --nosuch" in capsys.readouterr().err
+    err = capsys.readouterr().err  # with the sweep's usage, not the top level's "workbench [-h] COMMAND"
+    assert "workbench sweep: error: unrecognized arguments: --nosuch" in err and "usage: workbench sweep" in err, err
     with pytest.raises(SystemExit):
         main(["sweep", str(NOTEBOOK), "--dry-run", "x"])
     assert "unrecognized arguments: x" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # it said "required: notebook, NAME=VALUE": NAME=VALUE is optional
+        main(["sweep"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "workbench sweep: error: the following arguments are required: notebook")
 
 
 def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
@@ -155,6 +160,15 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     bad.write_text("x: []\n")
     with pytest.raises(ConfigError, match="x has an empty list"):
         load_grid(bad)
+    bad.write_text("# nothing yet\n")  # it said "expected a mapping ..., got NoneType"
+    with pytest.raises(ConfigError, match=f"^grid file {bad} is empty: give a mapping of parameter -> list of values"):
+        load_grid(bad)
+    # a value YAML cannot parse says what it expected, not only "while parsing a flow node"
+    assert main(["sweep", str(NOTEBOOK), "-p", "x=[0, 1", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["workbench sweep: cannot parse value '[0, 1' as YAML (expected ',' or ']', but got "
+                   "'<stream end>'): close its brackets and quotes, or quote the whole NAME=VALUE for the shell, "
+                   "e.g. 'seeds=[0, 1]'"], err
     assert not out.exists()
     # a grid file that is not text, a "notebook" that is not one, an --out that is a file: each had been a
     # traceback (UnicodeDecodeError, nbformat's NotJSONError, FileExistsError)
@@ -164,7 +178,8 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     for argv, said in (([str(NOTEBOOK), "--grid", str(bad), "--dry-run"], f"grid file {bad} is not text (UTF-8)"),
-                       ([str(not_nb), "-p", "x=1", "--dry-run"], f"{not_nb} is not a Jupyter notebook"),
+                       ([str(not_nb), "-p", "x=1", "--dry-run"],
+                        f"{not_nb} cannot be read as a Jupyter notebook (Notebook does not appear to be JSON"),
                        ([str(NOTEBOOK), "-p", "x=1", "--out", str(a_file)], f"--out {a_file}: cannot make the sweep's")):
         assert main(["sweep", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

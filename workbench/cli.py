@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)
+    parser.commands = sub.choices  # name -> the command's parser (its usage for its errors)
     return parser
 
 
@@ -65,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     # NAME=VALUE after an option (`sweep 01_strategies --workers 2 seeds=[0]`): argparse fills a
     # positional list from one run of positionals only and leaves the rest unrecognized
     if hasattr(args, "assignments"):
-        args.assignments += [e for e in extra if "=" in e and not e.startswith("-")]
+        args.assignments = [*args.assignments, *(e for e in extra if "=" in e and not e.startswith("-"))]
         extra = [e for e in extra if e not in args.assignments]
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # with the command's usage, not the top level's
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

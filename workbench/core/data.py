@@ -293,7 +293,8 @@ def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None)
         name = str(root)
     items = [(k, v) for k, v in items if v.strip()]
     if not items:
-        raise CorpusError(f"corpus {path or 'embedded'!r} holds no text")
+        raise CorpusError(f"corpus {path or 'embedded'!r} holds no text: give a text file, or a folder of "
+                          f"{'/'.join(_TEXT_SUFFIXES)} files that are not blank")
     if len(items) == 1:
         # One document: split it by paragraphs instead, so held-out text still exists.
         key, text = items[0]

@@ -56,6 +56,22 @@ def split_long_text(table: pd.DataFrame, width: int = 48) -> tuple[pd.DataFrame,
     return table.drop(columns=long), lines
 
 
+def json_records(table: pd.DataFrame) -> list[dict]:
+    """The runs table as JSON records, a column of JSON text (a CSV cell's `history`, a config's list)
+    decoded: `--json` carried each run's `history` as a string of JSON to parse again."""
+
+    def decoded(value):
+        if isinstance(value, str) and value[:1] in "[{":
+            try:
+                return json.loads(value)
+            except ValueError:
+                pass
+        return value
+
+    records = json.loads(table.to_json(orient="records"))  # NaN as null, numpy scalars as numbers
+    return [{k: decoded(v) for k, v in row.items()} for row in records]
+
+
 def register(sub) -> None:
     for nb in STUDIES.values():
         fields = "\n".join(f"  {n:<22} {h}" for n, h in nb.config.help().items())
@@ -92,7 +108,7 @@ def main(args) -> int:
     with stdout_to_stderr():  # what is printed while it runs (DeepSpeed's accelerator warning, progress)
         result = nb.run(cfg)  # goes to stderr: stdout carries the runs table and findings alone
     if args.json:
-        print(result.runs.to_json(orient="records", indent=1))
+        print(json.dumps(json_records(result.runs), indent=1))
     else:
         table, notes = split_long_text(nb.figures.runs_table(result))
         print(Table(table))  # as the notebooks show it: thousands separated, flags yes/no, gaps empty

@@ -312,7 +312,7 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("notebook", help="a study notebook's name (01_strategies) or the path of any notebook "
                                     "with a cell tagged `parameters`")
-    p.add_argument("assignments", nargs="*", metavar="NAME=VALUE",
+    p.add_argument("assignments", nargs="*", default=[], metavar="NAME=VALUE",  # a default: not "required" when
                    help="a parameter value (YAML), the same syntax as `workbench STUDY NAME=VALUE`; repeat a name "
                         "for several values")
     p.add_argument("--grid", metavar="FILE", help="YAML or JSON grid file (see above)")

@@ -57,7 +57,9 @@ def parse_value(text: str) -> Any:
     try:
         return yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError as e:
-        raise ConfigError(f"cannot parse value {text!r}: {str(e).splitlines()[0]}") from None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]  # the parser's "while parsing ..." says less
+        raise ConfigError(f"cannot parse value {text!r} as YAML ({problem}): close its brackets and quotes, or quote "
+                          f"the whole NAME=VALUE for the shell, e.g. 'seeds=[0, 1]'") from None
 
 
 def product(axes: dict[str, Any], where: str = "grid") -> list[dict[str, Any]]:
@@ -97,6 +99,9 @@ def points_from_grid(data: Any, where: str = "grid") -> list[dict[str, Any]]:
                           f"put a parameter under `grid` (an axis) or `fixed` (the same for every point)")
     elif isinstance(data, dict):
         explicit, axes, fixed = [], data, {}
+    elif data is None:  # an empty file, or one of comments only
+        raise ConfigError(f"{where} is empty: give a mapping of parameter -> list of values, or a list of points "
+                          f"(`workbench sweep --help`)")
     else:
         raise ConfigError(f"{where}: expected a mapping of parameter -> values or a list of points, "
                           f"got {type(data).__name__}")
@@ -175,7 +180,9 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
         try:
             known = set(pm.inspect_notebook(str(path)))
         except Exception as e:  # nbformat's NotJSONError, a JSON or schema error: not a notebook
-            raise ConfigError(f"{path} is not a Jupyter notebook ({type(e).__name__}): give an .ipynb file") from None
+            why = " ".join(str(e).split())[:120] or type(e).__name__
+            raise ConfigError(f"{path} cannot be read as a Jupyter notebook ({why}): give a notebook saved by "
+                              f"Jupyter, with a cell tagged `parameters`") from None
     errors, planned, seen = [], [], {}
     for i, params in enumerate(points):
         try:

@@ -68,14 +68,15 @@ class StrategiesConfig(Config):
         if self.budget_mib < 0:
             raise ConfigError(f"budget_mib must be >= 0 (0 = no budget), got {self.budget_mib}")
         if not self.strategies:
-            raise ConfigError("strategies is empty")
+            raise ConfigError(f"strategies is empty: give at least one, e.g. strategies=[full]; known: "
+                              f"{', '.join(STRATEGIES)}")
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ConfigError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
         if len(set(self.strategies)) != len(self.strategies) or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError("strategies and seeds must not repeat")
         if not self.seeds:
-            raise ConfigError("seeds is empty")
+            raise ConfigError("seeds is empty: give at least one seed, e.g. seeds=[0]")
         for d in self.devices:
             Attempt.parse(d)
         if self.devices and self.budget_mib != type(self).__dataclass_fields__["budget_mib"].default:
