@@ -80,6 +80,23 @@ def test_an_unknown_notebook_is_one_line_naming_the_known_ones(results_dir, caps
     assert not (results_dir / "notebooks").exists()  # nothing ran: the names are checked first
 
 
+def test_report_only_writes_the_report_and_runs_nothing(results_dir, capsys, monkeypatch):
+    """There was no command that rewrote results/index.html alone (only `reproduce` wrote it)."""
+    from workbench.front import reproduce
+
+    def must_not(*a, **k):
+        raise AssertionError("--report-only ran something")
+
+    monkeypatch.setattr(reproduce, "ensure_embedded_base", must_not)
+    monkeypatch.setattr(reproduce, "run_notebook", must_not)
+    assert main(["reproduce", "--report-only"]) == 0
+    assert capsys.readouterr().out.strip() == f"report: {results_dir / 'index.html'}"
+    page = (results_dir / "index.html").read_text()
+    assert page.count("no results yet: run its notebook") == len(STUDIES)
+    assert main(["reproduce", "--report-only", "--quick"]) == 2
+    assert capsys.readouterr().err.strip() == "workbench reproduce: --report-only runs nothing and takes no --quick"
+
+
 def test_reproduce_quick_runs_notebook_01_and_writes_results(tiny_base, results_dir):
     env = {**os.environ, "WORKBENCH_RESULTS": str(results_dir)}
     proc = subprocess.run([BIN / "workbench", "reproduce", "--quick", "--only", "01_strategies"],

@@ -3,6 +3,7 @@
     workbench reproduce               # full default parameters (about 25 minutes on 2 CPU cores, 31 with setup)
     workbench reproduce --quick       # tiny parameters: checks the whole pipeline in a few minutes
     workbench reproduce --only 01_strategies
+    workbench reproduce --report-only   # rewrite results/index.html from the results already there
 
 Executed notebooks go to results/notebooks/, each study's tables to results/<study>/, and the
 report to results/index.html. A failing notebook is reported and the others still run; the exit
@@ -30,10 +31,20 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="tiny parameters (pipeline check, minutes)")
     p.add_argument("--only", nargs="+", metavar="NOTEBOOK", help="run only these notebooks (e.g. 01_strategies)")
     p.add_argument("--no-report", action="store_true", help="skip writing results/index.html")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write results/index.html from the results already there (after a study run "
+                        "from the shell, a notebook or a sweep's point)")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
+    if args.report_only:
+        given = [o for o, v in (("--quick", args.quick), ("--only", args.only), ("--no-report", args.no_report)) if v]
+        if given:
+            raise ConfigError(f"--report-only runs nothing and takes no {' or '.join(given)}")
+        check_folder(results_root(), "the results folder (WORKBENCH_RESULTS)")
+        print(f"report: {write_report()}")
+        return 0
     try:
         notebooks = [find(n) for n in args.only] if args.only else available()
     except KeyError as e:  # an unknown --only name: one line, before the base is built
