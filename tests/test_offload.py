@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import re
@@ -757,6 +758,17 @@ def test_simulated_schedule_accounts_for_all_work():
     ev = {e["activity"] for e in k0["events"]}
     assert {"backward", "to host", "host update", "to accelerator", "forward (next)"} <= ev
     assert 0.0 <= k0["accel_idle_share"] < 1.0
+    # the next forward waits for the host: one host worker updates every layer in turn (k=0), so an
+    # iteration lasts at least the host's whole update, and after backward (ZeRO-Offload) at least
+    # backward and then that; the accelerator's own work alone is several times shorter here
+    host_s = m.host_s_per_byte * pm.ADAM_BYTES * sum(shape.sizes.values())
+    assert host_s > 3 * (k1["forward_ms"] + k1["backward_ms"]) / 1e3  # the bounds below then say something
+    assert k0["iteration_ms"] / 1e3 >= host_s
+    assert zero["iteration_ms"] / 1e3 >= zero["backward_ms"] / 1e3 + host_s
+    # a host ten times slower slows k=0 down and leaves k=1 (no host work) as it was
+    slow = dataclasses.replace(m, host_s_per_param=10 * m.host_s_per_param)
+    assert simulate(shape, slow, 0.0, 4)["tokens_per_s"] < k0["tokens_per_s"] / 5
+    assert simulate(shape, slow, 1.0, 4)["tokens_per_s"] == pytest.approx(k1["tokens_per_s"])
 
 
 # ---------------------------------------------------------------- config, study runner, CLI
