@@ -83,6 +83,13 @@ def test_rung_row_puts_the_prediction_beside_the_card():
     assert bad["nvml_used_peak_mib"] is None and bad["nvml_used_delta_mib"] is None
     # Reserved far from the modelled reserved figure fails too.
     assert gr.rung_row("fp32", _pred(1000, 1000), _measured(1000, 2000), {})["passed"] is False
+    # Predicted low is the dangerous way (predicted to fit, out of memory on the card): it fails as
+    # predicted high does, at the thresholds the docs state (15% allocated, 35% reserved), either way.
+    for measured, passed in ((1000 / 0.75, False), (1000 / 0.851, True), (1000 / 0.849, False),
+                             (1000 / 1.149, True), (1000 / 1.151, False)):
+        assert gr.rung_row("x", _pred(1000), _measured(measured, measured), {})["passed"] is passed, measured
+    for reserved, passed in ((1000 / 0.651, True), (1000 / 0.649, False), (1000 / 1.349, True), (1000 / 1.351, False)):
+        assert gr.rung_row("x", _pred(1000, 1000), _measured(1000, reserved), {})["passed"] is passed, reserved
     # A rung that did not run has no verdict of its own.
     nm = gr.rung_row("zero_offload", _pred(500), {"status": "not measured", "reason": "deepspeed failed"}, {})
     assert nm["passed"] is None and nm["cuda_max_allocated_mib"] is None and nm["error_vs_allocated_pct"] is None
@@ -420,7 +427,7 @@ def test_run_checks_writes_summary_and_report_and_survives_a_failing_check(tmp_p
     assert len(said) == 4 and said[-1].startswith("gpu-check trace: error")
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["environment"]["gpu"] == "Fake H0" and saved["results"]["ladder"]["rows"][0]["rung"] == "bf16"
-    assert saved["thresholds"] == gr.THRESHOLDS and saved["within_time_limit"] is True
+    assert saved["thresholds"] == {"allocated_pct": 15.0, "reserved_pct": 35.0} and saved["within_time_limit"] is True
     report = (tmp_path / "report.md").read_text()
     assert "## GPU check: fail" in report and "Fake H0" in report
     assert "| bf16 | ok | predicted | 100.0 | 98.0 | 2.0 |" in report
