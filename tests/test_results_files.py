@@ -53,6 +53,25 @@ def test_a_key_of_digits_is_text_and_its_row_is_replaced(tmp_path, monkeypatch, 
     assert list(latest(runs, "study_key")["x"]) == [2]
 
 
+@pytest.mark.parametrize("same_second", [False, True])
+def test_latest_is_the_most_recent_calls_rows(tmp_path, monkeypatch, same_second):
+    """The report shows study 3's latest settings (`latest`): every test had written one key only."""
+    from workbench.core import results
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    stamps = iter(["2026-11-29T10:00:00+00:00"] * 3 if same_second else
+                  ["2026-11-29T10:00:01+00:00", "2026-11-29T10:00:02+00:00", "2026-11-29T10:00:03+00:00"])
+    monkeypatch.setattr(results, "now", lambda: next(stamps))
+    writer = ResultsWriter("split")
+    writer.update_runs([{"study_key": "a", "x": 1}, {"study_key": "a", "x": 2}], key="study_key")  # as study 3 writes
+    writer.update_runs([{"study_key": "b", "x": 3}], key="study_key")
+    runs = read_table(tmp_path / "split" / "runs.csv", ["study_key"])
+    assert list(latest(runs, "study_key")["x"]) == [3] and len(runs) == 3
+    writer.update_runs([{"study_key": "a", "x": 4}], key="study_key")  # a's settings again, later
+    runs = read_table(tmp_path / "split" / "runs.csv", ["study_key"])
+    assert list(latest(runs, "study_key")["x"]) == [4]
+
+
 def test_a_result_with_no_steps_leaves_no_earlier_steps_to_be_read_back(tmp_path, monkeypatch):
     """Study 3 with no measured steps (every run skipped for memory, or none asked for) left the earlier
     settings' steps.csv in place, and load_result showed its loss curves beside the new runs, as measured."""

@@ -336,10 +336,11 @@ class ResultsWriter:
 
 
 def latest(runs: pd.DataFrame, key: str) -> pd.DataFrame:
-    """The rows of runs.csv written by the most recent call (the latest `recorded` value of `key`)."""
+    """The rows of runs.csv written by the most recent call (the latest `recorded` value of `key`;
+    of calls in the same second, the one written last: update_runs appends)."""
     if runs.empty or key not in runs or "recorded" not in runs:
         return runs
-    last = runs.sort_values("recorded")[key].dropna()
+    last = runs.sort_values("recorded", kind="stable")[key].dropna()
     return runs[runs[key] == last.iloc[-1]] if len(last) else runs
 
 
