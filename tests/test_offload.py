@@ -745,8 +745,9 @@ def test_validation_is_computed_from_inputs_not_copied():
 
 
 def test_plain_adamw_row_measures_k_and_idle():
-    """The reference row's k and idle share are measured (optimizer state placement; busy spans
-    against the iteration's period), not written in."""
+    """The reference row's idle share is measured (busy spans against the iteration's period). Its k
+    is read from where AdamW's state lives, which for this reference is always the accelerator: the
+    assertion below checks the reading, and cannot tell it from a k written in."""
 
     rows = plain_adamw(tiny_qwen(), batches(512, 3), HP)
     for r in rows:
