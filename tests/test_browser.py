@@ -339,12 +339,16 @@ def test_the_dashboards_server_listens_on_localhost_alone_and_asks_for_its_token
             assert wait_http(f"http://127.0.0.1:{port}/?token={token}", voila) == 200
             assert status_of(f"http://127.0.0.1:{port}/voila/render/page.ipynb") in (302, 403)  # no token
             assert status_of(f"http://127.0.0.1:{port}/?token=not-{token}") in (302, 403)  # another token
+            assert status_of(f"http://127.0.0.1:{port}/voila/render/missing.ipynb?token={token}") == 404
             procs = [psutil.Process(voila.pid), *psutil.Process(voila.pid).children(recursive=True)]
             listening = {c.laddr.ip for p in procs for c in p.net_connections(kind="inet")
                          if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
             assert listening and listening <= {"127.0.0.1"}, listening
         finally:
             stop_voila(voila)
+    # a refused or missing page is logged without its token (tornado's own log wrote `?token=...`)
+    text = (tmp_path / "voila.log").read_text()
+    assert text.count("GET /voila/render/missing.ipynb?token=[secret]") == 2 and token not in text, text
 
 
 def test_a_stopped_dashboard_takes_its_server_and_token_with_it(tmp_path, server_env):

@@ -10,7 +10,8 @@ knobs panel at the end re-runs it with other settings. The server binds to 127.0
 for a token (printed with the URL); nothing else on the network can reach it. The token never
 appears on a command line (where `ps` shows it to every user of the machine): it is $WORKBENCH_TOKEN
 or a random one, and reaches Voila through a voila.json readable only by you, in a private folder
-that is Voila's working directory, removed when the server stops. Voila is told not to move to
+that is Voila's working directory, removed when the server stops; Voila's log writes a request's
+token `[secret]`. Voila is told not to move to
 another port: a busy port is a one-line error before anything starts, so the printed address is
 always the server's (a browser sent to a moved server's old port would hand the token to whatever
 listens there). The apps' kernels talk to Voila over Unix sockets in its connection folder (mode
@@ -83,7 +84,9 @@ def check_port(port: int) -> None:
 def voila_command(folder: Path, port: int) -> list[str]:
     """The Voila server's command line: no token on it (see `private_config`), and no moving to
     another port when `port` is taken (Voila's default tries 50 others)."""
-    return [sys.executable, "-m", "voila", str(Path(folder).resolve()), "--no-browser", "--Voila.ip=127.0.0.1",
+    # -P: the working directory (the private config folder, with its voila.py) is not on sys.path,
+    # where `-m voila` would import that file as the package
+    return [sys.executable, "-P", "-m", "voila", str(Path(folder).resolve()), "--no-browser", "--Voila.ip=127.0.0.1",
             f"--port={port}", "--Voila.port_retries=0", "--theme=light"]
 
 
@@ -95,6 +98,13 @@ def private_config(token: str) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"Voila": {"token": token}, **kernel_transport()}, f)
+    # Voila logs a refused or missing page's URL, `?token=...` and all, through tornado's summary of a
+    # request (its access log and its HTTP errors' warnings): in Voila's process, that summary writes
+    # the token `[secret]`, as Jupyter Server's own log does (code, so a .py config beside the JSON)
+    (folder / "voila.py").write_text(
+        "import re\nimport tornado.web\n\n_summary = tornado.web.RequestHandler._request_summary\n"
+        "tornado.web.RequestHandler._request_summary = lambda self: re.sub(r'(token=)[^&\\s]*', r'\\1[secret]', "
+        "_summary(self))\n")
     return folder
 
 
