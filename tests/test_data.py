@@ -163,8 +163,10 @@ def test_blocks_and_unigram(tiny_base):
     train, held = corpus_blocks(tok, corpus, 32)
     assert train.shape[1] == held.shape[1] == 32 and train.dtype == torch.long
     # the blocks are the text's tokens in order, EOS between documents, the tail dropped
-    ids = tok(("\n\n" + tok.eos_token).join(corpus.heldout), add_special_tokens=False)["input_ids"]
-    assert held.flatten().tolist() == ids[:len(ids) // 32 * 32] and len(ids) - held.numel() < 32
+    # (each from its own documents: training blocks of the held-out text too passed while only these were checked)
+    for blocks, docs in ((held, corpus.heldout), (train, corpus.train)):
+        ids = tok(("\n\n" + tok.eos_token).join(docs), add_special_tokens=False)["input_ids"]
+        assert blocks.flatten().tolist() == ids[:len(ids) // 32 * 32] and len(ids) - blocks.numel() < 32
     ppl = unigram_perplexity(train, held, len(tok))
     assert 1 < ppl < len(tok)
     # add-one counts fitted on the training blocks alone: tokens 0, 1, 1, 1 of 3 -> (2, 4, 1) / 7; scored
