@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from workbench.core.config import ConfigError
 from workbench.core.memory import monitor
-from workbench.core.training import TrainSettings, evaluate_perplexity, train
+from workbench.core.training import BlockSampler, TrainSettings, evaluate_perplexity, train
 
 
 def model_and_blocks(seed=0):
@@ -51,6 +51,36 @@ def test_the_run_time_is_the_steps_not_the_sinks():
     r = train(m, blocks, TrainSettings(steps=3, micro_batch=4, lr=3e-3), sinks=[slow_sink])
     wall = time.perf_counter() - t0
     assert wall - r.seconds >= 0.3 and r.seconds == pytest.approx(sum(row["step_ms"] for row in rows) / 1e3)
+
+
+def test_train_is_adamw_with_its_schedule_clipping_and_weight_decay():
+    """train() against the loop it stands for, written out with torch's own pieces: the schedule's
+    rate set on the optimizer every step, clip_grad_norm_ before the step, AdamW's weight decay.
+    (Every other test trained at one rate, without clipping or decay: dropping any of the three
+    passed them.)"""
+    settings = TrainSettings(steps=6, micro_batch=4, lr=3e-3, warmup_steps=2, schedule="cosine",
+                             weight_decay=0.1, max_grad_norm=0.05)
+    m, blocks = model_and_blocks()
+    result = train(m, blocks, settings)
+    ref, _ = model_and_blocks()
+    torch.manual_seed(settings.seed)
+    opt = torch.optim.AdamW(ref.parameters(), lr=settings.lr, weight_decay=0.1, fused=True)
+    sampler, norms, losses = BlockSampler(len(blocks), settings.seed), [], []
+    for step in range(settings.steps):
+        for g in opt.param_groups:
+            g["lr"] = settings.lr_at(step)
+        batch = blocks[sampler.take(4)]
+        loss = ref(input_ids=batch, labels=batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert min(norms) > 0.05  # every step clipped
+    assert len({settings.lr_at(s) for s in range(settings.steps)}) == 5  # the peak twice (warm-up's end, decay's start)
+    assert result.losses == pytest.approx(losses, rel=1e-5)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_accumulation_matches_a_big_batch():
