@@ -19,6 +19,7 @@ import psutil
 import pytest
 from distributed import Client, LocalCluster
 
+from workbench.core import parallel
 from workbench.core.parallel import cluster, cores, run_many, visible_cards
 
 RAN = []  # the sequential path runs here: what ran, in order
@@ -88,6 +89,14 @@ def test_local_cluster_order_threads_and_errors(monkeypatch):
     with pytest.raises(Boom, match="run 2 failed on purpose"):
         run_many(explode_at_2, [1, 2, 3, 4], workers=2, progress=False)
     assert set(workers()) <= before, "a worker process outlived run_many"
+
+
+def test_a_workers_share_of_the_cores(monkeypatch):
+    """On this 2-core machine half the cores is 1, which a share of always 1 also gives: the
+    arithmetic on a larger machine, played."""
+    monkeypatch.setattr(parallel, "cores", lambda: 16)
+    assert [parallel.threads_per_worker(n) for n in (1, 2, 3, 16, 32, 0)] == [16, 8, 5, 1, 1, 16]
+    assert parallel.threads_here() == 16  # outside a Dask worker: every core
 
 
 def test_local_cluster_listens_on_localhost_only(tmp_path):
@@ -173,7 +182,7 @@ def test_local_workers_take_a_card_each_on_a_machine_with_several(monkeypatch):
 
 
 def test_existing_scheduler():
-    with LocalCluster(n_workers=1, processes=True, threads_per_worker=1, host="127.0.0.1",
+    with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
                       dashboard_address=None, memory_limit=0) as cluster, \
             Client(cluster, set_as_default=False) as client:
         # plain TCP is said: whoever reaches the scheduler can run code on its workers
@@ -183,8 +192,9 @@ def test_existing_scheduler():
         assert [r["x"] for r in rows] == [2, 0, 1]
         worker_pids = set(client.run(os.getpid).values())
         assert {r["pid"] for r in rows} == worker_pids
-        # the only task on this host may use every core
-        assert {r["torch_threads"] for r in rows} == {cores()}
+        # two tasks at once on this host (two one-thread workers): each half the cores (with one worker
+        # this read all of them, as a share that ignored the scheduler's workers would)
+        assert {r["torch_threads"] for r in rows} == {max(1, cores() // 2)} and cores() >= 2
         with pytest.raises(Boom), pytest.warns(UserWarning, match="plain TCP"):
             run_many(explode_at_2, [2], scheduler=cluster.scheduler_address, progress=False)
         assert set(client.run(os.getpid).values()) == worker_pids  # the scheduler's worker lives on
