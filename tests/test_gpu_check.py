@@ -597,6 +597,15 @@ def test_cap_rows_compare_the_need_less_the_workspaces_and_judge_it_by_the_targe
     oom = {**big, "status": "oom", "reason": "CUDA out of memory"}
     v = cap_verdict([oom, big])
     assert v["status"] == "fail" and len(v["failures"]) == 1 and "no least cap was found" in v["failures"][0]
+    # out of memory uncapped with room for the need (and the target's margin) free before it: a fault,
+    # as in the ladder's check (it had passed as a result on any card, an H200's 140 GB included)
+    short = {**oom, "predicted_needed_mib": 4000.0, "free_before_mib": 4100.0}  # 2.5% room: a result
+    roomy = {**short, "free_before_mib": 4000.0 * (1 + TARGET_PCT / 100) + 1}
+    assert cap_verdict([ok, short])["status"] == "pass"
+    v = cap_verdict([ok, roomy])
+    assert v["status"] == "fail" and v["failures"] == [
+        f"zero_offload: predicted to need 4,000 MiB, with {roomy['free_before_mib']:,.0f} MiB free before it ran, "
+        "yet it ran out of memory uncapped"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: runs the real check (make gpu-check)")
@@ -862,7 +871,8 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
             empty_cache=lambda: None, synchronize=lambda d=None: None,
             # torch's own check: it raises ValueError for a device without an index ("cuda")
             set_per_process_memory_fraction=lambda f, d: fractions.append(f) if _get_device_index(d) == 0 else None,
-            current_device=lambda: 0, get_per_process_memory_fraction=lambda d: before).items():
+            current_device=lambda: 0, get_per_process_memory_fraction=lambda d: before,
+            mem_get_info=lambda d=None: (state.get("card_free", total - state["held"]), total)).items():
         monkeypatch.setattr(torch.cuda, attr, fn)
     monkeypatch.setattr(gpu_cap, "measure", measure)
     blocks = torch.zeros((4, 32), dtype=torch.long)
@@ -903,8 +913,9 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     assert second["trials"] == [] and "spent before it began" in second["reason"] and len(runs) == 4
     assert fractions[-1] == before
     # a rung that runs out of memory uncapped does not fit the card: a result, as the ladder's check
-    # takes it, not a failure of the check (an 8 GB card at a longer --seq)
+    # takes it, not a failure of the check (an 8 GB card at a longer --seq, 50 MiB free beside the process)
     opts.out_of_time = lambda: False
+    state["card_free"] = 50 * MiB
     monkeypatch.setattr(gpu_cap, "measure", lambda name, *a, **kw: {"status": "oom", "reason": "CUDA out of memory"}
                         if name == "zero_offload" else measure(name, *a, **kw))
     result = gpu_cap.check_cap(opts)
@@ -914,6 +925,16 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     # (the played need is not the tiny model's: bf16_true_lora's error fails, the out-of-memory does not)
     assert rows["bf16_true_lora"]["status"] == "ok" and result["failures"] and not any(
         f.startswith("zero_offload") for f in result["failures"]), result["failures"]
+    # free before the run: the card's free memory and what the process holds cached, not allocated
+    # (10 MiB reserved, none of it allocated, once the workspaces are released)
+    assert rows["zero_offload"]["free_before_mib"] == 50 + 10
+    # with room for its need free before it, the out-of-memory is a fault of the check (it had passed)
+    state["card_free"] = 10 * 1024 * MiB
+    result = gpu_cap.check_cap(opts)
+    assert any(f.startswith("zero_offload: predicted to need ") and f.endswith(
+        "MiB, with 10,250 MiB free before it ran, yet it ran out of memory uncapped") for f in result["failures"]), \
+        result["failures"]
+
     monkeypatch.setattr(gpu_cap, "measure", measure)
     # an offload rung whose predicted host memory is past what this machine has free is not run (the
     # OOM killer would end gpu-check, as the ladder's check says): a row that says why

@@ -106,6 +106,11 @@ def test_verdict_passes_and_compares_with_baselines():
     (zero, _) = sg.split_verdict(parity, _good_runs() + [half], base, LIMIT)["comparisons"]
     assert zero["best_engine_run"] == "k=1" and zero["same_offload_run"] == "k=0"
     assert zero["same_offload_speedup"] == pytest.approx(2.0)
+    # a baseline installed but failing on the card (NCCL, out of memory) fails the check with its
+    # reason: "unavailable" had passed, the comparison the check exists for silently missing
+    broken = [sg.baseline_row("ZeRO", [], "DistBackendError: NCCL error"), base[1]]
+    v = sg.split_verdict(parity, _good_runs(), broken, LIMIT)
+    assert v["status"] == "fail" and v["failures"] == ["baseline ZeRO: unavailable: DistBackendError: NCCL error"]
 
 
 def test_settled_times_the_iterations_after_the_last_move_of_k():
@@ -184,7 +189,7 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(sg, "K_SWEEP", (0.0, 1.0))
     monkeypatch.setattr(sg, "QUICK", {**sg.QUICK, "batch": 8})
     calls = []
-    stub = lambda *a, **kw: calls.append(a) or ([], "DeepSpeed ZeRO-Offload unavailable: stubbed")  # noqa: E731
+    stub = lambda *a, **kw: calls.append(a) or ([_row(i, ms=200.0) for i in range(3)], None)  # noqa: E731
     monkeypatch.setattr(zero_baseline, "run_zero_offload", stub)
     monkeypatch.setattr(sg, "run_zero_offload", stub)  # the name the check imported
     r = sg.check_split(Options(out=tmp_path, tiny=True, device="cpu"))
@@ -193,7 +198,7 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     assert [x["run"] for x in r["runs"]] == ["k=0", "k=1", "adaptive", "bf16 k=0", "fp16 k=0"]
     assert all(x["status"] == "ok" and x["tokens_per_s"] > 0 for x in r["runs"])
     assert r["pinned_bytes"] == 0 and len(calls) == 1 and next(calls[0][0].parameters()).device.type == "cpu"
-    assert {b["run"]: b["status"] for b in r["baselines"]}["DeepSpeed ZeRO-Offload"] == "unavailable"
+    assert {b["run"]: b["status"] for b in r["baselines"]}["DeepSpeed ZeRO-Offload"] == "ok"
     assert "### Study 3 split engine on the card: pass" in r["report"]
     adaptive = next(x for x in r["runs"] if x["run"] == "adaptive")
     assert len(adaptive["k_path"]) == 5 and "- adaptive: k by iteration" in r["report"]

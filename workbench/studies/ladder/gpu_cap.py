@@ -82,6 +82,12 @@ def cap_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if r["status"] not in ("ok", "oom", "too big")]
     failures += [f"{r['rung']}: reserved needed off by {r['error_pct']:+.1f}% of the least cap it trained under"
                  for r in rows if r["status"] == "ok" and not r["passed"]]
+    # out of memory uncapped is held to the prediction, as the ladder's check holds it: with room for the
+    # need and the target's margin free before the run, it is a fault (on the H200 any small rung's OOM is)
+    failures += [f"{r['rung']}: predicted to need {r['predicted_needed_mib']:,.0f} MiB, with "
+                 f"{r['free_before_mib']:,.0f} MiB free before it ran, yet it ran out of memory uncapped"
+                 for r in rows if r["status"] == "oom" and r.get("free_before_mib") is not None
+                 and r["predicted_needed_mib"] * (1 + TARGET_PCT / 100) < r["free_before_mib"]]
     if rows and all(r["status"] in ("oom", "too big") for r in rows):  # nothing trained: nothing compared
         failures.append("every rung was too big for the card or ran out of memory uncapped, so no least cap was "
                         "found (a card too small for the check's model: --model, --seq or --batch smaller)")
@@ -148,12 +154,13 @@ def check_cap(opts) -> dict[str, Any]:
         try:
             run(name)  # warm-up: kernels chosen and loaded, libraries' lazy state made
             res0, alloc0 = held()
+            free_before = torch.cuda.mem_get_info(dev)[0] + res0 - alloc0  # the card's free and this process's cache
             free = run(name)  # uncapped: its peaks above what is held bound the bisection
             if free.get("status") != "ok":
                 reason = str(free.get("reason") or free.get("status"))  # measure()'s own text, already one line
                 rows.append(cap_row(**row, least=None, uncapped={}, tried=[], reason=reason.splitlines()[0][:300]))
-                if free.get("status") == "oom":  # the rung does not fit this card: a result, as in the ladder's check
-                    rows[-1].update(status="oom", passed=None)
+                if free.get("status") == "oom":  # a result where the prediction left no room (cap_verdict)
+                    rows[-1].update(status="oom", passed=None, free_before_mib=round(free_before / MiB, 1))
                 continue
             hi = free["cuda_max_reserved_bytes"] - res0
             uncapped = {"reserved_mib": hi / MiB, "allocated_mib": (free["cuda_max_allocated_bytes"] - alloc0) / MiB}

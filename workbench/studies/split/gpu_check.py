@@ -131,8 +131,10 @@ def parity_row(name: str, reference: dict, masters: dict, lr: float, atol_lr: fl
 def split_verdict(parity: list[dict], runs: list[dict], baselines: list[dict],
                   pinned_limit_bytes: int) -> dict[str, Any]:
     """pass when the engine matches AdamW, every engine run ran, host updates overlapped backward
-    in the host-only run, the timeline is on one clock, and the pinned bytes are the bounded
-    rings. A baseline that cannot run here is recorded, not failed. Comparisons, against each
+    in the host-only run, the timeline is on one clock, the pinned bytes are the bounded rings, and
+    each library baseline ran. A baseline not installed is recorded, not failed; one installed that
+    fails (out of memory, NCCL, its op build, an API change) fails the check, with its reason (its
+    error is caught: the engine's runs are measured whatever it does). Comparisons, against each
     baseline's tokens/s: the engine's fp32 run at k=0 (every update on the host, as the baselines do)
     and its fastest fp32 run, with its k."""
     failures = [f"parity {p['run']}: max |diff| {p['max_abs_diff']:.3g} > {p['atol']:.3g} ({p['worst_param']})"
@@ -147,6 +149,8 @@ def split_verdict(parity: list[dict], runs: list[dict], baselines: list[dict],
         share = r.get("accel_idle_share")
         if share is not None and not 0.0 <= share <= 1.0:
             failures.append(f"{r['run']}: accelerator idle share {share:.3f} outside [0, 1]")
+    failures += [f"baseline {b['run']}: {b['status']}: {b.get('reason', '')}" for b in baselines
+                 if b["status"] not in ("ok", NOT_INSTALLED)]
     host_only = [r for r in runs if r["status"] == "ok" and r.get("k_target") == 0.0]
     for r in host_only:
         if r["overlapped_iterations"] == 0:
