@@ -225,11 +225,11 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         nvml = {}
         try:
             with MemoryMonitor(opts.device, interval_s=0.05) as mon:
-                before = mon.sample().get("nvml_used_mib")
+                before, held = mon.sample().get("nvml_used_mib"), torch.cuda.memory_reserved(opts.device)
                 # what it may take: others' use, the context and what this process holds live out
                 room = card_free_now(opts.device).usable_bytes - torch.cuda.memory_allocated(opts.device)
                 m = {**measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
-                               counted=opts.counted), "free_before_bytes": room}
+                               counted=opts.counted), "free_before_bytes": room, "reserved_before_bytes": held}
             if before is not None:
                 nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before,
                         **{k: mon.peak[k] for k in ("nvml_total_mib", "nvml_driver_reserved_mib") if k in mon.peak}}

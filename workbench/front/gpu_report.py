@@ -75,6 +75,12 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
                                   if "nvml_used_peak_mib" in nvml and reserved is not None else None),
         "nvml_used_delta_mib": (nvml["nvml_used_peak_mib"] - nvml["nvml_used_before_mib"]
                                 if {"nvml_used_peak_mib", "nvml_used_before_mib"} <= set(nvml) else None),
+        # what this rung added outside the allocator (a paged optimizer's managed state, a communicator): NVML's
+        # rise less the allocator's; outside_allocator_mib also holds the context and what earlier rungs left
+        "outside_allocator_rise_mib": (nvml["nvml_used_peak_mib"] - nvml["nvml_used_before_mib"]
+                                       - (reserved - mib(measured["reserved_before_bytes"]))
+                                       if {"nvml_used_peak_mib", "nvml_used_before_mib"} <= set(nvml)
+                                       and reserved is not None and "reserved_before_bytes" in measured else None),
         "error_vs_allocated_pct": error_pct(pred, alloc), "error_vs_reserved_pct": error_pct(fit, reserved),
         "step_ms": measured.get("step_ms"),
         # ZeRO-3: "host" where the run partitioned the model from the host (rungs.partition_on_host); before, the
@@ -203,8 +209,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
     if ladder.get("rows"):
         cols = ["rung", "status", "method", "predicted_allocated_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",
                 "predicted_reserved_mib", "cuda_max_reserved_mib", "error_vs_reserved_pct",
-                "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "predicted_fits_card",
-                "passed"]
+                "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "outside_allocator_rise_mib",
+                "predicted_fits_card", "passed"]
         lines += ["", "### Ladder: predicted beside measured on the card (MiB; error = (predicted - measured) / measured)",
                   "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in ladder["rows"]]
