@@ -300,6 +300,22 @@ def test_reproduce_checks_its_results_folder_before_building_the_base(tmp_path, 
                                                f"{tmp_path / 'afile'}: it is a file; name a folder you can write")
 
 
+def test_a_results_folder_one_cannot_write_is_one_line(tmp_path, monkeypatch):
+    """check_folder's other branch: a folder there that this user cannot write. These machines run as
+    root, whom os.access lets write anywhere, so the permission is played; the deepest existing part
+    is named (the folder itself would be made)."""
+    from workbench.core import results
+
+    (tmp_path / "ro").mkdir()
+    real = os.access
+    monkeypatch.setattr(results.os, "access", lambda p, mode: real(p, mode) and Path(p) != tmp_path / "ro")
+    with pytest.raises(results.ConfigError, match=rf"^the results folder {re.escape(str(tmp_path / 'ro' / 'r'))}: "
+                                                  rf"{re.escape(str(tmp_path / 'ro'))} is not writable by you; "
+                                                  r"name a folder you can write$"):
+        results.check_folder(tmp_path / "ro" / "r", "the results folder")
+    results.check_folder(tmp_path / "rw" / "r", "the results folder")  # a folder to be made where one can write
+
+
 def test_quick_with_devices_of_ones_own_leaves_the_quick_budget_out(monkeypatch):
     """Study 1's quick settings carry budget_mib 13, and a budget_mib beside devices is an error (it was
     dropped without a word): `strategies --quick devices=[cpu]` failed on a budget the user never set."""
