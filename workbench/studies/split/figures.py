@@ -100,10 +100,10 @@ def timeline_figure(result: StudyResult) -> go.Figure:
     # each row's facet says its source: a modelled run's name ("A100-80GB-PCIe: adaptive") read as a measurement
     tl = tl.assign(run=tl["source"] + ": " + tl["run"])
     fig = px.bar(tl, x="duration_ms", y="lane", base="start_ms", color="activity", orientation="h",
-                 facet_row="run", hover_data=["what", "source"], height=260 * max(1, tl["run"].nunique()),
+                 facet_row="run", hover_data=["what", "source"],
                  labels={"duration_ms": "ms", "lane": ""}, title="Timeline of one iteration (each row: measured or modelled)")
-    fig.update_xaxes(matches=None, showticklabels=True)
-    return fig.update_yaxes(matches=None)
+    fig.update_xaxes(matches=None)
+    return _panels(fig, tl["run"].nunique(), 1)  # row labels "measured: k=0", not "run=measured: k=0"
 
 
 def loss_figure(result: StudyResult) -> go.Figure:
@@ -112,6 +112,7 @@ def loss_figure(result: StudyResult) -> go.Figure:
     if not {"iteration", "loss", "run"} <= set(steps.columns):
         return go.Figure().update_layout(title="Training loss (no measured run)")
     return px.line(steps, x="iteration", y="loss", color="run", markers=True,
+                   labels={"loss": "loss (nats/token)"},  # as studies 1 and 2 label it
                    title="Training loss per iteration on the target corpus (measured on this machine)")
 
 
@@ -131,6 +132,7 @@ def k_figure(result: StudyResult) -> go.Figure:
     if steps.empty:
         return go.Figure().update_layout(title="k per iteration (no measured run)")
     return px.line(steps, x="iteration", y="k_actual", color="run", markers=True,
+                   labels={"k_actual": "k (share of parameters updated on the accelerator)"},
                    title="k used per iteration (measured; adaptive runs recompute it from measured times)")
 
 
@@ -308,9 +310,9 @@ The engine (`workbench.studies.split.engine.SplitEngine`) streams each parameter
 host as soon as backward finalises it and runs a CPU Adam there while backward goes on; the layers
 whose gradients arrive last (the ones the next forward needs first) are updated on the accelerator.
 The balance also measures how much the host's work slows backward itself (backward against *k* over
-the last iterations; the adaptive run moves *k* once to see a second point): on an H200 and on this
-CPU, backward took far longer with every update on the host, and leaving that out made the adaptive
-run pick the slowest *k*.
+the last iterations; the adaptive run moves *k* once to see a second point): on an H200 (the record
+`data/measured/h200-2026-11-22/`) and on the development machine's CPU, backward took far longer with
+every update on the host, and leaving that out made the adaptive run pick the slowest *k*.
 
 Two kinds of figures, never mixed: **measured** rows come from the engine on this machine,
 fine-tuning the embedded base on the real target corpus with held-out perplexity before and after
@@ -328,7 +330,9 @@ NOTEBOOK = [
     ("## The runs\n\nOne row per run, one table per source: measured on this machine, modelled, published. "
      "`status` is `oom` where the modelled GPU memory exceeds the card. `max_abs_diff_vs_adamw` compares each "
      "measured run's final weights with plain AdamW.",
-     "for caption, runs in figures.run_tables(result):\n    display(table(runs, caption))"),
+     # one expression: a for loop's `caption` and `runs` stayed behind as globals, and a second Run All
+     # refused them in the config cell (SplitConfig.from_namespace: unknown parameters)
+     "display(*(table(runs, caption) for caption, runs in figures.run_tables(result)))"),
     ("## Throughput against k\n\nPanels are per machine; modelled panels say so in their title.",
      "figures.throughput_figure(result).show()"),
     ("", "figures.tflops_figure(result).show()"),

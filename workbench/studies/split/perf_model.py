@@ -545,7 +545,8 @@ def seed_verdict(host_meas: dict | None = None) -> dict:
             f"alpha) capped by what the {card} card holds; the band holds for "
             + "; ".join(f"{v['host']} at MFU {v['mfu']}, {'with' if v['recompute'] else 'without'} recompute: "
                         f"{v['band_holds_k_seed_formula_on_card']}" for v in verdicts)
-            + ". Modelled alpha: " + ", ".join(sorted({f"{v['alpha_modelled']:.3f}" for v in verdicts}))
+            + ". Modelled alpha, per host: "  # each beside its host (the bare figures did not say whose)
+            + ", ".join(f"{h} {a}" for h, a in dict.fromkeys((v["host"], f"{v['alpha_modelled']:.3f}") for v in verdicts))
             + f" against the seed's {claims['alpha']}.")
     return {"rows": rows, "verdicts": verdicts, "text": text}
 
