@@ -67,8 +67,23 @@ def test_a_re_predicted_record_gives_the_current_predictions_error(tmp_path):
     (tmp_path / "card-a" / REPREDICTED).write_text(json.dumps({"git_commit": "abc1234", "rows": [
         {"rung": "zero_offload", "method": "predicted", "error_vs_reserved_pct": -3.9},
         {"rung": "lora", "method": "predicted", "error_vs_reserved_pct": 0.7}]}))
+    # re-predicted is post hoc (the model was revised against the record): the latest record's error as
+    # predicted on the day, before the card ran it, stays a row, and the margin takes the worse
     pct, why = reserved_shortfall("zero_offload", card_reserved_errors(tmp_path))
-    assert pct == 3.9 and "re-predicted at abc1234" in why
+    assert pct == 16.3 and "card-a, predicted before the card ran it" in why
+    # a later record tested the revised model: the older record's day errors measured an older one
+    _card_record(tmp_path, "card-b", [{"rung": "zero_offload", "method": "predicted", "error_vs_reserved_pct": -2.0},
+                                      {"rung": "zero_offload_params", "method": "predicted",
+                                       "error_vs_reserved_pct": 0.2}])
+    rows = card_reserved_errors(tmp_path)
+    pct, why = reserved_shortfall("zero_offload", rows)
+    assert pct == 3.9 and "card-a, re-predicted at abc1234 (post hoc)" in why
+    # ZeRO-3 partitioned on the card (the records' path) is not the host path the workbench runs now:
+    # that placement was never measured, so it takes the worst of any
+    assert {r["placement"] for r in rows if r["rung"] == "zero_offload_params"} == {
+        "zero_offload_params (partitioned on the card)"}
+    pct, why = reserved_shortfall("zero_offload_params", rows)
+    assert pct == 3.9 and "no zero_offload_params rung measured" in why
 
 
 def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_path, monkeypatch):
@@ -120,14 +135,19 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
 
 
 def test_the_committed_card_records_give_every_simulated_placement_its_reserved_margin():
-    """The H200 record (2026-11-22), re-predicted with this checkout's code: its reserved misses set
-    the margin auto-fit keeps on CUDA, each within the issue's 5%."""
+    """The H200 records re-predicted with this checkout's code (post hoc), and the latest one's errors
+    as predicted before the card ran it: together they set the margin auto-fit keeps on CUDA. Post
+    hoc every placement is within the issue's 5%; before the card ran it, fp32 missed by 5.5%
+    (2026-11-26), and that out-of-sample miss is the on-card margin."""
     rows = card_reserved_errors()
     assert {r["placement"] for r in rows} >= {"device", "zero_offload", "device_map"}
-    assert all("re-predicted" in r["record"] for r in rows)
+    post_hoc = [r for r in rows if "re-predicted" in r["record"]]
+    day = [r for r in rows if r["record"] == "h200-2026-11-26, predicted before the card ran it"]
+    assert len(post_hoc) + len(day) == len(rows) and day
     for placement in ("device", "zero_offload", "device_map"):
-        assert reserved_shortfall(placement, rows)[0] < 5
-    assert reserved_shortfall("device", rows)[0] > 0  # some on-card rung is under-predicted
+        assert reserved_shortfall(placement, post_hoc)[0] < 5
+    pct, why = reserved_shortfall("device", rows)
+    assert pct == pytest.approx(5.53, abs=0.01) and "fp32" in why and "predicted before the card ran it" in why
 
 
 @pytest.mark.slow
