@@ -488,6 +488,10 @@ def test_each_card_preset_is_as_large_as_nvidia_smi_reports_it():
 
 def test_a_real_card_takes_its_presets_measured_context_and_its_own_size():
     h200 = cm.card_of("NVIDIA H200", 143156 * MiB, 90)
+    # where its context comes from is said, beside it: that card's own record, so its nvidia-smi figure
+    # agrees there by construction (it read "modelled (per-card constant)" as any preset)
+    assert h200.context_source.startswith("modelled (per-card constant, measured on an H200 by gpu-check")
+    assert cm.card_of("NVIDIA GeForce RTX 4090", 24 * 2**30, 89).context_source == "modelled (per-card constant)"
     assert h200.context_bytes == 1384 * MiB and h200.total_bytes == 143156 * MiB and h200.sm == 90
     assert cm.card_of("NVIDIA GeForce RTX 4090", 24 * 2**30, 89).context_bytes == cm.CONTEXT_BYTES
     # a name that is not a preset's (or the wrong architecture) takes the modelled default

@@ -215,7 +215,9 @@ def report_markdown(summary: dict[str, Any]) -> str:
                   "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in ladder["rows"]]
         lines += ["", "The CUDA budget caps the allocator's reserved memory (fragmentation and caching "
-                      "included); the CPU budget counts live tensor bytes."]
+                      "included); the CPU budget counts live tensor bytes. predicted_nvidia_smi_mib is shown, "
+                      "not judged: it adds a per-card constant for the CUDA context, the H200's taken from "
+                      "its own gpu-check record (on that card it agrees by construction)."]
         lines += [f"- {r['rung']}: {r['segment_difference']}" for r in ladder["rows"] if r.get("segment_difference")]
     s1 = summary["results"].get("strategies", {})
     if s1.get("runs"):

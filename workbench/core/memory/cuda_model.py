@@ -195,7 +195,9 @@ CARDS = {c.name: c for c in (
     # measured by `workbench gpu-check` (2026-11-22; torch 2.11, CUDA 13.0, driver 580): NVML's used
     # memory less max_memory_reserved was 1,366-1,384 MiB on every rung before bitsandbytes' paged
     # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB
-    Card("H200 141GB", 143771 * MiB, 90, context_bytes=1384 * MiB),
+    Card("H200 141GB", 143771 * MiB, 90, context_bytes=1384 * MiB,
+         context_source="modelled (per-card constant, measured on an H200 by gpu-check on 2026-11-22: that "
+                        "card's nvidia-smi figure agrees by construction)"),
 )}
 
 
@@ -235,7 +237,8 @@ def card_of(name: str, total_bytes: int, sm: int) -> Card:
     """A real card as torch reports it ("NVIDIA GeForce RTX 4090"): its own memory and compute
     capability, with the context constant of the preset it is (name and sm), else the default."""
     preset = next((c for c in CARDS.values() if " ".join(c.name.split()[:-1]) in name and c.sm == sm), None)
-    return Card(name, total_bytes, sm, preset.context_bytes if preset else CONTEXT_BYTES)
+    return Card(name, total_bytes, sm, preset.context_bytes, preset.context_source) if preset else \
+        Card(name, total_bytes, sm)
 
 
 def card_at_hand(device="cuda") -> Card:

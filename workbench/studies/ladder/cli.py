@@ -87,7 +87,7 @@ def register(sub) -> None:
     p.set_defaults(func=_estimate)
 
 
-_MODELLED = Card.context_source  # a preset's or a size's context: the per-card constant
+_MODELLED = "modelled"  # a preset's or a size's context (a per-card constant), not what is in use on a card now
 _FLAGS = ("precision", "optimizer", "trainable", "lora_rank", "lora_targets", "checkpointing", "micro_batch")
 
 
@@ -196,12 +196,12 @@ def _estimate(args) -> int:
             if card.usable_bytes <= 0:
                 raise ConfigError(f"--card {card_spec}: its {mib_text(card.total_bytes / MiB)} MiB do not hold the "
                                   f"CUDA context ({mib_text(card.context_bytes / MiB)} MiB, modelled); give a larger "
-                                  "card, or --budget-mib for a budget of your own" if card.context_source == _MODELLED
+                                  "card, or --budget-mib for a budget of your own" if card.context_source.startswith(_MODELLED)
                                   else f"--card {card_spec}: nothing is free on {card.name} now "
                                   f"({mib_text(card.context_bytes / MiB)} MiB in use, {card.context_source})")
             args.budget_mib = card.usable_bytes / MiB  # what the card leaves after its context
             budget_from = (f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less its CUDA context, "
-                           f"{mib_text(card.context_bytes / MiB)} MiB modelled" if card.context_source == _MODELLED else
+                           f"{mib_text(card.context_bytes / MiB)} MiB modelled" if card.context_source.startswith(_MODELLED) else
                            f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less "
                            f"{mib_text(card.context_bytes / MiB)} MiB in use there, {card.context_source}")
         if args.search:
