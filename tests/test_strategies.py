@@ -275,3 +275,14 @@ def test_the_notes_name_what_trains_outside_the_layers():
     assert sel.notes[0] == "trains the last 2 decoder layers, model.norm and the head"
     for name in ("freeze_lower", "adapter"):
         assert "a tied head is the input embedding, which then trains too" in STRATEGIES[name].help
+
+
+def test_study_1s_figures_say_where_their_figures_come_from():
+    """Studies 2 and 3 title their figures with their provenance; study 1's said nothing of it."""
+    from workbench.studies.strategies import figures as s1
+
+    runs = pd.DataFrame({"strategy": ["full", "lora"], "status": ["ok", "fallback"], "ppl_after": [20.0, 30.0],
+                         "ppl_before": [50.0, 50.0]})
+    steps = pd.DataFrame({"strategy": ["full", "full"], "seed": [0, 0], "tokens": [10, 20], "loss": [3.0, 2.5]})
+    assert s1.perplexity_spread(runs).layout.title.text.endswith("(measured on this machine)")
+    assert s1.loss_curves(steps).layout.title.text == "Training loss per strategy (measured on this machine)"

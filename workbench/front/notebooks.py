@@ -175,8 +175,8 @@ def notebook(nb: StudyNotebook) -> nbformat.NotebookNode:
     cells = [
         nbformat.v4.new_markdown_cell(
             fig.NOTEBOOK_INTRO + f"\n\nRun headless: `workbench {nb.study} NAME=VALUE ...`, or "
-            f"`papermill notebooks/{nb.name}.ipynb out.ipynb -p NAME VALUE`; every parameter below is a field "
-            f"of `{nb.config.__name__}`."),
+            f"`papermill notebooks/{nb.name}.ipynb out.ipynb -p NAME VALUE` (a list as YAML: `-y 'NAME: [0, 1]'`; "
+            f"papermill's `-p` reads it as text); every parameter below is a field of `{nb.config.__name__}`."),
         nbformat.v4.new_code_cell(parameters_cell(nb.config), metadata={"tags": ["parameters"]}),
         nbformat.v4.new_code_cell(
             "import pandas as pd\n\n"

@@ -63,7 +63,9 @@ from workbench.studies.ladder.validation import MARGINS_FILE
 # its reason. They order setups; they are not a speed prediction.
 COSTS = {
     "precision": {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5, "bf16_true": 0.45, "fp16_true": 0.45},
-    # data-sheet dense throughput: A100 TF32 156 vs BF16 312 TFLOP/s; pure 16-bit also halves weight traffic
+    # data-sheet dense throughput: A100 TF32 156 vs BF16 312 TFLOP/s; pure 16-bit also halves weight traffic.
+    # An assumption for fp32: the workbench does not enable TF32, and torch's default fp32 matmul is plain
+    # FP32 (19.5 TFLOP/s on an A100), so the real gap is larger; it only ranks fp32 setups earlier, never later
     "checkpointing": 4 / 3,  # recomputes the forward in backward: forward 2N of 6N FLOPs per token
     "accumulation_step": 0.03,  # per extra micro-batch: launch and optimizer-free overhead (assumption)
     "optimizer": {"adamw": 1.0, "adamw_torch": 1.0, "adamw8bit": 1.02, "paged_adamw8bit": 1.04},

@@ -10,12 +10,18 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from workbench.core.charts import loss_curves, rounded
+from workbench.core import charts
+from workbench.core.charts import rounded
 from workbench.core.claims import study1_general_problems
 from workbench.core.results import StudyResult
 
 
-def perplexity_spread(df: pd.DataFrame, *, title: str = "Held-out perplexity after fine-tuning") -> go.Figure:
+def loss_curves(steps: pd.DataFrame) -> go.Figure:
+    return charts.loss_curves(steps, title="Training loss per strategy (measured on this machine)")
+
+
+def perplexity_spread(df: pd.DataFrame, *,
+                      title: str = "Held-out perplexity after fine-tuning (measured on this machine)") -> go.Figure:
     """Per-seed held-out perplexity as points, the mean as a bar, the base model as a dashed line."""
     ok = df[df["status"].isin(["ok", "fallback"])]
     fig = go.Figure()
