@@ -391,8 +391,9 @@ def test_a_card_attempt_is_preflighted_with_the_reserved_memory_cuda_needs(tiny_
     ({"precision": "fp16", "devices": ["cuda@6000", "cpu"]}, r"fp16 .* include cpu; use bf16 or fp32, or devices"),
     # the attempts are the devices as written: a budget beside them was dropped without a word
     ({"budget_mib": 64, "devices": ["cuda", "cpu"]},
-     r"^budget_mib applies only without devices: write the budget into devices, e\.g\. cuda@8192$"),
-    ({"budget_mib": 0, "devices": ["cpu@64"]}, "budget_mib applies only without devices"),
+     r"^budget_mib applies only without devices: write the budget into devices, e\.g\. cuda@8192, and set "
+     r"budget_mib to 0$"),
+    ({"budget_mib": 13, "devices": ["cpu@64"]}, "budget_mib applies only without devices"),
 ])
 def test_bad_input_is_rejected_before_training(bad, error):
     with pytest.raises(ConfigError, match=error):
@@ -401,6 +402,8 @@ def test_bad_input_is_rejected_before_training(bad, error):
 
 def test_devices_with_the_default_budget_are_the_devices_as_written():
     assert StrategiesConfig(devices=("cuda@8192", "cpu")).attempts_as_text() == ["cuda@8192", "cpu"]
+    # and with no budget (0): the quick settings' 13 MiB could not be left any other way (knobs, notebooks)
+    assert StrategiesConfig(devices=("cpu@64", "cpu"), budget_mib=0).attempts_as_text() == ["cpu@64", "cpu"]
 
 
 def test_a_run_made_without_a_card_is_not_read_back_on_a_card(monkeypatch):

@@ -79,9 +79,11 @@ class StrategiesConfig(Config):
             raise ConfigError("seeds is empty: give at least one seed, e.g. seeds=[0]")
         for d in self.devices:
             Attempt.parse(d)
-        if self.devices and self.budget_mib != type(self).__dataclass_fields__["budget_mib"].default:
-            # the attempts are the devices as written: a budget beside them was dropped without a word
-            raise ConfigError("budget_mib applies only without devices: write the budget into devices, e.g. cuda@8192")
+        if self.devices and self.budget_mib not in (0, type(self).__dataclass_fields__["budget_mib"].default):
+            # the attempts are the devices as written: a budget beside them was dropped without a word (0, no
+            # budget, drops nothing: the quick settings' and the knobs' way out)
+            raise ConfigError("budget_mib applies only without devices: write the budget into devices, e.g. "
+                              "cuda@8192, and set budget_mib to 0")
         cpu = [d for d in self.attempts_as_text() if not d.startswith("cuda")]
         if self.precision == "fp16" and cpu:  # a fallback to the CPU would end the study, not run
             raise ConfigError(f"fp16 autocast runs on CUDA only, and the attempts include {', '.join(cpu)}; use "
