@@ -93,6 +93,23 @@ def test_knobs_validate_like_the_parameters_cell_and_run():
     assert len(seen) == 1 and "seeds" in panel.message.value
 
 
+def test_a_default_resolved_from_other_fields_follows_them_on_the_panel():
+    """The ladder's breakdown rung defaults to bf16_ckpt when that rung is run: the panel showed it
+    resolved, so taking bf16_ckpt out of the rungs was refused ("not among rungs")."""
+    from workbench.studies.ladder.config import LadderConfig
+
+    seen = []
+    panel = knobs(LadderConfig, LadderConfig(), seen.append)
+    assert panel.controls["breakdown_rung"].value == ""
+    panel.controls["rungs"].value = ("fp32", "bf16")
+    panel.button.click()
+    assert panel.message.value == "" or "not among rungs" not in panel.message.value
+    assert seen and seen[-1].rungs == ("fp32", "bf16") and seen[-1].breakdown_rung == "fp32"
+    # one set on purpose stays as set
+    chosen = knobs(LadderConfig, LadderConfig(breakdown_rung="fp32"), seen.append)
+    assert chosen.controls["breakdown_rung"].value == "fp32"
+
+
 def test_no_knob_runs_code_a_dashboard_viewer_chooses():
     """The panel is a Voila app too, whose viewers must not run code: study 1's offered
     trust_remote_code (a hub repository's Python) and a Dask scheduler address (which hands the

@@ -228,6 +228,11 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
+    def knob_values(self) -> dict[str, Any]:
+        """What a knobs panel starts from: to_dict(), where a subclass gives back a default it resolved
+        from other fields unresolved, so it follows them when they change on the panel."""
+        return self.to_dict()
+
     def replace(self, **changes: Any):
         return type(self).from_dict({**self.to_dict(), **changes})
 

@@ -75,7 +75,7 @@ class Knobs(W.VBox):
                  *, fields: list[str] | None = None, title: str = ""):
         self.config_cls = config_cls
         self.on_run = on_run
-        current = values.to_dict() if isinstance(values, Config) else dict(values)
+        current = values.knob_values() if isinstance(values, Config) else dict(values)
         hints = get_type_hints(config_cls)
         helps = config_cls.help()
         meta = config_cls.fields()

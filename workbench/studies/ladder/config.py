@@ -68,7 +68,7 @@ class LadderConfig(Config):
         if self.reference_device not in ("cpu", "cuda"):
             raise ConfigError(f"reference_device must be cpu or cuda, got {self.reference_device!r}")
         if not self.breakdown_rung:  # the default follows the rungs chosen
-            object.__setattr__(self, "breakdown_rung", "bf16_ckpt" if "bf16_ckpt" in self.rungs else self.rungs[0])
+            object.__setattr__(self, "breakdown_rung", self._default_breakdown())
         if self.breakdown_rung not in self.rungs:
             raise ConfigError(f"breakdown_rung {self.breakdown_rung!r} is not among rungs: {', '.join(self.rungs)} "
                               "(name one of them, or '' for the default)")
@@ -92,6 +92,15 @@ class LadderConfig(Config):
 
     def run_id(self) -> str:
         return f"ladder-{self.hash()}"
+
+    def _default_breakdown(self) -> str:
+        return "bf16_ckpt" if "bf16_ckpt" in self.rungs else self.rungs[0]
+
+    def knob_values(self) -> dict:
+        """The default breakdown rung as '' on a panel: resolved, it stayed bf16_ckpt when bf16_ckpt was
+        taken out of the rungs there, and the run was refused ("not among rungs")."""
+        values = super().knob_values()
+        return {**values, "breakdown_rung": ""} if self.breakdown_rung == self._default_breakdown() else values
 
 
 def _resolve(path: str) -> str:
