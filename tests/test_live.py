@@ -110,6 +110,31 @@ def test_a_default_resolved_from_other_fields_follows_them_on_the_panel():
     assert chosen.controls["breakdown_rung"].value == "fp32"
 
 
+def test_a_device_this_machine_lacks_is_a_message_and_the_last_run_stays(monkeypatch):
+    """device=cuda on a machine without a card was a traceback from inside the run, after the last
+    run's charts had been cleared."""
+    from workbench.core import fallback
+    from workbench.studies.split.config import SplitConfig
+
+    monkeypatch.setattr(fallback, "unavailable", lambda device: "no CUDA device here" if device == "cuda" else None)
+    seen = []
+    panel = knobs(SplitConfig, SplitConfig(), seen.append)
+    panel.output.append_stdout("the last run's charts")
+    panel.controls["device"].value = "cuda"
+    panel.button.click()
+    assert not seen and panel.message.value == ('<span style="color:#c00">device=cuda: no CUDA device here; use '
+                                                'device=cpu or device=auto</span>')
+    assert panel.output.outputs and "the last run's charts" in str(panel.output.outputs)
+    panel.controls["device"].value = "cpu"
+    panel.button.click()
+    assert len(seen) == 1 and seen[0].device == "cpu"
+    # an optional number (host_share: float | None) is empty for None, a number when given ("None" was refused)
+    assert panel.controls["host_share"].value == "" and seen[0].host_share is None
+    panel.controls["host_share"].value = "0.8"
+    panel.button.click()
+    assert len(seen) == 2 and seen[1].host_share == 0.8
+
+
 def test_no_knob_runs_code_a_dashboard_viewer_chooses():
     """The panel is a Voila app too, whose viewers must not run code: study 1's offered
     trust_remote_code (a hub repository's Python) and a Dask scheduler address (which hands the

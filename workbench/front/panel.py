@@ -52,6 +52,8 @@ def _widget_for(name: str, tp: Any, value: Any, help_text: str, choices, label_w
                                 rows=min(8, len(choices)), **common)
     if origin is tuple:
         return W.Text(value=yaml.safe_dump(list(value), default_flow_style=True).strip(), **common)
+    if type(None) in get_args(tp):  # float | None and the like: empty is None (it read "None", then refused)
+        return W.Text(value="" if value is None else str(value), placeholder="empty: none", **common)
     return W.Text(value=str(value), **common)
 
 
@@ -65,6 +67,11 @@ def _read(widget: W.Widget, tp: Any) -> Any:
         return parsed if isinstance(parsed, list) else [parsed]
     if isinstance(widget, W.SelectMultiple):
         return list(value)
+    if type(None) in get_args(tp) and isinstance(widget, W.Text):
+        try:
+            return None if value.strip() in ("", "None") else yaml.safe_load(value)  # "0.8": a number
+        except yaml.YAMLError:
+            return value  # the config says what it expected
     return value
 
 
@@ -98,8 +105,13 @@ class Knobs(W.VBox):
         super().__init__(header + [grid, W.HBox([self.button, self.message]), self.output])
 
     def config(self) -> Config:
+        """The settings on the panel as a config; a device this machine lacks (device=cuda without a
+        card) is refused here too, as a message, before the last run's output is cleared."""
         values = {**self.fixed, **{n: _read(w, self.hints[n]) for n, w in self.controls.items()}}
-        return self.config_cls.from_dict(values)
+        cfg = self.config_cls.from_dict(values)
+        if hasattr(cfg, "resolved_device"):
+            cfg.resolved_device()
+        return cfg
 
     def run(self) -> Any:
         try:
@@ -115,6 +127,9 @@ class Knobs(W.VBox):
                 result = self.on_run(cfg)
             self.message.value = '<span style="color:#080">done</span>'
             return result
+        except ConfigError as e:  # a setting found wrong as the run began: its one line, as above
+            self.message.value = f'<span style="color:#c00">{e}</span>'
+            return None
         except Exception as e:  # shown in the panel, with the traceback in the output area
             self.message.value = f'<span style="color:#c00">{type(e).__name__}: {e}</span>'
             self.output.append_stderr(traceback.format_exc())
