@@ -37,9 +37,9 @@ class LadderConfig(Config):
     steps: int = setting("steps", 6, "measured per rung; the first is warm-up, left out of timings")
     lr: float = setting("lr", 1e-4, "of the measured runs")
     budget_mib: float = param(100.0, "device budget to fit (MiB): on a card it caps the allocator's reserved "
-                              "memory, on the CPU live bytes are counted. On the CPU the default lets auto-fit pick "
-                              "a middle setup of the embedded default (pure bf16, micro-batch 4 x 2 accumulation, "
-                              "predicted 74 MiB), not the CPU rung")
+                              "memory, on the CPU live bytes are counted. On the CPU the default is meant to let "
+                              "auto-fit pick a middle setup of the embedded default, not the first rung nor the "
+                              "CPU rung (its choice and why: the auto-fit table)")
     measure: bool = param(True, "measure the rungs that can run on this machine")
     autofit: bool = param(True, "run auto-fit for the model at hand with the budget enforced")
     device: Literal["auto", "cpu", "cuda"] = setting(
