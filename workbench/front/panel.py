@@ -68,10 +68,14 @@ def _read(widget: W.Widget, tp: Any) -> Any:
     if isinstance(widget, W.SelectMultiple):
         return list(value)
     if type(None) in get_args(tp) and isinstance(widget, W.Text):
-        try:
-            return None if value.strip() in ("", "None") else yaml.safe_load(value)  # "0.8": a number
-        except yaml.YAMLError:
-            return value  # the config says what it expected
+        if value.strip() in ("", "None"):
+            return None
+        if float in get_args(tp) or int in get_args(tp):
+            try:
+                return float(value)  # "0.8": a number (the config checks its kind and range)
+            except ValueError:
+                pass
+        return value  # text as typed (YAML would read "on" as true); the config says what it expected
     return value
 
 
