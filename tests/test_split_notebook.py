@@ -161,3 +161,16 @@ def test_the_verdict_names_the_host_of_each_modelled_alpha(monkeypatch):
     assert len(alphas) >= 2 and len(set(alphas.values())) == len(alphas)  # hosts told apart by their alpha
     said = re.search(r"Modelled alpha, per host: (.*) against the seed's", verdict["text"]).group(1)
     assert said == ", ".join(f"{host} {alpha}" for host, alpha in alphas.items())
+
+
+def test_the_validation_table_keeps_each_rows_own_digits():
+    """Its rows mix seconds and TFLOP/s: 40 TFLOP/s read "40.00", its decimals those of 0.25 s."""
+    import pandas as pd
+
+    from workbench.core.results import StudyResult
+    from workbench.studies.split.figures import validation_table
+
+    v = pd.DataFrame({"source": ["a", "b"], "metric": ["offload time (s)", "TFLOP/s"], "published": [0.25, 40.0],
+                      "modelled": [0.4312, 53.61], "error_pct": [72.5, 34.0]})
+    t = validation_table(StudyResult("split", runs=pd.DataFrame(), tables={"validation": v}))
+    assert t["published"].tolist() == ["0.25", "40"] and t["modelled"].tolist() == ["0.431", "53.6"]

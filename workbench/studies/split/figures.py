@@ -173,7 +173,11 @@ def validation_table(result: StudyResult) -> pd.DataFrame:
     """The performance model against published offload measurements: error per point."""
     v = result.tables.get("validation", pd.DataFrame())
     cols = ["source", "hardware", "model", "setup", "metric", "published", "modelled", "error_pct"]
-    return rounded(v[[c for c in cols if c in v]])
+    out = rounded(v[[c for c in cols if c in v]])
+    for c in ("published", "modelled"):  # each row its own metric (s, TFLOP/s): three significant digits per row,
+        if c in out:  # not the column's (40 TFLOP/s had read "40.00", its decimals those of 0.25 s)
+            out[c] = out[c].map(lambda x: f"{x:.3g}" if isinstance(x, (int, float)) and pd.notna(x) else x)
+    return out
 
 
 def inputs_table(result: StudyResult) -> pd.DataFrame:
