@@ -165,8 +165,6 @@ def test_the_verdict_names_the_host_of_each_modelled_alpha(monkeypatch):
 
 def test_the_validation_table_keeps_each_rows_own_digits():
     """Its rows mix seconds and TFLOP/s: 40 TFLOP/s read "40.00", its decimals those of 0.25 s."""
-    import pandas as pd
-
     from workbench.core.results import StudyResult
     from workbench.studies.split.figures import validation_table
 
