@@ -86,6 +86,22 @@ def test_a_re_predicted_record_gives_the_current_predictions_error(tmp_path):
     assert pct == 3.9 and "no zero_offload_params rung measured" in why
 
 
+def test_each_cards_latest_record_by_its_date_keeps_its_errors_of_the_day(tmp_path):
+    """By its folder's date, not its name's place in the alphabet, and one per card."""
+    def row(err):
+        return [{"rung": "fp32", "method": "predicted", "error_vs_reserved_pct": err}]
+
+    _card_record(tmp_path, "z-name-2026-01-01", row(-9.0))  # older, though last by name
+    _card_record(tmp_path, "a-name-2026-02-01", row(-2.0))
+    _card_record(tmp_path, "other-2026-01-15", row(-4.0), gpu="Other card")
+    for name in ("z-name-2026-01-01", "a-name-2026-02-01", "other-2026-01-15"):
+        (tmp_path / name / REPREDICTED).write_text(json.dumps({"git_commit": "c", "rows": row(-0.1)}))
+    rows = card_reserved_errors(tmp_path)
+    day = sorted((r["record"], r["error_pct"]) for r in rows if "before the card" in r["record"])
+    assert day == [("a-name-2026-02-01, predicted before the card ran it", -2.0),
+                   ("other-2026-01-15, predicted before the card ran it", -4.0)]
+
+
 def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_path, monkeypatch):
     config = tmp_path / "config.json"
     config.write_text(tiny_config("qwen2").to_json_string())

@@ -48,21 +48,24 @@ def card_reserved_errors(root: str | Path = CARD_RECORDS) -> list[dict]:
     (simulated, not estimated) and measured: rung, placement, error in %, card, record.
 
     Where a record has been re-predicted (`repredict_card_record`), the current prediction's error
-    is used: post hoc, since the model was revised against these records. So the latest record's
-    errors as predicted on the day, before the card ran it (the last test the model did not see),
+    is used: post hoc, since the model was revised against these records. So each card's latest
+    record's errors as predicted on the day, before the card ran it (the last test the model did not see),
     are rows too: a margin takes the worse (its fp32 was -5.5% on 2026-11-26, re-predicted -0.0%).
     Older records' day errors measured models that later records tested again. A ZeRO-3 row's
     placement names where its run partitioned the model: the records' ran it on the card, the
     workbench partitions it from the host now, a path no card has measured."""
     rows = []
-    paths = sorted(Path(root).glob("*/summary.json"))
-    for path in paths:
-        record = _read_record(path)
+    records = {path: _read_record(path) for path in sorted(Path(root).glob("*/summary.json"))}
+    latest = {}  # each card's latest record, by the date its folder ends in (<card>-<YYYY-MM-DD>)
+    for path, record in records.items():
+        card = record.get("environment", {}).get("gpu", "?")
+        latest[card] = max(latest.get(card, path), path, key=lambda p: p.parent.name[-10:])
+    for path, record in records.items():
         card = record.get("environment", {}).get("gpu", "?")
         label = path.parent.name
         day = record.get("results", {}).get("ladder", {}).get("rows", [])
-        latest = path == paths[-1]
-        ladder = [{**r, "record": f"{label}, predicted before the card ran it"} for r in day] if latest else []
+        ladder = ([{**r, "record": f"{label}, predicted before the card ran it"} for r in day]
+                  if latest[card] == path else [])
         if (path.parent / REPREDICTED).exists():
             again = _read_record(path.parent / REPREDICTED)
             ladder += [{**r, "record": f"{label}, re-predicted at {again.get('git_commit', '?')} (post hoc)"}
