@@ -56,13 +56,12 @@ def card_reserved_errors(root: str | Path = CARD_RECORDS) -> list[dict]:
     workbench partitions it from the host now, a path no card has measured."""
     rows = []
     records = {path: _read_record(path) for path in sorted(Path(root).glob("*/summary.json"))}
+    cards = {path: record.get("environment", {}).get("gpu", "?") for path, record in records.items()}
     latest = {}  # each card's latest record, by the date its folder ends in (<card>-<YYYY-MM-DD>)
-    for path, record in records.items():
-        card = record.get("environment", {}).get("gpu", "?")
+    for path, card in cards.items():
         latest[card] = max(latest.get(card, path), path, key=lambda p: p.parent.name[-10:])
     for path, record in records.items():
-        card = record.get("environment", {}).get("gpu", "?")
-        label = path.parent.name
+        card, label = cards[path], path.parent.name
         day = record.get("results", {}).get("ladder", {}).get("rows", [])
         ladder = ([{**r, "record": f"{label}, predicted before the card ran it"} for r in day]
                   if latest[card] == path else [])
