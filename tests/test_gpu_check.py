@@ -502,7 +502,8 @@ def test_sigterm_ends_the_run_with_the_check_it_ended_recorded(tmp_path):
 
 def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monkeypatch, tmp_path):
     """A lent card's call ends at a hard limit: what began before the budget ran out finishes and is
-    kept; what had not begun is 'not run' (a failure, never a pass), in the summary and the report."""
+    kept; what had not begun is 'not run', in the summary and the report, and makes the run incomplete
+    (never a pass; a fail when something that ran failed)."""
     import time
 
     ran = []
@@ -517,7 +518,11 @@ def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monke
     summary = gc.run_checks(gc.Options(out=tmp_path, deadline_at=time.perf_counter() + 0.5), found, say=lambda s: None)
     assert ran == ["ladder"]
     assert summary["checks"] == {"environment": "pass", "ladder": "pass", "trace": "not run"}
-    assert summary["status"] == "fail" and "- trace: not run" in (tmp_path / "report.md").read_text()
+    assert summary["status"] == "incomplete" and "- trace: not run" in (tmp_path / "report.md").read_text()
+    # something that ran and failed makes it a fail, whatever did not run
+    failing = {**found, "ladder": lambda o: slow(o) and {"status": "fail", "failures": ["fp32: off by 40%"]}}
+    summary = gc.run_checks(gc.Options(out=tmp_path, deadline_at=time.perf_counter() + 0.5), failing, say=lambda s: None)
+    assert summary["checks"]["trace"] == "not run" and summary["status"] == "fail"
     # the environment is read even when the budget is spent before anything began
     summary = gc.run_checks(gc.Options(out=tmp_path, deadline_at=time.perf_counter() - 1), found, say=lambda s: None)
     assert summary["checks"] == {"environment": "pass", "ladder": "not run", "trace": "not run"}
@@ -529,6 +534,18 @@ def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monke
     assert calls == [("predict", "bf16", False), ("measure", "bf16", False)]
     assert [r["status"] for r in out["rows"]] == ["ok", "not run"]
     assert out["status"] == "fail" and out["failures"][0].startswith("device_map: not run: the time budget")
+    # a check failed only by rows that did not begin is not a failure of what ran: the run is incomplete
+    env = {"gpu": "Fake H0", "gpu_total_mib": 1.0}
+    summary = gr.summarize({"environment": {"status": "pass"}, "ladder": out}, env, 1.0)
+    assert summary["status"] == "incomplete"
+    assert "- ladder: fail (the time budget (--time-budget) was spent before parts of it began)" in \
+        gr.report_markdown(summary)
+    # one rung off the mark beside it is a failure
+    off = {**out, "failures": out["failures"] + ["bf16: prediction off by +40.0% of allocated"]}
+    assert gr.summarize({"environment": {"status": "pass"}, "ladder": off}, env, 1.0)["status"] == "fail"
+    # and so is a check that raised (its error) whatever its failures say
+    raised = {**out, "error": "RuntimeError: CUDA error"}
+    assert gr.summarize({"environment": {"status": "pass"}, "ladder": raised}, env, 1.0)["status"] == "fail"
 
 
 def test_a_time_budget_that_is_not_positive_is_one_line(capsys):

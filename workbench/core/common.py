@@ -130,6 +130,11 @@ def single_process_group(device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+# every part of gpu-check that --time-budget kept from beginning says so with these words: such a part
+# was not measured, so a run short only of those is incomplete, not failed (gpu_report.summarize)
+OUT_OF_TIME = "the time budget (--time-budget) was spent"
+
+
 def host_free_mib() -> float:
     """The memory this machine has free now, in MiB (psutil's `available`). A CPU run past it does
     not raise an OutOfMemoryError: the kernel's OOM killer kills the process (or it swaps)."""

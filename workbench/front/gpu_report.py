@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workbench.core.common import MiB
+from workbench.core.common import OUT_OF_TIME, MiB
 from workbench.core.memory.segments import segment_difference
 from workbench.core.results import atomic_write_json, atomic_write_text
 
@@ -21,7 +21,7 @@ from workbench.core.results import atomic_write_json, atomic_write_text
 # loosely. Memory predicted for CUDA models CUDA's kernels and allocator (DESIGN.md section 3).
 THRESHOLDS = {"allocated_pct": 15.0, "reserved_pct": 35.0}
 TIME_LIMIT_S = 600  # the whole check should fit in ten minutes
-TIME_SPENT = "the time budget (--time-budget) was spent before it began"
+TIME_SPENT = f"{OUT_OF_TIME} before it began"
 
 
 def error_pct(predicted: float | None, measured: float | None) -> float | None:
@@ -176,12 +176,24 @@ UNFINISHED = {"pending": "not reached: the run ended before it began",
               "killed": "a signal or an interrupt ended the run in it: no result"}
 
 
+def short_of_time(result: dict[str, Any]) -> bool:
+    """A check that did not begin under --time-budget, or failed only for parts of it that did not
+    (a ladder rung, a notebook, cap trials): nothing in it was measured wrong."""
+    failures = result.get("failures") or []
+    return result.get("status") == "not run" or (
+        result.get("status") == "fail" and not result.get("error") and bool(failures)
+        and all(OUT_OF_TIME in f for f in failures))
+
+
 def summarize(results: dict[str, dict[str, Any]], env: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """The summary.json: every check's result, the overall status (pass, fail, or incomplete while a
-    check is pending or running), versions and the card."""
+    """The summary.json: every check's result and the overall status: incomplete while a check is
+    pending or running; fail when a check failed; incomplete when the time budget kept parts from
+    beginning and nothing that ran failed; else pass. Versions and the card beside them."""
     statuses = {name: r.get("status", "error") for name, r in results.items()}
-    ok = bool(statuses) and all(s in ("pass", "not provided") for s in statuses.values())
-    status = "incomplete" if any(s in UNFINISHED for s in statuses.values()) else "pass" if ok else "fail"
+    short = [name for name, r in results.items() if short_of_time(r)]
+    failed = [name for name, s in statuses.items() if s not in ("pass", "not provided", *UNFINISHED) and name not in short]
+    status = ("incomplete" if any(s in UNFINISHED for s in statuses.values()) else "fail" if failed
+              else "incomplete" if short else "pass" if statuses else "fail")
     return {"status": status, "checks": statuses, "results": results, "environment": env,
             "seconds": seconds, "within_time_limit": seconds <= TIME_LIMIT_S, "thresholds": THRESHOLDS}
 
@@ -203,7 +215,9 @@ def report_markdown(summary: dict[str, Any]) -> str:
              f"Card: {env.get('gpu', '?')} ({env.get('gpu_total_mib', 0):.0f} MiB), torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, {summary['seconds']:.0f} s"
              + ("" if summary["within_time_limit"] else f" (over the {TIME_LIMIT_S} s limit)") + ".", ""]
-    lines += [f"- {name}: {status}" + (f" ({UNFINISHED[status]})" if status in UNFINISHED else "")
+    lines += [f"- {name}: {status}" + (f" ({UNFINISHED[status]})" if status in UNFINISHED else
+                                       f" ({OUT_OF_TIME} before parts of it began)" if status == "fail"
+                                       and short_of_time(summary["results"].get(name, {})) else "")
               for name, status in summary["checks"].items()]
     ladder = summary["results"].get("ladder", {})
     if ladder.get("rows"):

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from workbench.core.common import MiB, one_line, past_free_memory
+from workbench.core.common import OUT_OF_TIME, MiB, one_line, past_free_memory
 from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import can_release_workspaces, indexed, release_held
@@ -134,7 +134,7 @@ def check_cap(opts) -> dict[str, Any]:
     for name in opts.extra.get("cap_rungs") or CAP_RUNGS:
         try:  # neither a spent budget nor a failed prediction ends the check: each is the rung's row
             if opts.out_of_time():
-                raise TimeoutError("the time budget (--time-budget) was spent before it began")
+                raise TimeoutError(f"{OUT_OF_TIME} before it began")
             p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
                         card=card, replay_steps=TRIAL_STEPS, load="host")  # as measure() loads: a run's cap
             needed = p.needed_reserved_bytes  # replayed under caps when read: a failure there is this rung's row too
@@ -169,7 +169,7 @@ def check_cap(opts) -> dict[str, Any]:
 
             def runs(cap: int) -> bool:
                 if opts.out_of_time():  # --time-budget: no trial begins past it
-                    raise TimeoutError(f"the time budget (--time-budget) was spent after {len(tried)} trials")
+                    raise TimeoutError(f"{OUT_OF_TIME} after {len(tried)} trials")
                 res, _ = held()
                 torch.cuda.set_per_process_memory_fraction(min(1.0, (res + cap) / card.total_bytes), dev)
                 try:
