@@ -921,6 +921,18 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     # a notebook's own cap (torchtune's way of playing a smaller card) is what each trial gives back
     assert fractions and fractions[-1] == before and all(f == before for f in fractions[1::2])
     assert "### Reserved needed" in result["report"]
+    # made ahead, side by side on Dask workers where there are cores (the card's 16), the predictions
+    # are those made here, and none is made here
+    from workbench.core import parallel
+
+    real_predict, real_cores = gpu_cap.predict, parallel.cores
+    monkeypatch.setattr(gpu_cap, "predict", lambda *a, **kw: pytest.fail("predicted in process"))
+    monkeypatch.setattr(parallel, "cores", lambda: 4)
+    ahead = gpu_cap.check_cap(opts)
+    assert (result["predicted"], ahead["predicted"]) == ("in this process", "ahead, on 2 Dask workers")
+    assert ahead["rows"] == result["rows"]
+    monkeypatch.setattr(gpu_cap, "predict", real_predict)
+    monkeypatch.setattr(parallel, "cores", real_cores)
     # under --time-budget no trial begins past it: the rung in its bisection keeps the trials it had
     # and says why it ended; the next rung does not begin; the check fails (never a pass)
     runs.clear()

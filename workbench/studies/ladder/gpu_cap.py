@@ -42,6 +42,7 @@ from workbench.core.memory import allocator
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import can_release_workspaces, indexed, release_held
 from workbench.core.memory.predict import WeightsExceedCard, predict
+from workbench.core.parallel import run_ahead
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.rungs import measure
 from workbench.studies.ladder.runner import model_at_hand
@@ -130,26 +131,29 @@ def check_cap(opts) -> dict[str, Any]:
     def run(name: str) -> dict[str, Any]:
         return measure(name, load, blocks, batch=opts.batch, steps=TRIAL_STEPS, device=dev, counted=False)
 
+    names = opts.extra.get("cap_rungs") or CAP_RUNGS
+    # as measure() loads them; CPU work (each replayed under caps too), made side by side where there are cores
+    items = {name: (config, name, dict(batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
+                                       card=card, replay_steps=TRIAL_STEPS, load="host")) for name in names}
+    ahead, how = run_ahead(cap_prediction, items, desc="cap predictions")
     rows = []
-    for name in opts.extra.get("cap_rungs") or CAP_RUNGS:
-        try:  # neither a spent budget nor a failed prediction ends the check: each is the rung's row
-            if opts.out_of_time():
-                raise TimeoutError(f"{OUT_OF_TIME} before it began")
-            p = predict(config, name, batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda",
-                        card=card, replay_steps=TRIAL_STEPS, load="host")  # as measure() loads: a run's cap
-            needed = p.needed_reserved_bytes  # replayed under caps when read: a failure there is this rung's row too
-        except WeightsExceedCard as e:  # no cap to find on this card (the ladder's check runs it: its OOM agrees)
-            rows.append({"rung": name, "status": "too big", "reason": one_line(e), "trials": [], "passed": None})
+    for name in names:
+        # neither a spent budget nor a failed prediction ends the check: each is the rung's row
+        p = ({"error": f"{OUT_OF_TIME} before it began"} if opts.out_of_time() else
+             ahead.pop(name, None) or cap_prediction(items[name]))
+        if "too_big" in p:  # no cap to find on this card (the ladder's check runs it: its OOM agrees)
+            rows.append({"rung": name, "status": "too big", "reason": p["too_big"], "trials": [], "passed": None})
             continue
-        except Exception as e:
-            rows.append({"rung": name, "status": "not measured", "reason": one_line(e), "trials": [], "passed": False})
+        if "error" in p:
+            rows.append({"rung": name, "status": "not measured", "reason": p["error"], "trials": [], "passed": False})
             continue
-        if short := past_free_memory(p.host_bytes / MiB):  # ZeRO-Offload's host state: the OOM killer, as in the ladder
+        needed = p["needed"]
+        if short := past_free_memory(p["host"] / MiB):  # ZeRO-Offload's host state: the OOM killer, as in the ladder
             rows.append({"rung": name, "status": "skipped", "reason": f"its predicted host memory {short}",
                          "trials": [], "passed": None})
             continue
         row = dict(rung=name, predicted_needed=needed, workspaces=workspaces,
-                   predicted_reserved=p.reserved_peak_bytes)
+                   predicted_reserved=p["reserved"])
         tried: list[tuple[int, bool]] = []  # the trials so far, kept in a row that ends early
         try:
             run(name)  # warm-up: kernels chosen and loaded, libraries' lazy state made
@@ -185,7 +189,21 @@ def check_cap(opts) -> dict[str, Any]:
             rows.append(cap_row(**row, least=least, uncapped=uncapped, tried=tried, held=(res0, alloc0)))
         except Exception as e:  # one rung's failure is its row (with the trials it had)
             rows.append(cap_row(**row, least=None, uncapped={}, tried=tried, reason=one_line(e)))
-    return cap_verdict(rows)
+    return {**cap_verdict(rows), "predicted": how}
+
+
+def cap_prediction(item: tuple) -> dict[str, Any]:
+    """One rung's prediction as the cap check reads it: {needed, reserved, host} bytes, or {too_big} (its
+    weights alone are more than the card) or {error}, each one line. `item`: (config, rung, predict's keywords)."""
+    config, name, kw = item
+    try:
+        p = predict(config, name, **kw)
+        # "needed" is replayed under caps when read: a failure there is this rung's row too
+        return {"needed": p.needed_reserved_bytes, "reserved": p.reserved_peak_bytes, "host": p.host_bytes}
+    except WeightsExceedCard as e:
+        return {"too_big": one_line(e)}
+    except Exception as e:
+        return {"error": one_line(e)}
 
 
 def gpu_checks():
