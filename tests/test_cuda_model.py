@@ -99,6 +99,57 @@ def test_kernel_choice_follows_sdp_utils():
     assert cm.sdpa_backend(t(f16), t(f16), t(f16), sm=75) == "efficient"  # Turing: no flash
     assert cm.sdpa_backend(t(bf), t(bf), t(bf), sm=75) == "math"  # nor bf16 memory-efficient
     assert cm.sdpa_backend(t(f16, d=200), t(f16, d=200), t(f16, d=200), sm=89) == "flash"  # no grad here
+    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: training with a head dim in
+    # (192, 224], or past 224 with dropout, is not flash's there (its backward would raise)
+    def g(dtype, d):
+        return t(dtype, d=d).requires_grad_()
+
+    assert cm.sdpa_backend(g(f16, 200), g(f16, 200), g(f16, 200), sm=89) == "efficient"
+    assert cm.sdpa_backend(g(f16, 200), g(f16, 200), g(f16, 200), sm=90) == "flash"  # only sm_86-89, 120-121
+    assert cm.sdpa_backend(g(f16, 240), g(f16, 240), g(f16, 240), sm=120) == "flash"  # past 224, no dropout
+    assert cm.sdpa_backend(g(f16, 240), g(f16, 240), g(f16, 240), dropout_p=0.1, sm=86) == "efficient"
+
+
+def test_cudnn_attention_comes_first_on_hopper_and_blackwell_with_a_recent_cudnn(monkeypatch):
+    """sdp_utils.cpp (torch 2.10 on): with a runtime cuDNN newer than 9.15.0, which torch's CUDA 13 wheels
+    bundle, cuDNN's attention is tried before flash on sm_90 and sm_10x (the H200's bf16 rungs most
+    likely ran it; the model had said flash). It takes what flash takes within its own limits."""
+    bf, f32, f16 = torch.bfloat16, torch.float32, torch.float16
+
+    def t(dtype=torch.bfloat16, d=64, h=4, s=16):
+        return torch.empty(1, h, s, d, dtype=dtype, device="meta", requires_grad=True)
+
+    assert cm.sdpa_backend(t(), t(), t(), is_causal=True, sm=90) == "cudnn"
+    assert cm.sdpa_backend(t(f16), t(f16), t(f16), sm=100) == "cudnn"
+    assert cm.sdpa_backend(t(), t(h=2), t(h=2), enable_gqa=True, sm=90) == "cudnn"  # grouped K/V, as flash
+    assert cm.sdpa_backend(t(), t(h=2), t(h=2), sm=90) == "math"  # nor without enable_gqa
+    assert cm.sdpa_backend(t(), t(), t(), attn_mask=torch.empty(1, 1, 16, 16, device="meta"), sm=90) == "cudnn"
+    assert cm.sdpa_backend(t(), t(), t(), sm=89) == cm.sdpa_backend(t(), t(), t(), sm=120) == "flash"
+    assert cm.sdpa_backend(t(), t(), t(), sm=80) == "flash"  # not preferred on Ampere
+    # its limits: 16 bits, head dims at most 128 (192 with 128 for V), dropout in sixteenths, more than one key
+    assert cm.sdpa_backend(t(f32), t(f32), t(f32), sm=90) == "efficient"
+    assert cm.sdpa_backend(t(d=256), t(d=256), t(d=256), sm=90) == "flash"
+    assert cm.sdpa_backend(t(d=192), t(d=192), t(d=128), sm=90) == "cudnn"
+    assert cm.sdpa_backend(t(), t(), t(), dropout_p=0.1, sm=90) == "flash"
+    assert cm.sdpa_backend(t(), t(), t(), dropout_p=0.125, sm=90) == "cudnn"
+    assert cm.sdpa_backend(t(), t(s=1), t(s=1), sm=90) == "flash"
+    # a cuDNN of 9.15.0 or older (torch's CUDA 12 wheels), or TORCH_CUDNN_SDPA_DEPRIORITIZED=1: flash first
+    assert cm.prefers_cudnn(90) and not cm.prefers_cudnn(90, cudnn=91500) and not cm.prefers_cudnn(89)
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert cm.sdpa_backend(t(), t(), t(), sm=90) == "flash" and not cm.prefers_cudnn(100)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+    # it keeps what flash keeps: the output and an fp32 logsumexp per query row (grouped K/V not repeated)
+    B, H, S, D = 2, 4, 128, 32
+    with FakeTensorMode():
+        q = torch.randn(B, H, S, D, dtype=bf, requires_grad=True)
+        k, v = (torch.randn(B, 2, S, D, dtype=bf, requires_grad=True) for _ in range(2))
+        chosen = {}
+        out = cm.cuda_sdpa(q, k, v, is_causal=True, enable_gqa=True, sm=90, chosen=chosen)
+        assert chosen == {"cudnn": 1} and out.shape == (B, H, S, D)
+        assert out.grad_fn._saved_logsumexp.dtype == torch.float32
+        assert out.grad_fn._saved_logsumexp.numel() == B * H * S and out.grad_fn._saved_key.shape == (B, 2, S, D)
+        out.sum().backward()
+        assert k.grad.shape == (B, 2, S, D)
 
 
 def test_a_boolean_mask_is_made_additive_per_call_and_kept_by_the_memory_efficient_kernel(tmp_path):

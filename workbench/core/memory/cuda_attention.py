@@ -10,21 +10,55 @@ real tensors.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 DEFAULT_SM = 80  # a card-less CUDA prediction assumes an Ampere data-centre card
+# The runtime cuDNN a prediction assumes: what the pinned torch's default wheel (CUDA 13) bundles. Torch's
+# CUDA 13 builds carry cuDNN 9.15.1 or later (2.10: 9.15.1.9, pytorch#173677; 2.11: 9.17.1, pytorch#173216);
+# its CUDA 12 wheels carry older ones, under which flash comes first on every card. Only whether it is
+# newer than 9.15.0 changes a choice here (prefers_cudnn). gpu-check records the card's own choice.
+ASSUMED_CUDNN = 91501
+
+
+def prefers_cudnn(sm: int, cudnn: int = ASSUMED_CUDNN) -> bool:
+    """sdp_utils.cpp's check_prefer_cudnn_attention (torch 2.10 on, CUDA 13 builds): cuDNN's attention
+    is tried before flash on data-centre Hopper and Blackwell (sm_90, sm_10x) where the runtime cuDNN
+    is newer than 9.15.0 (its fix for sequence lengths not a multiple of 128, pytorch#169849), unless
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1."""
+    return os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") != "1" and cudnn > 91500 and sm // 10 in (9, 10)
+
+
+def cudnn_takes(q, k, v, attn_mask, dropout_p, enable_gqa, sm: int) -> bool:
+    """sdp_utils.cpp's can_use_cudnn_attention for dense inputs, with the cuDNN ASSUMED_CUDNN: 16-bit
+    inputs on sm_80 to sm_121, a dropout that is a multiple of 1/16, heads as flash takes them (grouped
+    K/V with enable_gqa), batch and heads at most 65,535, head dims multiples of 8 and at most 128
+    (check_cudnn_tensor_shapes; 256 needs a cuDNN past 9.22, and 192 for Q and K with 128 for V is
+    taken on sm_90 and sm_10x), more than one key, last dims contiguous. (A mask it takes, as an
+    additive bias; with deterministic algorithms on it is refused, which the model does not see.)"""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    same_heads = q.shape[-3] == k.shape[-3] == v.shape[-3]
+    grouped = enable_gqa and k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0
+    limit_ok = (d_qk <= 128 and d_v <= 128) or (sm // 10 in (9, 10) and (d_qk, d_v) == (192, 128))
+    return (q.dtype in (torch.float16, torch.bfloat16) and 80 <= sm <= 121 and dropout_p * 16 == int(dropout_p * 16)
+            and (same_heads or grouped) and max(q.shape[0], q.shape[-3]) <= 65535 and limit_ok
+            and d_qk % 8 == 0 and d_v % 8 == 0 and k.shape[-2] != 1 and all(t.stride(-1) == 1 for t in (q, k, v))
+            and not (dropout_p and q.shape[-2] == 1))
 
 
 
 def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, *,
                  sm: int = DEFAULT_SM) -> str:
-    """'flash', 'efficient' or 'math' for these inputs on a card of compute capability `sm`.
+    """'cudnn', 'flash', 'efficient' or 'math' for these inputs on a card of compute capability `sm`
+    (cuDNN's first where prefers_cudnn, as on an H100, H200 or B200 with torch's CUDA 13 wheels).
 
     Grouped K/V heads (Llama, Qwen2, Mistral: transformers passes enable_gqa=True when there is no
     mask) only flash takes: memory-efficient attention checks the heads with
     check_batch_size_and_num_heads_dense<false /*supports_gqa*/>, so without flash (fp32, bf16 before
     sm_80, fp16 on a T4) such a call runs the math kernel, with its S x S scores."""
+    if prefers_cudnn(sm) and cudnn_takes(q, k, v, attn_mask, dropout_p, enable_gqa, sm):
+        return "cudnn"
     d_qk, d_v = q.shape[-1], v.shape[-1]
     grad = q.requires_grad or k.requires_grad or v.requires_grad
     half = (torch.float16, torch.bfloat16) if sm >= 80 else (torch.float16,)
@@ -64,6 +98,15 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         if backend == "flash":  # flash takes grouped K/V as they are (and no mask)
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
                                                                         scale=scale)[0]
+        if backend == "cudnn":  # grouped K/V as they are; it keeps the output and an fp32 logsumexp, as flash
+            # does. Not modelled: the workspace cuDNN's graph takes through the caching allocator in each
+            # call (its size is cuDNN's heuristics'), and its 8-byte seed and offset on the card (meta here)
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask_cudnn
+                zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
+                attn_mask = torch.where(attn_mask, zero, minus_inf)
+            grad = q.requires_grad or k.requires_grad or v.requires_grad  # should_compute_logsumexp
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, attn_mask, grad, dropout_p, is_causal,
+                                                                        False, scale=scale)[0]
         # sdpa's entry (attention.cpp) turns a boolean mask into an additive one in q's dtype once the
         # kernel is chosen, in every call: each layer makes its own S x S mask, which the memory-efficient
         # kernel keeps for backward (a sliding-window model's mask past its window, a padding mask)

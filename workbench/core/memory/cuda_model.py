@@ -47,7 +47,8 @@ from workbench.core import training
 from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import EMPTY_CACHE, EMPTY_CACHE_SERIAL
-from workbench.core.memory.cuda_attention import DEFAULT_SM, cuda_sdpa, math_attention, sdpa_backend  # noqa: F401
+from workbench.core.memory.cuda_attention import (DEFAULT_SM, cuda_sdpa, math_attention, prefers_cudnn,  # noqa: F401
+                                                  sdpa_backend)
 
 GiB = 2**30
 # ------------------------------------------------------------------------------------------------
