@@ -4,13 +4,15 @@ of steps.jsonl is left out, and runs.csv keeps every row a new one does not repl
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from workbench.core import results
-from workbench.core.results import ResultsWriter, atomic_write_json, latest, read_steps, read_table
+from workbench.core.results import ResultsWriter, StudyResult, atomic_write_json, latest, read_steps, read_table
 
 
 def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
@@ -102,3 +104,49 @@ def test_runs_csv_replaces_rows_with_the_same_key_and_keeps_every_other(tmp_path
     assert sorted(zip(keyed["seed"], keyed["x"])) == [(0, 50), (1, 6)]
     assert not [p for p in (tmp_path / "study").iterdir() if p.name.endswith(".tmp")] and os.path.exists(
         tmp_path / "study" / "runs.csv")
+
+
+def _add_rows(root: str, name: str, start) -> None:
+    """One of two processes adding 40 rows to one runs.csv, one call each, both at once."""
+    writer = ResultsWriter("study", root=root)
+    start.wait()
+    for i in range(40):
+        writer.update_runs([{"run_id": f"{name}{i}", "x": i}])
+
+
+def test_two_processes_adding_rows_at_once_lose_none(tmp_path):
+    """update_runs reads, extends and rewrites runs.csv: two studies finishing at once (a sweep's points
+    writing one results folder) would each write the table without the other's new rows, but for its lock."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or torch state forked
+    start = ctx.Barrier(2)
+    procs = [ctx.Process(target=_add_rows, args=(str(tmp_path), name, start)) for name in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    runs = read_table(tmp_path / "study" / "runs.csv")
+    assert len(runs) == 80 and sorted(runs.run_id) == sorted(f"{n}{i}" for n in "ab" for i in range(40))
+
+
+def test_runs_csv_is_written_after_the_tables_it_lists(tmp_path, monkeypatch):
+    """A study's result killed while written: runs.csv had been written first, so its new rows stood beside
+    the earlier call's steps and side tables. The tables go first; runs.csv, which lists the runs, last."""
+    writer = ResultsWriter("split", root=tmp_path)
+
+    def result(key: str, loss: float) -> StudyResult:
+        return StudyResult("split", runs=pd.DataFrame([{"study_key": key}]), steps=pd.DataFrame([{"loss": loss}]),
+                           tables={"side": pd.DataFrame([{"key": key}])}, facts={"host": {"key": key}})
+
+    writer.write(result("a", 1.0), runs_key="study_key")
+    real = results.atomic_write_text
+
+    def killed_at_the_fact(path, text):
+        if Path(path).name == "host.json":
+            raise KeyboardInterrupt("killed (played)")
+        return real(path, text)
+
+    monkeypatch.setattr(results, "atomic_write_text", killed_at_the_fact)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write(result("b", 2.0), runs_key="study_key")
+    assert list(read_table(tmp_path / "split" / "runs.csv")["study_key"]) == ["a"]  # b's tables are not all there

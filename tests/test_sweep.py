@@ -27,10 +27,11 @@ from distributed import Client, LocalCluster
 
 from workbench.cli import main
 from workbench.core.config import ConfigError
-from workbench.core import parallel
+from workbench.core import parallel, results
 from workbench.core.parallel import cores
 from workbench.front import sweep
 from workbench.front.sweep import (SWEEP_OUT_ENV, SweepBusy, _lock, combine, load_grid, points_from_options, run_sweep)
+from workbench.front.sweep_points import RUNNING
 from workbench.studies.strategies.runner import StrategiesConfig
 
 NOTEBOOK = Path(__file__).parent / "notebooks" / "sweep_point.ipynb"
@@ -180,10 +181,21 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     for argv, said in (([str(NOTEBOOK), "--grid", str(bad), "--dry-run"], f"grid file {bad} is not text (UTF-8)"),
                        ([str(not_nb), "-p", "x=1", "--dry-run"],
                         f"{not_nb} cannot be read as a Jupyter notebook (Notebook does not appear to be JSON"),
-                       ([str(NOTEBOOK), "-p", "x=1", "--out", str(a_file)], f"--out {a_file}: cannot make the sweep's")):
+                       ([str(NOTEBOOK), "-p", "x=1", "--out", str(a_file)], f"--out {a_file}: it is a file; name a")):
         assert main(["sweep", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"workbench sweep: {said}"), err
+    # an --out that exists but is not writable: one line too (it was a PermissionError's traceback on .sweep.lock).
+    # These machines run as root, whom os.access lets write anywhere, so the permission is played.
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = results.os.access
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(results.os, "access", lambda p, mode: real(p, mode) and Path(p) != ro)
+        assert main(["sweep", str(NOTEBOOK), "-p", "x=1", "--out", str(ro)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"workbench sweep: --out {ro}: {ro} is not writable by you; name a folder you can write"]
+    assert not list(ro.iterdir())
     # two sweeps never write one folder at once
 
     out.mkdir()
@@ -271,9 +283,13 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, mon
 
 
 def test_timeout_stops_a_run(tmp_path, counter):
-    df = run_sweep(NOTEBOOK, [{"x": 1, "sleep_s": 60.0}], out=tmp_path / "sweep", timeout_s=2, progress=False)
+    # a --timeout in fractions of a second is whole seconds, rounded up (papermill's TraitError had failed every point)
+    out = tmp_path / "sweep"
+    df = run_sweep(NOTEBOOK, [{"x": 1, "sleep_s": 60.0}, {"x": 2}], workers=2, out=out, timeout_s=2.5, progress=False)
     assert df.status[0] == "error" and "Timeout" in df.error[0], df.error[0]
     assert df.seconds[0] < 30
+    assert df.status[1] == "ok", df.error[1]
+    assert json.loads((out / df.point[1] / "point.json").read_text())["timeout_s"] == 3
 
 
 def test_timeout_counts_the_whole_run(tmp_path, monkeypatch):
@@ -288,7 +304,7 @@ def test_timeout_counts_the_whole_run(tmp_path, monkeypatch):
     point = tmp_path / "point"
     point.mkdir()
     (point / "point.json").write_text(json.dumps({"notebook": str(tmp_path / "short_cells.ipynb"),
-                                                  "parameters": {"x": 1}, "timeout_s": 2}))
+                                                  "parameters": {"x": 1}, "timeout_s": 1.5}))  # 2 s
     monkeypatch.setattr(sweep, "KILL_GRACE_S", 0.5)  # the kill comes 2.5 s in: during a 1.5 s cell
     t0 = time.monotonic()
     status = sweep.run_point(point)
@@ -438,24 +454,30 @@ def test_a_stopped_rerun_gives_the_finished_run_back(tmp_path, counter):
         (point / "point.json").write_text(json.dumps({"notebook": str(NOTEBOOK), "parameters": {"x": 3, **params}}))
 
     spec()
-    env = {SWEEP_OUT_ENV: str(out)}
+    env = {SWEEP_OUT_ENV: str(out), sweep.SWEEP_CALL_ENV: "first"}
     first = sweep.run_point(point, env=env)
     assert first["status"] == "ok" and first["results"]["x_squared"] == 9
     (point / "results").mkdir()
     (point / "results" / "study.txt").write_text("the finished run's")
-    kept = {p.name: p.read_bytes() for p in point.iterdir() if p.is_file() and p.name != "point.json"}
+
+    def outputs():  # its files but its spec and its lock (who ran it last)
+        return {p.name: p.read_bytes() for p in point.iterdir()
+                if p.is_file() and p.name not in ("point.json", RUNNING)}
+
+    kept = outputs()
     assert {"status.json", "sweep_result.json", "sweep_point.ipynb"} <= set(kept)
 
     spec(sleep_s=600.0)  # the rerun holds until stopped
     done = []
-    rerun = threading.Thread(target=lambda: done.append(sweep.run_point(point, env={**env, "WORKBENCH_RERUN": "1"})))
+    stopped = {**env, sweep.SWEEP_CALL_ENV: "stopped", "WORKBENCH_RERUN": "1"}
+    rerun = threading.Thread(target=lambda: done.append(sweep.run_point(point, env=stopped)))
     rerun.start()
     wait_until(lambda: sweep_processes(out) and len(runs_of(counter)) == 2, 120, "the rerun's kernel to start")
     assert not (point / "status.json").exists() and not (point / "results").exists()  # the rerun's own, started afresh
-    sweep.abandon_points(str(out))  # what the sweep's Ctrl-C does on each worker
+    sweep.abandon_points(str(out), "stopped")  # what the sweep's Ctrl-C does on each worker
     rerun.join(60)
     assert done == [{"status": "abandoned"}]
-    assert {p.name: p.read_bytes() for p in point.iterdir() if p.is_file() and p.name != "point.json"} == kept
+    assert outputs() == kept
     assert (point / "results" / "study.txt").read_text() == "the finished run's"
     assert not (point / sweep.PREVIOUS).exists()
 
@@ -470,6 +492,127 @@ def test_a_stopped_rerun_gives_the_finished_run_back(tmp_path, counter):
     assert json.loads((point / "status.json").read_text()) == first and not (point / sweep.PREVIOUS).exists()
 
     # a rerun that finishes replaces the finished run, and nothing is kept aside
-    second = sweep.run_point(point, env={**env, "WORKBENCH_RERUN": "1"})
+    second = sweep.run_point(point, env={**env, sweep.SWEEP_CALL_ENV: "second", "WORKBENCH_RERUN": "1"})
     assert second["status"] == "ok" and second["finished"] != first["finished"] and len(runs_of(counter)) == 3
     assert not (point / "results").exists() and not (point / sweep.PREVIOUS).exists()
+
+
+@pytest.mark.filterwarnings("ignore:the Dask scheduler .* speaks plain TCP")
+def test_a_point_not_begun_when_the_sweep_stops_never_begins(tmp_path, counter, monkeypatch):
+    """A worker with two threads takes both points; the second waits for the first (one run per process).
+    Stopped then, the second had begun after the sweep exited (its stop mark was dropped as it began, and
+    read only after a run that failed) and written ok, while a resumed sweep ran it again beside it."""
+    monkeypatch.setenv("SWEEP_TEST_HOLD_AFTER", "0")  # every run holds until stopped
+    with LocalCluster(n_workers=1, processes=True, threads_per_worker=2, host="127.0.0.1",
+                      dashboard_address=None, memory_limit=0) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        out = tmp_path / "sweep"
+
+        def stop_once_running():
+            wait_until(lambda: runs_of(counter), 90, "a point to be running")
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        stopper = threading.Thread(target=stop_once_running, daemon=True)
+        stopper.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                run_sweep(NOTEBOOK, [{"x": 1}, {"x": 2}], out=out, scheduler=cluster.scheduler_address, progress=False)
+            stopper.join()
+
+            def executing() -> int:
+                return sum(client.run(lambda dask_worker: dask_worker.state.executing_count).values())
+
+            # the worker is idle (both tasks over), unless the second point began
+            wait_until(lambda: len(runs_of(counter)) > 1 or (not executing() and not sweep_processes(out)), 60,
+                       "the worker to be idle")
+            time.sleep(1.0)
+            assert len(runs_of(counter)) == 1, runs_of(counter)  # the point that had not begun never began
+            assert not list(out.glob("*/status.json"))
+        finally:
+            for pid in sweep_processes(out):  # a kernel left holding (the fault this test is about)
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_point_a_live_run_holds_is_not_run_again_beside_it(tmp_path, counter, monkeypatch, capsys):
+    """A stopped sweep's point still running on a scheduler's worker: a resumed sweep is refused (one line),
+    and a run given it anyway does not begin; once its holder is dead, its lock is taken over."""
+    out = tmp_path / "sweep"
+    point = out / sweep.plan(NOTEBOOK, [{"x": 5}])[1][0].key
+    point.mkdir(parents=True)
+    (point / "point.json").write_text(json.dumps({"notebook": str(NOTEBOOK), "parameters": {"x": 5}}))
+    monkeypatch.setattr(sweep.parallel, "cluster", None)  # nothing may run here
+    held = sweep.hold(point, "a-stopped-sweep")  # the live holder: this process
+    try:
+        with pytest.raises(SweepBusy, match=rf"^point {point.name} in {out} is still being run by pid {os.getpid()} "):
+            run_sweep(NOTEBOOK, [{"x": 5}, {"x": 6}], out=out, progress=False)
+        assert main(["sweep", str(NOTEBOOK), "-p", "x=5", "--out", str(out), "--quiet"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"workbench sweep: point {point.name} in {out} is still being"), err
+        assert sweep.run_point(point, env={sweep.SWEEP_CALL_ENV: "resumed"}) == {"status": "busy"}
+    finally:
+        held.close()
+    assert [p.name for p in out.iterdir() if p.is_dir()] == [point.name] and not runs_of(counter)
+    # its holder gone (its lock file left, naming it): taken over
+    (point / RUNNING).write_text(json.dumps({"pid": 999999, "host": "gone", "call": "old"}))
+    assert sweep.run_point(point, env={sweep.SWEEP_CALL_ENV: "resumed"})["status"] == "ok"
+    assert runs_of(counter) == [5]
+    assert json.loads((point / RUNNING).read_text())["call"] == "resumed"
+
+
+def test_a_dead_worker_fails_only_the_point_it_was_running(tmp_path, counter, monkeypatch):
+    """One worker, two points: killed (SIGKILL) during the first, both had been recorded as "its Dask worker
+    process died during the run"; the second, never begun, stays pending and runs next time."""
+    monkeypatch.setenv("SWEEP_TEST_HOLD_AFTER", "0")
+    out = tmp_path / "sweep"
+    killed = []
+
+    def kill_its_worker():
+        wait_until(lambda: runs_of(counter) and sweep_processes(out), 90, "a point to be running")
+        kernel = psutil.Process(sweep_processes(out)[0])
+        killed.append(runs_of(counter)[0])
+        kernel.parent().kill()  # the Dask worker process that started the kernel
+
+    killer = threading.Thread(target=kill_its_worker, daemon=True)
+    killer.start()
+    df = run_sweep(NOTEBOOK, [{"x": 1}, {"x": 2}], workers=1, out=out, progress=False)
+    killer.join()
+    by_x = df.set_index("x")
+    ran, other = killed[0], 3 - killed[0]
+    assert by_x.loc[ran, "status"] == "error" and "worker process died" in by_x.loc[ran, "error"], df
+    assert by_x.loc[other, "status"] == "pending" and pd.isna(by_x.loc[other, "error"]), df
+    assert not (out / by_x.loc[other, "point"] / "status.json").exists()
+    assert runs_of(counter) == [ran]
+    wait_until(lambda: not sweep_processes(out), 20, "the dead worker's kernel to exit")
+
+
+def test_a_folder_of_another_notebook_of_the_same_name_is_not_reused(tmp_path, results_dir, monkeypatch):
+    """Both default to results/sweeps/<file name>/, and a plain notebook's point is keyed by its parameters:
+    a sweep of another notebook of the same name had read the first one's finished runs back as its own."""
+    mine, theirs = tmp_path / "a" / NOTEBOOK.name, tmp_path / "b" / NOTEBOOK.name
+    for path in (mine, theirs):
+        path.parent.mkdir()
+        path.write_bytes(NOTEBOOK.read_bytes())
+    point = results_dir / "sweeps" / NOTEBOOK.stem / sweep.plan(theirs, [{"x": 2}])[1][0].key
+    point.mkdir(parents=True)  # their finished run, as a sweep leaves it
+    (point / "point.json").write_text(json.dumps({"notebook": str(theirs.resolve()), "parameters": {"x": 2}}))
+    (point / "status.json").write_text(json.dumps({"status": "ok", "results": {"x_squared": 4}}))
+    monkeypatch.setattr(sweep.parallel, "cluster", None)  # nothing may run: each call reuses or is refused
+    assert list(run_sweep(theirs, [{"x": 2}], progress=False).reused) == [True]
+    with pytest.raises(ConfigError, match=rf"holds runs of another notebook, {theirs.resolve()} "
+                                          rf"\(point {point.name}\), not {mine.resolve()}: give this sweep an --out"):
+        run_sweep(mine, [{"x": 2}], progress=False)
+    assert json.loads((point / "point.json").read_text())["notebook"] == str(theirs.resolve())
+
+
+def test_record_outside_a_sweep_writes_into_the_working_folder_which_git_ignores(tmp_path, monkeypatch):
+    from workbench.front.record import SWEEP_DIR_ENV, record
+
+    monkeypatch.delenv(SWEEP_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    record(loss=1.5)
+    assert json.loads((tmp_path / "sweep_result.json").read_text()) == {"loss": 1.5}
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for where in ("sweep_result.json", "notebooks/sweep_result.json"):  # a notebook run in Jupyter writes there
+        assert subprocess.run(["git", "check-ignore", "-q", "--no-index", where], cwd=ROOT).returncode == 0, where

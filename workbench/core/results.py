@@ -322,16 +322,18 @@ class ResultsWriter:
         return df
 
     def write(self, result: StudyResult, *, run: str | None = None, runs_key: str | tuple[str, ...] = "run_id") -> StudyResult:
-        """Write a result: its runs into runs.csv (`update_runs`), its steps and every side table
-        and fact beside them (in the run's folder when `run` is given). Records the paths."""
+        """Write a result: its steps and every side table and fact (in the run's folder when `run` is
+        given), then its runs into runs.csv (`update_runs`), last: a crash in between leaves runs.csv
+        without the rows whose tables it did not finish, never rows whose tables are missing.
+        Records the paths."""
         result.paths["runs"] = str(self.dir / "runs.csv")
-        self.update_runs(result.runs.to_dict("records"), key=runs_key)
         # even with no rows: an earlier call's steps left in place were read back beside these runs
         result.paths["steps"] = str(self.table("steps", result.steps, run=run))
         for name, df in result.tables.items():
             result.paths[name] = str(self.table(name, df, run=run))
         for name, obj in result.facts.items():
             result.paths[name] = str(self.json(name, obj, run=run))
+        self.update_runs(result.runs.to_dict("records"), key=runs_key)
         return result
 
 

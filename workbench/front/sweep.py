@@ -51,13 +51,17 @@ is a run whose worker died, or one that took longer than --timeout (its kernel i
 Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun
 redoes every point, e.g. after the notebook changed, since the key is the parameters only; a
 finished point's files are kept aside until its new run finishes, and a rerun stopped any way gives
-them back, by itself or at the next call). A point's status.json is written only after its executed
-notebook is complete and renamed into place, so a run stopped halfway has none and is redone. A
-finished point's files are on disk the moment it finishes and runs.csv is rebuilt from the points'
-folders (after each finished point and by every call), so a sweep killed any way (Ctrl-C, SIGTERM,
-SIGKILL, a crash) loses no finished run. Ctrl-C and SIGTERM stop the running points (their kernels
-are killed, on a scheduler's workers too) and write runs.csv with the unfinished points `pending`;
-on SIGKILL a LocalCluster's workers exit with the sweep process, and their kernels with them.
+them back, by itself or at the next call). An `<out>` holding another notebook's points (one of the
+same file name elsewhere) is refused, unless --rerun; so is a point a live run still holds (its
+`.running.lock`: a stopped sweep's run on a scheduler's worker; a dead holder's lock is taken over).
+A point's status.json is written only after its executed notebook is complete and renamed into
+place, so a run stopped halfway has none and is redone. A finished point's files are on disk the
+moment it finishes and runs.csv is rebuilt from the points' folders (after each finished point and
+by every call), so a sweep killed any way (Ctrl-C, SIGTERM, SIGKILL, a crash) loses no finished run.
+Ctrl-C and SIGTERM stop the running points (their kernels are killed, on a scheduler's workers too;
+a point not begun never begins) and write runs.csv with the unfinished points `pending` (as are
+those a dead worker had not begun); on SIGKILL a LocalCluster's workers exit with the sweep
+process, and their kernels with them.
 
 Progress: a tqdm bar over the points (finished ones count as done) with `running=R failed=F`;
 tqdm's rate gives the time left.
@@ -74,12 +78,14 @@ import contextlib
 import fcntl
 import functools
 import json
+import math
 import os
 import shutil
 import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -87,13 +93,14 @@ from workbench.core import parallel
 from workbench.core.common import environ
 from workbench.core.config import ConfigError
 from workbench.core.parallel import threads_per_worker
-from workbench.core.results import RERUN_ENV, atomic_write_json, now, results_root
+from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, now, results_root
 from workbench.front.notebooks import failure, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
-from workbench.front.sweep_points import (PREVIOUS, combine, give_back, load_grid, plan, points_from_options,
-                                          read_status, set_aside, write_tables)
+from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, load_grid,
+                                          plan, points_from_options, read_status, set_aside, write_tables)
 
 SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
+SWEEP_CALL_ENV = "WORKBENCH_SWEEP_CALL"  # and the sweep call's id (what a stop abandons)
 # A run is killed this long after --timeout if papermill's per-cell timeout did not stop it first.
 KILL_GRACE_S = 10.0
 
@@ -108,7 +115,7 @@ KILL_GRACE_S = 10.0
 
 # papermill changes the working directory and the kernel inherits os.environ: one run per process.
 _ONE_AT_A_TIME = threading.Lock()
-_ABANDONED: set[str] = set()  # point folders whose runs the sweep stopped: they write no status
+_ABANDONED: set[str] = set()  # ids of the sweep calls stopped: their runs write no status, and none begins
 
 
 @contextlib.contextmanager
@@ -127,10 +134,10 @@ def _stderr_to(path: Path) -> Iterator[None]:
         os.close(saved)
 
 
-def abandon_points(out: str) -> int:
-    """In a worker: stop the running points of the sweep writing to `out`, leaving no status."""
-    for d in Path(out).iterdir() if Path(out).is_dir() else ():
-        _ABANDONED.add(str(d))
+def abandon_points(out: str, call: str) -> int:
+    """In a worker: stop the sweep call `call` writing to `out`: its running points are killed and
+    leave no status, and its points not yet begun (queued behind them here) never begin."""
+    _ABANDONED.add(call)
     return parallel.kill_children(SWEEP_OUT_ENV, out)
 
 
@@ -138,67 +145,78 @@ def run_point(point_dir: str | Path, env: dict[str, str] | None = None) -> dict[
     """Execute one point (its point.json) in this process and write its status.json last.
 
     `env` is added to the kernel's environment (which also inherits this process's thread
-    variables). Returns the status, or {"status": "abandoned"} (nothing written) if the sweep
-    stopped this run.
+    variables). Returns the status, or (nothing written) {"status": "abandoned"} if the sweep
+    stopped this run or stopped before it began, {"status": "busy"} if a live run holds the point.
     """
-    point_dir = Path(point_dir)
+    point_dir, call = Path(point_dir), (env or {}).get(SWEEP_CALL_ENV)
     with _ONE_AT_A_TIME:
-        _ABANDONED.discard(str(point_dir))
-        spec = json.loads((point_dir / "point.json").read_text())
-        stem, timeout_s = Path(spec["notebook"]).stem, spec.get("timeout_s")
-        final, partial = point_dir / f"{stem}.ipynb", point_dir / f".{stem}.partial.ipynb"
-        outputs = ("status.json", RESULT_FILE, final.name, partial.name, "stderr.log", "results")
-        if (read_status(point_dir) or {}).get("status") != "ok":
-            outputs = outputs[:-1]  # a failed or stopped run's results/ stay: its study reads finished runs back
-        set_aside(point_dir, outputs)  # a finished run's: kept until this one finishes
-        timed_out = threading.Event()  # papermill's timeout is per cell; this one is for the whole run
-        def stop_run():
-            timed_out.set()
-            parallel.kill_children(SWEEP_DIR_ENV, str(point_dir))
-
-        watchdog = threading.Timer((timeout_s or 0) + KILL_GRACE_S, stop_run)
-        watchdog.daemon = True
-        started, t0 = now(), time.perf_counter()
-        error, trace = None, None
-        # The kernel inherits this environment at start: the point's folder and results root.
-        kernel_env = {**(env or {}), SWEEP_DIR_ENV: str(point_dir),
-                      "WORKBENCH_RESULTS": str(point_dir / "results")}
-        with environ(kernel_env), _stderr_to(point_dir / "stderr.log"):
-            if timeout_s:
-                watchdog.start()
-            try:
-                run_notebook(spec["notebook"], spec["parameters"], partial, cwd=point_dir, timeout_s=timeout_s)
-            except Exception as e:  # a cell's error, a dead kernel, a cell timeout: this run failed
-                error, trace = failure(e)
-            finally:
-                watchdog.cancel()
-        if error and str(point_dir) in _ABANDONED:  # killed by the sweep's stop: no status, redone later
-            give_back(point_dir, outputs)  # a stopped --rerun: the finished run it was redoing is back
+        if call in _ABANDONED:  # stopped while this task waited here: it never begins
             return {"status": "abandoned"}
-        if timed_out.is_set():
-            error, trace = f"TimeoutError: the run passed --timeout {timeout_s:g} s; its kernel was killed", None
-        seconds = time.perf_counter() - t0
-        if partial.exists():  # papermill saves as it goes; only a finished notebook gets the real name
-            os.replace(partial, final)
-        results = {}
-        if error is None and (point_dir / RESULT_FILE).exists():
-            results = json.loads((point_dir / RESULT_FILE).read_text())
-        worker = parallel.current_worker()
-        status = {"status": "error" if error else "ok", "error": error, "seconds": round(seconds, 3),
-                  "started": started, "finished": now(), "notebook": final.name if final.exists() else None,
-                  "threads": os.environ.get("OMP_NUM_THREADS"), "results": results, "traceback": trace,
-                  "worker": worker.address if worker is not None else None}
-        atomic_write_json(point_dir / "status.json", status)  # last: a status here means finished
-        shutil.rmtree(point_dir / PREVIOUS, ignore_errors=True)  # the run it replaces
-        return status
+        lock = hold(point_dir, call)  # held until this run's status is written
+        if lock is None:  # a stopped sweep's run still going (on a scheduler's worker): not twice at once
+            return {"status": "busy"}
+        with lock:
+            return _run(point_dir, env, call)
+
+
+def _run(point_dir: Path, env: dict[str, str] | None, call: str | None) -> dict[str, Any]:
+    """run_point's work, with the point's lock and this process's one run held."""
+    spec = json.loads((point_dir / "point.json").read_text())
+    stem, timeout_s = Path(spec["notebook"]).stem, spec.get("timeout_s")
+    timeout_s = math.ceil(timeout_s) if timeout_s else None  # papermill's is whole seconds
+    final, partial = point_dir / f"{stem}.ipynb", point_dir / f".{stem}.partial.ipynb"
+    outputs = ("status.json", RESULT_FILE, final.name, partial.name, "stderr.log", "results")
+    if (read_status(point_dir) or {}).get("status") != "ok":
+        outputs = outputs[:-1]  # a failed or stopped run's results/ stay: its study reads finished runs back
+    set_aside(point_dir, outputs)  # a finished run's: kept until this one finishes
+    timed_out, done = threading.Event(), threading.Event()
+
+    def watch():  # papermill's timeout is per cell; this one is for the whole run. And the sweep's
+        # stop: a kernel that was starting when abandon_points looked is killed once it is there.
+        deadline = time.perf_counter() + timeout_s + KILL_GRACE_S if timeout_s else math.inf
+        while not done.wait(0.2):
+            if time.perf_counter() > deadline:
+                timed_out.set()
+            if timed_out.is_set() or call in _ABANDONED:
+                parallel.kill_children(SWEEP_DIR_ENV, str(point_dir))
+
+    watchdog = threading.Thread(target=watch, daemon=True)
+    started, t0 = now(), time.perf_counter()
+    error, trace = None, None
+    # The kernel inherits this environment at start: the point's folder and results root.
+    kernel_env = {**(env or {}), SWEEP_DIR_ENV: str(point_dir),
+                  "WORKBENCH_RESULTS": str(point_dir / "results")}
+    with environ(kernel_env), _stderr_to(point_dir / "stderr.log"):
+        watchdog.start()
+        try:
+            run_notebook(spec["notebook"], spec["parameters"], partial, cwd=point_dir, timeout_s=timeout_s)
+        except Exception as e:  # a cell's error, a dead kernel, a cell timeout: this run failed
+            error, trace = failure(e)
+        finally:
+            done.set()
+    if error and call in _ABANDONED:  # killed by the sweep's stop: no status, redone later
+        give_back(point_dir, outputs)  # a stopped --rerun: the finished run it was redoing is back
+        return {"status": "abandoned"}
+    if timed_out.is_set():
+        error, trace = f"TimeoutError: the run passed --timeout {timeout_s:g} s; its kernel was killed", None
+    seconds = time.perf_counter() - t0
+    if partial.exists():  # papermill saves as it goes; only a finished notebook gets the real name
+        os.replace(partial, final)
+    results = {}
+    if error is None and (point_dir / RESULT_FILE).exists():
+        results = json.loads((point_dir / RESULT_FILE).read_text())
+    worker = parallel.current_worker()
+    status = {"status": "error" if error else "ok", "error": error, "seconds": round(seconds, 3),
+              "started": started, "finished": now(), "notebook": final.name if final.exists() else None,
+              "threads": os.environ.get("OMP_NUM_THREADS"), "results": results, "traceback": trace,
+              "worker": worker.address if worker is not None else None}
+    atomic_write_json(point_dir / "status.json", status)  # last: a status here means finished
+    shutil.rmtree(point_dir / PREVIOUS, ignore_errors=True)  # the run it replaces
+    return status
 
 
 # ------------------------------------------------------------------------------------------------
 # The sweep
-
-
-class SweepBusy(RuntimeError):
-    """Another sweep holds this output folder."""
 
 
 def _lock(out: Path):
@@ -231,13 +249,16 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(s, h)
 
 
-def _outcome(future, point_dir: Path) -> str:
+def _outcome(future, point_dir: Path, call: str) -> str:
     """The status of a point whose task is done. A task that did not return (its worker died, the
-    scheduler dropped it) is an error row, written here, unless its run got to write ok first."""
+    scheduler dropped it) is an error row, written here, unless its run got to write ok first, or
+    never began (its worker died running another point): that one stays pending, run next time."""
     if future.status == "finished":
         return future.result()["status"]
     if (read_status(point_dir) or {}).get("status") == "ok":
         return "ok"
+    if not began(point_dir, call):
+        return "pending"
     atomic_write_json(point_dir / "status.json", {"status": "error", "error": parallel.failure(future),
                                                    "seconds": None, "finished": now(), "notebook": None,
                                                    "results": {}})
@@ -250,23 +271,32 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     """Run `notebook` once per point (skipping finished ones) and return the runs table.
 
     On a LocalCluster of `workers` processes, or on the Dask scheduler at `scheduler`. Raises
-    ConfigError before running anything if a point is invalid, SweepBusy if another sweep holds
-    `out`, and KeyboardInterrupt (after stopping the runs and writing runs.csv) on Ctrl-C or SIGTERM.
+    ConfigError before running anything if a point is invalid or `out` holds another notebook's points,
+    SweepBusy if another sweep holds `out` or a live run one of its points, and KeyboardInterrupt
+    (after stopping the runs and writing runs.csv) on Ctrl-C or SIGTERM.
     """
     path, planned = plan(notebook, points)
-    out = (Path(out) if out else results_root() / "sweeps" / path.stem).resolve()  # workers see this path
+    named, out = out, (Path(out) if out else results_root() / "sweeps" / path.stem).resolve()  # workers see this path
+    check_folder(out, "--out" if named else "the sweep's folder (in WORKBENCH_RESULTS)")  # a traceback had said so
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file of that name, or a folder this user cannot write in
+    except OSError as e:  # a file of that name made since
         raise ConfigError(f"--out {out}: cannot make the sweep's folder there ({e.strerror}); name another") from None
     lock = _lock(out)  # released in the finally below, or by the OS if this process dies
+    try:  # another notebook's points, or points a stopped sweep's runs still hold: refused, nothing written
+        check_points(out, path, planned, rerun)
+    except BaseException:
+        lock.close()
+        raise
     for p in planned:  # a rerun killed before it could give a finished run back (SIGKILL): given back now
         if not (out / p.key / "status.json").exists():
             give_back(out / p.key)
     reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
     todo = [p for p in planned if p.key not in reused]
     workers = max(1, min(workers, len(todo) or 1))
-    env = {SWEEP_OUT_ENV: str(out)}
+    call = uuid.uuid4().hex
+    env = {SWEEP_OUT_ENV: str(out), SWEEP_CALL_ENV: call}
+    timeout_s = math.ceil(timeout_s) if timeout_s else None  # papermill takes whole seconds (30.5: a TraitError)
     if rerun:  # the studies inside the notebooks retrain too, instead of reading finished runs back
         env[RERUN_ENV] = "1"
     if progress:
@@ -288,13 +318,13 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
                                      initial=len(reused), progress=progress, stop=stop)
                 try:
                     for i, future in runs:
-                        runs.failed += _outcome(future, out / todo[i].key) == "error"
+                        runs.failed += _outcome(future, out / todo[i].key, call) == "error"
                         write_tables(out, planned, reused)
                 except KeyboardInterrupt:
                     # Stop the running points now (a worker would finish its run before closing, and a
                     # scheduler's workers outlive this sweep): their kernels are killed, no status written.
                     with contextlib.suppress(Exception):
-                        client.run(abandon_points, str(out), on_error="ignore")
+                        client.run(abandon_points, str(out), call, on_error="ignore")
                     raise
     finally:
         df = write_tables(out, planned, reused)
@@ -326,7 +356,8 @@ def register(sub) -> None:
                         "from dask-jobqueue's SLURMCluster) instead of a local cluster")
     p.add_argument("--out", metavar="DIR", help="output folder (default results/sweeps/<notebook stem>/)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="a run taking longer than this is stopped and recorded as an error")
+                   help="a run taking longer than this is stopped and recorded as an error (whole seconds: "
+                        "30.5 is 31)")
     p.add_argument("--rerun", action="store_true", help="run every point again, even finished ones")
     p.add_argument("--dry-run", action="store_true", help="validate and list the points; run nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -354,8 +385,11 @@ def main(args) -> int:
     except SweepBusy as e:
         print(f"workbench sweep: {e}", file=sys.stderr)
         return 1
-    failed = df[df.status != "ok"]
-    print(f"sweep: {len(df) - len(failed)} ok, {len(failed)} failed -> {Path(df.attrs['out']) / 'runs.csv'}")
+    failed, pending = df[df.status == "error"], df[df.status == "pending"]  # pending: a dead worker's, not begun
+    print(f"sweep: {len(df) - len(failed) - len(pending)} ok, {len(failed)} failed"
+          + (f", {len(pending)} not run (run the sweep again)" if len(pending) else "")
+          + f" -> {Path(df.attrs['out']) / 'runs.csv'}")
     for _, row in failed.iterrows():
         print(f"  {row.point} {row.status}: {row.error}")
+    failed = df[df.status != "ok"]
     return 1 if len(failed) else 0

@@ -16,12 +16,14 @@ study_runs.csv) are rebuilt from the points' folders, never from memory, so they
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
 import os
 import re
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ import pandas as pd
 import yaml
 
 from workbench.core.config import ConfigError
-from workbench.core.results import atomic_write_csv, read_table
+from workbench.core.results import atomic_write_csv, now, read_table
 from workbench.front.notebooks import STUDIES, find
 
 
@@ -223,6 +225,76 @@ def read_status(point_dir: Path) -> dict[str, Any] | None:
         return json.loads((point_dir / "status.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def read_spec(point_dir: Path) -> dict[str, Any] | None:
+    """The point.json a sweep wrote (its notebook, parameters, key, timeout), or None."""
+    try:
+        return json.loads((point_dir / "point.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class SweepBusy(RuntimeError):
+    """Another sweep holds this output folder, or a live run one of its points."""
+
+
+RUNNING = ".running.lock"  # flock'd by the process running the point; says who: pid, host, sweep call
+
+
+def hold(point_dir: Path, call: str | None):
+    """The point's lock for one run, with who holds it written in (an open file: closing it, or the
+    holder's death, frees it, so a dead run's lock is taken over), or None where a live run holds it."""
+    f = open(point_dir / RUNNING, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "call": call, "started": now()}))
+    f.flush()
+    return f
+
+
+def holder(point_dir: Path) -> dict[str, Any] | None:
+    """Who is running the point now ({pid, host, call, started}), or None where no live process is."""
+    if not (point_dir / RUNNING).exists():
+        return None
+    with open(point_dir / RUNNING, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # released when the file closes
+        except BlockingIOError:
+            f.seek(0)
+            try:
+                return json.loads(f.read())
+            except json.JSONDecodeError:  # taken a moment ago: who is not written yet
+                return {"pid": "?", "host": "?", "started": "?"}
+
+
+def began(point_dir: Path, call: str) -> bool:
+    """Whether the sweep call `call` began running the point (took its lock)."""
+    try:
+        return json.loads((point_dir / RUNNING).read_text()).get("call") == call
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def check_points(out: Path, notebook: Path, planned: list[Point], rerun: bool) -> None:
+    """Before a sweep writes anything: its points' folders in `out` are not another notebook's runs
+    (the key of a plain notebook's point is its parameters alone), nor being run by a live process
+    (a stopped sweep's run on a scheduler's worker): a ConfigError, or SweepBusy."""
+    for p in planned:
+        spec = read_spec(out / p.key) or {}
+        if not rerun and spec.get("notebook", str(notebook)) != str(notebook):
+            raise ConfigError(f"--out {out} holds runs of another notebook, {spec['notebook']} (point {p.key}), "
+                              f"not {notebook}: give this sweep an --out of its own (or --rerun to replace them)")
+        who = holder(out / p.key)
+        if who:
+            raise SweepBusy(f"point {p.key} in {out} is still being run by pid {who['pid']} on {who['host']} "
+                                  f"(since {who['started']}): wait for it to end, or end it, then run the sweep again")
 
 
 PREVIOUS = ".previous"  # a finished point's outputs while it is run again (--rerun)
