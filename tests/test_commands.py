@@ -20,9 +20,12 @@ import pytest
 from workbench import cli
 from workbench.cli import main
 from workbench.core.charts import Table, rounded
+from workbench.core.config import ConfigError
 from workbench.front.commands import json_records, parse_assignments, split_long_text
 from workbench.front.notebooks import STUDIES
 from workbench.front.sweep_points import points_from_options
+from workbench.studies.ladder.config import LadderConfig
+from workbench.studies.strategies.config import StrategiesConfig
 from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -339,3 +342,24 @@ def test_quick_with_devices_of_ones_own_leaves_the_quick_budget_out(monkeypatch)
     assert mine.attempts_as_text() == ["cpu"] and mine.base_size == "tiny"
     assert quick.budget_mib == 13.0 and quick.attempts_as_text() != ["cpu"]
     assert main(["strategies", "--quick", "devices=[cpu]", "budget_mib=64"]) == 2  # given by the user: still an error
+
+
+SEED_ERROR = ("is not a seed a run takes; use an integer from 0 to 2**63 - 1 (torch.manual_seed's range that a "
+              "results table's int64 column holds), e.g. 0")
+
+
+@pytest.mark.parametrize("seeds, said", [("[0, 18446744073709551616]", "seeds[1]: 18446744073709551616"),
+                                         ("[9223372036854775808]", "seeds[0]: 9223372036854775808"),
+                                         ("[-1]", "seeds[0]: -1")])
+def test_a_seed_outside_what_a_run_takes_is_a_one_line_error_before_anything_runs(tiny_base, results_dir, capsys,
+                                                                                   seeds, said):
+    """seeds=[2**64] passed the settings and ended the job in a traceback from torch.manual_seed ("Overflow
+    when unpacking long long"); 2**63, which torch takes, did not fit the runs table's int64 seed column."""
+    code = main(["strategies", "base_size=tiny", "strategies=[bitfit]", f"seeds={seeds}", "seq_len=16",
+                 "token_budget=512", "eval_blocks=2", "budget_mib=0"])
+    err = capsys.readouterr().err.strip()
+    assert (code, err) == (2, f"workbench strategies: {said} {SEED_ERROR}")
+    assert not (results_dir / "strategies").exists()  # nothing ran
+    assert StrategiesConfig.from_dict(seeds=[0, 2**63 - 1]).seeds == (0, 2**63 - 1)  # the range's ends are seeds
+    with pytest.raises(ConfigError, match=rf"^seed: 18446744073709551616 {re.escape(SEED_ERROR)}$"):
+        LadderConfig.from_dict(seed=2**64)  # the shared vocabulary's seed (studies 2 and 3) too

@@ -286,3 +286,68 @@ def test_study_1s_figures_say_where_their_figures_come_from():
     steps = pd.DataFrame({"strategy": ["full", "full"], "seed": [0, 0], "tokens": [10, 20], "loss": [3.0, 2.5]})
     assert s1.perplexity_spread(runs).layout.title.text.endswith("(measured on this machine)")
     assert s1.loss_curves(steps).layout.title.text == "Training loss per strategy (measured on this machine)"
+
+
+def _embeddings(model) -> dict[str, torch.nn.Parameter]:
+    """Every embedding table of `model` by name (input tokens, positions), found apart from model_parts."""
+    return {f"{n}.{pn}": p for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+            for pn, p in m.named_parameters(recurse=False)}
+
+
+@pytest.mark.parametrize("strategy", ["freeze_lower", "adapter"])
+@pytest.mark.parametrize("arch, tied, input_name", [
+    ("gpt2", False, "transformer.wte.weight"), ("gpt2", True, "transformer.wte.weight"),
+    ("opt", False, "model.decoder.embed_tokens.weight"), ("qwen2", True, "model.embed_tokens.weight")])
+def test_the_layer_strategies_train_the_input_embedding_only_when_it_is_the_head(strategy, arch, tied, input_name):
+    """freeze_lower freezes the embeddings: a tied head is the input embedding, so that one trains (the
+    README says so); an untied model's input embedding and every model's position embedding stay frozen.
+    Only the layers were checked: training every embedding on every architecture passed."""
+    config = tiny_config(arch)
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    m, sel = apply_strategy(AutoModelForCausalLM.from_config(config), strategy)
+    embeddings = _embeddings(m)
+    assert input_name in embeddings and len(embeddings) == (2 if arch in ("gpt2", "opt") else 1)  # + positions
+    trained = {n for n, p in embeddings.items() if p.requires_grad}
+    assert trained == ({input_name} if tied else set()), trained
+    assert m.get_output_embeddings().weight.requires_grad  # the head trains either way
+    assert ("trains the input embedding too" in " ".join(sel.notes)) == tied
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bitfit_trains_exactly_the_bias_vectors(arch):
+    """BitFit trains every bias and nothing else (no norm weight, no embedding); a model without biases
+    (Llama's) is not applicable. Nothing held which parameters it trained: also training norm weights passed."""
+    model = fresh(arch)
+    biases = {id(m.bias) for m in model.modules() if isinstance(getattr(m, "bias", None), torch.nn.Parameter)}
+    if arch == "llama":
+        assert not biases
+        with pytest.raises(StrategyNotApplicable, match=r"^LlamaForCausalLM has no bias parameters, so BitFit has "
+                                                        r"nothing to train$"):
+            apply_strategy(model, "bitfit")
+        return
+    m, sel = apply_strategy(model, "bitfit")
+    assert biases and trainable_ids(m) == biases
+    assert sel.trainable_params == sum(p.numel() for p in m.parameters() if id(p) in biases)
+    assert sel.trainable_tensors == len(biases) and sel.notes == ["trains bias vectors only (BitFit)"]
+
+
+def test_qlora_counts_the_elements_its_4bit_weights_stand_for(tmp_path):
+    """A 4-bit weight is stored packed, two elements a byte: QLoRA's total must count the unquantized
+    model's elements (its `quant_state.shape`), so QLoRA and LoRA report the same trainable share. The
+    model is loaded in 4 bits as study 1 loads it (transformers + bitsandbytes, on this CPU)."""
+    from workbench.core.memory.plan import bnb_4bit_config
+
+    config = Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    _, lora = apply_strategy(AutoModelForCausalLM.from_pretrained(tmp_path), "lora", lora_rank=4)
+    q4 = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb_4bit_config(torch.float32),
+                                              device_map={"": "cpu"})
+    packed = [p for p in q4.parameters() if getattr(p, "quant_state", None) is not None]
+    assert len(packed) == 14 and all(2 * p.numel() == torch.Size(p.quant_state.shape).numel() for p in packed)
+    q4, qlora = apply_strategy(q4, "qlora", lora_rank=4)
+    assert qlora.total_params == lora.total_params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(
+        tmp_path).parameters()) + lora.trainable_params
+    assert qlora.trainable_params == lora.trainable_params and qlora.trainable_share == lora.trainable_share

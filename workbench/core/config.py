@@ -62,6 +62,19 @@ LEAST: dict[str, tuple[int, str]] = {
 }
 
 
+# torch.manual_seed takes integers in [-2**63, 2**64); a seed past that passed the settings and ended the job in
+# a traceback ("Overflow when unpacking long long"). A workbench seed is one torch takes that a results
+# table's int64 column also holds: 0 to 2**63 - 1.
+SEED_MAX = 2**63 - 1
+
+
+def check_seed(name: str, seed: int) -> None:
+    """A seed outside 0..2**63 - 1 is a one-line error as the settings are made, not a traceback in the run."""
+    if not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"{name}: {seed} is not a seed a run takes; use an integer from 0 to 2**63 - 1 "
+                          "(torch.manual_seed's range that a results table's int64 column holds), e.g. 0")
+
+
 def check_corpus(corpus: str) -> None:
     """A `corpus` path that does not exist is a one-line error as the settings are made (it was one
     after minutes: study 1 builds the embedded base first)."""
@@ -166,6 +179,8 @@ class Config:
             checked = _check_type(f.name, value, hints[f.name])
             if checked is not value:
                 object.__setattr__(self, f.name, checked)
+            if f.metadata.get("setting") == "seed":
+                check_seed(f.name, checked)
             least = LEAST.get(f.metadata.get("setting"))
             if least is not None and checked < least[0]:
                 raise ConfigError(f"{f.name} must be at least {least[0]} ({least[1]}), got {checked}")

@@ -77,6 +77,16 @@ class Attempt:
         """Whether the attempt runs on the CPU, however the device is written ('cpu', 'cpu:0')."""
         return torch.device(self.device).type == "cpu"
 
+    def peak_is(self) -> str:
+        """What a run's peak on this attempt counts (the `peak_mem_mib` a finished run reports)."""
+        if not self.on_cpu:
+            return "measured: the CUDA allocator's peak allocated"
+        if self.allocator == "cuda":  # (the played card's budget caps its reserved bytes, not these)
+            return (f"modelled: the CUDA caching allocator's peak allocated (blocks rounded as on a card) of a played "
+                    f"{self.budget_mib:g} MiB card, over a measured CPU run")
+        played = f", the CPU playing a {self.budget_mib:g} MiB GPU" if self.budget_mib is not None else " on the CPU"
+        return f"measured: peak live tensor bytes{played}"
+
     def __str__(self) -> str:
         if self.budget_mib is None:
             return self.device

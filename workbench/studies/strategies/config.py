@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from workbench.core.config import Config, ConfigError, check_corpus, param, setting
+from workbench.core.config import Config, ConfigError, check_corpus, check_seed, param, setting
 from workbench.core.fallback import Attempt, default_attempts
 from workbench.core.models import EMBEDDED, TINY_SPEC, EmbeddedSpec
 from workbench.core.trainable import PAPER_STRATEGIES, STRATEGIES
@@ -77,6 +77,8 @@ class StrategiesConfig(Config):
             raise ConfigError("strategies and seeds must not repeat")
         if not self.seeds:
             raise ConfigError("seeds is empty: give at least one seed, e.g. seeds=[0]")
+        for i, seed in enumerate(self.seeds):
+            check_seed(f"seeds[{i}]", seed)
         for d in self.devices:
             Attempt.parse(d)
         if self.devices and self.budget_mib not in (0, type(self).__dataclass_fields__["budget_mib"].default):

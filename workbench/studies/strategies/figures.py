@@ -14,6 +14,7 @@ from workbench.core import charts
 from workbench.core.charts import rounded
 from workbench.core.claims import study1_general_problems
 from workbench.core.results import StudyResult
+from workbench.studies.strategies.tables import peak_is
 
 
 def loss_curves(steps: pd.DataFrame) -> go.Figure:
@@ -61,7 +62,7 @@ def overlap_table(result: StudyResult) -> pd.DataFrame:
 
 SUMMARY_COLUMNS = ["strategy", "statuses", "device_history", "trainable_params", "trainable_share", "ppl_before",
                    "ppl_after_mean", "ppl_after_std", "improvement_mean_pct", "improvement_std_pct",
-                   "train_seconds", "tokens_per_s", "peak_mem_mib", "seeds"]
+                   "train_seconds", "tokens_per_s", "peak_mem_mib", "peak_is", "seeds"]
 
 
 def summary_table(result: StudyResult) -> pd.DataFrame:
@@ -72,9 +73,10 @@ def summary_table(result: StudyResult) -> pd.DataFrame:
 
 def runs_table(result: StudyResult) -> pd.DataFrame:
     """Where each run went: every attempt in `device_history`, the measured and the predicted peak."""
-    cols = ["strategy", "seed", "status", "device", "device_history", "peak_mem_mib", "predicted_peak_mib",
+    cols = ["strategy", "seed", "status", "device", "device_history", "peak_mem_mib", "peak_is", "predicted_peak_mib",
             "ppl_before", "ppl_after", "notes"]
-    return rounded(result.runs[[c for c in cols if c in result.runs]])
+    runs = result.runs.assign(peak_is=result.runs["device"].map(peak_is)) if "device" in result.runs else result.runs
+    return rounded(runs[[c for c in cols if c in runs]])
 
 
 def claims_table(result: StudyResult) -> pd.DataFrame:
@@ -126,22 +128,35 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     return out
 
 
+def peaks_tag(runs: pd.DataFrame) -> str:
+    """Where the runs' figures come from, and what each finishing attempt's peak counts (`peak_is`): a played
+    card's (cpu@N:cuda) is its modelled allocator's, not the live tensor bytes a plain CPU budget counts."""
+    devices = runs["device"].dropna().astype(str) if "device" in runs else pd.Series(dtype=str)
+    where = "GPU" if devices.str.startswith("cuda").any() else "CPU"
+    tag = (f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, '
+           "not a real GPU. A CUDA budget caps the allocator's reserved memory (fragmentation included); a CPU budget "
+           "counts live tensor bytes, a played card's (cpu@N:cuda) its modelled allocator's reserved bytes")
+    said = []
+    for device in sorted(set(devices)):
+        kind, _, what = peak_is(device).partition(": ")
+        said.append(f'{device}: <span class="tag {kind}">{kind}</span> {what}')
+    return tag + (". The peak of a run that finished on " + "; on ".join(said) if said else "")
+
+
 def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
     """Study 1's part of the report: the same tables and charts as notebook 01."""
     if result is None or result.runs.empty:
         return []
     df = result.runs
-    where = "GPU" if df["device"].astype(str).str.startswith("cuda").any() else "CPU"
-    tag = (f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, '
-           "not a real GPU. A CUDA budget caps the allocator's reserved memory (fragmentation included); the CPU "
-           "budget counts live tensor bytes")
+    tag = peaks_tag(df)
     problems = "".join(f"<li>{p}</li>" for p in study1_general_problems())
     return [
         ("text", "", tag),
         ("text", "Held-out text is unseen in content",
-         "Share of each corpus's held-out 50-character windows that occur verbatim in its training text: split by "
-         "document name alone, and as the workbench splits it (repeated paragraphs kept once, held-out paragraphs "
-         "that share a window with training text left out)."),
+         "Share of each corpus's held-out 50-character windows that occur in its training text, whitespace collapsed "
+         "on both sides (a re-wrapped or re-indented copy counts): split by document name alone, and as the workbench "
+         "splits it (repeated paragraphs kept once, held-out paragraphs that share a window with training text, "
+         "verbatim or whitespace collapsed, left out)."),
         ("table", "", overlap_table(result)),
         ("table", "Summary over seeds", summary_table(result)),
         ("figure", "", perplexity_spread(df)),
@@ -169,8 +184,9 @@ of memory is freed and restarted from scratch on the next device; `device_histor
 NOTEBOOK_RUN_TITLE = "Study 1: loss, device memory against the budget, speed (live)"
 
 NOTEBOOK = [
-    ("## Is the held-out text really unseen?\n\nShare of held-out 50-character windows that occur verbatim in "
-     "the training text: split by document name alone, and as the workbench splits. The limit is 0.5%.",
+    ("## Is the held-out text really unseen?\n\nShare of held-out 50-character windows that occur in the training "
+     "text, whitespace collapsed on both sides (a re-wrapped copy counts): split by document name alone, and as the "
+     "workbench splits. The limit is 0.5%.",
      "table(figures.overlap_table(result))"),
     ("## What each strategy achieved (mean and spread over seeds)", "table(figures.summary_table(result))"),
     ("", "figures.perplexity_spread(result.runs).show()"),

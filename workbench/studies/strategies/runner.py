@@ -58,7 +58,7 @@ from workbench.studies.strategies.tables import (  # noqa: F401 (load_result, su
 
 
 def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
-    """How much held-out text occurs verbatim in training text, for every corpus a study 1 run
+    """How much held-out text occurs in training text (whitespace collapsed), for every corpus a study 1 run
     uses: the target domain it fine-tunes and evaluates on, and (for the embedded base) the source
     domain the base was pretrained and scored on. Measured on 50-character windows."""
     corpus = corpus or corpus_for(cfg.model, cfg.corpus, cfg.spec())

@@ -9,6 +9,7 @@ import json
 import pandas as pd
 
 from workbench.core.claims import study1_comparison
+from workbench.core.fallback import Attempt
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, read_steps, read_table, results_root
 from workbench.studies.strategies.config import STUDY
 
@@ -24,6 +25,12 @@ def rebuild_runs_table() -> pd.DataFrame:
         rows.append({"run_id": p.parent.name, **{f"env_{k}": v for k, v in env.items()}, **s.get("row", {}),
                      "status": s["status"], "finished": s.get("finished")})
     return ResultsWriter(STUDY).update_runs(rows, key="run_id")
+
+
+def peak_is(device) -> str:
+    """What the peak of a run that finished on `device` ('cpu@160:cuda', as runs.csv holds it) counts: a played
+    card's modelled allocator is not the live bytes the CPU counts; '' where no attempt finished."""
+    return Attempt.parse(device).peak_is() if isinstance(device, str) and device else ""
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
@@ -48,6 +55,8 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         peak_mem_mib=("peak_mem_mib", "max"),
         seeds=("seed", "count"),
     )
+    # what the peak counts: each kind the seeds' runs finished on (a played card's, the CPU's live bytes)
+    agg["peak_is"] = ok.groupby("strategy")["device"].agg(lambda d: "; ".join(sorted({peak_is(x) for x in d})))
     status = df.groupby("strategy").agg(
         statuses=("status", lambda s: ", ".join(sorted(set(s)))),
         devices=("device", lambda s: ", ".join(sorted({str(x) for x in s}))),
