@@ -158,6 +158,9 @@ def test_a_setup_that_fits_only_with_its_paged_state_paged_out_says_so(config, m
     from workbench.studies.ladder import cli
 
     monkeypatch.setattr(predict_module, "in_wsl", lambda: False)  # under WSL2 the state cannot page out
+    # bitsandbytes pages a parameter's state from 100,000 elements: a (tied) embedding of 4,096 x 32
+    config = tiny_config("qwen2")
+    config.vocab_size = 4096
     paged_only = dict(runnable=lambda p: p.optimizer == "paged_adamw8bit", keep=1, margin=0.0)
     setup = _setup(optimizer="paged_adamw_8bit")
     roomy = search(config, setup, batch=BATCH, seq=SEQ, budget_mib=10_000, **paged_only)

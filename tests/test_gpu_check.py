@@ -206,6 +206,75 @@ def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(
     assert calls == [("measure", "bf16", False), ("measure", "zero_offload", False)]  # none predicted here
 
 
+def test_the_card_s_attention_kernels_are_counted_beside_the_prediction_s_and_a_difference_fails(monkeypatch,
+                                                                                                  tmp_path):
+    """The model claims the kernel torch picks on the card (cuDNN's, flash, memory-efficient or math: each
+    keeps different tensors for backward), and no record said which ran: each rung's attention calls on
+    the card are counted by the kernel torch picks for them (torch._fused_sdp_choice with the call's own
+    arguments) beside the prediction's, and a rung whose kernels differ fails the ladder."""
+    import torch.nn.functional as F
+
+    from conftest import tiny_config
+    from workbench.core.memory import cuda_attention
+
+    # played on the CPU: the counting as check_ladder does it, for the CPU's calls, and a run that attends
+    calls = []
+    _fake_card(monkeypatch, calls)
+    monkeypatch.setattr(gc, "counting_choices", lambda counts: cuda_attention.counting_choices(counts, "cpu"))
+    monkeypatch.setattr(gc, "predict", gpu_cap.predict)
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None,
+                                                          torch.zeros(4, 32, dtype=torch.long), None))
+
+    def attends(name, load, blocks, **kw):
+        q = torch.randn(1, 4, 8, 16, requires_grad=True)
+        for _ in range(3):  # (the CPU picks flash here, without dropout)
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return _measured(100, 110, measured_by="cuda allocator")
+
+    monkeypatch.setattr(gc, "measure", attends)
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "fp32"), seq=32, steps=2))
+    bf16, fp32 = out["rows"]
+    # the H200 (sm_90) with a cuDNN past 9.15: cuDNN's attention for bf16, the math kernel for fp32's grouped heads
+    assert set(bf16["predicted_attention_kernels"]) == {"cudnn"} and set(fp32["predicted_attention_kernels"]) == {"math"}
+    assert bf16["cuda_attention_kernels"] == fp32["cuda_attention_kernels"] == {"flash": 3}
+    assert out["status"] == "fail" and [f.split(":")[0] for f in out["failures"] if "attention ran" in f] == [
+        "bf16", "fp32"]
+    assert "the card's attention ran flash, the prediction chose cudnn" in out["failures"][0]
+    assert F.scaled_dot_product_attention is cuda_attention.torch.nn.functional.scaled_dot_product_attention
+    # the verdict alone: the same kernels (counts aside) agree; an unknown side is not judged
+    row = {"rung": "bf16", "predicted_attention_kernels": {"cudnn": 48}, "cuda_attention_kernels": {"cudnn": 72}}
+    assert gr.kernels_differ(row) is None
+    assert gr.kernels_differ({**row, "cuda_attention_kernels": None}) is None
+    assert gr.kernels_differ({**row, "cuda_attention_kernels": {"cudnn": 24, "flash": 24}}).startswith(
+        "the card's attention ran cudnn, flash, the prediction chose cudnn")
+
+
+def test_counting_the_attention_kernels_sees_what_the_call_gets(monkeypatch):
+    """counting_choices counts each call's kernel with the call's own arguments, after the cast autocast
+    makes inside sdpa (an fp32 query under bf16 autocast is attended in bf16), counts only the calls on
+    its device (a device_map run's host layers are not the card's), changes no result and puts sdpa back."""
+    import torch.nn.functional as F
+
+    from workbench.core.memory import cuda_attention
+
+    real = F.scaled_dot_product_attention
+    seen = []
+    choice = torch._fused_sdp_choice
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda q, *a, **kw: seen.append(q.dtype) or choice(q, *a, **kw))
+    q = torch.randn(1, 4, 8, 16)
+    with cuda_attention.counting_choices({}, "cpu") as counts:
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)  # the CPU's math kernel, for dropout
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert counts == {"flash": 2, "math": 1} and seen == [torch.float32, torch.float32, torch.bfloat16]
+    assert torch.equal(out, real(q, q, q, is_causal=True)) and low.dtype == torch.bfloat16
+    assert F.scaled_dot_product_attention is real
+    with cuda_attention.counting_choices({}) as counts:  # the card's: the CPU's calls are not counted
+        F.scaled_dot_product_attention(q, q, q)
+    assert counts == {} and F.scaled_dot_product_attention is real
+
+
 def test_an_offload_rung_whose_host_state_is_past_the_free_memory_is_a_skipped_row(monkeypatch, tmp_path):
     """ZeRO keeps 16 bytes a parameter on the host: Qwen2-0.5B's is 7.4 GiB, more than a laptop's
     (or a WSL2 VM's, half the host's) free memory, where the OOM killer would end gpu-check itself."""

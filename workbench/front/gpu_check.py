@@ -15,10 +15,9 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   that the strategies run out of memory for real and fall back to the CPU; afterwards
   `torch.cuda.memory_allocated()` must be back where it started;
 - trace: a `torch.profiler` trace and a CUDA memory snapshot of one training iteration;
-- any check another part adds (the least reserved cap two rungs train under, beside the prediction's
-  "reserved needed": `studies/ladder/gpu_cap.py`; study 2's auto-fit stepping down on the card's own
-  out-of-memory error: `studies/ladder/gpu_autofit.py`; study 3's engine: `studies/split/gpu_check.py`;
-  the notebooks and the memory monitor's cost: `front/gpu_programs.py`); versions and the card.
+- any check another part adds (the cap: `studies/ladder/gpu_cap.py`; auto-fit's step-down:
+  `studies/ladder/gpu_autofit.py`; study 3's engine: `studies/split/gpu_check.py`; the notebooks and
+  the memory monitor's cost: `front/gpu_programs.py`); versions and the card.
 Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
 memory_snapshot.pickle, notebooks/, runs/ (runs/notebooks/<notebook>/: the notebooks check's)}.
 Two H200 runs: data/measured/h200-2026-11-22/, -11-26/.
@@ -45,6 +44,7 @@ from workbench.core.common import MiB, one_line, past_free_memory
 from workbench.core.config import ConfigError
 from workbench.core.fallback import driver_too_old, no_kernels, out_of_memory
 from workbench.core.memory import cuda_model
+from workbench.core.memory.cuda_attention import counting_choices
 from workbench.core.memory.monitor import (MemoryMonitor, bf16_native, can_release_workspaces, release_card,
                                            release_held)
 from workbench.core.memory.plan import RUNGS
@@ -172,6 +172,7 @@ def check_environment(opts: Options) -> dict[str, Any]:
     env = environment()
     props = torch.cuda.get_device_properties(0)
     env.update(gpu=props.name, gpu_total_mib=props.total_memory / MiB, cuda=torch.version.cuda,
+               cudnn=torch.backends.cudnn.version(),  # past 9.15.0 on sm_90/10x: cuDNN's attention first
                capability=f"{props.major}.{props.minor}",
                # the allocator's settings (expandable segments change every reserved figure); {} when unset
                alloc_conf={v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ})
@@ -192,14 +193,12 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     config, load, blocks, _ = model_at_hand(cfg)
     here = card_at_hand(opts.device)
     rows, tracebacks = [], {}
-    # each rung measured as a fresh process runs it: its first matmuls make the cuBLAS workspaces (a
-    # rung after another in one process found them made, and reserved up to 8% less on the H200)
+    # each rung measured as a fresh process runs it: its first matmuls make the cuBLAS workspaces (one after
+    # another found them made, and reserved up to 8% less on the H200); else the first makes them for all
     fresh = can_release_workspaces()  # release_held below, before each rung's measurement
-    # held (this torch cannot release them): the first rung makes the workspaces, the rest find them
     names = opts.rungs or gpu_rungs(RUNGS)
     first = names[0] if RUNGS[names[0]].placement == "device" else None  # else each held rung after itself
-    # each rung beside the prediction of the step it runs: plain (no dispatch mode) unless --counted
-    # measures the device rungs under the live-bytes count; loaded as measure() loads it
+    # beside the prediction of the step it runs: plain unless --counted (the live-bytes count); loaded as measure() loads
     items = {name: (config, name, dict(batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda", card=here,
                                        instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
                                        load="host", **({"workspaces": "fresh"} if fresh or name == names[0] else
@@ -224,12 +223,13 @@ def check_ladder(opts: Options) -> dict[str, Any]:
             continue
         nvml = {}
         try:
-            with MemoryMonitor(opts.device, interval_s=0.05) as mon:
+            with MemoryMonitor(opts.device, interval_s=0.05) as mon, counting_choices({}) as kernels:
                 before, held = mon.sample().get("nvml_used_mib"), torch.cuda.memory_reserved(opts.device)
                 # what it may take: others' use, the context and what this process holds live out
                 room = card_free_now(opts.device).usable_bytes - torch.cuda.memory_allocated(opts.device)
                 m = {**measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
-                               counted=opts.counted), "free_before_bytes": room, "reserved_before_bytes": held}
+                               counted=opts.counted), "free_before_bytes": room, "reserved_before_bytes": held,
+                     "attention_kernels": kernels}  # the kernel torch picked for each attention call
             if before is not None:
                 nvml = {"nvml_used_peak_mib": mon.peak["nvml_used_mib"], "nvml_used_before_mib": before,
                         **{k: mon.peak[k] for k in ("nvml_total_mib", "nvml_driver_reserved_mib") if k in mon.peak}}

@@ -93,6 +93,9 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
         **{f"{k}_reserved_by_stream_mib": {s: b / MiB for s, b in (d.get("reserved_by_stream_bytes") or {}).items()} or None
            for k, d in (("predicted", prediction), ("cuda", measured))},
         **{f"{k}_segment_sizes": d.get("segment_sizes") or None for k, d in (("predicted", prediction), ("cuda", measured))},
+        # the attention kernels by calls: the prediction's choices, and what torch picked on the card
+        **{f"{k}_attention_kernels": d.get("attention_kernels") or None for k, d in (("predicted", prediction),
+                                                                                       ("cuda", measured))},
     }
     row["segment_difference"] = segment_difference(row["predicted_segment_sizes"], row["cuda_segment_sizes"])
     if row["status"] != "ok":
@@ -104,12 +107,24 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
     return row
 
 
+def kernels_differ(row: dict[str, Any]) -> str | None:
+    """Where the card ran attention kernels other than those the prediction chose: which (None when
+    they agree, or either is unknown: a rung with no attention on the card, a prediction that failed)."""
+    predicted, card = row.get("predicted_attention_kernels"), row.get("cuda_attention_kernels")
+    if not predicted or not card or set(predicted) == set(card):
+        return None
+    return (f"the card's attention ran {', '.join(sorted(card))}, the prediction chose {', '.join(sorted(predicted))} "
+            "(cuda_attention.sdpa_backend's rule for this card and torch: the saved tensors differ by kernel)")
+
+
 def ladder_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """pass when every rung ran (or ran out of memory where the prediction did not say it had room),
     every measured one is within the thresholds and at least one trained; the failures say which
     rung and why."""
     failures = []
     for r in rows:
+        if wrong := kernels_differ(r):  # whatever the bytes say: the model claims the card's kernel
+            failures.append(f"{r['rung']}: {wrong}")
         if wrong := fit_verdict_wrong(r):
             failures.append(f"{r['rung']}: {wrong}")
         elif r.get("prediction_error"):
@@ -224,7 +239,7 @@ def report_markdown(summary: dict[str, Any]) -> str:
         cols = ["rung", "status", "method", "predicted_allocated_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",
                 "predicted_reserved_mib", "cuda_max_reserved_mib", "error_vs_reserved_pct",
                 "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "outside_allocator_rise_mib",
-                "predicted_fits_card", "passed"]
+                "predicted_fits_card", "predicted_attention_kernels", "cuda_attention_kernels", "passed"]
         lines += ["", "### Ladder: predicted beside measured on the card (MiB; error = (predicted - measured) / measured)",
                   "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in ladder["rows"]]

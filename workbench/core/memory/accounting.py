@@ -24,13 +24,11 @@ storage carries a role, and the bytes of each role are kept as running totals:
 
 Phases: `forward` starts at the watched model's forward pre-hook, `backward` while autograd's
 engine runs a graph task, `optimizer` from the end of backward to the next forward (clipping,
-the update, zeroing). Steps are counted by the optimizer step hook. At every new peak (overall
-and per step x phase) the five running totals and the op that allocated are copied: a few
-integers, so the accounting stays cheap enough to run over a 0.5B model's step.
+the update, zeroing). Steps are counted by the optimizer step hook. At every new peak (overall and per
+step x phase) the five running totals and the op that allocated are copied: a few integers, cheap.
 
-With `stub_scalars=True` (for FakeTensorMode runs, see predict.py) an op that would read a
-tensor's value into Python (`.item()`, `float(loss)`) returns 0.0 instead of failing, so the
-unchanged training loop runs over fake tensors.
+With `stub_scalars=True` (FakeTensorMode runs, predict.py) an op that would read a tensor's value into
+Python (`.item()`, `float(loss)`) returns 1.0 instead of failing: the unchanged loop runs over fake tensors.
 
 The count changes what it counts in one place. When a tensor feeds several ops, autograd's engine
 sums its gradients in an input buffer (torch/csrc/autograd/input_buffer.cpp `accumulate`): in place
@@ -98,6 +96,8 @@ class MemoryReport:
     sums: list[tuple[bool, tuple[int, ...]]] = field(default_factory=list)  # autograd's gradient sums (in place, shape)
     timeline_streams: dict[int, int] | None = None  # the stream of each allocation off the default one (placed runs)
     timeline_casts: tuple = ()  # what a load converts on the card (card_load.loaded_on_card)
+    paged_serials: frozenset = frozenset()  # a paged optimizer's state (CUDA managed memory): its allocations
+    paged_bytes: int = 0  # and their bytes
 
     @property
     def peak_bytes(self) -> int:

@@ -237,8 +237,9 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     i (a fresh process's cuBLAS workspaces, made inside the first matmul of their thread:
     cuda_model.workspaces_in), and never freed.
     `steady_from`: the event index the last step starts at (its peaks are reported separately).
-    `outside`: categories allocated outside torch's allocator (a paged optimizer's state lives in
-    CUDA managed memory, cudaMallocManaged): left out of the replay, as max_memory_allocated does.
+    `outside`: categories, or the serials of allocations, made outside torch's allocator (a paged
+    optimizer's state lives in CUDA managed memory, cudaMallocManaged): left out of the replay, as
+    max_memory_allocated does.
     `limit`: a cap on reserved bytes (a card's memory, set_per_process_memory_fraction): cached
     segments are given back before it is passed; torch.OutOfMemoryError where that is not enough.
     `streams`: the stream of each allocation not made on the default one (serial -> stream).
@@ -261,7 +262,7 @@ def replay(events, roles: dict[int, str], extra_allocs=(), steady_from: int = 0,
     def act(key, n, role, stream, steady):
         if n == EMPTY_CACHE:
             a.release_cached()
-        elif outside and role in outside:
+        elif outside and (role in outside or key in outside):
             return None
         elif n >= 0:
             b = live[key] = a.malloc(n, stream)
@@ -350,7 +351,7 @@ def live_rounded_peak(events, roles: dict[int, str], extra_allocs=(), outside: t
     live, now = {}, sum(round_size(n) for n in first)
     peak = now
     for i, (serial, n) in enumerate(events):
-        if n >= 0 and not (outside and roles.get(serial, "temporaries") in outside):
+        if n >= 0 and not (outside and (roles.get(serial, "temporaries") in outside or serial in outside)):
             live[serial] = round_size(n)
             now += live[serial]
         elif n < 0:  # a free (what was left out is not live), or an empty_cache (serial 0: nothing)

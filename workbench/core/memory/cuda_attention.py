@@ -9,8 +9,10 @@ real tensors.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -84,20 +86,51 @@ def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable
     return "math"
 
 
+def flash_backward_scratch(node, q, k) -> None:
+    """What flash attention's backward makes beside the gradients (flash_api.cpp's mha_bwd), which its
+    meta kernel does not: softmax_d (B x H x S, S rounded up to 128, fp32), dq_accum (B x S x H x the
+    head dim rounded up to 32, or 64 past 128; fp32), and, for grouped K/V heads, dK and dV at the query's
+    heads before they are summed to the K/V heads (dk_expanded, dv_expanded, in q's dtype). They live
+    while the kernel's backward runs: made here just before it (a hook on its node), freed just after
+    (the card makes them after dQ, dK and dV: the same peak, the allocator's blocks in another order)."""
+    b, h, s, d = q.shape
+    s_k, h_k = k.shape[-2], k.shape[-3]
+    s_r, d_r = -(-s // 128) * 128, -(-d // (32 if d <= 128 else 64)) * (32 if d <= 128 else 64)
+    # sizes only: a hook that held q or k would keep them alive after backward for as long as the graph's
+    # nodes live (a training loop's loss keeps them until the next step: +326 MiB of Llama 2 7B's)
+    dtype, device = q.dtype, q.device
+    held: list[torch.Tensor] = []
+
+    def make(grad_outputs):
+        held.append(torch.empty(b * h * s_r, dtype=torch.float32, device=device))  # softmax_d
+        held.append(torch.empty(b * s_r * h * d_r, dtype=torch.float32, device=device))  # dq_accum
+        if h_k != h:
+            held.extend(torch.empty(b * s_k * h * d, dtype=dtype, device=device) for _ in range(2))
+        return None
+
+    node.register_prehook(make)
+    node.register_hook(lambda grad_inputs, grad_outputs: held.clear())
+
+
 def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
               sm: int = DEFAULT_SM, chosen: dict | None = None, under_a_mode: bool = False):
     """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors;
     the math kernel is composite, so it runs as CUDA would run it)."""
-    if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list
-        dt = torch.get_autocast_dtype("cpu")
+    if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list: every fp32 tensor
+        dt = torch.get_autocast_dtype("cpu")  # argument is cast, a float mask too (the kernel keeps it so)
         q, k, v = (t.to(dt) if t.dtype == torch.float32 else t for t in (q, k, v))
+        if attn_mask is not None and attn_mask.dtype == torch.float32:
+            attn_mask = attn_mask.to(dt)
     backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, sm=sm)
     if chosen is not None:
         chosen[backend] = chosen.get(backend, 0) + 1
     with torch.autocast("cpu", enabled=False):
         if backend == "flash":  # flash takes grouped K/V as they are (and no mask)
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
-                                                                        scale=scale)[0]
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                       scale=scale)[0]
+            if out.grad_fn is not None:
+                flash_backward_scratch(out.grad_fn, q, k)
+            return out
         if backend == "cudnn":  # grouped K/V as they are; it keeps the output and an fp32 logsumexp, as flash
             # does. Not modelled: the workspace cuDNN's graph takes through the caching allocator in each
             # call (its size is cuDNN's heuristics'), and its 8-byte seed and offset on the card (meta here)
@@ -163,3 +196,40 @@ def math_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if dropout_p > 0.0:
         attn = torch.dropout(attn, dropout_p, True)
     return torch.matmul(attn, v).to(origin)
+
+
+def _backend_names() -> dict[int, str]:
+    """torch.nn.attention.SDPBackend's values (as torch._fused_sdp_choice returns them) by the names used here."""
+    from torch.nn.attention import SDPBackend
+
+    ours = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient",
+            "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable"}
+    return {int(getattr(SDPBackend, n)): name for n, name in ours.items() if hasattr(SDPBackend, n)}
+
+
+@contextlib.contextmanager
+def counting_choices(counts: dict[str, int], device_type: str = "cuda") -> Iterator[dict[str, int]]:
+    """Count, by kernel, what torch picks for each scaled_dot_product_attention call made inside on
+    `device_type`, with the call's own arguments (torch._fused_sdp_choice: the selection the call makes),
+    as a prediction's `kernels` counts its choices (calls on another device, the host's layers of a
+    device_map run, are not counted, as the prediction does not count them). On a card: which kernel
+    ran. Where autocast is on, the cast the call would make inside (sdpa is on autocast's lower-precision
+    list) is made first, so the choice sees what the kernel gets and no tensor is made twice."""
+    import torch.nn.functional as F
+
+    real, names = F.scaled_dot_product_attention, _backend_names()
+
+    def counted(query, key, value, *args, **kwargs):
+        if query.device.type == device_type:
+            if torch.is_autocast_enabled(device_type):
+                dt = torch.get_autocast_dtype(device_type)
+                query, key, value = (t.to(dt) if t.dtype == torch.float32 else t for t in (query, key, value))
+            name = names.get(int(torch._fused_sdp_choice(query, key, value, *args, **kwargs)), "unknown")
+            counts[name] = counts.get(name, 0) + 1
+        return real(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = counted
+    try:
+        yield counts
+    finally:
+        F.scaled_dot_product_attention = real

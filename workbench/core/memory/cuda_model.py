@@ -76,9 +76,13 @@ ALLOC_SETTINGS = ("expandable_segments:true", "max_split_size_mb", "max_non_spli
 
 
 def allocator_settings() -> list[str]:
-    """The settings of ALLOC_SETTINGS this process's PYTORCH_(CUDA_)ALLOC_CONF makes (not modelled)."""
+    """The settings of ALLOC_SETTINGS this process's PYTORCH_(CUDA_)ALLOC_CONF makes (not modelled), and
+    what replaces the caching allocator itself: CUDA's own (backend:cudaMallocAsync) or none
+    (PYTORCH_NO_CUDA_MEMORY_CACHING=1, each tensor its own cudaMalloc)."""
     conf = ",".join(os.environ.get(v, "") for v in ALLOC_CONF_VARS).replace(" ", "").lower()
-    return [s.split(":")[0] for s in ALLOC_SETTINGS if s in conf]
+    found = [s.split(":")[0] for s in ALLOC_SETTINGS if s in conf]
+    found += ["backend:cudaMallocAsync"] if "backend:cudamallocasync" in conf else []
+    return found + (["PYTORCH_NO_CUDA_MEMORY_CACHING"] if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1" else [])
 
 
 @dataclass(frozen=True)
@@ -265,10 +269,12 @@ def card_free_now(device="cuda") -> Card:
 # autocast: where CUDA's op lists differ from the CPU's (aten/src/ATen/autocast_mode.cpp)
 
 CUDA_FP32 = frozenset("acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow "
-                      "__pow__ __rpow__ softplus layer_norm group_norm cosine_similarity logsumexp renorm dist "
-                      "norm".split())
-CUDA_FP32_OPT_DTYPE = frozenset("softmax log_softmax sum prod cumsum cumprod".split())
-CUDA_LOWER = frozenset("addmv addr einsum mv chain_matmul multi_dot".split())
+                      "__pow__ __rpow__ softplus layer_norm group_norm cosine_similarity logsumexp renorm dist".split())
+# fp32_set_opt_dtype, and norm's fp32_append_dtype: computed and returned in fp32 from the 16-bit input,
+# which is what backward keeps (no fp32 copy of it, as a cast to fp32 would make)
+CUDA_FP32_OPT_DTYPE = frozenset("softmax log_softmax sum prod cumsum cumprod linalg_vector_norm linalg_matrix_norm "
+                                "norm".split())
+CUDA_LOWER = frozenset("addmv addr einsum mv chain_matmul linalg_multi_dot".split())  # (Python's names)
 
 
 def _cast(obj, to, src):
@@ -343,7 +349,9 @@ class CudaChoices(TorchFunctionMode):
 
 @contextlib.contextmanager
 def cuda_step(sm: int = DEFAULT_SM, under_a_mode: bool = False):
-    """The simulated step makes CUDA's choices; fp16 autocast and the GradScaler run on fake CPU tensors.
+    """The simulated step makes CUDA's choices; fp16 autocast runs on fake CPU tensors. The GradScaler does
+    not: torch disables it without CUDA, so its few 512-byte blocks (scale, growth tracker, found-inf
+    flag, the scaled loss) are not in the step (predict's note says so).
     `under_a_mode`: as a card runs the step under a Python dispatch mode (the live-bytes count)."""
     original = training.autocast
 

@@ -338,3 +338,14 @@ def plan_from_flags(*, precision: str = "fp32", optimizer: str = "adamw_torch", 
     return Plan(name, 0, help_, precision=CLI_PRECISIONS[precision], grad_checkpointing=checkpointing,
                 accum=batch // micro, optimizer=CLI_OPTIMIZERS[optimizer], trainable=trainable,
                 lora_rank=lora_rank, lora_targets=tuple(lora_targets) if lora_targets else None)
+
+
+PAGED_FROM = 100_000  # bitsandbytes' Optimizer8bit.get_state_buffer: a parameter this large gets paged state
+
+
+def paged_state(optimizer) -> list[torch.Tensor]:
+    """What a paged bitsandbytes optimizer puts in CUDA managed memory (get_paged): the two states of
+    each parameter of PAGED_FROM elements or more. The rest is torch's allocator's, as a card runs it:
+    a smaller parameter's states (torch.zeros_like), the block-wise absmax, the quantization maps."""
+    return [s[k] for p, s in optimizer.state.items() if p.numel() >= PAGED_FROM
+            for k in ("state1", "state2") if isinstance(s.get(k), torch.Tensor)]

@@ -56,7 +56,7 @@ from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
 from workbench.core.memory.monitor import bf16_emulated_on
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
-from workbench.core.memory.plan import Plan, apply_trainable, make_plan_optimizer, rung
+from workbench.core.memory.plan import PAGED_FROM, Plan, apply_trainable, make_plan_optimizer, paged_state, rung
 from workbench.core.memory.zero3 import STREAM_NAMES
 from workbench.core.models import check_seq_len
 from workbench.core.training import train
@@ -159,6 +159,7 @@ class Prediction:
             "nvidia_smi_bytes": self.nvidia_smi_bytes, "card": self.card, "card_bytes": self.card_bytes,
             "fits": self.fits, "headroom_bytes": self.headroom_bytes, "reserved_by_stream_bytes": self.reserved_by_stream_bytes,
             "replayed_steps": self.replayed_steps, "steady": self.steady, "segment_sizes": self.segment_sizes,
+            "attention_kernels": self.kernels,
         }
 
 
@@ -199,6 +200,8 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     report = acc.report()
     report.timeline_casts = tuple(casts)
     report.kernels = dict(mode.kernels) if step.cuda else {}
+    if plan.optimizer == "paged_adamw8bit" and step.cuda and (paged := paged_state(optimizer)):
+        report.paged_serials, report.paged_bytes = frozenset(acc.serials_of(paged)), sum(t.nbytes for t in paged)
     return report
 
 
@@ -315,19 +318,25 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
             host, peak, host_breakdown, breakdown = peak, 0, breakdown, dict.fromkeys(CATEGORIES, 0)
             note = f"CPU only: nothing is on the device; host memory {mib_text(host / MiB)} MiB at its own peak (simulated)"
         if plan.optimizer == "paged_adamw8bit" and device == "cuda":
-            pageable = report.breakdown()["optimizer_state"]
-            note = "paged 8-bit state lives in CUDA unified memory outside torch's allocator; " + (
+            pageable = report.paged_bytes
+            note = (f"paged 8-bit state ({mib_text(pageable / MiB)} MiB: the two states of each parameter of "
+                    f"{PAGED_FROM:,} elements or more; the rest is in torch's allocator) lives in CUDA unified "
+                    "memory outside torch's allocator; ") + (
                 "under WSL2 (Windows' driver) it cannot page out to the host, so it must fit on the card too"
                 if in_wsl() else "it is counted here but can page to the host under pressure (fit_bytes leaves it out)")
         elif plan.optimizer == "paged_adamw8bit":
             note = ("on the CPU a paged optimizer runs unpaged (as bitsandbytes does there): the same state as "
                     "8-bit AdamW, all of it in the budget; on a card it lives in CUDA unified memory and can "
                     "page out (--device cuda)")
+    if plan.precision == "fp16" and device == "cuda" and method == "predicted":
+        note = (note + "; " if note else "") + ("the GradScaler's few bytes (its scale, growth tracker and found-inf "
+                                                "flag) are not simulated: torch disables it without CUDA")
     if device == "cuda" and (settings := cuda_model.allocator_settings()):
-        note = (note + "; " if note else "") + (f"PYTORCH_(CUDA_)ALLOC_CONF sets {', '.join(settings)} here: the reserved "
+        note = (note + "; " if note else "") + (f"PYTORCH_(CUDA_)ALLOC_CONF or the environment sets {', '.join(settings)} here: the reserved "
                                                 "figures model the default allocator's segments and reuse (with "
                                                 "expandable ones a card's reserved peak is usually nearer the "
-                                                "allocated one; not modelled)")
+                                                "allocated one; with cudaMallocAsync or no caching the allocator is "
+                                                "not torch's: not modelled)")
     if plan.trainable == "qlora" and plan.pure_half:  # what the step simulated did: said, not changed
         note = (note + "; " if note else "") + ("QLoRA: peft's prepare_model_for_kbit_training keeps every weight but "
                                                 "the 4-bit ones in fp32, so a pure-half setup trains them in fp32 "
@@ -364,7 +373,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         if workspaces == "held" and any(len(w) == 3 and w[2] is not None for w in made):  # made by a run before
             events, steps_of, roles, streams, _ = cuda_model.after_a_run(events, steps_of, roles, streams, before)
         steady_from = next((i for i, s in enumerate(steps_of) if s >= last), 0)
-        outside = ("optimizer_state",) if pageable else ()
+        outside = report.paged_serials if pageable else ()
         run = dict(steps_of=steps_of, simulated_steps=report.steps, until=replay_steps or allocator.STEADY)
         alloc = allocator.replay(events, roles, made, steady_from=steady_from, outside=outside, streams=streams, **run)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,
