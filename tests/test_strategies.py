@@ -351,3 +351,22 @@ def test_qlora_counts_the_elements_its_4bit_weights_stand_for(tmp_path):
     assert qlora.total_params == lora.total_params == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(
         tmp_path).parameters()) + lora.trainable_params
     assert qlora.trainable_params == lora.trainable_params and qlora.trainable_share == lora.trainable_share
+
+
+def test_the_overlap_table_says_whether_the_models_pretraining_text_was_checked():
+    """Held-out text is checked against the training text, and the embedded base's pretraining text; a
+    hub model's pretraining text is not at hand, so its table says the model may have seen the text
+    (the report's heading 'unseen in content' had stood without that caveat)."""
+    import types
+
+    from workbench.core.data import Corpus, Overlap
+    from workbench.studies.strategies import figures, runner
+    from workbench.studies.strategies.config import StrategiesConfig
+
+    corpus = Corpus("target", ("some training text " * 10,), ("other held-out text " * 10,),
+                    Overlap(0.0, 0.0, 0, 0, 0, 100, (), 0))
+    hub = runner.corpus_overlap(StrategiesConfig(model="Qwen/Qwen2-0.5B"), corpus)
+    assert hub["pretraining_text"].tolist() == [
+        "not known: Qwen/Qwen2-0.5B may have seen the held-out text in pretraining (its pretraining text is not "
+        "at hand to check)"]
+    assert "pretraining_text" in figures.overlap_table(types.SimpleNamespace(tables={"corpus_overlap": hub}))

@@ -78,6 +78,10 @@ def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
                          "heldout_paragraphs_left_out": m["source_heldout_paragraphs_left_out"],
                          "docs_that_lost_text": ""})
     df = pd.DataFrame(rows)
+    # unseen by the model too? The embedded base's pretraining text is ours; a hub model's (or a user's) is not
+    df["pretraining_text"] = ("checked: held-out paragraphs that share a window with it are left out" if
+                              cfg.model == EMBEDDED else f"not known: {cfg.model} may have seen the held-out "
+                              "text in pretraining (its pretraining text is not at hand to check)")
     df["window_chars"] = WINDOW
     df["limit_pct"] = 100 * MAX_OVERLAP
     df["within_limit"] = df["overlap_pct"] <= 100 * MAX_OVERLAP
