@@ -112,15 +112,20 @@ def flash_backward_scratch(node, q, k) -> None:
     node.register_hook(lambda grad_inputs, grad_outputs: held.clear())
 
 
+def autocast_inputs(device_type: str, *tensors):
+    """The tensors sdpa is given, as autocast hands them to its kernel where it is on for `device_type`
+    (sdpa is on its lower-precision list: every fp32 tensor argument cast to autocast's dtype)."""
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dt = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dt) if t is not None and t.dtype == torch.float32 else t for t in tensors)
+
+
 def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
               sm: int = DEFAULT_SM, chosen: dict | None = None, under_a_mode: bool = False):
     """Run the kernel CUDA would pick, through its aten op (its meta kernel runs on fake CPU tensors;
     the math kernel is composite, so it runs as CUDA would run it)."""
-    if torch.is_autocast_enabled("cpu"):  # sdpa is on CUDA autocast's lower-precision list: every fp32 tensor
-        dt = torch.get_autocast_dtype("cpu")  # argument is cast, a float mask too (the kernel keeps it so)
-        q, k, v = (t.to(dt) if t.dtype == torch.float32 else t for t in (q, k, v))
-        if attn_mask is not None and attn_mask.dtype == torch.float32:
-            attn_mask = attn_mask.to(dt)
+    q, k, v, attn_mask = autocast_inputs("cpu", q, k, v, attn_mask)  # (the kernel keeps a float mask so)
     backend = sdpa_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, sm=sm)
     if chosen is not None:
         chosen[backend] = chosen.get(backend, 0) + 1
@@ -131,21 +136,18 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
             if out.grad_fn is not None:
                 flash_backward_scratch(out.grad_fn, q, k)
             return out
-        if backend == "cudnn":  # grouped K/V as they are; it keeps the output and an fp32 logsumexp, as flash
-            # does. Not modelled: the workspace cuDNN's graph takes through the caching allocator in each
-            # call (its size is cuDNN's heuristics'), and its 8-byte seed and offset on the card (meta here)
-            if attn_mask is not None and attn_mask.dtype == torch.bool:  # convert_boolean_attn_mask_cudnn
-                zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
-                attn_mask = torch.where(attn_mask, zero, minus_inf)
-            grad = q.requires_grad or k.requires_grad or v.requires_grad  # should_compute_logsumexp
-            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, attn_mask, grad, dropout_p, is_causal,
-                                                                        False, scale=scale)[0]
         # sdpa's entry (attention.cpp) turns a boolean mask into an additive one in q's dtype once the
         # kernel is chosen, in every call: each layer makes its own S x S mask, which the memory-efficient
         # kernel keeps for backward (a sliding-window model's mask past its window, a padding mask)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             zero, minus_inf = (torch.scalar_tensor(x, dtype=q.dtype, device=q.device) for x in (0.0, -math.inf))
-            attn_mask = torch.where(attn_mask, zero, minus_inf)  # convert_boolean_attn_mask
+            attn_mask = torch.where(attn_mask, zero, minus_inf)  # convert_boolean_attn_mask (cuDNN's: _cudnn)
+        if backend == "cudnn":  # grouped K/V as they are; it keeps the output and an fp32 logsumexp, as flash
+            # does. Not modelled: the workspace cuDNN's graph takes through the caching allocator in each
+            # call (its size is cuDNN's heuristics'), and its 8-byte seed and offset on the card (meta here)
+            grad = q.requires_grad or k.requires_grad or v.requires_grad  # should_compute_logsumexp
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, attn_mask, grad, dropout_p, is_causal,
+                                                                        False, scale=scale)[0]
         if backend == "efficient":
             # preprocess_mask: a mask whose strides (all but the last) are not multiples of 8 elements is
             # padded by 8 - S % 8 and sliced back (pad_bias<8>), a copy the kernel keeps
@@ -221,9 +223,7 @@ def counting_choices(counts: dict[str, int], device_type: str = "cuda") -> Itera
 
     def counted(query, key, value, *args, **kwargs):
         if query.device.type == device_type:
-            if torch.is_autocast_enabled(device_type):
-                dt = torch.get_autocast_dtype(device_type)
-                query, key, value = (t.to(dt) if t.dtype == torch.float32 else t for t in (query, key, value))
+            query, key, value = autocast_inputs(device_type, query, key, value)
             name = names.get(int(torch._fused_sdp_choice(query, key, value, *args, **kwargs)), "unknown")
             counts[name] = counts.get(name, 0) + 1
         return real(query, key, value, *args, **kwargs)
