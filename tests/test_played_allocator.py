@@ -80,6 +80,20 @@ def test_the_played_figures_equal_the_offline_replay():
     assert b.peak_reserved_mib > b.peak_mib >= b.live.peak_mib
 
 
+def test_an_empty_tensor_takes_no_block():
+    """A card's allocator makes no block for 0 bytes (CUDACachingAllocator's allocate: `if (size != 0)`), and the
+    predicted timeline leaves them out: the played one counted a 512-byte block for each (and 2 MiB of
+    segment for the first)."""
+    with device_budget("cpu", allocator="cuda") as b:
+        empty = [torch.empty(0) for _ in range(3)]
+        assert (b.live.model.allocated, b.live.model.reserved) == (0, 0)
+        one = torch.empty(100)
+        del empty
+        assert (b.live.model.allocated, b.live.model.reserved) == (512, 2 * MiB)
+        del one
+    assert b.peak_mib * MiB == 512
+
+
 def test_default_and_bad_allocator():
     with device_budget("cpu", 30) as b:
         assert type(b.live).__name__ == "LiveBytes"

@@ -664,7 +664,30 @@ def test_a_played_cards_peak_is_labelled_modelled_and_the_cpus_measured(tiny_bas
         assert tag == peaks_tag(result.runs) and ("tag modelled" in tag) == device.endswith(":cuda"), tag
         assert label.partition(": ")[2] in tag and ("peak live tensor bytes" in tag) != device.endswith(":cuda"), tag
         peaks[device] = result.runs["peak_mem_mib"].iloc[0]
+        # beside each, the prediction of the same kind, to the byte (the played card's: the allocator model's)
+        assert (result.runs["predicted_peak_mib"] == result.runs["peak_mem_mib"]).all(), result.runs
     # what the labels say: the played card's peak is of 512-byte blocks, above the live bytes of the same run
     assert peaks["cpu@64:cuda"] * MiB % 512 == 0 and peaks["cpu@64:cuda"] > peaks["cpu@64"]
     both = peaks_tag(rebuild_runs_table())  # the runs of both kinds: each said
     assert card.partition(": ")[2] in both and live.partition(": ")[2] in both, both
+
+
+def test_a_played_cards_pre_flight_holds_the_reserved_memory_it_needs(tiny_base, results_dir):
+    """'cpu@N:cuda' caps the modelled allocator's reserved bytes, but its pre-flight held the live bytes'
+    prediction to that cap: adapter's 11.9 MiB let it try a 12 MiB played card, where it ran out of memory in
+    training. The pre-flight replays the predicted step through the same allocator model under caps now: the
+    least reserved memory it runs in (14 MiB: segments are whole multiples of 2 MiB)."""
+    cfg = StrategiesConfig(strategies=("adapter",), seeds=(0,), budget_mib=0, **TINY)
+    live = transfer.predicted_peak_mib(cfg, "adapter", 100, "cpu")[0]
+    need, how = transfer.predicted_peak_mib(cfg, "adapter", 100, "cpu", "cuda")
+    below = need - 2  # the next cap down
+    assert live < below and "least reserved memory it runs in" in how  # the live bytes' prediction lets it try
+    card = f"cpu@{below:g}:cuda"
+    tried = run_strategies(cfg.replace(devices=(card, "cpu"), preflight=False), progress=False).runs.iloc[0]
+    assert tried["device_history"] == f"{card}: oom in train -> cpu: ok"  # it does not fit: the prediction was right
+    skipped = run_strategies(cfg.replace(devices=(card, "cpu")), progress=False).runs.iloc[0]
+    assert skipped["device_history"] == f"{card}: skipped in preflight -> cpu: ok"
+    assert f"predicted peak {need:,.1f} MiB" in json.loads(skipped["history"])[0]["reason"]
+    fits = run_strategies(cfg.replace(devices=(f"cpu@{need:g}:cuda",)), progress=False).runs.iloc[0]
+    assert fits["device_history"] == f"cpu@{need:g}:cuda: ok"
+    assert fits["predicted_peak_mib"] == fits["peak_mem_mib"] < need  # its allocated peak, to the byte

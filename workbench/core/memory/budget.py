@@ -63,6 +63,8 @@ class PlayedCudaAllocator(LiveBytes):
     def _add(self, st) -> bool:
         if id(st) in self._live:
             return False
+        if not st.nbytes():  # a card's allocator makes no block for 0 bytes (allocate: `if (size != 0)`)
+            return super()._add(st)
         with self._lock:
             block = self.model.malloc(st.nbytes())  # raises past the budget: st is never counted
             self._serial += 1
@@ -72,7 +74,9 @@ class PlayedCudaAllocator(LiveBytes):
         return super()._add(st)
 
     def _forgotten(self, key: int, nbytes: int) -> None:
-        serial, block = self._blocks.pop(key)
+        if (made := self._blocks.pop(key, None)) is None:  # 0 bytes: no block
+            return
+        serial, block = made
         self.model.free(block)
         if self.events is not None:
             self.events.append((serial, -1))

@@ -26,7 +26,7 @@ from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.hub import hub_options, not_found_message
-from workbench.core.memory import cuda_model
+from workbench.core.memory import allocator, cuda_model
 from workbench.core.memory.plan import Plan, bnb_4bit_config
 from workbench.core.memory.predict import predict, simulate
 from workbench.core.models import (
@@ -102,19 +102,28 @@ def run_inputs(cfg: StrategiesConfig, corpus) -> dict[str, str]:
 # one run
 
 
-_PREDICTIONS: dict[tuple, tuple[float, str] | None] = {}
+_PREDICTIONS: dict[tuple, tuple[float, str, float] | None] = {}
 
 
 def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int,
-                       device: str = "cpu") -> tuple[float, str] | None:
+                       device: str = "cpu", allocator: str = "live") -> tuple[float, str] | None:
     """What the run of `strategy` on `device` needs of a budget there, in MiB, predicted on fake tensors
     (workbench.core.memory.predict; activations counted, no weights read): on the CPU its steady-state
     step's peak live bytes, which a CPU budget counts; on a card the reserved memory it needs (CUDA's
-    kernels and caching allocator modelled), which a card's budget caps. Cached per setting."""
+    kernels and caching allocator modelled), which a card's budget caps; on a played card (the CPU with
+    `allocator="cuda"`, 'cpu@N:cuda') the CPU step's allocations replayed through the same allocator model
+    the budget runs, under caps: the least reserved memory it runs in. Cached per setting."""
+    got = _predicted(cfg, strategy, n_blocks, device, allocator)
+    return got[:2] if got else None
 
+
+def _predicted(cfg: StrategiesConfig, strategy: str, n_blocks: int, device: str,
+               allocator: str) -> tuple[float, str, float] | None:
+    """(what the budget is held to, how it was predicted, the peak of the kind the run reports), in MiB."""
     cuda = torch.device(device).type == "cuda"
+    played = not cuda and allocator == "cuda"
     key = (cfg.model, cfg.base_size, strategy, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.seq_len,
-           cfg.lora_rank, n_blocks, cfg.steps() >= 2, device if cuda else "cpu")
+           cfg.lora_rank, n_blocks, cfg.steps() if played else cfg.steps() >= 2, device if cuda else "cpu", played)
     if key not in _PREDICTIONS:
         config = load_config(cfg.model, spec=cfg.spec(), trust_remote_code=cfg.trust_remote_code)
         plan = Plan(f"study1-{strategy}", 0, "", precision=cfg.precision, trainable=strategy,
@@ -124,14 +133,35 @@ def predicted_peak_mib(cfg: StrategiesConfig, strategy: str, n_blocks: int,
             if cuda:  # the card at hand's compute capability picks the attention kernel
                 card = cuda_model.card_at_hand(device) if torch.cuda.is_available() else None
                 p = predict(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, device="cuda", card=card)
-                _PREDICTIONS[key] = (p.fit_bytes / 2**20, "CUDA-modelled prediction of the reserved memory at its peak")
+                _PREDICTIONS[key] = (p.fit_bytes / 2**20, "CUDA-modelled prediction of the reserved memory at its peak",
+                                     p.allocated_peak_bytes / 2**20)
+            elif played:  # the CPU's kernels, the card's allocator: as PlayedCudaAllocator runs the step
+                allocated, needed = played_card_peaks(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks,
+                                                      steps=cfg.steps())
+                _PREDICTIONS[key] = (needed / 2**20, "fake-tensor prediction of the training step, its allocations "
+                                     "replayed through the modelled caching allocator: the least reserved memory it "
+                                     "runs in", allocated / 2**20)
             else:  # as the played budget's live-bytes count (a dispatch mode) runs the step
                 report = simulate(config, plan, batch=batch, seq=cfg.seq_len, n_blocks=n_blocks, instrumented=True)
-                _PREDICTIONS[key] = (report.run_peak_bytes(cfg.steps()) / 2**20,
-                                     "fake-tensor prediction of the training step")
+                peak = report.run_peak_bytes(cfg.steps()) / 2**20
+                _PREDICTIONS[key] = (peak, "fake-tensor prediction of the training step", peak)
         except StrategyNotApplicable:
             _PREDICTIONS[key] = None
     return _PREDICTIONS[key]
+
+
+def played_card_peaks(config, plan: Plan, *, batch: int, seq: int, n_blocks: int, steps: int) -> tuple[int, int]:
+    """A run of `steps` optimizer steps on a played card ('cpu@N:cuda'): the CPU step simulated as the budget's
+    live-bytes count runs it, its allocations replayed through the caching-allocator model the budget plays
+    (one stream, no cuBLAS workspaces: the CPU makes none). Returns (the allocated peak, which the run
+    reports; the least cap on reserved bytes it runs under, which the budget is), in bytes."""
+    simulated = min(steps, 3)  # the third step is the one the replay repeats (relative to the second)
+    report = simulate(config, plan, batch=batch, seq=seq, steps=simulated, n_blocks=n_blocks, instrumented=True,
+                      timeline=True)
+    events, roles = report.timeline, report.timeline_roles
+    run = dict(steps_of=report.timeline_steps, simulated_steps=report.steps, until=steps)
+    alloc = allocator.replay(events, roles, **run)
+    return alloc.allocated_peak_bytes, allocator.least_reserved(events, roles, upper=alloc.reserved_peak_bytes, **run)
 
 
 def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
@@ -166,8 +196,9 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
     predicted: dict[str, tuple[float, str] | None] = {}  # by attempt
 
     def preflight(attempt: Attempt):
-        predicted[str(attempt)] = predicted_peak_mib(cfg, strategy, len(train_blocks), attempt.device)
-        return predicted[str(attempt)]
+        got = _predicted(cfg, strategy, len(train_blocks), attempt.device, attempt.allocator)
+        predicted[str(attempt)] = got
+        return got[:2] if got else None
 
     def job(attempt: Attempt, budget, phase):
         phase("load")
@@ -212,13 +243,15 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         row.update(outcome.value)
     if row["ppl_after"] is not None:
         row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
-    # beside the measured peak, a prediction of the same kind: the finishing attempt's on a CPU (a card's is
-    # of reserved memory, its peak allocated); none finished: the last CPU one's (why it was skipped)
+    # beside the measured peak, a prediction of the same kind: the finishing attempt's on a CPU (a played
+    # card's of its allocated blocks; a real card's is not shown); none finished: what the last CPU one's
+    # budget was held to (why it was skipped)
     if outcome.attempt is not None:
         mine = predicted.get(str(outcome.attempt)) if outcome.attempt.on_cpu else None
+        row["predicted_peak_mib"] = mine[2] if mine else None
     else:
         mine = next((v for k, v in reversed(predicted.items()) if not k.startswith("cuda") and v), None)
-    row["predicted_peak_mib"] = mine[0] if mine else None
+        row["predicted_peak_mib"] = mine[0] if mine else None
     return row
 
 
