@@ -162,3 +162,31 @@ def test_a_storage_a_garbage_collection_frees_mid_count_is_forgotten_without_a_h
         for serial, n in lb.timeline:
             assert (serial in seen) == (n == -1)
             seen.add(serial)
+
+
+def test_a_played_cards_step_rows_carry_its_allocated_and_reserved_peaks():
+    """Each training step's row of a played card carries the allocator model's allocated peak (mem_mib, the kind
+    the run's peak is) and its reserved peak (modelled_reserved_mib, what the budget caps); the live chart draws
+    both beside the budget. They had carried the live bytes, below a budget line that caps reserved bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workbench.core.training import TrainSettings, train
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    rows = []
+    with device_budget("cpu", 64, allocator="cuda") as b:
+        b.track_module(model)
+        train(model, torch.randint(0, 96, (8, 32)), TrainSettings(steps=3, micro_batch=2), device="cpu",
+              sinks=[rows.append], memory_probe=b.step_memory, extra={"device": "cpu@64:cuda", "budget_mib": 64})
+    allocated, reserved = [r["mem_mib"] for r in rows], [r["modelled_reserved_mib"] for r in rows]
+    assert max(allocated) == b.peak_mib and max(reserved) == b.peak_reserved_mib  # the run's peaks, step by step
+    assert b.live.peak_bytes < b.peak_mib * MiB and all(a * MiB % 512 == 0 and a < r for a, r in zip(allocated, reserved))
+    chart = LiveChart(display=False, min_interval_s=0)
+    for r in rows:
+        chart(r)
+    memory = {t.name: list(t.y) for t in chart.close().data if t.xaxis == "x2"}  # the memory panel
+    assert memory == {"cpu@64:cuda": allocated, "cpu@64:cuda reserved (modelled)": reserved}
+    with device_budget("cpu", 64) as plain:  # a live-bytes budget: its own figure, and no reserved column
+        assert set(plain.step_memory()) == {"mem_mib"}

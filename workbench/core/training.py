@@ -150,7 +150,7 @@ def train(
     device: torch.device | str | None = None,
     sinks: Iterable[Sink] = (),
     optimizer: torch.optim.Optimizer | None = None,
-    memory_probe: Callable[[], float | None] | None = None,
+    memory_probe: Callable[[], float | dict | None] | None = None,
     extra: dict[str, Any] | None = None,
     run_micro_batches: int | None = None,
 ) -> TrainResult:
@@ -161,7 +161,8 @@ def train(
     divided by `grad_accum`). None: all of them, as training must.
 
     `memory_probe` is called once per step and returns the step's peak device memory in MiB for its
-    row (`mem_mib`; e.g. `LiveBytes.take_window_peak_mib`, `DeviceBudget.step_peak_mib`); None: on
+    row (`mem_mib`; e.g. `LiveBytes.take_window_peak_mib`, `DeviceBudget.step_peak_mib`), or the row's
+    memory columns (`DeviceBudget.step_memory`: a played card's modelled reserved peak too); None: on
     CUDA the allocator's peak so far, on the CPU nothing. `extra` is copied into every row.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -235,7 +236,7 @@ def train(
                     "tokens": tokens,
                     "step_ms": dt * 1e3,
                     "tokens_per_s": tokens_per_step / dt if dt > 0 else float("nan"),
-                    "mem_mib": memory_probe() if memory_probe else None,
+                    **_memory_columns(memory_probe),
                     **(gpu_columns() if gpu_columns else {}),
                 }
                 for sink in sinks:
@@ -279,3 +280,9 @@ def evaluate_perplexity(
     finally:
         model.train(was_training)
     return math.exp(total / count)
+
+
+def _memory_columns(probe: Callable[[], float | dict | None] | None) -> dict[str, Any]:
+    """A step row's memory columns from the probe: its figure as mem_mib, or the columns it gives."""
+    got = probe() if probe else None
+    return dict(got) if isinstance(got, dict) else {"mem_mib": got}

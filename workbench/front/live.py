@@ -19,7 +19,9 @@ Rows it understands: training rows (step, loss, tokens, mem_mib, tokens_per_s, a
 labels such as strategy/seed/device/budget_mib) and event rows ({"event": "attempt", ...}) that
 say where a run went (shown in the title). On a GPU, rows that carry the memory monitor's CUDA
 columns (cuda_peak_allocated_mib, cuda_peak_reserved_mib, nvml_used_mib) add a trace each to the
-memory panel, so the allocator's reserved memory and nvidia-smi's figure show beside the budget.
+memory panel, so the allocator's reserved memory and nvidia-smi's figure show beside the budget. A
+played card's rows ('cpu@N:cuda') carry modelled_reserved_mib, the allocator model's reserved peak
+that its budget caps, beside mem_mib, that model's allocated peak.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ TITLE_CHARS = 100  # a title's line at most (three panels, about 1,000 px wide)
 PANELS_PX, AXIS_TITLES_PX = 245, 52  # the panels' height; under them, the axes' ticks and titles
 LEGEND_ROW_PX, LEGEND_WIDTH_PX = 22, 900  # a legend row; the narrowest width a notebook or the dashboard gives
 CUDA_COLUMNS = (("cuda_peak_allocated_mib", "allocated", "solid"), ("cuda_peak_reserved_mib", "reserved", "dash"),
-                ("nvml_used_mib", "NVML used", "dot"))
+                ("nvml_used_mib", "NVML used", "dot"),
+                # a played card's ('cpu@N:cuda'): its mem_mib is the allocator model's allocated peak
+                ("modelled_reserved_mib", "reserved (modelled)", "dash"))
 
 
 class LiveChart:

@@ -59,6 +59,8 @@ class PlayedCudaAllocator(LiveBytes):
         self.events: list | None = None
         self._blocks: dict[int, tuple] = {}
         self._serial = 0
+        self._window = (0, 0)  # the allocated and reserved peaks since take_window_peak_mib (a training step)
+        self.window_reserved_mib = 0.0
 
     def _add(self, st) -> bool:
         if id(st) in self._live:
@@ -67,6 +69,7 @@ class PlayedCudaAllocator(LiveBytes):
             return super()._add(st)
         with self._lock:
             block = self.model.malloc(st.nbytes())  # raises past the budget: st is never counted
+            self._window = (max(self._window[0], self.model.allocated), max(self._window[1], self.model.reserved))
             self._serial += 1
             self._blocks[id(st)] = (self._serial, block)
             if self.events is not None:
@@ -84,6 +87,15 @@ class PlayedCudaAllocator(LiveBytes):
     def reset_peak(self) -> None:
         super().reset_peak()
         self.model.peak_allocated, self.model.peak_reserved = self.model.allocated, self.model.reserved
+
+    def take_window_peak_mib(self) -> float:
+        """The modelled allocator's allocated peak since the previous call (a training step's row: of the kind
+        the run's peak is); `window_reserved_mib` is then its reserved peak over the same window."""
+        with self._lock:
+            allocated, reserved = self._window
+            self.window_reserved_mib = max(reserved, self.model.reserved) / MiB
+            self._window = (self.model.allocated, self.model.reserved)
+        return max(allocated, self.model.allocated) / MiB
 
     # The figures a budget reports are the modelled allocator's (as torch.cuda's are a card's).
     @property
@@ -134,6 +146,14 @@ class DeviceBudget:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / MiB
         return self.live.take_window_peak_mib() if self.live else float("nan")
+
+    def step_memory(self) -> dict[str, float]:
+        """A training step's memory columns (the training loop's memory_probe): `mem_mib` (step_peak_mib); a
+        played card's also `modelled_reserved_mib`, the reserved peak its budget caps, beside the allocated one."""
+        columns = {"mem_mib": self.step_peak_mib()}
+        if isinstance(self.live, PlayedCudaAllocator):
+            columns["modelled_reserved_mib"] = self.live.window_reserved_mib
+        return columns
 
     @property
     def peak_reserved_mib(self) -> float:

@@ -213,7 +213,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         extra = {"strategy": strategy, "seed": seed, "device": str(attempt), "budget_mib": attempt.budget_mib}
         t0 = time.perf_counter()
         result = train(model, train_blocks, settings, device=attempt.device, sinks=[steps_sink, *sinks],
-                       memory_probe=budget.step_peak_mib, extra=extra)
+                       memory_probe=budget.step_memory, extra=extra)
         wall = time.perf_counter() - t0
         phase("eval_after")
         ppl_after = evaluate_perplexity(model, held_blocks, device=attempt.device, precision=cfg.precision,
