@@ -1385,7 +1385,7 @@ def test_each_run_is_copied_with_no_earlier_run_on_the_card_and_zero_offload_cli
     assert given == [(torch.device("cpu"), {"cpu"})] * 3
 
 
-def test_cli_published_and_bad_set(capsys):
+def test_cli_published_and_bad_set(capsys, monkeypatch):
     """`split --published` printed raw JSON (0.10583979328165376, t_backward_s 0.3130337223691072)
     followed by the verdict's text, so --json's stdout was not JSON either."""
     assert main(["split", "--published"]) == 0
@@ -1400,6 +1400,12 @@ def test_cli_published_and_bad_set(capsys):
     assert shown["accel_memory_gib"].endswith(" GiB") and shown["recompute"] == "False"
     # the host rate's derivation ends in the rate used ("share 0.82 x 1 x min(...) = 164 GB/s" beside 135)
     assert shown["host_rate_from"].endswith(f") = {shown['host_adam_gb_per_s']}"), shown
+    # below 100 GB/s too (a share measured under load): it read "= 84 GB/s" beside the rate's 84.3 GB/s
+    monkeypatch.setattr(pm, "measure_host", lambda **kw: {**HOST, "bandwidth_share": 0.51})
+    assert main(["split", "--published"]) == 0
+    slow = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[2:-1])
+    assert slow["host_rate_from"].endswith(f") = {slow['host_adam_gb_per_s']}") and \
+        float(slow["host_adam_gb_per_s"].split()[0]) < 100, slow
     # it takes no settings of one's own (they were ignored, exit 0)
     assert main(["split", "--published", "host=bogus"]) == 2
     assert capsys.readouterr().err.strip() == (

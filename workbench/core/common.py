@@ -46,6 +46,15 @@ def mib_text(mib: float) -> str:
     return f"{mib:,.0f}" if abs(mib) >= 100 else f"{mib:,.1f}"
 
 
+def figure_text(v: float) -> str:
+    """A measured or modelled figure for a table or a derivation: whole from 100 up (thousands
+    separated), else three significant digits, the trailing zeros rounding made kept (a modelled
+    alpha of 0.09998 is 0.100, not 0.1); a figure given with fewer digits (a claim's 0.083) as it is."""
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}" if float(f"{v:.3g}") == v else f"{v:#.3g}"
+
+
 @contextlib.contextmanager
 def environ(values: dict[str, str]) -> Iterator[None]:
     """os.environ with `values` (inherited by subprocesses started meanwhile), restored after: a

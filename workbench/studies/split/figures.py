@@ -14,6 +14,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from workbench.core.charts import rounded
+from workbench.core.common import figure_text
 from workbench.core.results import StudyResult
 
 # k_actual and tokens_per_s: the whole run after warm-up (an adaptive run's mix its search's ks); settled_*:
@@ -215,13 +216,6 @@ _HOST_FIELDS = {  # host_and_published.json's "host": what each field is, and it
 _OP_UNITS = (("_gb_per_s", "GB/s"), ("_gib", "GiB"), ("_s", "s"), ("tflops", "TFLOP/s"))
 
 
-def _three_digits(v: float) -> str:
-    """A figure to three significant digits, its trailing zeros kept where rounding made them (a
-    modelled alpha of 0.09998 is 0.100, not 0.1); a figure given with fewer digits (a claim's
-    0.083, an MFU of 0.415) as it is."""
-    return f"{v:.3g}" if float(f"{v:.3g}") == v else f"{v:#.3g}"
-
-
 def operating_point_table(op: dict) -> pd.DataFrame:
     """The seed's setting as modelled (`perf_model.published_operating_point`), one quantity a row:
     counts thousands-separated, other numbers to three significant digits with the unit their name
@@ -232,7 +226,7 @@ def operating_point_table(op: dict) -> pd.DataFrame:
             text = "-".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
         else:
             unit = next((u for key, u in _OP_UNITS if name.endswith(key) or key in name.split("_")), "")
-            number = f"{v:,}" if isinstance(v, int) else f"{v:,.0f}" if abs(v) >= 100 else _three_digits(v)
+            number = f"{v:,}" if isinstance(v, int) else figure_text(v)
             text = number + (f" {unit}" if unit else "")
         rows.append({"quantity": name, "value": text})
     return pd.DataFrame(rows, columns=["quantity", "value"])

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.core.common import PROJECT_ROOT
+from workbench.core.common import PROJECT_ROOT, figure_text
 from workbench.core.memory.cuda_model import CONTEXT_BYTES
 from workbench.studies.split.balance import Rates, balance_k
 from workbench.studies.split.hostbench import ADAM_BYTES, measure_host
@@ -240,7 +240,7 @@ def machine(gpu: str, host: str = "AMD-EPYC-7763", *, host_meas: dict | None = N
         bw, how = host_bandwidth(host, per_core)
         host_rate = ADAM_BYTES / (bw * share)
         # the product stated: "share 0.82 x 1 x min(...) = 164 GB/s" read as if 164 were the rate used (135)
-        notes["host update"] = f"share {share:.2f} x ({how}) = {bw * share / GB:.0f} GB/s"
+        notes["host update"] = f"share {share:.2f} x ({how}) = {figure_text(bw * share / GB)} GB/s"  # as the table
         notes["host share"] = "config" if host_share is not None else "measured here"
     link = g["host_link_gb_per_s_both_ways"] / 2 * GB * assumed("link_efficiency")
     used_mfu, src = (mfu, "given") if mfu is not None else mfu_of(gpu)
