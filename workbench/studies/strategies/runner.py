@@ -26,7 +26,7 @@ from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.hub import hub_options, not_found_message
-from workbench.core.memory import allocator, cuda_model
+from workbench.core.memory import allocator as caching, cuda_model
 from workbench.core.memory.plan import Plan, bnb_4bit_config
 from workbench.core.memory.predict import predict, simulate
 from workbench.core.models import (
@@ -160,8 +160,8 @@ def played_card_peaks(config, plan: Plan, *, batch: int, seq: int, n_blocks: int
                       timeline=True)
     events, roles = report.timeline, report.timeline_roles
     run = dict(steps_of=report.timeline_steps, simulated_steps=report.steps, until=steps)
-    alloc = allocator.replay(events, roles, **run)
-    return alloc.allocated_peak_bytes, allocator.least_reserved(events, roles, upper=alloc.reserved_peak_bytes, **run)
+    alloc = caching.replay(events, roles, **run)
+    return alloc.allocated_peak_bytes, caching.least_reserved(events, roles, upper=alloc.reserved_peak_bytes, **run)
 
 
 def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
