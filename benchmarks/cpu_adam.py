@@ -65,9 +65,10 @@ def main() -> int:
           f"best of {args.reps}; load average {os.getloadavg()[0]:.2f}")
 
     status = {b: backend_status(b) for b in BACKENDS}  # DeepSpeed's op built here, before any timing
-    probes, fused_s = [], []
+    probes, fused_s, order = [], [], []
     for i in range(args.rounds):
         for side in ("probe", "fused") if i % 2 == 0 else ("fused", "probe"):
+            order.append(side)
             if side == "probe":
                 probes.append(adam_pattern_bandwidth(n, args.reps))
             else:
@@ -89,6 +90,7 @@ def main() -> int:
           + ", ".join(f"{r['bytes_per_s'] / 1e9:.1f}" for r in probes) + "; torch_fused's: "
           + ", ".join(f"{ADAM_BYTES * n / t / 1e9:.1f}" for t in fused_s) + "; per block size: "
           + ", ".join(f"{k}: {v / 1e9:.1f}" for k, v in probe["by_block"].items()) + ")")
+    print(f"  measured in the order: {', '.join(order)}")
     print(f"  {'backend':<14} {'step ms':>9} {'GB/s':>7} {'raw':>6} {'share':>6}")
     for b, r in results.items():
         if r["status"] == "ok":

@@ -45,7 +45,8 @@ def test_cpu_adam_measures_its_headline_pair_in_alternating_rounds_and_writes_it
     probe_line = next(line for line in out.stdout.splitlines() if "Adam-pattern probe" in line)
     rounds = probe_line.split("(rounds: ")[1].split(";")[0].split(", ")
     fused = probe_line.split("torch_fused's: ")[1].split(";")[0].split(", ")
-    assert len(rounds) == len(fused) == 3  # each side measured once a round
+    assert len(rounds) == len(fused) == 3  # each side measured once a round, the order reversed every round
+    assert "  measured in the order: probe, fused, fused, probe, probe, fused" in out.stdout.splitlines()
     assert float(row["memory_bytes_per_s"]) / 1e9 == pytest.approx(max(map(float, rounds)), abs=0.051)
     assert json.loads(row["details"])["torch_fused"]["bytes_per_s"] / 1e9 == pytest.approx(max(map(float, fused)),
                                                                                            abs=0.051)

@@ -1942,6 +1942,39 @@ def test_split_adaptive_benchmark_runs_and_writes_its_row(results_dir):
     assert bad.returncode == 2 and "--iterations must exceed --warmup" in bad.stderr
 
 
+def test_split_adaptive_counts_the_runs_probes_from_its_rows(monkeypatch):
+    """The benchmark's probe count is the rows' k_probe marks (the end-to-end run above may probe or not, as
+    its measured rates fall: its count is only a count there)."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "split_adaptive.py"
+    spec = importlib.util.spec_from_file_location("split_adaptive_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    marks = [False, True, False, True, True, False]
+
+    class Engine:
+        def __init__(self, model, **kw):
+            self.rows = []
+
+        def step(self, b):
+            self.rows.append({"k_probe": marks[len(self.rows)], "iteration_ms": 10.0, "tokens": 100,
+                              "backward_ms": 4.0, "k_actual": 0.5})
+
+        def finish(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "SplitEngine", Engine)
+    monkeypatch.setattr(bench, "settled", lambda rows, warmup: {"settled_tokens_per_s": 1.0, "settled_from": warmup})
+    got = bench.one_run(types.SimpleNamespace(), range(len(marks)), 2, k=0.0, adaptive=True)
+    assert got["probes"] == 3 and got["tokens_per_s"] == 100 / 0.01 and got["k_last"] == 0.5
+
+
 def test_split_moved_k_benchmark_runs_and_writes_its_row(results_dir):
     """benchmarks/split_moved_k.py end to end, shortened: its timed steps are all at k=1, its last
     line is the ratio it writes to benchmarks.csv, and a bad schedule is a one-line error."""

@@ -97,6 +97,16 @@ def test_a_workers_share_of_the_cores(monkeypatch):
     monkeypatch.setattr(parallel, "cores", lambda: 16)
     assert [parallel.threads_per_worker(n) for n in (1, 2, 3, 16, 32, 0)] == [16, 8, 5, 1, 1, 16]
     assert parallel.threads_here() == 16  # outside a Dask worker: every core
+    # inside one: the cores over the tasks that can run at once on its host, counted from the scheduler's
+    # workers (two of one thread and one of four here, one elsewhere); capped by tasks_per_worker
+    import types
+
+    workers = {"tls://10.0.0.1:4001": {"nthreads": 1}, "tls://10.0.0.1:4002": {"nthreads": 1},
+               "tls://10.0.0.1:4003": {"nthreads": 4}, "tls://10.0.0.2:4001": {"nthreads": 8}}
+    client = types.SimpleNamespace(scheduler_info=lambda n_workers: {"workers": workers})
+    monkeypatch.setattr(parallel, "current_worker", lambda: types.SimpleNamespace(address="tls://10.0.0.1:4002"))
+    monkeypatch.setattr(parallel, "get_client", lambda: client)
+    assert (parallel.threads_here(), parallel.threads_here(tasks_per_worker=1)) == (16 // 6, 16 // 3)
 
 
 def test_local_cluster_listens_on_localhost_only(tmp_path):

@@ -106,7 +106,9 @@ def test_the_run_tables_cell_shows_one_table_per_source():
     exec(source, namespace)
     assert set(namespace) - before <= {"__builtins__"}  # no name left behind
     assert [c for c, _ in shown] == [figures.RUN_TABLES["measured"], figures.RUN_TABLES["modelled"]]
-    assert list(shown[0][1]["run"]) == ["k=0"]
+    assert list(shown[0][1]["run"]) == ["k=0"] and list(shown[1][1]["run"]) == ["A100: adaptive"]
+    # each table keeps only the columns its rows fill: the modelled run has no throughput
+    assert "tok/s" in shown[0][1] and "tok/s" not in shown[1][1]
 
 
 # ------------------------------------------------------------------------------------------------

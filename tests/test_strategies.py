@@ -353,7 +353,7 @@ def test_qlora_counts_the_elements_its_4bit_weights_stand_for(tmp_path):
     assert qlora.trainable_params == lora.trainable_params and qlora.trainable_share == lora.trainable_share
 
 
-def test_the_overlap_table_says_whether_the_models_pretraining_text_was_checked():
+def test_the_overlap_table_says_whether_the_models_pretraining_text_was_checked(tiny_base):
     """Held-out text is checked against the training text, and the embedded base's pretraining text; a
     hub model's pretraining text is not at hand, so its table says the model may have seen the text
     (the report's heading 'unseen in content' had stood without that caveat)."""
@@ -370,3 +370,7 @@ def test_the_overlap_table_says_whether_the_models_pretraining_text_was_checked(
         "not known: Qwen/Qwen2-0.5B may have seen the held-out text in pretraining (its pretraining text is not "
         "at hand to check)"]
     assert "pretraining_text" in figures.overlap_table(types.SimpleNamespace(tables={"corpus_overlap": hub}))
+    # the embedded base's was checked, on both rows (the target's and the source it was pretrained on)
+    ours = runner.corpus_overlap(StrategiesConfig(base_size="tiny"), corpus)
+    assert ours["pretraining_text"].tolist() == [
+        "checked: held-out paragraphs that share a window with it are left out"] * 2, ours
