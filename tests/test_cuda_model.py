@@ -135,6 +135,8 @@ def test_cudnn_attention_comes_first_on_hopper_and_blackwell_with_a_recent_cudnn
     assert cm.sdpa_backend(t(), t(s=1), t(s=1), sm=90) == "flash"
     # a cuDNN of 9.15.0 or older (torch's CUDA 12 wheels), or TORCH_CUDNN_SDPA_DEPRIORITIZED=1: flash first
     assert cm.prefers_cudnn(90) and not cm.prefers_cudnn(90, cudnn=91500) and not cm.prefers_cudnn(89)
+    # major 9 or 10 with minor 0 or 3, as torch checks them (9.0 H100/H200, 10.0 B200, 10.3 B300; no card is 9.3)
+    assert [sm for sm in range(80, 125) if cm.prefers_cudnn(sm)] == [90, 93, 100, 103]
     monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
     assert cm.sdpa_backend(t(), t(), t(), sm=90) == "flash" and not cm.prefers_cudnn(100)
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")

@@ -26,10 +26,12 @@ ASSUMED_CUDNN = 91501
 
 def prefers_cudnn(sm: int, cudnn: int = ASSUMED_CUDNN) -> bool:
     """sdp_utils.cpp's check_prefer_cudnn_attention (torch 2.10 on, CUDA 13 builds): cuDNN's attention
-    is tried before flash on data-centre Hopper and Blackwell (sm_90, sm_10x) where the runtime cuDNN
-    is newer than 9.15.0 (its fix for sequence lengths not a multiple of 128, pytorch#169849), unless
-    TORCH_CUDNN_SDPA_DEPRIORITIZED=1."""
-    return os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") != "1" and cudnn > 91500 and sm // 10 in (9, 10)
+    is tried before flash on data-centre Hopper and Blackwell (compute capability 9.0, 10.0 and 10.3:
+    H100/H200, B200, B300; `(major == 9 || major == 10) && (!minor || minor == 3)`) where the runtime
+    cuDNN is newer than 9.15.0 (its fix for sequence lengths not a multiple of 128, pytorch#169849),
+    unless TORCH_CUDNN_SDPA_DEPRIORITIZED=1."""
+    return (os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED") != "1" and cudnn > 91500
+            and sm // 10 in (9, 10) and sm % 10 in (0, 3))
 
 
 def cudnn_takes(q, k, v, attn_mask, dropout_p, enable_gqa, sm: int) -> bool:
