@@ -495,6 +495,14 @@ def test_unknown_card_and_a_card_smaller_than_the_weights(tmp_path):
     # a size with its unit written, and the one preset a name begins (both had been "unknown card")
     assert cm.card("8 GiB").total_bytes == cm.card("8gib").total_bytes == 8 * 2**30
     assert cm.card("T4") is cm.CARDS["T4 16GB"] and cm.card("h200") is cm.CARDS["H200 141GB"]
+    # consumer Blackwell (sm_120): nvidia-smi's totals, flash attention first (cuDNN's is first only on
+    # 9.0/10.0/10.3), the sm_90-and-later 32 MiB cuBLAS workspaces; torch's name finds the preset
+    rtx = cm.card("RTX 5090")
+    assert (rtx.name, rtx.total_bytes, rtx.sm, rtx.cublas_workspace_bytes) == ("RTX 5090 32GB", 32607 * 2**20, 120,
+                                                                               32 * 2**20)
+    assert cm.card("rtx 5060") is cm.CARDS["RTX 5060 Ti 16GB"] and cm.CARDS["RTX 5060 Ti 16GB"].sm == 120
+    assert cm.card_of("NVIDIA GeForce RTX 5090", rtx.total_bytes, 120).sm == 120
+    assert set(predict(str(path), "bf16", batch=1, seq=32, device="cuda", card="RTX 5090").kernels) == {"flash"}
     with pytest.raises(ConfigError, match="smaller than the weights alone") as fp32:
         predict(str(path), "fp32", batch=1, seq=32, device="cuda", card=0.0001)
     assert fp32.value.args[0].endswith("use a larger --card, --precision bf16-true, --trainable qlora, or --auto-fit "

@@ -182,6 +182,9 @@ CARDS = {c.name: c for c in (
     Card("RTX 4060 Ti 8GB", 8188 * MiB, 89),
     Card("RTX 4060 Ti 16GB", 16380 * MiB, 89),
     Card("RTX 4090 24GB", 24564 * MiB, 89),
+    # consumer Blackwell (sm_120: flash, not cuDNN, first; the sm_86-89 head-dim rule for training)
+    Card("RTX 5060 Ti 16GB", 16311 * MiB, 120),
+    Card("RTX 5090 32GB", 32607 * MiB, 120),
     Card("T4 16GB", 15 * GiB, 75),
     # before sm_80 (bf16 emulated, no flash attention); torch's CUDA 12.9 and 13 builds start at sm_75,
     # so a V100 or a P100 (Kaggle's) trains under a CUDA 12.6 build. The V100 16GB's and the P100's
