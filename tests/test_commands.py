@@ -176,6 +176,9 @@ def test_a_small_figure_that_is_not_zero_is_not_shown_as_zero():
     assert out["iteration (ms)"].tolist() == [0.042, 14.2, 0.0, 1.0]
     # floating-point noise is 0, not 5.6e-14 %, which made the report print the whole column as 7.51e+01
     assert out["accel_idle (%)"].astype(str).tolist() == ["75.1", "0.0", "0.0", "0.002"]  # no "-0.0"
+    # nor with one significant digit: BitFit's 0.07% of the parameters read 0.1% (README: 0.07%)
+    share = rounded(pd.DataFrame({"trainable_share": [0.0007, 0.00734, 0.304]}))["trainable (%)"]
+    assert share.tolist() == [0.07, 0.73, 30.4]
 
 
 def test_a_figure_without_a_unit_is_not_shown_with_a_digit_it_does_not_have():

@@ -211,6 +211,7 @@ def test_every_rung_on_a_card_says_whether_it_fits(tiny_config, capsys):
     out = capsys.readouterr().out.splitlines()
     heading = next(line for line in out if line.startswith("rung "))
     assert "card: fits, headroom MiB" in heading
+    assert " alloc MiB reserved MiB    smi MiB " in heading  # each with its unit (reserved had none)
     # whole category names (cut at 10 characters they read "optimizer_", "activation", "temporarie")
     assert heading.split()[4:9] == ["weights", "gradients", "optimizer", "activations", "temporaries"]
     rows = {line.split()[0]: line.split() for line in out if line.split() and line.split()[0] in RUNGS}

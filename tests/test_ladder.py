@@ -741,6 +741,15 @@ def test_the_report_says_what_a_budget_caps_on_each_device(env):
     parts = report_section(load_result())
     shown = ladder_figures.ladder_table(load_result())  # how the predicted peak was made, not "method: predicted"
     assert "method" not in shown and list(shown["how_predicted"]) == ["simulated"]
+    # the reference model's table and the chart's legend say it the same way (they said "predicted")
+    from workbench.core.results import StudyResult
+
+    runs = pd.DataFrame({"rung": ["fp32", "fp16"], "role": ["reference", "reference"],
+                         "method": ["predicted", "estimated"], "predicted_peak_mib": [10.0, 6.0], "note": ["", ""]})
+    ref = ladder_figures.reference_table(StudyResult("ladder", runs))
+    assert "method" not in ref and list(ref["how_predicted"]) == ["simulated", "estimated"]
+    legend = [t.name for t in ladder_figures.ladder_figure(load_result()).data]
+    assert legend[0] == "predicted, simulated (not measured)", legend
     assert "reserved memory" in BUDGET_NOTE and "live tensor bytes" in BUDGET_NOTE
     assert BUDGET_NOTE in parts[0][2]
     assert "reserved memory on a GPU, live tensor bytes on the CPU" in parts[1][1]

@@ -1400,6 +1400,13 @@ def test_cli_published_and_bad_set(capsys, monkeypatch):
     assert shown["accel_memory_gib"].endswith(" GiB") and shown["recompute"] == "False"
     # the host rate's derivation ends in the rate used ("share 0.82 x 1 x min(...) = 164 GB/s" beside 135)
     assert shown["host_rate_from"].endswith(f") = {shown['host_adam_gb_per_s']}"), shown
+    # the verdict's alpha as the table shows it: it read 0.095 beside 0.0953 (a fixed host, alpha under 0.1)
+    monkeypatch.setattr(pm, "measure_host", lambda **kw: dict(HOST))
+    assert main(["split", "--published"]) == 0
+    out = capsys.readouterr().out
+    fixed = dict(line.split(None, 1) for line in out.splitlines()[2:-1])
+    assert float(fixed["alpha_modelled"]) < 0.1 and len(fixed["alpha_modelled"]) == 6 and \
+        f"Modelled alpha, per host: {fixed['host']} {fixed['alpha_modelled']}," in " ".join(out.split()), out[-400:]
     # below 100 GB/s too (a share measured under load): it read "= 84 GB/s" beside the rate's 84.3 GB/s
     monkeypatch.setattr(pm, "measure_host", lambda **kw: {**HOST, "bandwidth_share": 0.51})
     assert main(["split", "--published"]) == 0
@@ -1942,6 +1949,16 @@ def test_split_adaptive_benchmark_runs_and_writes_its_row(results_dir):
     assert bad.returncode == 2 and "--iterations must exceed --warmup" in bad.stderr
 
 
+def test_a_modelled_run_that_does_not_fit_says_by_how_much():
+    """'needs 80 GiB of 80' hid the gap a run needing 80.4 GiB on an 80 GiB card falls short by."""
+    import types
+
+    from workbench.studies.split.runner import _oom_reason
+
+    assert _oom_reason({"accel_memory_gib": 80.4213}, types.SimpleNamespace(memory_bytes=80 * 2**30)) == \
+        "needs 80.42 GiB of 80.00 GiB"
+
+
 def test_split_adaptive_counts_the_runs_probes_from_its_rows(monkeypatch):
     """The benchmark's probe count is the rows' k_probe marks (the end-to-end run above may probe or not, as
     its measured rates fall: its count is only a count there)."""
@@ -2017,3 +2034,12 @@ def test_the_k_charts_give_each_panel_room_and_a_plain_title():
                                                                    "modelled: H100"]
         axes = [fig.layout[k] for k in fig.layout if k.startswith("xaxis")]
         assert len(axes) == 4 and all(ax.showticklabels for ax in axes)
+    # the idle share in %, as the runs table shows it (the chart's 0-1 axis had no unit)
+    idle = idle_figure(result)
+    assert sorted(y for t in idle.data for y in t.y) == sorted(100 * r["accel_idle_share"] for r in rows)
+    assert idle.layout.yaxis.title.text == "accelerator idle (%)"
+    from workbench.studies.split.figures import host_done_figure
+
+    steps = pd.DataFrame({"iteration": [1, 2], "run": ["k=0.5", "k=0.5"], "host_done_before_bwd_end_share": [0.25, 1.0]})
+    done = host_done_figure(StudyResult("split", runs=pd.DataFrame(rows), steps=steps))
+    assert list(done.data[0].y) == [25.0, 100.0] and done.layout.yaxis.title.text.endswith("(%)")

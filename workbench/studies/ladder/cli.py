@@ -319,7 +319,7 @@ def _estimate(args) -> int:
     head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{_SHORT.get(c, c):>11}" for c in p_cats())
     on_card = cuda and args.card is not None
     if cuda:
-        head += f" {'alloc MiB':>10} {'reserved':>10} {'smi MiB':>10}"
+        head += f" {'alloc MiB':>10} {'reserved MiB':>12} {'smi MiB':>10}"
     if on_card:
         head += f" {'fit MiB':>10}  {'card: fits, headroom MiB':>24}"
     print(head + ("   fits (with margin)" if budget else ""))
@@ -327,7 +327,7 @@ def _estimate(args) -> int:
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
             f"{p.breakdown.get(c, 0) / MiB:>11,.1f}" for c in p_cats())
         if cuda:
-            line += "".join(f" {v / MiB:>10,.1f}" for v in (p.allocated_peak_bytes, p.reserved_peak_bytes, p.nvidia_smi_bytes))
+            line += f" {p.allocated_peak_bytes / MiB:>10,.1f} {p.reserved_peak_bytes / MiB:>12,.1f} {p.nvidia_smi_bytes / MiB:>10,.1f}"
         if on_card:
             line += f" {p.fit_bytes / MiB:>10,.1f}  {'yes' if p.fits else 'no':>13} {p.headroom_bytes / MiB:>+10,.1f}"
         if budget:
@@ -335,7 +335,7 @@ def _estimate(args) -> int:
             line += f"   {'yes' if ok else 'no'} ({margin:.1%})"
         print(line)
     if cuda:
-        print("peak and categories: live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
+        print("peak and categories (MiB): live tensor bytes (simulated); alloc, reserved: the caching allocator (modelled); "
               "smi: reserved + the CUDA context (modelled; with --card here, all in use on the card now, measured); "
               "device_map, zero_offload and zero_offload_params: the card's share (simulated placement, host memory in the note)")
     if on_card:
@@ -368,13 +368,13 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
     print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {mib_text(budget_mib)} MiB "
           f"({budget_from})")
     print(f"searched from your setup: {setup.name} ({setup.help})")
-    print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin':>9}  fits")
+    print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin MiB':>11}  fits")
     for r in choice.table:
         if r["need_mib"] is not None:
-            need, with_margin = f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>9,.1f}"
+            need, with_margin = f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>11,.1f}"
         else:  # the weights alone exceed the card (WeightsExceedCard), or a bound of the need the budget
             bound = "> card" if r["floor_mib"] is None else f">={math.floor(r['floor_mib']):,}"  # a bound: down
-            need, with_margin = f"{bound:>9}", f"{'':>9}"
+            need, with_margin = f"{bound:>9}", f"{'':>11}"
         print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
               f"{'yes' if r['fits'] else '-' if r['fits'] is None else 'no'}"
               + ("  (changes what trains)" if r["changes_what_trains"] else "")

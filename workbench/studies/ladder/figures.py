@@ -45,7 +45,11 @@ def ladder_table(result: StudyResult) -> pd.DataFrame:
     runs' `method` (how the predicted peak was made) is shown as `how_predicted`, simulated or estimated:
     "method: predicted" beside a measured peak had read as if the measured figure were predicted too."""
     hand = _hand(result)
-    table = rounded(hand[[c for c in LADDER_COLUMNS if c in hand]])
+    return _how_predicted(rounded(hand[[c for c in LADDER_COLUMNS if c in hand]]))
+
+
+def _how_predicted(table: pd.DataFrame) -> pd.DataFrame:
+    """`method` shown as `how_predicted`: simulated (over fake tensors) or estimated."""
     if "method" in table:
         table["method"] = table["method"].replace({"predicted": "simulated"})
     return table.rename(columns={"method": "how_predicted"})
@@ -61,7 +65,8 @@ def ladder_figure(result: StudyResult, title: str = "") -> go.Figure:
     for method in ("predicted", "estimated"):
         part = hand[hand["method"] == method]
         if len(part):
-            fig.add_trace(go.Bar(x=part["rung"], y=part["predicted_peak_mib"], name=f"{method} (not measured)",
+            shown = "simulated" if method == "predicted" else method  # as the table's how_predicted says
+            fig.add_trace(go.Bar(x=part["rung"], y=part["predicted_peak_mib"], name=f"predicted, {shown} (not measured)",
                                  marker_pattern_shape="/" if method == "estimated" else "",
                                  hovertext=part["note"].astype("string").fillna("") if "note" in part else None), row=1, col=1)
     if "measured_peak_mib" in hand:
@@ -129,8 +134,8 @@ def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
 def reference_table(result: StudyResult) -> pd.DataFrame:
     """The reference model's predicted peak per rung (no weights here: predicted only)."""
     ref = _reference(result)
-    return rounded(ref[[c for c in ("rung", "method", "predicted_peak_mib", "budget_mib", "fits_predicted", "note")
-                        if c in ref]])
+    return _how_predicted(rounded(ref[[c for c in ("rung", "method", "predicted_peak_mib", "budget_mib",
+                                                   "fits_predicted", "note") if c in ref]]))
 
 
 def published_figure(result: StudyResult) -> go.Figure:

@@ -85,9 +85,10 @@ def idle_figure(result: StudyResult) -> go.Figure:
     """The share of an iteration the accelerator waits for the host, against k."""
     df = result.runs
     idle = df[df["source"] != "published"].dropna(subset=["accel_idle_share"])
-    fig = px.scatter(idle, x="k_actual", y="accel_idle_share", color="mode", symbol="status", facet_col="panel",
+    idle = idle.assign(accel_idle_pct=100 * idle["accel_idle_share"])  # in %, as the runs table shows it
+    fig = px.scatter(idle, x="k_actual", y="accel_idle_pct", color="mode", symbol="status", facet_col="panel",
                      facet_col_wrap=2, facet_row_spacing=0.14,
-                     labels={"k_actual": "k", "accel_idle_share": "accelerator idle share"},
+                     labels={"k_actual": "k", "accel_idle_pct": "accelerator idle (%)"},
                      title="Accelerator idle share against k (oom rows: modelled memory does not fit)")
     return _panels(fig.update_traces(marker_size=10), idle["panel"].nunique(), 2)
 
@@ -121,10 +122,11 @@ def host_done_figure(result: StudyResult) -> go.Figure:
     """Per iteration, the share of the host's update finished before the accelerator's backward ended."""
     col = "host_done_before_bwd_end_share"
     steps = result.steps.dropna(subset=[col]) if col in result.steps else pd.DataFrame(columns=["iteration", col, "run"])
-    fig = px.line(steps, x="iteration", y=col, color="run", markers=True,
-                  labels={col: "share of host update done before backward ended"},
+    steps = steps.assign(pct=100 * steps[col].astype(float))  # in %, as the runs table shows it
+    fig = px.line(steps, x="iteration", y="pct", color="run", markers=True,
+                  labels={"pct": "host update done before backward ended (%)"},
                   title="Host update finished before backward ended (measured, per iteration)")
-    return fig.update_yaxes(range=[0, 1.05])
+    return fig.update_yaxes(range=[0, 105])
 
 
 def k_figure(result: StudyResult) -> go.Figure:

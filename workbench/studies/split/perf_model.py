@@ -546,7 +546,7 @@ def seed_verdict(host_meas: dict | None = None) -> dict:
             + "; ".join(f"{v['host']} at MFU {v['mfu']}, {'with' if v['recompute'] else 'without'} recompute: "
                         f"{v['band_holds_k_seed_formula_on_card']}" for v in verdicts)
             + ". Modelled alpha, per host: "  # each beside its host (the bare figures did not say whose)
-            + ", ".join(f"{h} {a}" for h, a in dict.fromkeys((v["host"], f"{v['alpha_modelled']:.3f}") for v in verdicts))
+            + ", ".join(f"{h} {a}" for h, a in dict.fromkeys((v["host"], figure_text(v["alpha_modelled"])) for v in verdicts))
             + f" against the seed's {claims['alpha']}.")
     return {"rows": rows, "verdicts": verdicts, "text": text}
 
@@ -610,7 +610,7 @@ def model_inputs(host_meas: dict | None = None) -> list[dict]:
         out.append({"input": "per-core Adam-pattern bandwidth", "value": f"{host_meas['per_core_bytes_per_s'] / GB:.1f} GB/s",
                     "source": "measured here (one thread, hostbench.adam_pattern_bandwidth)"})
         out.append({"input": "host Adam share of the Adam-pattern probe",
-                    "value": f"{min(1.0, host_meas['bandwidth_share']):.3f} (raw {host_meas.get('bandwidth_share_raw', host_meas['bandwidth_share']):.3f})",
+                    "value": f"{min(1.0, host_meas['bandwidth_share']):.2f} (raw {host_meas.get('bandwidth_share_raw', host_meas['bandwidth_share']):.2f})",
                     "source": "measured here (one thread), clipped to 1"})
     out.append({"input": "CUDA context", "value": f"{CONTEXT_BYTES / 2**20:,.0f} MiB",
                 "source": "workbench.core.memory.cuda_model.CONTEXT_BYTES (modelled, one user report; see its comment)"})

@@ -298,7 +298,7 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
 
 
 def _oom_reason(sim: dict, m) -> str:  # what a modelled run that does not fit needs, of what there is
-    return f"needs {sim['accel_memory_gib']:.0f} GiB of {m.memory_bytes / 2**30:.0f}"
+    return f"needs {sim['accel_memory_gib']:,.2f} GiB of {m.memory_bytes / 2**30:,.2f} GiB"  # as accel_memory shows it
 
 
 # ---------------------------------------------------------------- the entry point
