@@ -2043,3 +2043,30 @@ def test_the_k_charts_give_each_panel_room_and_a_plain_title():
     steps = pd.DataFrame({"iteration": [1, 2], "run": ["k=0.5", "k=0.5"], "host_done_before_bwd_end_share": [0.25, 1.0]})
     done = host_done_figure(StudyResult("split", runs=pd.DataFrame(rows), steps=steps))
     assert list(done.data[0].y) == [25.0, 100.0] and done.layout.yaxis.title.text.endswith("(%)")
+
+
+def test_the_seeds_figures_in_captions_come_from_the_claims_file(monkeypatch):
+    """The seed's k band and its memory table were typed into the captions beside the verdicts: a claims file
+    that said otherwise would have left them standing. They are read from published_claims.json now."""
+    import copy
+
+    from workbench.core.claims import published
+    from workbench.studies.ladder import figures as ladder_figures
+    from workbench.studies.split import figures as split_figures
+
+    claims = copy.deepcopy(published())
+    claims["study3_split"]["claims"].update(k_range=[0.15, 0.3], alpha=0.07)
+    for row in claims["study2_memory_table"]["rows"]:
+        row["memory_gb"] *= 2
+    monkeypatch.setattr(split_figures, "published", lambda: claims)
+    monkeypatch.setattr(ladder_figures, "published", lambda: claims)
+    assert split_figures._seed_band() == "k band 0.15-0.3"
+    assert split_figures._seed_band(with_setup=True) == "k between 0.15 and 0.3 (alpha 0.07, LLaMA2-10B, A100 80 GB)"
+    assert ladder_figures._fp16_claim().startswith("FP16 halves memory: FP16 full model 10.0 GB against FP32 20.0 GB")
+    # ... and they are what the findings set beside the verdicts
+    runs = pd.DataFrame([{"rung": r, "role": "reference", "model": "cfg.json", "predicted_peak_bytes": b}
+                         for r, b in (("fp32", 1000.0), ("bf16", 900.0), ("bf16_true", 520.0))])
+    assert ladder_figures.findings(StudyResult("ladder", runs=runs))[0][1] == ladder_figures._fp16_claim()
+    split = StudyResult("split", runs=pd.DataFrame({"source": ["modelled"]}),
+                        facts={"host_and_published": {"published": {"verdict": "Verdict on the seed's band"}}})
+    assert ("Verdict on the seed's band", split_figures._seed_band(with_setup=True)) in split_figures.findings(split)

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.core.charts import loss_curves, palette, rounded
+from workbench.core.claims import published
 from workbench.core.common import MiB
 from workbench.core.results import StudyResult
 
@@ -202,14 +203,22 @@ def precision_verdict(result: StudyResult) -> str:
     return ""
 
 
+def _fp16_claim() -> str:
+    """The seed's "FP16 halves memory", its figures as published_claims.json gives them."""
+    table = published()["study2_memory_table"]
+    gb = {r["strategy"]: r["memory_gb"] for r in table["rows"]}
+    mixed = next(c["claim"] for c in table["other_claims"] if c["claim"].startswith("mixed precision"))
+    return (f"FP16 halves memory: FP16 full model {gb['FP16 full model']:.1f} GB against FP32 "
+            f"{gb['FP32 full model']:.1f} GB; '{mixed}'")
+
+
 def findings(result: StudyResult) -> list[tuple[str, str]]:
     """What we found, each beside the published claim it answers."""
     hand = _hand(result)
     out = []
     verdict = precision_verdict(result)
     if verdict:
-        out.append((verdict, "FP16 halves memory: FP16 full model 5.0 GB against FP32 10.0 GB; "
-                             "'mixed precision: 50% memory saving'"))
+        out.append((verdict, _fp16_claim()))
     measured = hand[hand["status"] == "ok"] if "status" in hand else hand.iloc[0:0]
     # the rungs compared: the cpu rung has no device peak to compare (its figures are host memory)
     compared = measured[measured["predicted_vs_measured"].notna()] if "predicted_vs_measured" in measured else []

@@ -14,6 +14,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from workbench.core.charts import rounded
+from workbench.core.claims import published
 from workbench.core.common import figure_text
 from workbench.core.results import StudyResult
 
@@ -218,6 +219,15 @@ _HOST_FIELDS = {  # host_and_published.json's "host": what each field is, and it
 _OP_UNITS = (("_gb_per_s", "GB/s"), ("_gib", "GiB"), ("_s", "s"), ("tflops", "TFLOP/s"))
 
 
+def _seed_band(with_setup: bool = False) -> str:
+    """The seed's k band as published_claims.json gives it ("k band 0.1-0.2"; with its alpha and setting)."""
+    seed = published()["study3_split"]
+    (lo, hi), c = seed["claims"]["k_range"], seed["claims"]
+    if not with_setup:
+        return f"k band {lo:g}-{hi:g}"
+    return f"k between {lo:g} and {hi:g} (alpha {c['alpha']:g}, {seed['setup']['model']}, {seed['setup']['gpu']})"
+
+
 def operating_point_table(op: dict) -> pd.DataFrame:
     """The seed's setting as modelled (`perf_model.published_operating_point`), one quantity a row:
     counts thousands-separated, other numbers to three significant digits with the unit their name
@@ -252,7 +262,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
                         "fp32, so this is not a parity check; precision=fp32 is.", ""))
     verdict = verdict_text(result)
     if verdict:
-        out.append((verdict, "k between 0.1 and 0.2 (alpha 0.083, LLaMA2-10B, A100 80 GB)"))
+        out.append((verdict, _seed_band(with_setup=True)))
     v = result.tables.get("validation", pd.DataFrame())
     if len(v) and "error_pct" in v:
         out.append((f"The performance model's error against {len(v)} published offload measurements: "
@@ -290,7 +300,7 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
         ("figure", "", loss_figure(result)),
         ("table", RUN_TABLES["published"], runs_table(result, "published")),
         ("text", "", verdict_text(result)),
-        ("table", "Verdict on the seed's k band 0.1-0.2 (modelled): for which sequence lengths it holds, per host, "
+        ("table", f"Verdict on the seed's {_seed_band()} (modelled): for which sequence lengths it holds, per host, "
                   "MFU and activation recompute", verdict_table(result)),
         ("table", "The performance model against published offload measurements (modelled vs published, error "
                   "per point)", validation_table(result)),
