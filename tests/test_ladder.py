@@ -239,6 +239,9 @@ def test_run_ladder_predicts_measures_and_explains(env):
     first_fit = searched["fits"].tolist().index(True)
     assert searched.iloc[first_fit]["setup"] == fit.iloc[-1]["ran"] and not searched["fits"][:first_fit].any()
     assert searched.iloc[first_fit]["with_margin_mib"] <= cfg.budget_mib and "MiB" in fit.iloc[-1]["why"]
+    # its table shows the margin in %, as the why does (a bare fraction beside it)
+    shown = ladder_figures.autofit_search_table(result)
+    assert "margin" not in shown and list(shown["margin (%)"]) == pytest.approx(list(100 * searched["margin"]), abs=0.05)
 
 
 def test_a_paged_optimizer_on_the_cpu_is_measured_and_predicted_unpaged_without_a_warning(env):

@@ -93,8 +93,9 @@ def autofit_table(result: StudyResult) -> pd.DataFrame:
 
 def autofit_search_table(result: StudyResult) -> pd.DataFrame:
     """Every setup the joint search tried, in its order (a row `not predicted` was ruled out by an earlier one's
-    prediction: `not_predicted` says why, `ruled_out_by` which)."""
-    return rounded(result.tables.get("autofit_search", pd.DataFrame()))
+    prediction: `not_predicted` says why, `ruled_out_by` which). The margin is shown in %, as the CLI and the
+    choice's why say it (a bare 0.058 beside them)."""
+    return rounded(result.tables.get("autofit_search", pd.DataFrame()).rename(columns={"margin": "margin_share"}))
 
 
 def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
