@@ -193,7 +193,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                   sinks: list[Sink], run: RunDir) -> dict[str, Any]:
     settings = cfg.train_settings(seed, strategy)
     steps_sink = run.steps_sink()
-    predicted: dict[str, tuple[float, str] | None] = {}  # by attempt
+    predicted: dict[str, tuple[float, str, float] | None] = {}  # by attempt: _predicted
 
     def preflight(attempt: Attempt):
         got = _predicted(cfg, strategy, len(train_blocks), attempt.device, attempt.allocator)
