@@ -904,6 +904,9 @@ def test_monitor_check_runs_here_and_judges_its_rows(tmp_path):
     v = gp.monitor_verdict(fake, "cuda:0")
     assert v["status"] == "fail" and v["failures"] == ["monitor rows without nvml_used_mib"] and v["target_met"]
     assert gp.monitor_verdict({**fake, "rows": [{**rows[0], "nvml_used_mib": 900.0}]}, "cuda:0")["status"] == "pass"
+    # a ratio just past the target reads past it (1.0104 had read "1.010x ... target <= 1.01: not met")
+    over = gp.monitor_verdict({**fake, "ratio": 1.0104}, "cuda:0")
+    assert "took 1.0104x its time without it" in over["report"] and "target <= 1.01: not met" in over["report"]
 
 
 def test_the_monitor_workload_is_lengthened_to_last_long_enough_to_time(monkeypatch):

@@ -143,8 +143,8 @@ def monitor_verdict(result: dict[str, Any], device: str) -> dict[str, Any]:
                 [f"monitor rows without {', '.join(missing)}"] if missing else [])
     ratio = result["ratio"]
     report = (f"### Memory monitor on {device}\n\nWith the monitor sampling every {result['interval_s']:g} s, a "
-              f"training run took {ratio:.3f}x its time without it ({result['rounds']} off/on pairs, ABBA; "
-              f"median pair {result['median_round_ratio']:.3f}; {result['samples']} samples; a run without it "
+              f"training run took {ratio:.4f}x its time without it ({result['rounds']} off/on pairs, ABBA; "
+              f"median pair {result['median_round_ratio']:.4f}; {result['samples']} samples; a run without it "
               f"{result['off_s'] / result['rounds']:.2f} s); target <= {MONITOR_TARGET}: "
               f"{'met' if ratio <= MONITOR_TARGET else 'not met'}. Opening, starting and stopping it around "
               f"nothing took {1e3 * result['start_stop_s']:.1f} ms (once a run, whatever its length).")
