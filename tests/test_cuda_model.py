@@ -503,6 +503,9 @@ def test_unknown_card_and_a_card_smaller_than_the_weights(tmp_path):
     assert cm.card("rtx 5060") is cm.CARDS["RTX 5060 Ti 16GB"] and cm.CARDS["RTX 5060 Ti 16GB"].sm == 120
     assert cm.card_of("NVIDIA GeForce RTX 5090", rtx.total_bytes, 120).sm == 120
     assert set(predict(str(path), "bf16", batch=1, seq=32, device="cuda", card="RTX 5090").kernels) == {"flash"}
+    b200 = cm.card("B200")  # data-centre Blackwell, sm_100: cuDNN's attention first
+    assert (b200.total_bytes, b200.sm) == (183359 * 2**20, 100)
+    assert set(predict(str(path), "bf16", batch=1, seq=32, device="cuda", card="B200").kernels) == {"cudnn"}
     with pytest.raises(ConfigError, match="smaller than the weights alone") as fp32:
         predict(str(path), "fp32", batch=1, seq=32, device="cuda", card=0.0001)
     assert fp32.value.args[0].endswith("use a larger --card, --precision bf16-true, --trainable qlora, or --auto-fit "

@@ -200,6 +200,7 @@ CARDS = {c.name: c for c in (
     Card("A100 40GB", 40 * GiB, 80),
     Card("A100 80GB", 80 * GiB, 80),
     Card("H100 80GB", 81559 * MiB, 90),
+    Card("B200 180GB", 183359 * MiB, 100),  # data-centre Blackwell: cuDNN's attention first, as on sm_90
     # measured by `workbench gpu-check` (2026-11-22; torch 2.11, CUDA 13.0, driver 580): NVML's used
     # memory less max_memory_reserved was 1,366-1,384 MiB on every rung before bitsandbytes' paged
     # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB
