@@ -850,7 +850,7 @@ def test_a_cards_memory_is_binary():
 
     m = machine("A100-80GB-SXM", host_share=1.0)
     sim = simulate(model_shape("llama2-10b", 128), m, 1.0, 8, mode="all-accelerator")
-    assert not sim["fits"] and re.fullmatch(r"needs 1\d\d GiB of 80", _oom_reason(sim, m))
+    assert not sim["fits"] and re.fullmatch(r"needs 1\d\d\.\d\d GiB of 80\.00 GiB", _oom_reason(sim, m))
 
 
 def test_a_modelled_row_says_where_its_host_rate_came_from():
@@ -916,7 +916,7 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     oom = modelled[modelled["mode"] == "all on accelerator"]
     assert (oom["status"] == "oom").all() and oom["tokens_per_s"].isna().all()
     every_oom = df[df["status"] == "oom"]  # each says what it needs
-    assert every_oom["reason"].fillna("").str.match(r"needs \d+ GiB of \d+$").all()
+    assert every_oom["reason"].fillna("").str.match(r"needs \d+\.\d\d GiB of \d+\.\d\d GiB$").all()
     # the published setting runs the seed's formula capped by the card: the formula's k alone (0.7 at seq
     # 128) needs about 137 GiB, and this row was an oom row at it
     pub = df[df["run"].str.startswith("published setting")].iloc[0]

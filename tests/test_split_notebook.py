@@ -155,11 +155,12 @@ def test_loss_and_k_axes_say_what_they_show_with_units():
 
 def test_the_verdict_names_the_host_of_each_modelled_alpha(monkeypatch):
     """"Modelled alpha: 0.106, 0.238" did not say which host each was; now each follows its host."""
+    from workbench.core.common import figure_text
     from workbench.studies.split import perf_model
 
     monkeypatch.setattr(perf_model, "FINE_SEQ", (128, 512))  # the band's grid: two points are enough here
     verdict = perf_model.seed_verdict({"bandwidth_share": 0.5, "per_core_bytes_per_s": 10e9})
-    alphas = {v["host"]: f"{v['alpha_modelled']:.3f}" for v in verdict["verdicts"]}
+    alphas = {v["host"]: figure_text(v["alpha_modelled"]) for v in verdict["verdicts"]}  # as the tables show it
     assert len(alphas) >= 2 and len(set(alphas.values())) == len(alphas)  # hosts told apart by their alpha
     said = re.search(r"Modelled alpha, per host: (.*) against the seed's", verdict["text"]).group(1)
     assert said == ", ".join(f"{host} {alpha}" for host, alpha in alphas.items())
