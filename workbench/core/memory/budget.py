@@ -77,9 +77,9 @@ class PlayedCudaAllocator(LiveBytes):
         return super()._add(st)
 
     def _forgotten(self, key: int, nbytes: int) -> None:
-        if (made := self._blocks.pop(key, None)) is None:  # 0 bytes: no block
+        if not nbytes:  # 0 bytes: no block was made
             return
-        serial, block = made
+        serial, block = self._blocks.pop(key)
         self.model.free(block)
         if self.events is not None:
             self.events.append((serial, -1))
