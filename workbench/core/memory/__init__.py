@@ -9,6 +9,7 @@
     predict     the accounting over fake tensors: any config, any plan, no GPU
     cuda_model  what CUDA does differently (kernels, dropout masks, autocast) and the cards
     allocator   the CUDA caching allocator, modelled: allocated and reserved peaks of a timeline
+    played      what a played card ('cpu@N:cuda') needs: the CPU's step through that allocator
     snapshot    the predicted or measured step as a PyTorch memory-visualizer snapshot
     baselines   accelerate's and DeepSpeed's estimators, called from the libraries
 

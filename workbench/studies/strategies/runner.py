@@ -26,8 +26,9 @@ from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
 from workbench.core.hub import hub_options, not_found_message
-from workbench.core.memory import allocator as caching, cuda_model
+from workbench.core.memory import cuda_model
 from workbench.core.memory.plan import Plan, bnb_4bit_config
+from workbench.core.memory.played import played_card_peaks
 from workbench.core.memory.predict import predict, simulate
 from workbench.core.models import (
     EMBEDDED,
@@ -148,20 +149,6 @@ def _predicted(cfg: StrategiesConfig, strategy: str, n_blocks: int, device: str,
         except StrategyNotApplicable:
             _PREDICTIONS[key] = None
     return _PREDICTIONS[key]
-
-
-def played_card_peaks(config, plan: Plan, *, batch: int, seq: int, n_blocks: int, steps: int) -> tuple[int, int]:
-    """A run of `steps` optimizer steps on a played card ('cpu@N:cuda'): the CPU step simulated as the budget's
-    live-bytes count runs it, its allocations replayed through the caching-allocator model the budget plays
-    (one stream, no cuBLAS workspaces: the CPU makes none). Returns (the allocated peak, which the run
-    reports; the least cap on reserved bytes it runs under, which the budget is), in bytes."""
-    simulated = min(steps, 3)  # the third step is the one the replay repeats (relative to the second)
-    report = simulate(config, plan, batch=batch, seq=seq, steps=simulated, n_blocks=n_blocks, instrumented=True,
-                      timeline=True)
-    events, roles = report.timeline, report.timeline_roles
-    run = dict(steps_of=report.timeline_steps, simulated_steps=report.steps, until=steps)
-    alloc = caching.replay(events, roles, **run)
-    return alloc.allocated_peak_bytes, caching.least_reserved(events, roles, upper=alloc.reserved_peak_bytes, **run)
 
 
 def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
