@@ -414,6 +414,34 @@ def test_a_card_attempt_is_preflighted_with_the_reserved_memory_cuda_needs(tiny_
         transfer.predicted_peak_mib(fp16, "full", 100, "cpu")
 
 
+def test_a_run_that_finished_on_a_card_shows_the_cards_predicted_allocated_peak(tiny_base, results_dir, monkeypatch):
+    """Beside a card's measured peak (max_memory_allocated) the runs table shows the CUDA-modelled
+    prediction of the same kind: the allocated peak, not the reserved memory the pre-flight held the
+    budget to, and not nothing. Played: the fallback chain asks the card's pre-flight and finishes there."""
+    from workbench.core.fallback import Attempt, Outcome
+    from workbench.core.memory.plan import Plan
+    from workbench.core.memory.predict import predict
+    from workbench.core.models import load_config
+
+    card_attempt, asked = Attempt("cuda", 160.0), {}
+
+    def chain(attempts, job, preflight=None, on_event=None):
+        asked["fit"] = preflight(card_attempt)
+        return Outcome("ok", card_attempt, {}, [{"attempt": str(card_attempt), "result": "ok"}], peak_mib=99.0)
+
+    monkeypatch.setattr(transfer, "run_with_fallback", chain)
+    cfg = StrategiesConfig(strategies=("lora",), seeds=(0,), **TINY)
+    row = run_strategies(cfg, progress=False).runs.iloc[0]
+    n_blocks = next(k[8] for k in transfer._PREDICTIONS if k[2] == "lora" and k[10] == "cuda")
+    plan = Plan("study1-lora", 0, "", precision=cfg.precision, trainable="lora", accum=cfg.grad_accum,
+                lora_rank=cfg.lora_rank)
+    p = predict(load_config(cfg.model, spec=cfg.spec()), plan, batch=cfg.micro_batch * cfg.grad_accum,
+                seq=cfg.seq_len, n_blocks=n_blocks, device="cuda")
+    assert row["peak_mem_mib"] == 99.0
+    assert row["predicted_peak_mib"] == pytest.approx(p.allocated_peak_bytes / 2**20)
+    assert row["predicted_peak_mib"] < asked["fit"][0]  # the reserved memory the budget was held to is more
+
+
 @pytest.mark.parametrize("bad, error", [
     ({"strategies": ["adaptor"]}, "unknown strategy adaptor"),
     ({"token_budget": 0}, "token_budget must be positive"),

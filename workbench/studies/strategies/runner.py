@@ -230,11 +230,11 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         row.update(outcome.value)
     if row["ppl_after"] is not None:
         row["improvement_pct"] = 100.0 * (1 - row["ppl_after"] / row["ppl_before"])
-    # beside the measured peak, a prediction of the same kind: the finishing attempt's on a CPU (a played
-    # card's of its allocated blocks; a real card's is not shown); none finished: what the last CPU one's
-    # budget was held to (why it was skipped)
+    # beside the measured peak, a prediction of the same kind: the finishing attempt's allocated peak (live
+    # bytes on a CPU; a played card's allocated blocks; a card's CUDA-modelled max_memory_allocated); none
+    # finished: what the last CPU one's budget was held to (why it was skipped)
     if outcome.attempt is not None:
-        mine = predicted.get(str(outcome.attempt)) if outcome.attempt.on_cpu else None
+        mine = predicted.get(str(outcome.attempt))
         row["predicted_peak_mib"] = mine[2] if mine else None
     else:
         mine = next((v for k, v in reversed(predicted.items()) if not k.startswith("cuda") and v), None)
