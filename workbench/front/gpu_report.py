@@ -157,11 +157,23 @@ def fit_verdict_wrong(row: dict[str, Any], thresholds: dict[str, float] = THRESH
     margin = row.get("predicted_margin")
     margin = thresholds["reserved_pct"] / 100 if margin is None else margin
     if status == "oom" and fit * (1 + margin) < free:
-        return (f"predicted to need {fit:,.0f} MiB ({fit * (1 + margin):,.0f} with its {margin:.1%} margin), with "
-                f"{free:,.0f} MiB free on the card before it ran, yet it ran out of memory")
+        need, room = _apart(fit * (1 + margin), free)
+        return (f"predicted to need {_apart(fit, free)[0]} MiB ({need} with its {margin:.1%} margin), with "
+                f"{room} MiB free on the card before it ran, yet it ran out of memory")
     if status == "ok" and fit * (1 - thresholds["reserved_pct"] / 100) > free:
-        return f"predicted to need {fit:,.0f} MiB, more than the {free:,.0f} MiB free before it ran, yet it trained"
+        need, room = _apart(fit, free)
+        return f"predicted to need {need} MiB, more than the {room} MiB free before it ran, yet it trained"
     return ""
+
+
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """Two MiB figures a verdict compares, in whole MiB unless that rounds them equal (8,099.6 against
+    8,100.4 read "8,100 against 8,100"): then with as many decimals as tell them apart (at most 3)."""
+    for digits in range(4):
+        x, y = f"{a:,.{digits}f}", f"{b:,.{digits}f}"
+        if x != y:
+            break
+    return x, y
 
 
 def study1_verdict(runs: list[dict[str, Any]], allocated_before: int, allocated_after: int) -> dict[str, Any]:
