@@ -364,7 +364,7 @@ def test_the_overlap_table_says_whether_the_models_pretraining_text_was_checked(
     from workbench.studies.strategies.config import StrategiesConfig
 
     corpus = Corpus("target", ("some training text " * 10,), ("other held-out text " * 10,),
-                    Overlap(0.0, 0.0, 0, 0, 0, 100, (), 0))
+                    Overlap(0.0, 0.0, 0, 3, 300, 100, ("a.py",), 2))
     hub = runner.corpus_overlap(StrategiesConfig(model="Qwen/Qwen2-0.5B"), corpus)
     assert hub["pretraining_text"].tolist() == [
         "not known: Qwen/Qwen2-0.5B may have seen the held-out text in pretraining (its pretraining text is not "
@@ -374,3 +374,7 @@ def test_the_overlap_table_says_whether_the_models_pretraining_text_was_checked(
     ours = runner.corpus_overlap(StrategiesConfig(base_size="tiny"), corpus)
     assert ours["pretraining_text"].tolist() == [
         "checked: held-out paragraphs that share a window with it are left out"] * 2, ours
+    # how many held-out paragraphs that check left out: the target's, counted; a hub model's, not known
+    table = figures.overlap_table(types.SimpleNamespace(tables={"corpus_overlap": ours}))
+    assert table["seen_by_model_paragraphs"].iloc[0] == 2 and table["heldout_paragraphs_left_out"].iloc[0] == 3
+    assert hub["seen_by_model_paragraphs"].isna().all()

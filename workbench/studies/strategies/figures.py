@@ -56,7 +56,8 @@ def overlap_table(result: StudyResult) -> pd.DataFrame:
     """Is the held-out text unseen? Each corpus's overlap split by name and as the workbench splits."""
     ov = result.tables.get("corpus_overlap", pd.DataFrame())
     cols = ["corpus", "role", "train_chars", "heldout_chars", "overlap_split_by_name_pct", "overlap_pct",
-            "limit_pct", "heldout_paragraphs_left_out", "docs_that_lost_text", "pretraining_text"]
+            "limit_pct", "heldout_paragraphs_left_out", "seen_by_model_paragraphs", "docs_that_lost_text",
+            "pretraining_text"]
     return rounded(ov[[c for c in cols if c in ov]])
 
 

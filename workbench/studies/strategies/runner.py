@@ -68,7 +68,11 @@ def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
     rows.append({"corpus": corpus.name, "role": "target (fine-tuning, held-out perplexity)",
                  "train_chars": sum(map(len, corpus.train)), "heldout_chars": sum(map(len, corpus.heldout)),
                  "overlap_split_by_name_pct": 100 * ov.share_by_name, "overlap_pct": 100 * ov.share,
-                 "heldout_paragraphs_left_out": ov.dropped_paragraphs, "docs_that_lost_text": ", ".join(ov.files)})
+                 "heldout_paragraphs_left_out": ov.dropped_paragraphs,
+                 # of those, left out for sharing a window with the embedded base's pretraining text (a hub
+                 # model's is not at hand: none)
+                 "seen_by_model_paragraphs": ov.seen_by_model_paragraphs if cfg.model == EMBEDDED else None,
+                 "docs_that_lost_text": ", ".join(ov.files)})
     if cfg.model == EMBEDDED:
         m = embedded_metrics(cfg.spec())
         if "source_overlap_share" in m:
