@@ -488,3 +488,22 @@ def test_a_search_that_finds_nothing_yet_says_the_least_need_so_far(config, caps
     for at in (1, 2):
         assert (f"{choice.table[at]['setup']}; nothing fits yet, the least need {mib_text(first)} MiB with its "
                 "margin, over the budget's 5.0 MiB") in err, err[-1500:]
+
+
+def test_the_search_table_prints_each_setup_whole(config, capsys):
+    """The table cut each setup at 62 characters: 'bf16-mixed, adamw_fused, full, checkpointing, micro-batch
+    1, Z' hid which ZeRO stage the row was. Each row now holds its whole name, and the columns line up."""
+    import argparse
+
+    setups = ["bf16-mixed, adamw_fused, full, checkpointing, micro-batch 1, ZeRO-Offload",
+              "bf16-mixed, adamw_fused, full, checkpointing, micro-batch 1, ZeRO-3 offload"]
+    table = [dict(setup=s, prior_cost=2.0, need_mib=5660.0 + i, with_margin_mib=5990.0 + i, margin=0.058, fits=False,
+                  changes_what_trains=False, fits_only_paged_out=False, not_predicted="") for i, s in enumerate(setups)]
+    choice = argparse.Namespace(table=table, plan=None, fitting=[], why="nothing fits")
+    args = argparse.Namespace(json=False, model="m", batch=1, seq=512, device="cuda")
+    assert estimate_cli._print_search(args, choice, 1327.0, _setup(), "a 2 GiB card") == 1
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("bf16-mixed")]
+    assert [r[:len(s)] for r, s in zip(rows, setups)] == setups
+    head = next(line for line in lines if line.startswith("setup tried"))
+    assert {r.index("2.000") for r in rows} == {head.rindex("prior")}  # right-aligned under the heading

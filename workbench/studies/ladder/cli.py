@@ -366,16 +366,16 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
                           "step_down": [p.name for p in choice.fitting], "tried": choice.table}, indent=2))
         return 0 if choice.plan else 1
     print(f"model {args.model}  effective batch {args.batch} x seq {args.seq}  budget {mib_text(budget_mib)} MiB "
-          f"({budget_from})")
-    print(f"searched from your setup: {setup.name} ({setup.help})")
-    print(f"{'setup tried (cheapest prior first)':<62} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin MiB':>11}  fits")
+          f"({budget_from})\nsearched from your setup: {setup.name} ({setup.help})")
+    w = max([34] + [len(r["setup"]) for r in choice.table])  # whole names: cut at 62, one hid its ZeRO stage
+    print(f"{'setup tried (cheapest prior first)':<{w}} {'prior':>6} {'need MiB':>9} {'margin':>7} {'+margin MiB':>11}  fits")
     for r in choice.table:
         if r["need_mib"] is not None:
             need, with_margin = f"{r['need_mib']:>9,.1f}", f"{r['with_margin_mib']:>11,.1f}"
         else:  # the weights alone exceed the card (WeightsExceedCard), or a bound of the need the budget
             bound = "> card" if r["floor_mib"] is None else f">={math.floor(r['floor_mib']):,}"  # a bound: down
             need, with_margin = f"{bound:>9}", f"{'':>11}"
-        print(f"{r['setup'][:62]:<62} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
+        print(f"{r['setup']:<{w}} {r['prior_cost']:>6.3f} {need} {r['margin']:>7.1%} {with_margin}  "
               f"{'yes' if r['fits'] else '-' if r['fits'] is None else 'no'}"
               + ("  (changes what trains)" if r["changes_what_trains"] else "")
               + (f"  (only with its {mib_text(r['paged_mib'])} MiB of paged state paged out)"

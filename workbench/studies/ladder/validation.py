@@ -258,13 +258,13 @@ def validation_table(rows=PUBLISHED, out: str | Path | None = None, log=print, t
     for r in rows:
         res = validate_row(r)
         if res["published_gb"] is None:
-            log(f"  {res['model']:<24} {res['setup'][:62]:<62} published out of memory; predicted "
+            log(f"  {res['model']:<24} {res['setup']:<62} published out of memory; predicted "
                 f"{res['predicted_gb']:.3f} GB allocated: {'fits' if res['predicted_fits'] else 'does not fit'} "
                 f"on {res['card']} ({res['card_gb']} GB)  [{res['predict_seconds']:.0f} s]")
         else:
             hf = ("no Hugging Face twin" if res["hf_predicted_gb"] is None else
                   f"Hugging Face {res['hf_predicted_gb']:>7.3f} ({res['hf_error_pct']:+5.1f}%)")
-            log(f"  {res['model']:<24} {res['setup'][:62]:<62} published "
+            log(f"  {res['model']:<24} {res['setup']:<62} published "
                 f"{res['published_gb']:>6.2f}  predicted {res['predicted_gb']:>7.3f} ({res['error_pct']:+5.1f}%)  "
                 f"{hf}  [{res['predict_seconds']:.0f} s]")
         results.append(res)
