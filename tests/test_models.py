@@ -38,6 +38,28 @@ def test_tiny_base_is_a_language_model(tiny_base):
     assert m["heldout_perplexity"] < m["unigram_perplexity"] < TINY_SPEC.vocab_size
 
 
+def test_estimating_the_embedded_base_does_not_pretrain_it_and_predicts_as_the_built_one(tiny_base, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """`workbench estimate --model embedded` pretrained the base for minutes to read its config; the
+    config is the spec's, so the unbuilt base's prediction is the built one's, byte for byte."""
+    from workbench.cli import main
+    from workbench.core.memory.plan import rung
+    from workbench.core.memory.predict import predict
+
+    built = load_config("embedded", spec=TINY_SPEC)
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))  # nothing built here
+    monkeypatch.setattr(models, "_build_embedded", lambda *a, **k: pytest.fail("pretrained the base to estimate it"))
+    unbuilt = load_config("embedded", spec=TINY_SPEC)
+    for device in ("cpu", "cuda"):
+        a, b = (predict(c, rung("fp32"), batch=2, seq=32, device=device) for c in (built, unbuilt))
+        figures = [(p.peak_bytes, p.breakdown, p.allocated_peak_bytes, p.reserved_peak_bytes) for p in (a, b)]
+        assert figures[0] == figures[1] and a.peak_bytes > 0
+    assert main(["estimate", "--model", "embedded", "--seq", "32", "--json"]) == 0
+    weights = json.loads(capsys.readouterr().out)["predictions"][0]["weights_bytes"]
+    assert 3.215e6 * 4 < weights < 3.225e6 * 4  # the default base's 3.22M parameters in fp32
+    assert not list(tmp_path.iterdir())
+
+
 def test_cache_is_reused_and_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     spec = replace(TINY_SPEC, steps=3, source_mib=0.1)

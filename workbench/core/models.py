@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import StrictDataclassError
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
@@ -257,9 +258,22 @@ def train_tokenizer(texts, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS)
 
 
+def embedded_config(spec: EmbeddedSpec = EmbeddedSpec(), vocab_size: int | None = None, eos_id: int = 0):
+    """The embedded base's config as its build writes it, without building it (an estimate needs no
+    weights): the vocabulary is the trained tokenizer's (`vocab_size`; before it is trained, the spec's,
+    which the build reaches on its corpus), EOS its one special token (id 0)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab_size or spec.vocab_size, hidden_size=spec.hidden_size,
+                       intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                       num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                       max_position_embeddings=max(2048, spec.seq_len), tie_word_embeddings=True,
+                       bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+
+
 def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
     from tqdm.auto import tqdm
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
 
     t0 = time.perf_counter()
@@ -268,19 +282,7 @@ def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
     # The tokenizer sees both domains' training text (never held-out text).
     tokenizer = train_tokenizer(list(source.train) + list(target.train), spec.vocab_size)
     train_blocks, held_blocks = corpus_blocks(tokenizer, source, spec.seq_len)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=max(2048, spec.seq_len),
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-    )
+    config = embedded_config(spec, len(tokenizer), tokenizer.eos_token_id)
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config)
     settings = TrainSettings(steps=spec.steps, micro_batch=spec.batch, lr=spec.lr,
@@ -369,8 +371,8 @@ def load_model(
 
 
 def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpec = EmbeddedSpec()):
-    """A model's config without its weights: an id, a model directory, or a config.json file."""
-    from transformers import AutoConfig
+    """A model's config without its weights: an id, a model dir, a config.json, the embedded base (unbuilt too)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if name.endswith(".json") and Path(name).is_file():
         try:
@@ -379,17 +381,15 @@ def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpe
             raise ModelNotFoundError(f"{name} is not valid JSON: {e}") from e
         if not isinstance(data, dict) or "model_type" not in data:
             raise ModelNotFoundError(f"{name} is not a model config (it has no 'model_type')")
-        from transformers import CONFIG_MAPPING
-
         if data["model_type"] not in CONFIG_MAPPING:
             raise ModelNotFoundError(f"{name}: unknown model_type {data['model_type']!r}")
-        from huggingface_hub.errors import StrictDataclassError
-
         try:  # transformers 5 validates each field's type (num_hidden_layers 1.5: a TypeError inside)
             config = CONFIG_MAPPING[data["model_type"]].from_dict(data)
         except (StrictDataclassError, TypeError, ValueError) as e:
             raise ModelNotFoundError(f"{name} is not a valid {data['model_type']} config: "
                                      f"{' '.join(str(e).split())}") from e
+    elif name == EMBEDDED and not cache_is_valid(embedded_path(spec)):
+        config = embedded_config(spec)
     else:
         path = resolve_model_path(name, spec)
         try:
