@@ -366,3 +366,25 @@ def test_a_seed_outside_what_a_run_takes_is_a_one_line_error_before_anything_run
     assert StrategiesConfig.from_dict(seeds=[0, 2**63 - 1]).seeds == (0, 2**63 - 1)  # the range's ends are seeds
     with pytest.raises(ConfigError, match=rf"^seed: 18446744073709551616 {re.escape(SEED_ERROR)}$"):
         LadderConfig.from_dict(seed=2**64)  # the shared vocabulary's seed (studies 2 and 3) too
+
+
+@pytest.mark.parametrize("command, argv, said", [
+    ("estimate", ["estimate", "--model", "data/configs/gpt2.json"], "workbench estimate: interrupted"),
+    ("gpu-check", ["gpu-check"], "workbench gpu-check: interrupted; the checks it finished are written"),
+    ("strategies", ["strategies"], "workbench strategies: interrupted; finished runs are kept"),
+])
+def test_ctrl_c_says_what_is_kept_only_where_something_is(command, argv, said, monkeypatch, capsys):
+    """Every command said 'finished runs are kept' on Ctrl-C, estimate too, which runs nothing."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    real = cli.build_parser
+
+    def parser():
+        p = real()
+        p.commands[command].set_defaults(func=interrupted)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == said

@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
               "(set WORKBENCH_RESULTS to a folder you can write)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"workbench {args.command}: interrupted; finished runs are kept", file=sys.stderr)
+        kept = {"estimate": "", "gpu-check": "; the checks it finished are written"}  # no runs to keep
+        print(f"workbench {args.command}: interrupted{kept.get(args.command, '; finished runs are kept')}",
+              file=sys.stderr)
         return 130
 
 
