@@ -155,6 +155,6 @@ def test_a_corpus_that_does_not_exist_is_refused_as_the_settings_are_made(config
     with pytest.raises(ConfigError, match=rf"^corpus '{tmp_path}/none' does not exist; give a text file, a folder "
                                           r"of them, or 'embedded' \(Python's language reference\)$"):
         cls.from_dict({"corpus": str(tmp_path / "none")})
-    (tmp_path / "notes.txt").write_text("text")
+    (tmp_path / "notes.txt").write_text("text\n\nmore text")  # two paragraphs: one to hold out
     assert cls.from_dict({"corpus": str(tmp_path / "notes.txt")}).corpus == str(tmp_path / "notes.txt")
     assert cls().corpus == "embedded"

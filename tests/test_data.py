@@ -176,17 +176,37 @@ def test_a_user_corpus_holds_out_nothing_the_embedded_base_was_pretrained_on(tmp
     assert all(d.startswith("file") or d[0].isdigit() for d in held.heldout)  # its own text stays
 
 
-@pytest.mark.parametrize("make", ["missing", "empty_dir", "blank_file"])
+@pytest.mark.parametrize("make", ["missing", "empty_dir", "blank_file", "one_paragraph", "folder_of_one"])
 def test_missing_or_empty_corpus_is_a_clear_error(tmp_path, make):
+    """...and a study's settings say it as they are made: an empty folder or file was an error only after
+    the embedded base was built (minutes), though its path was checked at once."""
+    from workbench.core.config import ConfigError
+    from workbench.studies.split.config import SplitConfig
+    from workbench.studies.strategies.config import StrategiesConfig
+
     path = tmp_path / "corpus"
     if make == "empty_dir":
-        path.mkdir()
+        (path / "sub").mkdir(parents=True)
+        (path / "sub" / "blank.md").write_text("\n\n")
+        (path / "data.bin").write_text("text, but not a text file the corpus reads")
     elif make == "blank_file":
         path.write_text("   \n")
+    elif make == "one_paragraph":
+        path.write_text("a paragraph\nof two lines\n")
+    elif make == "folder_of_one":
+        path.mkdir()
+        (path / "a.txt").write_text("one paragraph")
     said = ("does not exist" if make == "missing"  # and what to give: the text files it reads
+            else r"is too small to split into train and held-out text" if make in ("one_paragraph", "folder_of_one")
             else r"holds no text: give a text file, or a folder of \.txt/\.md/\.py/\.rst files that are not blank$")
     with pytest.raises(CorpusError, match=said):
         target_corpus(str(path))
+    for config in (StrategiesConfig, SplitConfig):
+        with pytest.raises(ConfigError, match=said):
+            config(corpus=str(path))
+    if make == "folder_of_one":  # a second file with text: the check passes it on to the split
+        (path / "b.txt").write_text("another file")
+        assert StrategiesConfig(corpus=str(path)).corpus == str(path)
 
 
 def test_blocks_and_unigram(tiny_base):

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 
 from workbench.core.config import ConfigError
-from workbench.core.data import CorpusError
 from workbench.core.memory.live_bytes import LiveBytes
 from workbench.core.models import ModelNotFoundError
 from workbench.core import fallback, results
@@ -495,7 +494,7 @@ def test_missing_model_and_empty_corpus_fail_before_training(tmp_path, results_d
         run_strategies(StrategiesConfig(model="nobody/missing", **TINY), progress=False)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    with pytest.raises(CorpusError, match="no text"):
+    with pytest.raises(ConfigError, match="no text"):  # as the settings are made
         run_strategies(StrategiesConfig(corpus=str(empty), **TINY), progress=False)
     assert not (results_dir / "strategies").exists() or not list(Path(results_dir / "strategies").glob("*/summary.json"))
 

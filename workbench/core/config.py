@@ -21,6 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from workbench.core.data import CorpusError, check_has_text
+
 
 class ConfigError(ValueError):
     """A parameter name, type or value that the workbench will not run with."""
@@ -76,11 +78,17 @@ def check_seed(name: str, seed: int) -> None:
 
 
 def check_corpus(corpus: str) -> None:
-    """A `corpus` path that does not exist is a one-line error as the settings are made (it was one
-    after minutes: study 1 builds the embedded base first)."""
-    if corpus != "embedded" and not Path(corpus).expanduser().exists():
+    """A `corpus` path that does not exist, or holds no text to split, is a one-line error as the settings
+    are made (it was one after minutes: study 1 builds the embedded base first)."""
+    if not corpus or corpus == "embedded":  # (as data.target_corpus reads it: pydoc's language reference)
+        return
+    if not Path(corpus).expanduser().exists():
         raise ConfigError(f"corpus {corpus!r} does not exist; give a text file, a folder of them, or 'embedded' "
                           "(Python's language reference)")
+    try:
+        check_has_text(corpus)
+    except CorpusError as e:
+        raise ConfigError(str(e)) from e
 
 
 def setting(name: str, default: Any, note: str = "") -> Any:

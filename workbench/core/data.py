@@ -291,6 +291,30 @@ def source_corpus(source_mib: float = 8.0) -> Corpus:
     return disjoint_split(items, {items[i][0] for i in held_idx}, "python-stdlib-source")
 
 
+_NO_TEXT = "corpus {path!r} holds no text: give a text file, or a folder of " + "/".join(_TEXT_SUFFIXES) + \
+    " files that are not blank"
+_TOO_SMALL = ("corpus {path!r} is too small to split into train and held-out text{after}: give it more text of its "
+              "own, in more files or in more paragraphs (blank-line separated) of one file")
+
+
+def check_has_text(path: str) -> None:
+    """A user's corpus that cannot be split, as far as that is cheap to tell (a CorpusError): no file with
+    text, or a single one of a single paragraph. Reads until it knows (two files with text are enough)."""
+    root = Path(path).expanduser()
+    files = [root] if root.is_file() else (
+        p for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in _TEXT_SUFFIXES)
+    texts = []
+    for f in files:
+        if (text := f.read_text(encoding="utf-8", errors="replace")).strip():
+            texts.append(text)
+            if len(texts) == 2:
+                return
+    if not texts:
+        raise CorpusError(_NO_TEXT.format(path=path))
+    if sum(bool(p.strip()) for p in texts[0].split("\n\n")) < 2:
+        raise CorpusError(_TOO_SMALL.format(path=str(root), after=" (one paragraph)"))
+
+
 def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None) -> Corpus:
     """The target domain: pydoc's language reference by default, or a user's text. `pretrained`: the window
     set of the model's pretraining text (models.seen_windows), held-out text sharing none of it."""
@@ -312,17 +336,15 @@ def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None)
         name = str(root)
     items = [(k, v) for k, v in items if v.strip()]
     if not items:
-        raise CorpusError(f"corpus {path or 'embedded'!r} holds no text: give a text file, or a folder of "
-                          f"{'/'.join(_TEXT_SUFFIXES)} files that are not blank")
+        raise CorpusError(_NO_TEXT.format(path=path or "embedded"))
     if len(items) == 1:
         # One document: split it by paragraphs instead, so held-out text still exists.
         key, text = items[0]
         items = [(f"{key}#{i}", p) for i, p in enumerate(text.split("\n\n")) if p.strip()]
     corpus = disjoint_split(items, heldout_keys([k for k, _ in items]), name, pretrained)
     if not corpus.train or not corpus.heldout:
-        raise CorpusError(f"corpus {name!r} is too small to split into train and held-out text "
-                          "(after repeated text was removed from the held-out side): give it more text of "
-                          "its own, in more files or in more paragraphs (blank-line separated) of one file")
+        raise CorpusError(_TOO_SMALL.format(path=name,
+                                            after=" (after repeated text was removed from the held-out side)"))
     ov = corpus.overlap
     if ov.seen_by_model_paragraphs:
         warnings.warn(f"corpus {name}: {ov.seen_by_model_paragraphs:,} held-out paragraphs share text with what the "
