@@ -164,6 +164,15 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     bad.write_text("# nothing yet\n")  # it said "expected a mapping ..., got NoneType"
     with pytest.raises(ConfigError, match=f"^grid file {bad} is empty: give a mapping of parameter -> list of values"):
         load_grid(bad)
+    # a grid that names nothing ran one point of the study's defaults (study 1's full run: about 25 minutes)
+    for nothing in ("[]\n", "{}\n", "grid: {}\n", "points: []\n", "fixed: {}\n", "{grid: {}, points: []}\n"):
+        bad.write_text(nothing)
+        with pytest.raises(ConfigError, match=f"^grid file {bad} names no parameter and no point: give a mapping"):
+            load_grid(bad)
+    bad.write_text("fixed: {x: 1}\n")  # the same parameters for the one point: a run the grid asks for
+    assert load_grid(bad) == [{"x": 1}]
+    bad.write_text("- {}\n")  # an explicit point of the defaults
+    assert load_grid(bad) == [{}]
     # a value YAML cannot parse says what it expected, not only "while parsing a flow node"
     assert main(["sweep", str(NOTEBOOK), "-p", "x=[0, 1", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

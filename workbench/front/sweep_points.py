@@ -111,6 +111,9 @@ def points_from_grid(data: Any, where: str = "grid") -> list[dict[str, Any]]:
         if not isinstance(p, dict):
             raise ConfigError(f"{where}: point {i + 1} is not a mapping of parameter -> value: {p!r}")
     points = (product(axes, where) if axes else []) + [dict(p) for p in explicit]
+    if not points and not fixed:  # `[]`, `{}`, `grid: {}`: it ran the study's defaults, a long run nobody asked for
+        raise ConfigError(f"{where} names no parameter and no point: give a mapping of parameter -> list of values, "
+                          f"or a list of points (`workbench sweep --help`)")
     return [{**fixed, **p} for p in points] or [dict(fixed)]
 
 
