@@ -920,10 +920,12 @@ def test_the_cpu_rungs_breakdown_sets_its_predicted_host_bytes_beside_the_measur
 
 
 def test_a_reference_model_that_does_not_exist_is_said_before_any_rung(tmp_path, monkeypatch, tiny_base):
-    """It was read after every rung had been measured: minutes of work, then the error."""
+    """It was read after every rung had been measured: minutes of work, then the error; then after the
+    model at hand, which builds the embedded base (minutes) where it is not built yet."""
     from workbench.core.models import ModelNotFoundError
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    monkeypatch.setattr(runner, "model_at_hand", lambda *a, **k: pytest.fail("the model at hand was built first"))
     monkeypatch.setattr(runner, "measure", lambda *a, **k: pytest.fail("a rung was measured first"))
     monkeypatch.setattr(runner, "predict", lambda *a, **k: pytest.fail("a rung was predicted first"))
     cfg = LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32, steps=2,

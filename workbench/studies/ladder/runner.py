@@ -144,9 +144,10 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
 def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) -> StudyResult:
     run = RunDir(STUDY, cfg.run_id())
     run.write_config(cfg.to_dict())
-    config, load, blocks, data_note = model_at_hand(cfg)
-    # read before the rungs (a missing one was said after every rung was measured)
+    # read before the model at hand (which may build the embedded base: minutes) and the rungs (a missing one
+    # was said after every rung was measured)
     ref = model_config(_resolve(cfg.reference_model)) if cfg.reference_model else None
+    config, load, blocks, data_note = model_at_hand(cfg)
     budget = int(cfg.budget_mib * MiB)
     rows: list[dict[str, Any]] = []
     inputs = {"model_fingerprint": model_fingerprint(_resolve(cfg.model), cfg.spec()), "workbench_version": __version__,
