@@ -383,6 +383,7 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--auto-fit", "--card", "8", "--precision", "bf16-true"], "--auto-fit picks among the named rungs; to search "
      "from a setup of your own, use --search"),
     (["--snapshot", "."], "--snapshot . is a folder; name a file in it, e.g. step.pickle"),
+    (["--snapshot", ""], "--snapshot needs a file name, e.g. --snapshot step.pickle"),  # it read "--snapshot . is a folder"
     # it wrote a 24 MiB CUDA timeline of a step whose prediction puts nothing on the card
     (["--rung", "cpu", "--snapshot", "/tmp/wb-test-cpu-rung.pickle"], "the cpu rung trains on the CPU with nothing on "
      "the card; pick a setup that trains on the card"),
@@ -391,6 +392,23 @@ def test_bad_setups_are_one_line_naming_the_fix(tiny_config, capsys, args, messa
     assert main(["estimate", "--model", tiny_config, "--seq", "32", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_snapshot_that_cannot_be_written_after_the_check_is_one_line(tiny_config, tmp_path, capsys, monkeypatch):
+    """A full disk or a read-only file system passes the check made before the prediction; the write
+    then ended in an OSError traceback."""
+    import errno
+
+    from workbench.studies.ladder import cli as estimate_cli
+
+    def full(snapshot, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(estimate_cli, "dump", full)
+    path = tmp_path / "step.pickle"
+    assert main(["estimate", "--model", tiny_config, "--seq", "32", "--snapshot", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"workbench estimate: --snapshot {path}: cannot write it (No space left on device)\n", err
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -31,10 +31,25 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
+from workbench.core.config import ConfigError
+
 MiB = 2**20
 GiB = 2**30
 Sink = Callable[[dict[str, Any]], None]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def check_writable_file(path: str, option: str, example: str) -> None:
+    """A one-line ConfigError where `path`, given to `option`, is no file this process can write: empty, a
+    folder, or under a folder (the deepest that exists) it cannot write. Said before the work, not after."""
+    if not str(path).strip():
+        raise ConfigError(f"{option} needs a file name, e.g. {option} {example}")
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{option} {p} is a folder; name a file in it, e.g. {p / example}")
+    folder = next(a for a in (p.parent, *p.parent.parents) if a.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{option} {p}: cannot write there; name a file in a folder you can write")
 
 
 def mib_text(mib: float) -> str:

@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
-from workbench.core.common import MiB, mib_text, stdout_to_stderr
+from workbench.core.common import MiB, check_writable_file, mib_text, stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import CATEGORIES
 from workbench.core.memory.cuda_model import Card, card as cuda_card
@@ -150,20 +148,11 @@ def _check(args) -> list[str]:
         raise ConfigError("--search and --auto-fit are two searches: pick one (--search keeps the batch and "
                           "searches more than the rungs)")
     if args.snapshot is not None:  # before the prediction's seconds, not after
-        _check_writable(Path(args.snapshot))
+        check_writable_file(args.snapshot, "--snapshot", "step.pickle")
     return list(RUNGS) if (args.rung == "all" or args.auto_fit) else [args.rung] if args.rung else []
 
 
-def _check_writable(path: Path) -> None:
-    if path.is_dir():
-        raise ConfigError(f"--snapshot {path} is a folder; name a file in it, e.g. {path / 'step.pickle'}")
-    folder = next(a for a in (path.parent, *path.parent.parents) if a.exists())  # the deepest that exists
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ConfigError(f"--snapshot {path}: cannot write there; name a file in a folder you can write")
-
-
 def _estimate(args) -> int:
-
     rung_given = args.rung is not None
     names = _check(args)
     plan = _plan(args) if not rung_given or args.rung is None else None
@@ -187,8 +176,12 @@ def _estimate(args) -> int:
                 raise ConfigError("--snapshot writes one setup's timeline: give one --rung or a setup from flags")
             if args.device != "cuda":
                 raise ConfigError("--snapshot models the CUDA allocator: use it with --device cuda")
-            path = dump(predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq,
-                                           steps=args.steps or CUDA_STEPS, card=args.card), args.snapshot)
+            snapshot = predicted_snapshot(config, plan or names[0], batch=args.batch, seq=args.seq,
+                                          steps=args.steps or CUDA_STEPS, card=args.card)
+            try:  # past the check above: a full disk, a read-only file system
+                path = dump(snapshot, args.snapshot)
+            except OSError as e:
+                raise ConfigError(f"--snapshot {args.snapshot}: cannot write it ({e.strerror})") from None
             print(f"memory snapshot (modelled allocator, simulated step): {path}", file=sys.stderr)
         budget_from = "--budget-mib"
         if (args.search or args.auto_fit) and args.budget_mib is None:
