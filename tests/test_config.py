@@ -1,3 +1,4 @@
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -158,3 +159,18 @@ def test_a_corpus_that_does_not_exist_is_refused_as_the_settings_are_made(config
     (tmp_path / "notes.txt").write_text("text\n\nmore text")  # two paragraphs: one to hold out
     assert cls.from_dict({"corpus": str(tmp_path / "notes.txt")}).corpus == str(tmp_path / "notes.txt")
     assert cls().corpus == "embedded"
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda: LadderConfig(rungs=("fp32", "bf16", "fp32")), "rungs repeats fp32: give each once"),
+    (lambda: SplitConfig(k_sweep=(0.0, 0.5, 0.5, 1.0)), "k_sweep repeats 0.5: give each once"),
+    (lambda: SplitConfig(profiles=("H100-PCIe", "H100-PCIe")), "profiles repeats H100-PCIe: give each once"),
+    (lambda: StrategiesConfig(devices=("cpu@64", "cpu", "cpu")), "devices repeats cpu: give each once"),
+])
+def test_a_list_setting_that_repeats_a_value_is_one_line(make, said):
+    """Study 1 refused repeated strategies; a repeated rung, k, profile or device was run twice (two rows
+    of one name in a table), or tried again after it had failed."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
+        make()
+    assert LadderConfig(rungs=("fp32", "bf16")).rungs == ("fp32", "bf16")
+    assert StrategiesConfig(devices=("cpu@64", "cpu")).devices == ("cpu@64", "cpu")

@@ -77,6 +77,14 @@ def check_seed(name: str, seed: int) -> None:
                           "(torch.manual_seed's range that a results table's int64 column holds), e.g. 0")
 
 
+def check_no_repeats(name: str, values) -> None:
+    """A list setting that names a value twice is a one-line error: a rung measured twice, a k run twice,
+    a device tried again after it failed, each a table with two rows of one name."""
+    repeated = list(dict.fromkeys(v for i, v in enumerate(values) if v in values[:i]))
+    if repeated:
+        raise ConfigError(f"{name} repeats {', '.join(map(str, repeated))}: give each once")
+
+
 def check_corpus(corpus: str) -> None:
     """A `corpus` path that does not exist, or holds no text to split, is a one-line error as the settings
     are made (it was one after minutes: study 1 builds the embedded base first)."""

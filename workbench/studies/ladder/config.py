@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from workbench.core.common import PROJECT_ROOT
-from workbench.core.config import Config, ConfigError, param, setting
+from workbench.core.config import Config, ConfigError, check_no_repeats, param, setting
 from workbench.core.fallback import resolve_device
 from workbench.core.memory.plan import RUNGS
 from workbench.core.models import TINY_SPEC, EmbeddedSpec
@@ -65,6 +65,7 @@ class LadderConfig(Config):
                               f"known rungs: {', '.join(RUNGS)}")
         if not self.rungs:
             raise ConfigError("rungs must name at least one rung")
+        check_no_repeats("rungs", self.rungs)
         if self.reference_device not in ("cpu", "cuda"):
             raise ConfigError(f"reference_device must be cpu or cuda, got {self.reference_device!r}")
         if not self.breakdown_rung:  # the default follows the rungs chosen

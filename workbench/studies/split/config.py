@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from workbench.core.config import Config, ConfigError, check_corpus, param, setting
+from workbench.core.config import Config, ConfigError, check_corpus, check_no_repeats, param, setting
 from workbench.core.fallback import resolve_device
 from workbench.core.models import TINY_SPEC, EmbeddedSpec
 from workbench.studies.split.perf_model import load_profiles
@@ -102,6 +102,8 @@ class SplitConfig(Config):
             raise ConfigError(f"max_grad_norm must be >= 0 (0 = off), got {self.max_grad_norm}")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        check_no_repeats("k_sweep", self.k_sweep)
+        check_no_repeats("profiles", self.profiles)
         for k in (*self.k_sweep, self.k_start):
             if not 0.0 <= k <= 1.0:
                 raise ConfigError(f"k values must lie in [0, 1], got {k}")

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from workbench.core.config import Config, ConfigError, check_corpus, check_seed, param, setting
+from workbench.core.config import Config, ConfigError, check_corpus, check_no_repeats, check_seed, param, setting
 from workbench.core.fallback import Attempt, default_attempts
 from workbench.core.models import EMBEDDED, TINY_SPEC, EmbeddedSpec
 from workbench.core.trainable import PAPER_STRATEGIES, STRATEGIES
@@ -81,6 +81,7 @@ class StrategiesConfig(Config):
             check_seed(f"seeds[{i}]", seed)
         for d in self.devices:
             Attempt.parse(d)
+        check_no_repeats("devices", self.devices)
         if self.devices and self.budget_mib not in (0, type(self).__dataclass_fields__["budget_mib"].default):
             # the attempts are the devices as written: a budget beside them was dropped without a word (0, no
             # budget, drops nothing: the quick settings' and the knobs' way out)
