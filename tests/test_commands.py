@@ -43,6 +43,9 @@ def test_name_value_reads_as_a_sweep_reads_it():
     (["ladder", "micro-batch=2"], "expected NAME=VALUE"),
     (["ladder", "nosuch=1"], "unknown parameter for LadderConfig: nosuch"),
     (["strategies", "seeds=zero"], "seeds: expected a list"),
+    # YAML reads an empty value as null: it said "got NoneType None"
+    (["strategies", "lr="], "lr: expected a number, got nothing (an empty value, or null)"),
+    (["ladder", "steps="], "steps: expected an integer, got nothing (an empty value, or null)"),
 ])
 def test_bad_assignments_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2

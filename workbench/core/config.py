@@ -110,6 +110,11 @@ def setting(name: str, default: Any, note: str = "") -> Any:
 _NOTEBOOK_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
 
+def _got(value: Any) -> str:
+    """What was given, for an error: `NAME=` (YAML's null) said as such, not as 'NoneType None'."""
+    return "nothing (an empty value, or null)" if value is None else f"{type(value).__name__} {value!r}"
+
+
 def _check_type(name: str, value: Any, tp: Any) -> Any:
     """Return `value` coerced to `tp` where that is lossless, else raise ConfigError."""
     origin = get_origin(tp)
@@ -133,7 +138,7 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
         raise ConfigError(f"{name}: {value!r} is not one of {list(get_args(tp))}")
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name}: expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{name}: expected a list, got {_got(value)}")
         args = get_args(tp)
         item = args[0] if args else Any
         return tuple(_check_type(f"{name}[{i}]", v, item) for i, v in enumerate(value))
@@ -141,7 +146,7 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{name}: expected a number, got {_got(value)}")
         if not math.isfinite(value):
             raise ConfigError(f"{name}: expected a finite number, got {value!r}")
         return float(value)
@@ -151,17 +156,17 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
             # exact integer); 1e99 is a typo, not a step count
             if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
                 return int(value)
-            raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{name}: expected an integer, got {_got(value)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{name}: expected true or false, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{name}: expected true or false, got {_got(value)}")
         return value
     if tp is str:
         if value is None:  # `NAME=` on a command line or in a grid: YAML reads an empty value as null
             return ""
         if not isinstance(value, str):
-            raise ConfigError(f"{name}: expected a string, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{name}: expected a string, got {_got(value)}")
         return value
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{name}: expected {tp.__name__}, got {type(value).__name__}")
