@@ -727,6 +727,11 @@ def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, 
     (["--seq", "-4"], "--seq must be at least 1, got -4"),
     (["--model", "data/configs/qwen2-0.5.json"], "'data/configs/qwen2-0.5.json': no such file or directory"),
     (["--rungs", "fp32,cpu"], "--rungs: cpu is no rung that uses the GPU; rungs: fp32, fp16"),
+    # each had been dropped without a word
+    (["--quick", "--model", "data/configs/gpt2.json"], "--quick runs the tiny embedded base at --seq 64: give --quick, "
+     "or --model and --seq"),
+    (["--quick", "--seq", "128"], "--quick runs the tiny embedded base at --seq 64"),
+    (["--only", "split", "--rungs", "fp32"], "--rungs chooses the ladder check's rungs: add ladder to --only"),
     # a file where the results go: it was found after the checks (on a card: after its minutes)
     (["--out", "README.md"], "README.md: it is a file; name a folder you can write"),
     (["--out", "README.md/gpu"], "README.md is a file; name a folder you can write"),
@@ -746,6 +751,11 @@ def test_rungs_names_the_ladder_checks_rungs_in_the_order_given(tmp_path):
     opts = gc._options(parser.parse_args(["gpu-check", "--rungs", "bf16,fp32", "--out", str(tmp_path)]))
     assert opts.rungs == ("bf16", "fp32")
     assert gc._options(parser.parse_args(["gpu-check", "--out", str(tmp_path)])).rungs == ()  # every GPU rung
+    opts = gc._options(parser.parse_args(["gpu-check", "--only", "trace,ladder", "--rungs", "fp32",
+                                          "--out", str(tmp_path)]))
+    assert (opts.rungs, opts.extra["only"]) == (("fp32",), ("trace", "ladder"))
+    quick = gc._options(parser.parse_args(["gpu-check", "--quick", "--out", str(tmp_path)]))
+    assert (quick.model, quick.tiny, quick.seq) == ("embedded", True, 64)
 
 
 def test_a_relative_out_is_made_absolute(tmp_path, monkeypatch):

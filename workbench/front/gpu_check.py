@@ -48,7 +48,6 @@ from workbench.core.memory.cuda_attention import counting_choices
 from workbench.core.memory.monitor import (MemoryMonitor, bf16_native, can_release_workspaces, release_card,
                                            release_held)
 from workbench.core.memory.plan import RUNGS
-from workbench.core.memory.cuda_model import ALLOC_CONF_VARS
 from workbench.core.memory.predict import WeightsExceedCard, predict
 from workbench.core.models import load_config
 from workbench.core.parallel import run_ahead
@@ -175,7 +174,7 @@ def check_environment(opts: Options) -> dict[str, Any]:
                cudnn=torch.backends.cudnn.version(),  # past 9.15.0 on sm_90/10x: cuDNN's attention first
                capability=f"{props.major}.{props.minor}",
                # the allocator's settings (expandable segments change every reserved figure); {} when unset
-               alloc_conf={v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ})
+               alloc_conf={v: os.environ[v] for v in cuda_model.ALLOC_CONF_VARS if v in os.environ})
     for lib in ("accelerate", "bitsandbytes", "deepspeed", "torchao", "papermill", "pynvml"):
         try:
             env[lib] = getattr(importlib.import_module(lib), "__version__", "installed")
@@ -359,23 +358,22 @@ def _options(args) -> Options:
             raise ConfigError(f"{flag} must be at least {least}{why}, got {value}")
     out = Path(args.out).resolve() if args.out else results_root() / "gpu_check"  # absolute: kernels run in notebooks/
     check_folder(out, "--out" if args.out else "the results folder")  # a card's one call found it after its checks
+    if args.quick and (args.model != Options.model or args.seq != Options.seq):  # were dropped without a word
+        raise ConfigError("--quick runs the tiny embedded base at --seq 64: give --quick, or --model and --seq")
     deadline = None if args.time_budget is None else time.perf_counter() + args.time_budget
-    opts = Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
-                   seq=64 if args.quick else args.seq, steps=args.steps, counted=args.counted,
-                   extra={"only": tuple(s for s in args.only.split(",") if s)}, deadline_at=deadline)
-    found = checks()
-    unknown = [n for n in opts.extra["only"] if n not in found]
-    if unknown:
+    only, rungs = (tuple(s for s in a.split(",") if s) for a in (args.only, args.rungs))
+    if unknown := [n for n in only if n not in (found := checks())]:
         raise ConfigError(f"--only: unknown check {', '.join(unknown)}; checks: {', '.join(found)}")
-    rungs = tuple(s for s in args.rungs.split(",") if s)
     if bad := [r for r in rungs if r not in gpu_rungs(RUNGS)]:
         raise ConfigError(f"--rungs: {', '.join(bad)} is no rung that uses the GPU; "
                           f"rungs: {', '.join(gpu_rungs(RUNGS))}")
-    opts = dataclasses.replace(opts, rungs=rungs)
-    # a --model given is read as a config here (the default: the checkout's file; --quick's base takes minutes)
-    if not args.quick and args.model != Options.model:
-        load_config(opts.model)
-    return opts
+    if rungs and only and "ladder" not in only:  # the ladder check alone reads them
+        raise ConfigError("--rungs chooses the ladder check's rungs: add ladder to --only, or drop --rungs")
+    if not args.quick and args.model != Options.model:  # read here, not on the card (--quick's base: minutes)
+        load_config(args.model)
+    return Options(out=out, model="embedded" if args.quick else args.model, tiny=args.quick, batch=args.batch,
+                   seq=64 if args.quick else args.seq, steps=args.steps, counted=args.counted, rungs=rungs,
+                   extra={"only": only}, deadline_at=deadline)
 
 
 def _main(args) -> int:
