@@ -221,7 +221,7 @@ def test_a_scheduler_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypat
     # not an address, an unknown scheme, an unknown host, nothing listening: one line naming the
     # address and the fix, exit code 2 (it was a traceback, and after it a minute's hang at exit)
     monkeypatch.setattr(parallel, "SCHEDULER_TIMEOUT_S", 2)
-    for address, why in [("foo", "missing port number"), ("xyz://127.0.0.1:1", "unknown address scheme 'xyz'"),
+    for address, why in [("xyz://127.0.0.1:1", "unknown address scheme 'xyz'"),
                          ("tcp://nosuchhost.invalid:8786", "name resolution|Name or service not known"),
                          ("tcp://127.0.0.1:1", "Timed out trying to connect")]:
         assert main(["sweep", str(NOTEBOOK), "-p", "x=1", "--scheduler", address, "--out", str(tmp_path / "s"),
@@ -233,6 +233,16 @@ def test_a_scheduler_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypat
     # study 1's runs on a scheduler say the same
     with pytest.raises(ConfigError, match="cannot use the Dask scheduler 'foo'"):
         parallel.run_many(abs, [1], scheduler="foo", progress=False)
+    # no address at all is said as the settings are made (a dry run too; study 1 had built its base first)
+    said = ("'foo' is not a Dask scheduler address (missing port number in address 'foo'); give its address, e.g. "
+            "tls://HOST:8786 or tcp://HOST:8786")
+    assert main(["sweep", str(NOTEBOOK), "-p", "x=1", "--scheduler", "foo", "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"workbench sweep: --scheduler: {said}\n"
+    from workbench.studies.strategies.config import StrategiesConfig
+
+    with pytest.raises(ConfigError, match=f"^scheduler: {re.escape(said)}$"):
+        StrategiesConfig(scheduler="foo")
+    assert StrategiesConfig(scheduler="tls://10.0.0.5:8786").scheduler == "tls://10.0.0.5:8786"  # reached later
 
 
 def test_a_grid_file_mixing_the_combined_form_with_parameters_is_refused(tmp_path):

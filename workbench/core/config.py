@@ -85,6 +85,21 @@ def check_no_repeats(name: str, values) -> None:
         raise ConfigError(f"{name} repeats {', '.join(map(str, repeated))}: give each once")
 
 
+def check_scheduler(address: str, name: str = "scheduler") -> None:
+    """A Dask scheduler address that is none ('notanaddress': no port) is a one-line error as the settings
+    are made, not after the embedded base was built; whether it can be reached is said when the runs begin."""
+    from distributed.comm import parse_address
+    from distributed.comm.addressing import parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+        if scheme in ("tcp", "tls"):
+            parse_host_port(location)
+    except ValueError as e:
+        raise ConfigError(f"{name}: {address!r} is not a Dask scheduler address ({e}); give its address, e.g. "
+                          "tls://HOST:8786 or tcp://HOST:8786") from None
+
+
 def check_corpus(corpus: str) -> None:
     """A `corpus` path that does not exist, or holds no text to split, is a one-line error as the settings
     are made (it was one after minutes: study 1 builds the embedded base first)."""

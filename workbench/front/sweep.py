@@ -91,7 +91,7 @@ from typing import Any, Iterator
 
 from workbench.core import parallel
 from workbench.core.common import environ
-from workbench.core.config import ConfigError
+from workbench.core.config import ConfigError, check_scheduler
 from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, now, results_root
 from workbench.front.notebooks import failure, run_notebook
@@ -369,6 +369,8 @@ def main(args) -> int:
         raise ConfigError("--workers and --scheduler: the scheduler's workers run the sweep; give one of them")
     if args.workers is not None and args.workers < 1:
         raise ConfigError("--workers must be at least 1")
+    if args.scheduler:
+        check_scheduler(args.scheduler, "--scheduler")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     points = combine(load_grid(args.grid) if args.grid else None,

@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from workbench.core.config import Config, ConfigError, check_corpus, check_no_repeats, check_seed, param, setting
+from workbench.core.config import (Config, ConfigError, check_corpus, check_no_repeats, check_scheduler, check_seed,
+                                  param, setting)
 from workbench.core.fallback import Attempt, default_attempts
 from workbench.core.models import EMBEDDED, TINY_SPEC, EmbeddedSpec
 from workbench.core.trainable import PAPER_STRATEGIES, STRATEGIES
@@ -54,6 +55,8 @@ class StrategiesConfig(Config):
         check_corpus(self.corpus)
         if self.workers < 0:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
+        if self.scheduler:
+            check_scheduler(self.scheduler)
         for name in ("token_budget", "seq_len", "micro_batch", "grad_accum", "eval_blocks", "lora_rank"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
