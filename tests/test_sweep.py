@@ -141,6 +141,14 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
                                           r"check_threads, fail, sleep_s, x"):
         run_sweep(NOTEBOOK, [{"x": 1}, {"y": 2}], out=out)
     assert not out.exists()
+    # a notebook without a parameters cell said "has: none", not why
+    import nbformat
+
+    bare = tmp_path / "bare.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), bare)
+    with pytest.raises(ConfigError, match=r"unknown parameter x; the notebook's parameters cell has: none \(no cell "
+                                          r"tagged `parameters`, or one with no names\)"):
+        run_sweep(bare, [{"x": 2}], out=out)
     # malformed and misshapen grid files, through the command line: one line, exit code 2
 
     bad = tmp_path / "bad.yaml"

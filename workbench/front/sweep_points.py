@@ -201,8 +201,9 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
             else:
                 unknown = sorted(set(params) - known)
                 if unknown:
+                    has = ", ".join(sorted(known)) or "none (no cell tagged `parameters`, or one with no names)"
                     raise ConfigError(f"unknown parameter{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
-                                      f"the notebook's parameters cell has: {', '.join(sorted(known)) or 'none'}")
+                                      f"the notebook's parameters cell has: {has}")
                 key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
         except ConfigError as e:
             errors.append(f"point {i + 1} {json.dumps(params)}: {e}")
