@@ -174,3 +174,18 @@ def test_a_list_setting_that_repeats_a_value_is_one_line(make, said):
         make()
     assert LadderConfig(rungs=("fp32", "bf16")).rungs == ("fp32", "bf16")
     assert StrategiesConfig(devices=("cpu@64", "cpu")).devices == ("cpu@64", "cpu")
+
+
+def test_an_unknown_keyword_names_what_the_config_has_however_it_is_built():
+    """`StrategiesConfig(foo=1)` was Python's TypeError without the config's names (from_dict gave them),
+    and a key that is not a string ended from_dict in "sequence item 0: expected str instance"."""
+    import copy
+    import pickle
+
+    for make in (lambda: StrategiesConfig(toke_budget=20_000), lambda: StrategiesConfig.from_dict({"toke_budget": 1})):
+        with pytest.raises(ConfigError, match=r"^unknown parameter for StrategiesConfig: toke_budget\. Known: model, "):
+            make()
+    with pytest.raises(ConfigError, match=r"^unknown parameters for LadderConfig: 1, foo\. Known: "):
+        LadderConfig.from_dict({1: 2, "foo": 3})
+    cfg = StrategiesConfig(seeds=(0, 1))  # what builds a config without keywords still does
+    assert pickle.loads(pickle.dumps(cfg)) == copy.deepcopy(cfg) == cfg.replace(lr=cfg.lr) == cfg

@@ -208,6 +208,20 @@ class Config:
     subclass cannot forget to call the base.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # an unknown keyword was Python's TypeError ("__init__() got an unexpected keyword argument"),
+        # without the names a config has, which from_dict gives
+        cls._check_names(kwargs)
+        return super().__new__(cls)
+
+    @classmethod
+    def _check_names(cls, names) -> None:
+        known = cls.fields()
+        unknown = sorted(map(str, set(names) - set(known)))
+        if unknown:
+            raise ConfigError(f"unknown parameter{'s' if len(unknown) > 1 else ''} for {cls.__name__}: "
+                              f"{', '.join(unknown)}. Known: {', '.join(known)}")
+
     def __post_init__(self) -> None:
         hints = _hints(type(self))
         for f in dataclasses.fields(self):
@@ -244,13 +258,7 @@ class Config:
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None = None, **overrides: Any):
         values = {**(values or {}), **overrides}
-        known = cls.fields()
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"unknown parameter{'s' if len(unknown) > 1 else ''} for {cls.__name__}: "
-                f"{', '.join(unknown)}. Known: {', '.join(known)}"
-            )
+        cls._check_names(values)
         hints = _hints(cls)
         checked = {k: _check_type(k, v, hints[k]) for k, v in values.items()}
         return cls(**checked)
