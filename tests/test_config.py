@@ -189,3 +189,16 @@ def test_an_unknown_keyword_names_what_the_config_has_however_it_is_built():
         LadderConfig.from_dict({1: 2, "foo": 3})
     cfg = StrategiesConfig(seeds=(0, 1))  # what builds a config without keywords still does
     assert pickle.loads(pickle.dumps(cfg)) == copy.deepcopy(cfg) == cfg.replace(lr=cfg.lr) == cfg
+
+
+def test_study_3s_modelled_sweep_is_as_many_runs_as_its_names_tell_apart():
+    """modelled_k_points=10**9 was taken (a billion modelled runs); past 101 the runs' names, k to two
+    decimals, repeat."""
+    from workbench.studies.split.runner import modelled_runs
+
+    for bad in (1, 102, 10**9):
+        with pytest.raises(ConfigError, match=rf"^modelled_k_points must be 2 to 101 .*, got {bad}$"):
+            SplitConfig(modelled_k_points=bad)
+    rows, _ = modelled_runs(SplitConfig(profiles=("A100-80GB-SXM",), modelled_k_points=101, alpha=0.1), {})
+    static = [r["run"] for r in rows if r["mode"] in ("static", "host only (k=0)")]
+    assert len(static) == len(set(static)) == 101

@@ -107,8 +107,9 @@ class SplitConfig(Config):
         for k in (*self.k_sweep, self.k_start):
             if not 0.0 <= k <= 1.0:
                 raise ConfigError(f"k values must lie in [0, 1], got {k}")
-        if self.modelled_k_points < 2:
-            raise ConfigError("modelled_k_points must be at least 2")
+        if not 2 <= self.modelled_k_points <= 101:  # 10**9 was taken: a billion modelled runs
+            raise ConfigError(f"modelled_k_points must be 2 to 101 (its runs are named k=0.00 to k=1.00: two "
+                              f"decimals), got {self.modelled_k_points}")
         if self.host_share is not None and not 0 < self.host_share <= 1:
             raise ConfigError(f"host_share must be in (0, 1], got {self.host_share}")
         if self.alpha is not None and not self.alpha > 0:
