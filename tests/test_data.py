@@ -7,6 +7,7 @@ from workbench.core.data import (
     MAX_OVERLAP,
     WINDOW,
     CorpusError,
+    check_has_text,
     _paragraphs,
     collapse,
     corpus_blocks,
@@ -207,6 +208,13 @@ def test_missing_or_empty_corpus_is_a_clear_error(tmp_path, make):
     if make == "folder_of_one":  # a second file with text: the check passes it on to the split
         (path / "b.txt").write_text("another file")
         assert StrategiesConfig(corpus=str(path)).corpus == str(path)
+    if make == "one_paragraph":  # the check reads a head of each file: what it does not settle, the split tells
+        path.write_text("x" * 1500)
+        with pytest.raises(CorpusError, match="too small"):
+            check_has_text(str(path), head=2000)
+        for longer in ("x" * 3000, " " * 3000 + "text after a blank head"):
+            path.write_text(longer)
+            check_has_text(str(path), head=2000)
 
 
 def test_blocks_and_unigram(tiny_base):

@@ -297,21 +297,26 @@ _TOO_SMALL = ("corpus {path!r} is too small to split into train and held-out tex
               "own, in more files or in more paragraphs (blank-line separated) of one file")
 
 
-def check_has_text(path: str) -> None:
+def check_has_text(path: str, head: int = 1 << 20) -> None:
     """A user's corpus that cannot be split, as far as that is cheap to tell (a CorpusError): no file with
-    text, or a single one of a single paragraph. Reads until it knows (two files with text are enough)."""
+    text, or a single one of a single paragraph. Reads the first `head` characters of each file until it
+    knows (two files with text are enough): a settings object is made often, and a corpus may be one large
+    file. What a head does not settle (a larger file) is left to the split."""
     root = Path(path).expanduser()
     files = [root] if root.is_file() else (
         p for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in _TEXT_SUFFIXES)
     texts = []
     for f in files:
-        if (text := f.read_text(encoding="utf-8", errors="replace")).strip():
-            texts.append(text)
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            text, whole = fh.read(head), not fh.read(1)
+        if text.strip() or not whole:
+            texts.append((text, whole))
             if len(texts) == 2:
                 return
     if not texts:
         raise CorpusError(_NO_TEXT.format(path=path))
-    if sum(bool(p.strip()) for p in texts[0].split("\n\n")) < 2:
+    text, whole = texts[0]
+    if whole and sum(bool(p.strip()) for p in text.split("\n\n")) < 2:
         raise CorpusError(_TOO_SMALL.format(path=str(root), after=" (one paragraph)"))
 
 
