@@ -501,3 +501,18 @@ def test_the_cpu_rung_is_a_cpu_step_whatever_the_card(tiny_config, capsys):
     assert f"predicted peak 0 MiB on the device (CPU only); host memory {host['cpu'] / 2**20:,.1f} MiB" in out
     assert "card 4 GiB card (4,096 MiB): fits, headroom 4,096.0 MiB (nothing of this setup is on the card)" in out
     assert out.count(" MiB  host\n") == 5  # the host's categories at its peak
+
+
+def test_one_prediction_says_in_a_terminal_what_its_seconds_are_for(tiny_config, capsys, monkeypatch):
+    """A 7B model's one prediction is 20-25 s with nothing on the screen (several rungs have a bar);
+    in a terminal it says what it is doing first. Piped or captured, stderr stays for errors."""
+    import sys
+
+    assert main(["estimate", "--model", tiny_config, "--seq", "32", "--rung", "bf16"]) == 0
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    for setup, name in ((["--rung", "bf16"], "bf16"), (["--precision", "bf16-true"], "custom")):
+        assert main(["estimate", "--model", tiny_config, "--seq", "32", *setup]) == 0
+        out = capsys.readouterr()
+        assert out.err == (f"estimate: simulating {name} on fake tensors (no weights read): seconds, tens of them "
+                           "for billions of parameters\n") and name in out.out

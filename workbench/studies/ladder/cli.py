@@ -202,8 +202,12 @@ def _estimate(args) -> int:
             setup = plan or RUNGS[names[0]]
             found = search(config, setup, batch=args.batch, seq=args.seq, budget_mib=budget_mib, device=args.device,
                            card=args.card, allow_lora=args.allow_lora, progress=True)
-        elif plan is not None:
-            preds = {plan.name: predict(config, plan, **kw)}
+        elif plan is not None or len(names) == 1:  # no bar for one: a 7B model's is 20-25 s, said in a terminal
+            name = plan.name if plan else names[0]
+            if sys.stderr.isatty():
+                print(f"estimate: simulating {name} on fake tensors (no weights read): seconds, tens of them for "
+                      "billions of parameters", file=sys.stderr, flush=True)
+            preds = {name: predict(config, plan or name, **kw)}
         else:  # each rung is a simulated step or more: 10-60 s for a 0.5B model here
             preds = {}
             for n in tqdm(names, desc="estimate", unit="rung", disable=len(names) < 2, file=sys.stderr):
