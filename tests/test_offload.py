@@ -862,6 +862,34 @@ def test_a_modelled_row_says_where_its_host_rate_came_from():
         assert {r["host_share_from"] for r in rows} == {said}
 
 
+def test_a_what_if_host_setting_is_listed_as_given_and_the_report_says_so():
+    """With host_share or alpha set, the modelled runs took the value given, yet the inputs table listed
+    only the host share measured here, and the report said the host was "scaled per core from one core
+    measured here"."""
+    from workbench.core.results import StudyResult
+    from workbench.studies.split import perf_model as pm
+    from workbench.studies.split.figures import report_section
+    from workbench.studies.split.runner import modelled_runs
+
+    host = {"per_core_bytes_per_s": 5e9, "bandwidth_share": 0.9, "bandwidth_share_raw": 0.9}
+    for settings, row, text in (
+            ({"alpha": 0.25}, {"input": "alpha (t_update_accelerator / t_update_host), modelled runs", "value": "0.25",
+                               "source": "given (the alpha setting): no host rate, measured or modelled, is used "
+                                         "for them"}, "the host's update time from the alpha given"),
+            ({"host_share": 0.8}, {"input": "host Adam share, modelled runs", "value": "0.80",
+                                   "source": "given (the host_share setting): the share measured here is not used "
+                                             "for them"}, "the host from a bandwidth model of the named CPU, its Adam "
+                                                          "share given"),
+            ({}, None, "the host from a bandwidth model of the named CPU, scaled per core from one core measured here")):
+        cfg = SplitConfig(profiles=("A100-80GB-SXM",), modelled_k_points=2, **settings)
+        inputs = pm.model_inputs(host, cfg.host_share, cfg.alpha)
+        assert [r for r in inputs if "modelled runs" in r["input"]] == ([row] if row else [])
+        rows, _ = modelled_runs(cfg, host)
+        runs = pd.DataFrame(rows).assign(panel=lambda d: d["source"] + ": " + d["hardware"])  # as the runner adds it
+        html = next(s[2] for s in report_section(StudyResult("split", runs=runs)) if s[0] == "text")
+        assert f"a published MFU; {text}): no figure" in html
+
+
 def test_the_same_settings_started_twice_at_once_are_measured_one_after_the_other(tmp_path, monkeypatch, tiny_base,
                                                                                    capsys):
     """Two callers given the same settings at once had both written each run's one steps.jsonl (one

@@ -280,14 +280,17 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
     cpu_note = (" On a machine without a GPU the accelerator is the CPU too: these runs show that training"
                 " is unchanged and how the work overlaps, not GPU speed." if "(cpu)" in where else "")
     gpus = ", ".join(sorted(set(modelled["hardware"].astype(str))))
+    given = set(modelled.get("host_share_from", pd.Series(dtype=str)).astype(str))  # a what-if setting: not measured
+    host = ("the host's update time from the alpha given" if "not used (alpha given)" in given else
+            "the host from a bandwidth model of the named CPU, its Adam share given" if "config" in given else
+            "the host from a bandwidth model of the named CPU, scaled per core from one core measured here")
     tags = (
         f'<span class="tag measured">measured</span> {len(measured)} run(s) of the split engine on {where}: '
         f"the embedded base fine-tuned on the target corpus: tokens/s, idle share, loss, held-out perplexity "
         f"before and after, parity with AdamW; and the host Adam rate.{cpu_note}<br>"
         f'<span class="tag modelled">modelled</span> {len(modelled)} run(s) of the performance model for '
-        f"{gpus or 'no GPU profile'} (data-sheet peaks x a published MFU; the host from a bandwidth model of the "
-        "named CPU, scaled per core from one core measured here): no figure in these rows was measured on that "
-        "hardware. Every input and its source is listed below; none of them is a figure the model is compared "
+        f"{gpus or 'no GPU profile'} (data-sheet peaks x a published MFU; {host}): no figure in these rows was "
+        "measured on that hardware. Every input and its source is listed below; none of them is a figure the model is compared "
         "with.<br>Published: the seed's own claims (data/published_claims.json), shown as published, and the "
         "published offload measurements the model is validated against."
     )

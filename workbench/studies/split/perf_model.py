@@ -590,10 +590,18 @@ def validate(host_meas: dict | None = None) -> list[dict]:
     return rows
 
 
-def model_inputs(host_meas: dict | None = None) -> list[dict]:
-    """Every input of the model with its value and source (for the report)."""
+def model_inputs(host_meas: dict | None = None, host_share: float | None = None,
+                 alpha: float | None = None) -> list[dict]:
+    """Every input of the model with its value and source (for the report); `host_share` and `alpha`: the
+    study's what-if settings, which the modelled runs take in place of the measured host figures."""
     prof = _profiles()
     out = []
+    if alpha is not None:
+        out.append({"input": "alpha (t_update_accelerator / t_update_host), modelled runs", "value": f"{alpha:g}",
+                    "source": "given (the alpha setting): no host rate, measured or modelled, is used for them"})
+    elif host_share is not None:
+        out.append({"input": "host Adam share, modelled runs", "value": f"{host_share:.2f}",
+                    "source": "given (the host_share setting): the share measured here is not used for them"})
     for name, g in prof["gpus"].items():
         compute = (f"{g['bf16_dense_tflops']} TFLOP/s 16-bit dense" if g["bf16_dense_tflops"] is not None
                    else f"no compute figure: {g.get('note', 'not used')}")  # V100's is fp16: it has no bf16

@@ -335,7 +335,7 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
         pub_rows, op = published_rows(host)
         verdict = pm.seed_verdict(host)
         validation = pd.DataFrame(pm.validate(host))
-        inputs = pd.DataFrame(pm.model_inputs(host))
+        inputs = pd.DataFrame(pm.model_inputs(host, cfg.host_share, cfg.alpha))
     finally:
         torch.set_num_threads(threads)
 
