@@ -282,7 +282,27 @@ def test_the_finding_says_where_auto_fits_last_try_ran():
     """A step-down past the card ends on the CPU, with no budget: the finding had said "on the card"
     whenever any try had been there."""
     where = lambda *devices: _fit_where(pd.DataFrame({"device": [*devices, None]}))  # noqa: E731 (the verdict row)
-    assert where("cuda", "cuda").startswith(" on the card (") and "then" not in where("cuda", "cuda")
+    assert where("cuda", "cuda").startswith(" with the budget enforced on the card (")
+    assert "then" not in where("cuda", "cuda")
     assert where("cuda", "cpu").endswith(", then on the CPU (the cpu rung: no budget)")
-    assert where("cpu", "cpu") == " on the CPU (the budget played: live tensor bytes counted)"
+    assert where("cpu", "cpu") == " with the budget enforced on the CPU (the budget played: live tensor bytes counted)"
     assert _fit_where(pd.DataFrame({"setup": ["x"]})) == ""
+    # the ladder's last resort, the cpu rung, runs with no budget: it read "with the budget enforced on the CPU"
+    ran_cpu = lambda *setups: _fit_where(pd.DataFrame({"setup": setups, "device": ["cpu"] * len(setups),  # noqa: E731
+                                                       "ran": ["cpu"] * len(setups)}))
+    assert ran_cpu("cpu") == " on the CPU with no budget (the cpu rung, the last resort)"
+    assert ran_cpu("bf16", "cpu") == (" on the CPU with no budget (the cpu rung, the last resort; the tries before it "
+                                      "under the budget played: live tensor bytes counted)")
+
+
+def test_the_finding_read_back_from_disk_says_nothing_chosen_not_nan():
+    """An empty cell of autofit.csv read back is NaN, not None: the finding said "Auto-fit chose nan"."""
+    from workbench.core.results import StudyResult
+
+    fit = pd.DataFrame({"setup": ["cpu"], "device": ["cpu"], "status": ["ok"], "predicted_choice": [float("nan")],
+                        "ran": ["cpu"], "why": ["nothing fits 0.1 MiB"], "budget_mib": [0.1]})
+    result = StudyResult("ladder", runs=pd.DataFrame({"rung": ["fp32"], "role": ["at hand"], "budget_mib": [0.1]}),
+                         tables={"autofit": fit}, facts={"budget_mib": 0.1})
+    said = [f for f, _ in findings(result) if f.startswith("Auto-fit")]
+    assert said == ["Auto-fit chose nothing on the device for a 0.1 MiB budget and ran cpu on the CPU with no budget "
+                    "(the cpu rung, the last resort), the batch per step kept. Why: nothing fits 0.1 MiB"], said

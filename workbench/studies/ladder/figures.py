@@ -237,9 +237,12 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     if len(fit):
         last = fit.iloc[-1]
         where = _fit_where(fit)
-        out.append((f"Auto-fit chose {last.get('predicted_choice') or 'nothing on the device'} for a "
-                    f"{budget_mib(result):g} MiB budget and ran {last.get('ran') or 'nothing'} with the budget "
-                    f"enforced{where}, the batch per step kept. Why: {last.get('why', '')}", ""))
+        # (an empty cell read back from autofit.csv is NaN, not None: it read "Auto-fit chose nan")
+        said = {k: last.get(k) if pd.notna(last.get(k)) and last.get(k) != "" else None
+                for k in ("predicted_choice", "ran", "why")}
+        out.append((f"Auto-fit chose {said['predicted_choice'] or 'nothing on the device'} for a "
+                    f"{budget_mib(result):g} MiB budget and ran {said['ran'] or 'nothing'}{where}, the batch per step "
+                    f"kept. Why: {said['why'] or ''}", ""))
     pub = result.tables.get("published", pd.DataFrame())
     ref = _reference(result)
     if len(pub) and "workbench_predicted_mib" in pub and len(ref):
@@ -255,14 +258,20 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
 
 
 def _fit_where(fit: pd.DataFrame) -> str:
-    """Where auto-fit's tries ran, the last one's place last, and what the budget capped there."""
+    """Where auto-fit's tries ran, the last one's place last, and what the budget capped there (the ladder's
+    last resort, the cpu rung, runs with none: it had read "with the budget enforced on the CPU")."""
     devices = fit["device"].dropna().astype(str).tolist() if "device" in fit else []
-    card = " on the card (its allocator's reserved memory capped at the budget: a real out-of-memory error)"
+    last_resort = "ran" in fit and len(fit) and fit["ran"].iloc[-1] == "cpu"
+    card = (" with the budget enforced on the card (its allocator's reserved memory capped at the budget: a real "
+            "out-of-memory error)")
     if devices and devices[-1].startswith("cuda"):
         return card
     if any(d.startswith("cuda") for d in devices):  # stepped down past the card to the ladder's last resort
         return card + ", then on the CPU (the cpu rung: no budget)"
-    return " on the CPU (the budget played: live tensor bytes counted)" if devices else ""
+    if last_resort:
+        return (" on the CPU with no budget (the cpu rung, the last resort" + (
+            "; the tries before it under the budget played: live tensor bytes counted)" if len(devices) > 1 else ")"))
+    return " with the budget enforced on the CPU (the budget played: live tensor bytes counted)" if devices else ""
 
 
 def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
