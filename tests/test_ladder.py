@@ -943,3 +943,32 @@ def test_the_ladder_shows_its_progress_over_the_rungs(tmp_path, monkeypatch, tin
     assert re.search(r"ladder: 100%\S* *\S* 2/2 \[", capsys.readouterr().err)
     run_ladder(cfg, progress=False)
     assert "ladder:" not in capsys.readouterr().err
+
+
+def test_a_qlora_rung_without_bitsandbytes_is_a_skipped_row_not_a_traceback(env, monkeypatch):
+    """On a machine without bitsandbytes the ladder (and study 1's pre-flight) ended in a
+    ModuleNotFoundError at the QLoRA rung's prediction; the rung is a skipped row saying why, the
+    other rungs are predicted, and every table, chart and finding shows the result."""
+    import sys
+
+    from workbench.core.results import StudyResult
+    from workbench.core.trainable import StrategyNotApplicable
+    from workbench.studies.ladder.figures import findings, ladder_figure, ladder_table
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as where it is not installed: ImportError
+    with pytest.raises(StrategyNotApplicable, match="QLoRA needs bitsandbytes, which is not installed"):
+        from workbench.core.memory.plan import quantize_4bit
+
+        quantize_4bit(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.float32)
+    result = run_ladder(LadderConfig(base_size="tiny", rungs=("fp32", "qlora"), breakdown_rung="fp32", micro_batch=2,
+                                     seq_len=32, steps=2, measure=False, autofit=False,
+                                     reference_model="data/configs/gpt2.json", reference_seq_len=32), progress=False)
+    for shown in (result, load_result()):
+        rows = shown.runs.set_index(["role", "rung"])
+        for role in ("at hand", "reference"):
+            assert rows.loc[(role, "qlora"), "status"] == "skipped"
+            assert rows.loc[(role, "qlora"), "reason"] == "QLoRA needs bitsandbytes, which is not installed"
+            assert rows.loc[(role, "fp32"), "predicted_peak_mib"] > 0
+        assert list(ladder_table(shown)["rung"]) == ["fp32", "qlora"]
+        assert ladder_figure(shown).data and findings(shown) and report_section(shown)
+    assert isinstance(result, StudyResult)

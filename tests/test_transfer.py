@@ -718,3 +718,15 @@ def test_a_played_cards_pre_flight_holds_the_reserved_memory_it_needs(tiny_base,
     fits = run_strategies(cfg.replace(devices=(f"cpu@{need:g}:cuda",)), progress=False).runs.iloc[0]
     assert fits["device_history"] == f"cpu@{need:g}:cuda: ok"
     assert fits["predicted_peak_mib"] == fits["peak_mem_mib"] < need  # its allocated peak, to the byte
+
+
+def test_qlora_without_bitsandbytes_is_skipped_with_the_pre_flight_on(tiny_base, results_dir, monkeypatch):
+    """With preflight on (the default) the QLoRA prediction imported bitsandbytes and ended the study in a
+    ModuleNotFoundError; with it off the row had said why. Both say why now."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as where it is not installed
+    for preflight in (True, False):
+        row = run_strategies(StrategiesConfig(strategies=("qlora",), seeds=(0,), preflight=preflight, **TINY),
+                             progress=False).runs.iloc[0]
+        assert row["status"] == "skipped" and "QLoRA needs bitsandbytes, which is not installed" in row["history"]

@@ -34,7 +34,8 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from workbench.core.config import ConfigError
-from workbench.core.trainable import apply_strategy, keep_4bit_backward, lora_config, names_module
+from workbench.core.trainable import (StrategyNotApplicable, apply_strategy, keep_4bit_backward, lora_config,
+                                      names_module)
 from workbench.core.training import TrainSettings, make_optimizer
 
 # "bf16"/"fp16": autocast over fp32 weights (bf16-mixed / fp16-mixed); "bf16_true"/"fp16_true": pure
@@ -216,7 +217,10 @@ def quantize_4bit(model: torch.nn.Module, compute_dtype: torch.dtype, *, skip: t
     have 6 shapes, and quantizing each on the CPU took most of a prediction's time).
     Returns the number of layers replaced.
     """
-    import bitsandbytes as bnb
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:  # a QLoRA row that says so (skipped), not a study ended in a traceback
+        raise StrategyNotApplicable("QLoRA needs bitsandbytes, which is not installed") from e
 
     n = 0
     zeros: dict[tuple[int, ...], tuple[torch.Tensor, Any]] = {}  # meta: shape -> (4-bit data, quant state)

@@ -51,6 +51,7 @@ from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
 from workbench.core.models import load_model, model_fingerprint
+from workbench.core.trainable import StrategyNotApplicable
 from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, atomic_write_text, code_fingerprint,
                                     library_versions, read_steps, read_table, results_root, reuse_finished_runs)
 from workbench.studies.ladder.config import ROOT, STUDY, LadderConfig, _resolve
@@ -162,7 +163,12 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
             rows.append({**finished[name], "reused": True})  # read back, not measured by this call
             continue
         # the step as the study's own live-bytes count (a dispatch mode) runs it: the figure it is held to
-        p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
+        try:
+            p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
+        except StrategyNotApplicable as e:  # QLoRA without bitsandbytes: the rung's row says so, the others run
+            rows.append({"rung": name, "model": cfg.model, "role": "at hand", "tier": plan.tier, "help": plan.help,
+                         "budget_mib": cfg.budget_mib, "status": "skipped", "reason": str(e), "data": data_note})
+            continue
         row = {**p.row(), "model_label": p.model, "model": cfg.model, "role": "at hand",
                "tier": plan.tier, "help": plan.help, "budget_mib": cfg.budget_mib,
                "fits_predicted": p.fit_bytes <= budget, "data": data_note}
@@ -194,7 +200,14 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
     if cfg.reference_model:
         ref_budget = int(cfg.reference_budget_mib * MiB)
         for name in cfg.rungs:
-            p = predict(ref, name, batch=cfg.reference_micro_batch, seq=cfg.reference_seq_len, device=cfg.reference_device)
+            try:
+                p = predict(ref, name, batch=cfg.reference_micro_batch, seq=cfg.reference_seq_len,
+                            device=cfg.reference_device)
+            except StrategyNotApplicable as e:
+                ref_rows.append({"rung": name, "model": cfg.reference_model, "role": "reference", "tier": RUNGS[name].tier,
+                                 "help": RUNGS[name].help, "budget_mib": cfg.reference_budget_mib, "status": "skipped",
+                                 "reason": str(e)})
+                continue
             ref_rows.append({**p.row(), "model": cfg.reference_model, "role": "reference",
                              "tier": RUNGS[name].tier, "help": RUNGS[name].help,
                              "budget_mib": cfg.reference_budget_mib, "fits_predicted": p.fit_bytes <= ref_budget,
@@ -225,14 +238,15 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
     baselines = pd.DataFrame()
     if cfg.reference_model:
         baselines = pd.DataFrame(baseline_table(ref))
-        ours = {r["rung"]: r["predicted_peak_bytes"] for r in ref_rows}
+        predicted = [r for r in ref_rows if "predicted_peak_bytes" in r]  # not a skipped rung's
+        ours = {r["rung"]: r["predicted_peak_bytes"] for r in predicted}
         baselines["workbench_predicted_bytes"] = baselines["compares_to"].map(ours)
-        ours_ref = {r["rung"]: r["predicted_peak_mib"] for r in ref_rows}
+        ours_ref = {r["rung"]: r["predicted_peak_mib"] for r in predicted}
         if "bf16_true" in cfg.rungs:  # the published table's pure 16-bit step with checkpointing
             ours_ref[PURE_CKPT.name] = predict(ref, PURE_CKPT, batch=cfg.reference_micro_batch,
                                                seq=cfg.reference_seq_len, device=cfg.reference_device).peak_bytes / MiB
         published["workbench_predicted_mib"] = published["rung"].map(ours_ref)
-        host = {r["rung"]: r["host_bytes"] / MiB for r in ref_rows}
+        host = {r["rung"]: r["host_bytes"] / MiB for r in predicted}
         published.loc[published["rung"] == "cpu", "workbench_predicted_mib"] = host.get("cpu")
     tables = {"ladder": df, "baselines": baselines, "published": published, "autofit": pd.DataFrame(fit_rows),
               "autofit_search": search_table}
