@@ -756,6 +756,8 @@ def test_the_report_says_what_a_budget_caps_on_each_device(env):
     assert "reserved memory" in BUDGET_NOTE and "live tensor bytes" in BUDGET_NOTE
     assert BUDGET_NOTE in parts[0][2]
     assert "reserved memory on a GPU, live tensor bytes on the CPU" in parts[1][1]
+    # autofit=False: it spoke of "the auto-fit attempts" and showed two empty auto-fit tables
+    assert "auto-fit" not in parts[0][2] and not [p for p in parts if p[1].startswith("Auto-fit")]
 
 
 def test_reference_device_is_validated_and_the_pure_bf16_rungs_are_in_the_study():

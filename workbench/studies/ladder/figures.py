@@ -284,9 +284,11 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
     cpu_note = " (the CPU plays the device: live tensor bytes are counted, as a GPU's allocator would)" \
         if where == "cpu" else ""
     model = hand["model"].iloc[0] if len(hand) else ""
+    fitted = len(result.tables.get("autofit", pd.DataFrame())) > 0  # autofit=False: no attempts, no tables
     tags = (
         f'<span class="tag measured">measured</span> on this machine ({where or "nothing measured"}){cpu_note}: '
-        f"peak, step time, tokens/s and loss of {len(measured)} rung(s) of {model}, and the auto-fit attempts.<br>"
+        f"peak, step time, tokens/s and loss of {len(measured)} rung(s) of {model}"
+        f"{', and the auto-fit attempts' if fitted else ''}.<br>"
         '<span class="tag modelled">predicted</span> every peak in the "predicted" columns: the real training '
         "step run over fake tensors (no weights, no GPU)"
         + (f"; the reference model ({ref['model'].iloc[0]}) is predicted only" if len(ref) else "") + ".<br>"
@@ -300,12 +302,13 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
                   "live tensor bytes on the CPU)", ladder_table(result)),
         ("figure", "", ladder_figure(result)),
         ("figure", "", loss_figure(result)),
-        ("table", "Auto-fit: the setup predicted fastest to fit, run here with the budget enforced (on a card "
-                  "under a real CUDA budget where there is one, else on the CPU playing it; its `device` column "
-                  "says which; measured where its status is ok or oom)", autofit_table(result)),
-        ("table", "Auto-fit's search: each setup tried, cheapest first (not predicted: ruled out by a "
-                  "prediction above)", autofit_search_table(result)),
     ]
+    if fitted:
+        parts += [("table", "Auto-fit: the setup predicted fastest to fit, run here with the budget enforced (on a "
+                            "card under a real CUDA budget where there is one, else on the CPU playing it; its `device` "
+                            "column says which; measured where its status is ok or oom)", autofit_table(result)),
+                  ("table", "Auto-fit's search: each setup tried, cheapest first (not predicted: ruled out by a "
+                            "prediction above)", autofit_search_table(result))]
     if len(ref):
         parts += [("table", f"Reference model {ref['model'].iloc[0]}: predicted peaks (not measured)",
                    reference_table(result)),
