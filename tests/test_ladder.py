@@ -974,3 +974,8 @@ def test_a_qlora_rung_without_bitsandbytes_is_a_skipped_row_not_a_traceback(env,
         assert list(ladder_table(shown)["rung"]) == ["fp32", "qlora"]
         assert ladder_figure(shown).data and findings(shown) and report_section(shown)
     assert isinstance(result, StudyResult)
+    alone = run_ladder(LadderConfig(base_size="tiny", rungs=("qlora",), breakdown_rung="qlora", micro_batch=2,
+                                    seq_len=32, steps=2, measure=False, autofit=False, reference_model=""),
+                       progress=False)  # every rung skipped before its prediction: no column to divide
+    assert list(alone.runs["status"]) == ["skipped"] and alone.runs["predicted_peak_mib"].isna().all()
+    assert findings(alone) and report_section(alone)

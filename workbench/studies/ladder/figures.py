@@ -305,8 +305,9 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
     ]
     if fitted:
         parts += [("table", "Auto-fit: the setup predicted fastest to fit, run here with the budget enforced (on a "
-                            "card under a real CUDA budget where there is one, else on the CPU playing it; its `device` "
-                            "column says which; measured where its status is ok or oom)", autofit_table(result)),
+                            "card under a real CUDA budget where there is one, else on the CPU playing it; its "
+                            "`device` column says which; measured where its status is ok or oom)",
+                   autofit_table(result)),
                   ("table", "Auto-fit's search: each setup tried, cheapest first (not predicted: ruled out by a "
                             "prediction above)", autofit_search_table(result))]
     if len(ref):

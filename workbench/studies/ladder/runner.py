@@ -167,7 +167,8 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
             p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
         except StrategyNotApplicable as e:  # QLoRA without bitsandbytes: the rung's row says so, the others run
             rows.append({"rung": name, "model": cfg.model, "role": "at hand", "tier": plan.tier, "help": plan.help,
-                         "budget_mib": cfg.budget_mib, "status": "skipped", "reason": str(e), "data": data_note})
+                         "budget_mib": cfg.budget_mib, "method": "not predicted", "status": "skipped",
+                         "reason": str(e), "data": data_note})
             continue
         row = {**p.row(), "model_label": p.model, "model": cfg.model, "role": "at hand",
                "tier": plan.tier, "help": plan.help, "budget_mib": cfg.budget_mib,
@@ -204,16 +205,18 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
                 p = predict(ref, name, batch=cfg.reference_micro_batch, seq=cfg.reference_seq_len,
                             device=cfg.reference_device)
             except StrategyNotApplicable as e:
-                ref_rows.append({"rung": name, "model": cfg.reference_model, "role": "reference", "tier": RUNGS[name].tier,
-                                 "help": RUNGS[name].help, "budget_mib": cfg.reference_budget_mib, "status": "skipped",
-                                 "reason": str(e)})
+                ref_rows.append({"rung": name, "model": cfg.reference_model, "role": "reference",
+                                 "tier": RUNGS[name].tier, "help": RUNGS[name].help,
+                                 "budget_mib": cfg.reference_budget_mib, "method": "not predicted",
+                                 "status": "skipped", "reason": str(e)})
                 continue
             ref_rows.append({**p.row(), "model": cfg.reference_model, "role": "reference",
                              "tier": RUNGS[name].tier, "help": RUNGS[name].help,
                              "budget_mib": cfg.reference_budget_mib, "fits_predicted": p.fit_bytes <= ref_budget,
                              "status": "skipped", "reason": "reference model: predicted only (no weights here)"})
     df = pd.DataFrame(rows + ref_rows)
-    df["predicted_peak_mib"] = df["predicted_peak_bytes"] / MiB
+    # (every rung skipped before its prediction, QLoRA alone without bitsandbytes: no column to divide)
+    df["predicted_peak_mib"] = df.get("predicted_peak_bytes", pd.Series(float("nan"), index=df.index)) / MiB
     if "measured_peak_bytes" in df:
         df["measured_peak_mib"] = df["measured_peak_bytes"] / MiB
 

@@ -290,9 +290,9 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
         f"before and after, parity with AdamW; and the host Adam rate.{cpu_note}<br>"
         f'<span class="tag modelled">modelled</span> {len(modelled)} run(s) of the performance model for '
         f"{gpus or 'no GPU profile'} (data-sheet peaks x a published MFU; {host}): no figure in these rows was "
-        "measured on that hardware. Every input and its source is listed below; none of them is a figure the model is compared "
-        "with.<br>Published: the seed's own claims (data/published_claims.json), shown as published, and the "
-        "published offload measurements the model is validated against."
+        "measured on that hardware. Every input and its source is listed below; none of them is a figure the model "
+        "is compared with.<br>Published: the seed's own claims (data/published_claims.json), shown as published, "
+        "and the published offload measurements the model is validated against."
     )
     return [
         ("text", "", tags),
