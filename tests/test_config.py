@@ -166,6 +166,9 @@ def test_a_corpus_that_does_not_exist_is_refused_as_the_settings_are_made(config
     (lambda: SplitConfig(k_sweep=(0.0, 0.5, 0.5, 1.0)), "k_sweep repeats 0.5: give each once"),
     (lambda: SplitConfig(profiles=("H100-PCIe", "H100-PCIe")), "profiles repeats H100-PCIe: give each once"),
     (lambda: StrategiesConfig(devices=("cpu@64", "cpu", "cpu")), "devices repeats cpu: give each once"),
+    # study 1's own check said "strategies and seeds must not repeat", not which
+    (lambda: StrategiesConfig(strategies=("full", "lora", "full")), "strategies repeats full: give each once"),
+    (lambda: StrategiesConfig(seeds=(0, 1, 1, 0)), "seeds repeats 1, 0: give each once"),
 ])
 def test_a_list_setting_that_repeats_a_value_is_one_line(make, said):
     """Study 1 refused repeated strategies; a repeated rung, k, profile or device was run twice (two rows

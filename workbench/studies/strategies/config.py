@@ -76,8 +76,8 @@ class StrategiesConfig(Config):
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ConfigError(f"unknown strategy {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
-        if len(set(self.strategies)) != len(self.strategies) or len(set(self.seeds)) != len(self.seeds):
-            raise ConfigError("strategies and seeds must not repeat")
+        check_no_repeats("strategies", self.strategies)
+        check_no_repeats("seeds", self.seeds)
         if not self.seeds:
             raise ConfigError("seeds is empty: give at least one seed, e.g. seeds=[0]")
         for i, seed in enumerate(self.seeds):
