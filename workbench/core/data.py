@@ -11,7 +11,7 @@ ships with Python.
   (79 topics in CPython 3.11). A topic goes to held-out when a stable hash of its name falls in
   the held-out share.
 
-A user corpus (a text file or a folder of .txt/.md/.py files) can replace the target domain;
+A user corpus (a text file or a folder of .txt/.md/.py/.rst files) can replace the target domain;
 its files are split the same way, by file (keyed by the path inside the folder, so the folder's
 own name does not change the split; a few files whose hashes hold out none get the lowest-hashed
 share, `heldout_keys`); a single file is split by paragraph.
@@ -44,8 +44,7 @@ import numpy as np
 import torch
 
 HELDOUT_SHARE = 0.2
-SPLIT_VERSION = 3  # changes whenever what `disjoint_split` keeps changes (part of the base's cache key); 3: windows
-# of whitespace-collapsed text too
+SPLIT_VERSION = 3  # what `disjoint_split` keeps (in the base's cache key); 3: whitespace-collapsed windows too
 WINDOW = 50  # characters (UTF-8 bytes) of a window that counts as shared text
 MAX_OVERLAP = 0.005  # the most held-out windows that may occur in training text
 _TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
@@ -291,32 +290,31 @@ def source_corpus(source_mib: float = 8.0) -> Corpus:
     return disjoint_split(items, {items[i][0] for i in held_idx}, "python-stdlib-source")
 
 
-_NO_TEXT = "corpus {path!r} holds no text: give a text file, or a folder of " + "/".join(_TEXT_SUFFIXES) + \
-    " files that are not blank"
+_NO_TEXT = (f"corpus {{path!r}} holds no text: give a text file, or a folder of {'/'.join(_TEXT_SUFFIXES)} files "
+            "that are not blank")
 _TOO_SMALL = ("corpus {path!r} is too small to split into train and held-out text{after}: give it more text of its "
               "own, in more files or in more paragraphs (blank-line separated) of one file")
 
 
+def _text_files(root: Path) -> list[Path]:
+    return [root] if root.is_file() else sorted(
+        p for p in root.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
+
+
 def check_has_text(path: str, head: int = 1 << 20) -> None:
-    """A user's corpus that cannot be split, as far as that is cheap to tell (a CorpusError): no file with
-    text, or a single one of a single paragraph. Reads the first `head` characters of each file until it
-    knows (two files with text are enough): a settings object is made often, and a corpus may be one large
-    file. What a head does not settle (a larger file) is left to the split."""
+    """A corpus that cannot be split, as far as the first `head` characters of its files tell (a CorpusError;
+    settings are made often, a corpus may be one large file): no text, or one file of one paragraph."""
     root = Path(path).expanduser()
-    files = [root] if root.is_file() else (
-        p for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in _TEXT_SUFFIXES)
     texts = []
-    for f in files:
+    for f in _text_files(root):
         with open(f, encoding="utf-8", errors="replace") as fh:
             text, whole = fh.read(head), not fh.read(1)
-        if text.strip() or not whole:
-            texts.append((text, whole))
-            if len(texts) == 2:
-                return
+        texts += [(text, whole)] if text.strip() or not whole else []  # a head of blanks, whole: no text
+        if len(texts) == 2:
+            return
     if not texts:
         raise CorpusError(_NO_TEXT.format(path=path))
-    text, whole = texts[0]
-    if whole and sum(bool(p.strip()) for p in text.split("\n\n")) < 2:
+    if texts[0][1] and sum(bool(p.strip()) for p in texts[0][0].split("\n\n")) < 2:  # one paragraph, whole
         raise CorpusError(_TOO_SMALL.format(path=str(root), after=" (one paragraph)"))
 
 
@@ -332,12 +330,9 @@ def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None)
         root = Path(path).expanduser()
         if not root.exists():
             raise CorpusError(f"corpus {path!r} does not exist")
-        files = [root] if root.is_file() else sorted(
-            p for p in root.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES
-        )
         # keyed by the path inside the corpus: the split does not depend on the folder's own name
         items = [(root.name if p == root else str(p.relative_to(root)),
-                  p.read_text(encoding="utf-8", errors="replace")) for p in files]
+                  p.read_text(encoding="utf-8", errors="replace")) for p in _text_files(root)]
         name = str(root)
     items = [(k, v) for k, v in items if v.strip()]
     if not items:
