@@ -270,6 +270,24 @@ def test_the_published_rows_findings_say_which_setting_was_predicted():
     assert ("FP32 full model: predicted 8,577 MiB for qwen.json at 1 x 512.", "9,537 MiB") in found
 
 
+def test_the_comparison_charts_draw_no_empty_workbench_trace():
+    """Where no rung of the ladder is one the published rows or the library estimators compare to, the
+    charts drew a workbench trace with no bar, named in the legend as if it were shown."""
+    runs = pd.DataFrame([{"rung": "lora", "role": "reference", "model": "qwen.json", "predicted_peak_bytes": 1.0}])
+    nan = float("nan")
+    pub = pd.DataFrame([{"strategy": "FP32 full model", "published_mib": 9537.0, "workbench_predicted_mib": nan}])
+    base = pd.DataFrame([{"estimator": "accelerate", "estimated_bytes": 2.0**30, "workbench_predicted_bytes": nan}])
+    for predicted in (nan, 8577.0):
+        pub["workbench_predicted_mib"], base["workbench_predicted_bytes"] = predicted, predicted * 2**20
+        result = StudyResult("ladder", runs=runs, tables={"published": pub, "baselines": base})
+        for fig in (ladder_figures.published_figure(result), ladder_figures.baselines_figure(result)):
+            names = [t.name for t in fig.data]
+            assert len(names) == (1 if predicted != predicted else 2), names
+            assert all(pd.Series(t.y).notna().any() for t in fig.data), names
+        title = ladder_figures.published_figure(result).layout.title.text
+        assert ("none predicted" in title) == (predicted != predicted), title
+
+
 def test_the_breakdown_gives_each_model_its_own_scale():
     """On one axis, the model at hand's 4 MiB were invisible beside the reference model's 8,000 MiB."""
     cats = {f"{c}_bytes": v for c, v in zip(ladder_figures.CATEGORIES, (1, 2, 3, 4, 5))}

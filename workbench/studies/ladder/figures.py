@@ -148,9 +148,11 @@ def published_figure(result: StudyResult) -> go.Figure:
     fig = go.Figure()
     if len(pub):
         fig.add_trace(go.Bar(name="published (not measured)", x=pub["strategy"], y=pub["published_mib"]))
-        if "workbench_predicted_mib" in pub:
+        if pub.get("workbench_predicted_mib", pd.Series(dtype=float)).notna().any():  # no empty trace
             fig.add_trace(go.Bar(name="workbench prediction (not measured)", x=pub["strategy"],
                                  y=pub["workbench_predicted_mib"]))
+        else:
+            model = "no rung of this ladder: none predicted"
     return fig.update_layout(barmode="group", yaxis_title="MiB", height=420,
                              title=f"Published memory table beside the prediction for {model}")
 
@@ -168,8 +170,9 @@ def baselines_figure(result: StudyResult) -> go.Figure:
     if len(base):
         fig.add_trace(go.Bar(name="library estimate", x=base["estimator"], y=base["estimated_bytes"] / MiB,
                              hovertext=base.get("why_it_differs")))
-        fig.add_trace(go.Bar(name="workbench (same rung)", x=base["estimator"],
-                             y=base["workbench_predicted_bytes"] / MiB))
+        if base.get("workbench_predicted_bytes", pd.Series(dtype=float)).notna().any():  # no empty trace
+            fig.add_trace(go.Bar(name="workbench (same rung)", x=base["estimator"],
+                                 y=base["workbench_predicted_bytes"] / MiB))
     return fig.update_layout(barmode="group", yaxis_title="MiB", height=450,
                              title="Library estimators beside the workbench prediction (none measured)")
 
