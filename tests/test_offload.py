@@ -2073,6 +2073,21 @@ def test_the_k_charts_give_each_panel_room_and_a_plain_title():
     assert list(done.data[0].y) == [25.0, 100.0] and done.layout.yaxis.title.text.endswith("(%)")
 
 
+def test_the_tflops_chart_shows_a_source_whose_runs_are_static_k_only():
+    """The chart keeps the key modes (k=0, adaptive, plain AdamW, ...) and the seed's setting; a measured
+    sweep of static k alone had no bar at all, as if nothing had been measured."""
+    rows = [{"source": "measured", "mode": "static", "run": f"k={k}", "status": "ok", "k_actual": k, "tflops": 1 + k}
+            for k in (0.25, 0.5)]
+    rows += [{"source": "modelled", "mode": mode, "run": f"A100: {mode}", "status": "ok", "k_actual": 0.5,
+              "tflops": 40.0} for mode in ("static", "adaptive")]
+    rows.append({"source": "published", "mode": "published", "run": "published setting", "status": "ok",
+                 "k_actual": 0.7, "tflops": 50.0, "published_setting": True})
+    fig = tflops_figure(StudyResult("split", runs=pd.DataFrame(rows)))
+    shown = {(t.name, x) for t in fig.data for x in t.x}
+    assert shown == {("measured", "k=0.25"), ("measured", "k=0.5"), ("modelled", "A100: adaptive"),
+                     ("published", "published setting")}, shown
+
+
 def test_the_seeds_figures_in_captions_come_from_the_claims_file(monkeypatch):
     """The seed's k band and its memory table were typed into the captions beside the verdicts: a claims file
     that said otherwise would have left them standing. They are read from published_claims.json now."""

@@ -74,7 +74,10 @@ def tflops_figure(result: StudyResult) -> go.Figure:
     # the seed's claim and the model's run at its setting: a column of their own (the hardware text's
     # suffix had been matched)
     published = df["published_setting"].eq(True) if "published_setting" in df else df["source"] == "published"
-    key = df[df["mode"].isin(KEY_MODES) | published].dropna(subset=["tflops"])
+    rows = df.dropna(subset=["tflops"])
+    key = rows[rows["mode"].isin(KEY_MODES) | published.reindex(rows.index)]
+    # a source none of whose runs is of a key mode (a sweep of static k only) shows the runs it has
+    key = pd.concat([key, rows[~rows["source"].isin(key["source"])]])
     fig = px.bar(key, x="run", y="tflops", color="source", facet_col="source", hover_data=["status", "k_actual"],
                  title="TFLOP/s of the key runs: measured here, modelled for a GPU profile, or published (the seed's)",
                  labels={"tflops": "TFLOP/s", "run": ""})
