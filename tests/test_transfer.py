@@ -171,7 +171,22 @@ def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(ti
     rerun = run_strategies(cfg, progress=False).runs
     assert summary.stat().st_mtime_ns != stamp and rerun["run_id"][0] == first["run_id"][0]
     assert len((run / "steps.jsonl").read_text().splitlines()) == steps  # replaced, not appended to
+    # a rerun killed part-way leaves the finished try as it was: its steps had been cut to the killed try's,
+    # beside the summary that said finished, and every later call reused the run with them
+    files = {f.name: f.read_bytes() for f in run.iterdir() if f.suffix in (".json", ".jsonl")}
+
+    def killed(row):
+        if row.get("step") == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_strategies(cfg, [killed], progress=False)
+    assert {f.name: f.read_bytes() for f in run.iterdir() if f.name in files} == files
+    assert len((run / "steps.partial.jsonl").read_text().splitlines()) == 3  # the killed try's, kept aside
     monkeypatch.delenv("WORKBENCH_RERUN")
+    seen.clear()
+    assert run_strategies(cfg, [seen.append], progress=False).runs["reused"][0]
+    assert [r["step"] for r in seen] == list(range(1, steps + 1))
     # Another corpus, other base weights or another workbench version: another run, not a read-back
 
     corpus = tmp_path / "corpus"
@@ -556,7 +571,7 @@ def test_a_lora_rank_no_layer_can_use_is_said_before_any_run(tiny_base, results_
     with pytest.raises(ConfigError) as early:
         run_strategies(cfg, progress=False)
     assert str(early.value) == str(late.value) and "use a smaller lora_rank" in str(late.value)
-    assert not list(results_dir.glob("strategies/*/config.json"))  # bitfit did not train first
+    assert not list(results_dir.glob("strategies/*/config*.json"))  # bitfit did not train first
 
 
 def test_preflight_prediction_skips_what_will_not_fit(tiny_base, results_dir):

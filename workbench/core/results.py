@@ -4,8 +4,9 @@
     results/<study>/runs.csv      one row per run: config fields + metrics + status
 
 Every whole-file write goes to a temporary file in the same folder and is renamed into place,
-so a crash leaves the old file or the new one, never a torn one. `steps.jsonl` is appended one
-flushed line per step, so a crash keeps every step written so far. A run's status is one of
+so a crash leaves the old file or the new one, never a torn one. A run's steps are appended one
+flushed line per step, so a crash keeps every step written so far (in steps.partial.jsonl until the
+run's summary puts them in place: RunDir). A run's status is one of
 ok, oom, fallback, skipped or error, and a failed run is a row, never a gap.
 """
 
@@ -155,24 +156,42 @@ class JsonlSink:
 
 class RunDir:
     """One run's folder: config.json at the start, steps.jsonl as it goes, summary.json at the end.
-    The folder is made by the first file written to it: looking for a finished run makes nothing."""
+    The folder is made by the first file written to it: looking for a finished run makes nothing.
+
+    A try writes its config and steps as config.partial.json and steps.partial.jsonl, which its summary
+    puts in place: a try killed part-way (a finished run trained again with WORKBENCH_RERUN=1) leaves the
+    finished try's config, steps and summary as they were. Its truncated steps had stood beside the old
+    summary, which said the run was finished, and every later call reused the run with them."""
 
     def __init__(self, study: str, run_id: str, root: str | Path | None = None):
         self.study = study
         self.run_id = run_id
         self.path = Path(root or results_root()) / study / run_id
 
+    _TRY_FILES = ("config.json", "steps.jsonl")  # written as <stem>.partial<suffix> until the summary
+
+    def _partial(self, name: str) -> Path:
+        stem, _, suffix = name.partition(".")
+        return self.path / f"{stem}.partial.{suffix}"
+
     def write_config(self, config: dict[str, Any]) -> None:
-        atomic_write_json(self.path / "config.json", {**config, "env": environment(), "started": now()})
+        atomic_write_json(self._partial("config.json"), {**config, "env": environment(), "started": now()})
 
     def steps_sink(self) -> JsonlSink:
-        """The run's steps.jsonl, started afresh: a retried run replaces the steps of the try before."""
-        return JsonlSink(self.path / "steps.jsonl", fresh=True)
+        """This try's steps (steps.partial.jsonl, started afresh), put in place by its summary."""
+        return JsonlSink(self._partial("steps.jsonl"), fresh=True)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        """The summary, with this try's config and steps put in place first; the old summary goes before
+        them: a kill in between leaves a run without a summary (not finished), never a mix of two tries."""
         status = summary.get("status")
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        tried = [name for name in self._TRY_FILES if self._partial(name).exists()]
+        if tried:
+            (self.path / "summary.json").unlink(missing_ok=True)
+        for name in tried:
+            os.replace(self._partial(name), self.path / name)
         atomic_write_json(self.path / "summary.json", {**summary, "finished": now()})
 
     def summary(self) -> dict[str, Any] | None:

@@ -274,7 +274,8 @@ def finished_row(run: RunDir) -> dict | None:
 
 
 def run_job(job: Job, sinks: Iterable[Sink] = ()) -> dict:
-    """Train one run and write its folder (config.json first, summary.json last); returns its row.
+    """Train one run and write its folder (its config and steps as partial files, put in place with
+    summary.json, last: workbench.core.results.RunDir); returns its row.
     The run is held while it trains: the same run started elsewhere at once waits, then reads it back."""
     run = job.run_dir()
     with run.training():
