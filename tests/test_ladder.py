@@ -793,6 +793,74 @@ def test_the_default_budget_makes_auto_fit_choose_a_middle_setup_of_the_embedded
     assert "micro-batch 4 x 2" in joint.plan.name
 
 
+def test_a_re_measuring_ladder_killed_part_way_leaves_the_finished_one_whole(tmp_path, monkeypatch, tiny_base):
+    """A ladder measured again (WORKBENCH_RERUN=1, or new code) and killed in its second rung had emptied the
+    finished call's steps.jsonl: the study read back the finished call's table beside the killed call's two
+    steps. Its steps stay aside until it finishes; the next call goes on from the rung it reached."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    monkeypatch.delenv(RERUN_ENV, raising=False)
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32", "bf16_ckpt"), breakdown_rung="fp32", micro_batch=2,
+                       seq_len=32, steps=2, autofit=False, reference_model="")
+    run_ladder(cfg)
+    before = runner.load_result()
+    assert list(before.steps.groupby("rung", sort=False).size().items()) == [("fp32", 2), ("bf16_ckpt", 2)]
+    real = runner.measure
+
+    def dies_in_bf16_ckpt(name, *args, sinks=(), **kw):
+        if name == "bf16_ckpt":
+            for sink in sinks:
+                sink({"rung": name, "step": 1, "loss": 9.9})
+            raise KeyboardInterrupt
+        return real(name, *args, sinks=sinks, **kw)
+
+    monkeypatch.setattr(runner, "measure", dies_in_bf16_ckpt)
+    monkeypatch.setenv(RERUN_ENV, "1")
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(cfg)
+    after = runner.load_result()
+    pd.testing.assert_frame_equal(after.steps, before.steps)
+    pd.testing.assert_frame_equal(after.runs, before.runs)
+
+
+def test_a_resumed_ladder_writes_back_the_rungs_it_reuses_whole(tmp_path, monkeypatch, tiny_base):
+    """A resumed call emptied rungs.jsonl and then wrote the reused rungs back: killed in between, it lost
+    every finished rung. They are on disk whole before the call goes on."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    monkeypatch.delenv(RERUN_ENV, raising=False)
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32,
+                       steps=2, autofit=False, reference_model="")
+    run_ladder(cfg)
+    log = tmp_path / "ladder" / cfg.run_id() / "rungs.jsonl"
+    kept = log.read_text()
+
+    class KilledOnOpening(runner.JsonlSink):  # a kill as the rungs' log is opened for this call
+        def __init__(self, path, **kw):
+            super().__init__(path, **kw)
+            if Path(path).name == "rungs.jsonl":
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "JsonlSink", KilledOnOpening)
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(cfg)
+    assert log.read_text() == kept and json.loads(kept)["row"]["status"] == "ok"
+
+
+def test_a_rung_that_measured_nothing_runs_again_as_the_machine_is_now(tmp_path, monkeypatch, tiny_base):
+    """A rung skipped for want of free memory was read back as skipped by every later call with these
+    settings (its old reason, '1 MiB free', with it): only a rung that measured is reused."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    monkeypatch.delenv(RERUN_ENV, raising=False)
+    cfg = LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32,
+                       steps=2, autofit=False, reference_model="")
+    with monkeypatch.context() as m:
+        m.setattr(common, "host_free_mib", lambda: 1.0)
+        busy = run_ladder(cfg).runs.set_index("rung")
+    assert busy.loc["fp32", "status"] == "skipped"
+    free = run_ladder(cfg).runs.set_index("rung")
+    assert free.loc["fp32", "status"] == "ok" and "reused" not in free  # measured, not read back
+    assert run_ladder(cfg).runs.set_index("rung").loc["fp32", "reused"]  # a rung that measured is reused
+
+
 def test_the_same_ladder_started_twice_at_once_waits_for_the_first(tmp_path, monkeypatch, tiny_base, capsys):
     """Two callers given the same ladder at once both measured it into one rungs.jsonl and steps.jsonl
     (and, on a card, each measured its peak beside the other's). The second waits now, said in one line;
@@ -848,7 +916,7 @@ def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_pat
 
     with pytest.raises(KeyboardInterrupt):
         run_ladder(cfg, sinks=[dies_in_the_chart])
-    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (run_dir / "steps.partial.jsonl").read_text().splitlines()]
     assert [s["rung"] for s in steps] == ["fp32"] * 2 + ["bf16_ckpt"] * 2 and measured == ["fp32", "bf16_ckpt"]
 
     def counts(name, *args, **kw):

@@ -170,16 +170,17 @@ class RunDir:
 
     _TRY_FILES = ("config.json", "steps.jsonl")  # written as <stem>.partial<suffix> until the summary
 
-    def _partial(self, name: str) -> Path:
+    def partial(self, name: str) -> Path:
+        """Where this try writes `name` until its summary puts it in place."""
         stem, _, suffix = name.partition(".")
         return self.path / f"{stem}.partial.{suffix}"
 
     def write_config(self, config: dict[str, Any]) -> None:
-        atomic_write_json(self._partial("config.json"), {**config, "env": environment(), "started": now()})
+        atomic_write_json(self.partial("config.json"), {**config, "env": environment(), "started": now()})
 
     def steps_sink(self) -> JsonlSink:
         """This try's steps (steps.partial.jsonl, started afresh), put in place by its summary."""
-        return JsonlSink(self._partial("steps.jsonl"), fresh=True)
+        return JsonlSink(self.partial("steps.jsonl"), fresh=True)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """The summary, with this try's config and steps put in place first; the old summary goes before
@@ -187,11 +188,11 @@ class RunDir:
         status = summary.get("status")
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
-        tried = [name for name in self._TRY_FILES if self._partial(name).exists()]
+        tried = [name for name in self._TRY_FILES if self.partial(name).exists()]
         if tried:
             (self.path / "summary.json").unlink(missing_ok=True)
         for name in tried:
-            os.replace(self._partial(name), self.path / name)
+            os.replace(self.partial(name), self.path / name)
         atomic_write_json(self.path / "summary.json", {**summary, "finished": now()})
 
     def summary(self) -> dict[str, Any] | None:

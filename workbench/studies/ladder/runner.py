@@ -154,9 +154,11 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
     inputs = {"model_fingerprint": model_fingerprint(_resolve(cfg.model), cfg.spec()), "workbench_version": __version__,
               "workbench_code": code_fingerprint(), "libraries": library_versions()}
     finished = _finished_rungs(run, inputs) if reuse_finished_runs() else {}
-    steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl", fresh=True)
-    for row in finished.values():
-        rungs_sink({"rung": row["rung"], "inputs": inputs, "row": row})
+    # the rungs reused, on disk whole before the call goes on (emptied first and then written back, a kill in
+    # between lost them); each rung this call finishes is appended
+    atomic_write_text(run.path / "rungs.jsonl", "".join(json.dumps({"rung": row["rung"], "inputs": inputs, "row": row},
+                                                                   default=float) + "\n" for row in finished.values()))
+    steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl")
     for name in tqdm(cfg.rungs, desc="ladder", unit="rung", disable=not progress, file=sys.stderr):
         plan = RUNGS[name]
         if name in finished:
@@ -288,8 +290,9 @@ def _figures_of(df: pd.DataFrame) -> dict[str, float]:
 
 
 def _finished_rungs(run: RunDir, inputs: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """The rows of rungs an earlier run with these settings finished (rungs.jsonl), where the
-    weights, the workbench version and its code are the same; a line cut short by a kill is left out."""
+    """The rows of rungs an earlier run with these settings measured (rungs.jsonl), where the weights, the
+    workbench version and its code are the same; a line cut short by a kill is left out, and so is a rung that
+    measured nothing (skipped, out of memory, an error: it runs again, as the machine is now)."""
     path = run.path / "rungs.jsonl"
     done = {}
     for line in path.read_text().splitlines() if path.exists() else ():
@@ -297,23 +300,27 @@ def _finished_rungs(run: RunDir, inputs: dict[str, str]) -> dict[str, dict[str, 
             rec = json.loads(line)
         except ValueError:
             continue
-        if rec.get("inputs") == inputs and rec.get("rung") in RUNGS:
+        if rec.get("inputs") == inputs and rec.get("rung") in RUNGS and rec.get("row", {}).get("status") == "ok":
             done[rec["rung"]] = rec["row"]
     return done
 
 
 def _resumed_steps(run: RunDir, finished: dict[str, dict], sinks: list[Sink]) -> JsonlSink:
-    """steps.jsonl started afresh with the steps of the rungs reused (their charts are sent to the
-    sinks again); a rung cut short left steps that are dropped, and it runs again."""
-    path = run.path / "steps.jsonl"
+    """This call's steps (steps.partial.jsonl, which its summary puts in place as steps.jsonl) started afresh
+    with the steps of the rungs reused (their charts are sent to the sinks again), read from a killed call's
+    partial file, else the finished call's; a rung cut short left steps that are dropped, and it runs again.
+    The finished call's steps.jsonl stays beside its ladder.csv until this call finishes: a call killed
+    part-way (re-measuring, WORKBENCH_RERUN=1) had left its few steps beside the earlier call's table."""
+    partial = run.partial("steps.jsonl")
+    path = partial if partial.exists() else run.path / "steps.jsonl"
     kept = read_steps(path) if finished and path.exists() and path.stat().st_size else pd.DataFrame()
     rows = kept[kept["rung"].isin(list(finished))].to_dict("records") if "rung" in kept else []
     # on disk whole before the charts get them: a kill while they redraw loses none of them
-    atomic_write_text(path, "".join(json.dumps(row, default=float) + "\n" for row in rows))
+    atomic_write_text(partial, "".join(json.dumps(row, default=float) + "\n" for row in rows))
     for row in rows:
         for s in _labelled(sinks, stage="ladder", budget_mib=finished[row["rung"]].get("budget_mib")):
             s(row)
-    return JsonlSink(path)
+    return JsonlSink(partial)
 
 
 def load_result() -> StudyResult | None:
