@@ -14,7 +14,7 @@ from workbench.core.config import ConfigError
 from workbench.core.memory.live_bytes import LiveBytes
 from workbench.core.models import ModelNotFoundError
 from workbench.core import fallback, results
-from workbench.core.results import code_fingerprint, git_commit
+from workbench.core.results import ResultsWriter, code_fingerprint, git_commit, read_table
 from workbench.studies.strategies import runner as transfer
 from workbench.studies.strategies.config import StrategiesConfig
 from workbench.studies.strategies.figures import findings
@@ -682,6 +682,33 @@ def test_qlora_learns_what_lora_learns_at_the_same_rate(tiny_base, results_dir):
     assert (runs["status"] == "ok").all()
     lora, qlora = runs.loc["lora", "ppl_after"], runs.loc["qlora", "ppl_after"]
     assert qlora < runs.loc["qlora", "ppl_before"] * 0.97 and abs(qlora / lora - 1) < 0.01, (lora, qlora)
+
+
+def test_a_call_killed_before_it_names_its_runs_leaves_the_last_calls_result_whole(tiny_base, results_dir,
+                                                                                     monkeypatch):
+    """The summary, claims and overlap files are written before latest.json names the call's runs: a call
+    killed in between showed the earlier call's runs beside its own summary ('Best held-out perplexity:
+    lora' over a table of bitfit's runs). They are made from the runs latest.json names, and the overlap
+    is in it."""
+    cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)
+    first = run_strategies(cfg, progress=False)
+    written = ResultsWriter.json
+
+    def killed_naming(self, name, obj, **kw):
+        if name == "latest":
+            raise KeyboardInterrupt
+        return written(self, name, obj, **kw)
+
+    monkeypatch.setattr(ResultsWriter, "json", killed_naming)
+    with pytest.raises(KeyboardInterrupt):
+        run_strategies(cfg.replace(strategies=("lora",), eval_blocks=4), progress=False)
+    assert list(read_table(results_dir / "strategies" / "summary.csv")["strategy"]) == ["lora"]  # written
+    back = load_result()
+    assert list(back.runs["strategy"]) == ["bitfit"]
+    for name in ("summary", "claims", "corpus_overlap"):
+        mine, theirs = first.tables[name], back.tables[name]
+        assert list(theirs.columns) == list(mine.columns), name
+        assert theirs.astype(str).values.tolist() == mine.astype(str).values.tolist(), name
 
 
 def test_a_played_cards_peak_is_labelled_modelled_and_the_cpus_measured(tiny_base, results_dir):

@@ -347,9 +347,15 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     result.paths = {name: str(writer.table(name, table)) for name, table in result.tables.items()}
     # which runs this call's tables are of (load_result reads them back): a reused run keeps its old
     # `finished`, so the latest finished run can belong to an earlier call of other settings
-    result.paths["latest"] = str(writer.json("latest", {"run_ids": list(df["run_id"])}))
+    result.paths["latest"] = str(writer.json("latest", {"run_ids": list(df["run_id"]),
+                                                        "corpus_overlap": _as_json(result.tables["corpus_overlap"])}))
     result.paths["runs"] = str(writer.dir / "runs.csv")
     return result
+
+
+def _as_json(df: pd.DataFrame) -> dict:
+    """A table as JSON that pd.DataFrame(**it) makes again: its columns in their order, its values."""
+    return {"columns": list(df.columns), "data": df.to_dict("records")}
 
 
 def _replay(job: Job, sinks: list[Sink]) -> None:

@@ -95,10 +95,11 @@ def load_result() -> StudyResult | None:
     elif "config_hash" in runs and runs["config_hash"].notna().any():  # results written before latest.json
         last = runs.sort_values("finished")["config_hash"].dropna().iloc[-1]
         runs = runs[runs["config_hash"] == last]
-    tables = {name: read_table(root / f"{name}.csv") for name in ("summary", "claims", "corpus_overlap")}
-    if tables["summary"].empty or "improvement_mean_pct" not in tables["summary"]:  # none, or an older naming
-        tables["summary"] = summarize(runs)
-        tables["claims"] = claims_table(runs)
+    # made from the chosen runs, and the overlap from latest.json, as the runs are chosen: the files beside
+    # it are written before it, so a call killed between them showed one call's runs with another's summary
+    overlap = json.loads(latest.read_text()).get("corpus_overlap") if latest.exists() else None
+    tables = {"summary": summarize(runs), "claims": claims_table(runs),
+              "corpus_overlap": pd.DataFrame(**overlap) if overlap else read_table(root / "corpus_overlap.csv")}
     config = RunDir(STUDY, str(runs["run_id"].iloc[-1])).config() or {}  # the settings' budget, for the findings
     facts = {"token_budget": config.get("token_budget")}
     return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=steps_frame(runs), tables=tables, facts=facts)
