@@ -43,7 +43,7 @@ from workbench.studies.split.perf_model import (GB, assumed, band_intervals, hos
 from workbench.studies.split.preflight import MemoryHold
 from workbench.studies.split.reference import plain_adamw
 from workbench.studies.split.batches import text_batches
-from workbench.studies.split.runner import measured_runs, run_split_study
+from workbench.studies.split.runner import load_result, measured_runs, run_split_study
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
 
@@ -911,11 +911,34 @@ def test_the_same_settings_started_twice_at_once_are_measured_one_after_the_othe
             time.sleep(0.2)
             said += capsys.readouterr().err
         time.sleep(1)  # time enough to start a run's folder, had it not waited
-        assert not list((tmp_path / "split").glob("*/steps.jsonl")) and not done  # nothing while the first measures
+        assert not list((tmp_path / "split").glob("*/steps*.jsonl")) and not done  # nothing while the first measures
         assert f"split: study 3 with these settings ({cfg.hash()}) is being measured by another process" in said
     second.join(300)
     assert done and list(done[0].runs.query("source == 'measured'")["status"]) == ["ok"]
     assert len(list((tmp_path / "split").glob("*/steps.jsonl"))) == 1
+
+
+def test_a_call_killed_before_its_runs_are_listed_leaves_the_last_result_whole(tmp_path, monkeypatch, tiny_base):
+    """Study 3's steps and side tables were one set beside runs.csv, written before it: a call of other
+    settings killed in between showed its loss curves (a k=0.25 run) and its inputs under the earlier call's
+    runs (k=0.5). They are in the settings' folder now, read back for the runs runs.csv lists."""
+    from workbench.core.results import ResultsWriter
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "k_sweep": [0.5], "adaptive": False, "reference": False})
+    first = run_split_study(cfg)
+
+    def killed(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ResultsWriter, "update_runs", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_split_study(cfg.replace(k_sweep=(0.25,), host_share=0.4))
+    back = load_result()
+    assert set(back.steps["run"]) == {"k=0.5"} == set(back.runs.query("source == 'measured'")["run"])
+    pd.testing.assert_frame_equal(back.tables["model_inputs"], first.tables["model_inputs"].astype(
+        back.tables["model_inputs"].dtypes.to_dict()), check_dtype=False)
+    assert back.facts["host_and_published"]["host"] == pytest.approx(first.facts["host_and_published"]["host"])
 
 
 def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
@@ -977,7 +1000,8 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     lanes = set(result.tables["timeline"]["lane"])
     assert {"accelerator", "host", "transfer to host", "transfer to accelerator"} <= lanes
     out = tmp_path / "split"
-    assert (out / "runs.csv").exists() and (out / "steps.csv").exists() and (out / "timeline.csv").exists()
+    settings = out / cfg.hash()  # the steps and side tables in the settings' folder, runs.csv beside them
+    assert (out / "runs.csv").exists() and (settings / "steps.csv").exists() and (settings / "timeline.csv").exists()
     assert len(list(out.glob("*/summary.json"))) == 4
 
 

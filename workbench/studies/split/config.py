@@ -84,7 +84,7 @@ class SplitConfig(Config):
         None, "what-if: fix alpha, the ratio t_update_accelerator / t_update_host (None: modelled from the profiles)"
     )
 
-    write_results: bool = param(True, "write results/split/ (runs.csv, steps.csv, timeline.csv)")
+    write_results: bool = param(True, "write results/split/ (runs.csv; steps.csv and the side tables in <study_key>/)")
 
     def __post_init__(self) -> None:
         check_corpus(self.corpus)

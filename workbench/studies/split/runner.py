@@ -11,8 +11,8 @@ accelerator/host split of the Adam update win back?
     result.tables["model_inputs"]        # every input of the performance model with its source
     result.facts["host_and_published"]   # this machine's host rates; the seed's operating point
 
-Written to results/split/: runs.csv (earlier settings' rows kept), steps.csv, a CSV per side table and
-host_and_published.json.
+Written to results/split/: runs.csv (earlier settings' rows kept) and, in the settings' folder
+(results/split/<study_key>/), steps.csv, a CSV per side table and host_and_published.json.
 
 Two halves. Measured: the engine fine-tunes the embedded base (the tiny one in tests) on the real target
 corpus here for k = 0 (host-only update), a static sweep of k, adaptive k and plain torch AdamW (optionally
@@ -355,20 +355,25 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
                          tables={"timeline": timeline, "sensitivity": sensitivity, "verdict": verdicts,
                                  "validation": validation, "model_inputs": inputs},
                          facts={"host_and_published": {"host": host, "published": op}})
-    if cfg.write_results:
-        ResultsWriter(STUDY).write(result, runs_key="study_key")
+    if cfg.write_results:  # the steps and side tables in the settings' folder, runs.csv last
+        ResultsWriter(STUDY).write(result, run=key, runs_key="study_key")
     return result
 
 
 def load_result() -> StudyResult | None:
-    """The latest settings' result, read back from results/split/ (None if it never ran)."""
+    """The latest settings' result, read back from results/split/: runs.csv's rows of the latest call and
+    the steps and side tables of their settings' folder (None if it never ran). The tables were beside
+    runs.csv, one set for every setting: a call of other settings killed before its runs.csv showed its
+    own loss curves, timeline and inputs under the earlier call's runs."""
     root = results_root() / STUDY
-    runs = latest(read_table(root / "runs.csv"), "study_key")
+    runs = latest(read_table(root / "runs.csv", ["study_key"]), "study_key")
     if runs.empty:
         return None
-    tables = {name: read_table(root / f"{name}.csv")
+    folder = root / str(runs["study_key"].iloc[0])
+    folder = folder if (folder / "steps.csv").exists() else root  # written before the settings' folders
+    tables = {name: read_table(folder / f"{name}.csv")
               for name in ("timeline", "sensitivity", "verdict", "validation", "model_inputs")}
-    facts_path = root / "host_and_published.json"
+    facts_path = folder / "host_and_published.json"
     facts = {"host_and_published": json.loads(facts_path.read_text())} if facts_path.exists() else {}
-    return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=read_table(root / "steps.csv"),
+    return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=read_table(folder / "steps.csv"),
                        tables=tables, facts=facts)
