@@ -71,6 +71,20 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     assert "File cell 4" not in err and "Exception encountered" not in err  # not the cell's traceback
     assert "Traceback (most recent call last)" in err and "Kernel died" in err  # the kernel's: in full
     assert "workbench reproduce: 2 notebook(s) failed" in err
+    # a call of some (--only) keeps the others' rows, and a notebook killed part-way is 'not finished' (the
+    # log had listed the latest call's notebooks alone, each written when it ended: a killed one was nowhere)
+
+    def killed(path, params, out, progress=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reproduce, "run_notebook", killed)
+    assert main(["reproduce", "--quick", "--only", "02_ladder", "--no-report"]) == 130  # Ctrl-C, said in a line
+    monkeypatch.setattr(reproduce, "run_notebook", run)
+    assert main(["reproduce", "--quick", "--only", "01_strategies", "--no-report"]) == 0
+    log = json.loads((results_dir / "reproduce.json").read_text())
+    assert [(n["name"], n["status"]) for n in log["notebooks"]] == [
+        ("01_strategies", "ok"), ("02_ladder", "not finished"), ("03_split", "error")]
+    assert log["notebooks"][2] == third
 
 
 def test_an_unknown_notebook_is_one_line_naming_the_known_ones(results_dir, capsys):

@@ -71,7 +71,9 @@ def write_report(path: str | Path | None = None) -> Path:
                 body.append(f"<div>{obj}</div>")
     reproduce = results_root() / "reproduce.json"
     runs = json.loads(reproduce.read_text()).get("notebooks", []) if reproduce.exists() else []
-    runs_html = table_html(pd.DataFrame(runs)[["name", "status", "seconds", "output"]]) if runs else ""
+    runs = pd.DataFrame(runs)  # each notebook's latest run (an earlier call's where this one ran others)
+    runs_html = table_html(runs[[c for c in ("name", "status", "started", "seconds", "output") if c in runs]]) \
+        if len(runs) else ""
     gpu = "no GPU" if env.get("gpu") in (None, "none") else f"GPU {html.escape(str(env['gpu']))}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Workbench report</title>
 <style>{_CSS}</style></head><body>

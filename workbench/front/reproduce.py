@@ -13,10 +13,12 @@ notebook and in results/reproduce.json.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from workbench.core.config import ConfigError
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, embedded_metrics, ensure_embedded_base
@@ -35,6 +37,16 @@ def register(sub) -> None:
                    help="run nothing: write results/index.html from the results already there (after a study run "
                         "from the shell, a notebook or a sweep's point)")
     p.set_defaults(func=main)
+
+
+def _earlier_entries(path: Path) -> list[dict]:
+    """The notebooks an earlier call ran, as reproduce.json lists them: a call of some (--only) keeps the
+    others' rows (the log had listed this call's alone, and the report lost the others' runs)."""
+    try:
+        rows = json.loads(path.read_text()).get("notebooks", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [r for r in rows if isinstance(r, dict) and "name" in r] if isinstance(rows, list) else []
 
 
 def main(args) -> int:
@@ -58,8 +70,19 @@ def main(args) -> int:
     m = embedded_metrics(spec)
     print(f"embedded base: {m['params']:,} params, held-out perplexity {m['heldout_perplexity']:.1f} "
           f"vs unigram {m['unigram_perplexity']:.1f}", flush=True)
-    log = {"started": now(), "quick": args.quick, "env": environment(), "embedded_base": m, "notebooks": []}
+    log = {"started": now(), "quick": args.quick, "env": environment(), "embedded_base": m,
+           "notebooks": _earlier_entries(root / "reproduce.json")}
     failed = 0
+
+    def entry(row: dict) -> None:  # this call's row for the notebook, in place of an earlier call's
+        rows = log["notebooks"]
+        mine = next((i for i, n in enumerate(rows) if n["name"] == row["name"]), None)
+        if mine is None:
+            rows.append(row)
+        else:
+            rows[mine] = row
+        atomic_write_json(root / "reproduce.json", log)
+
     for nb in notebooks:
         params = {**nb.reproduce, **(nb.quick if args.quick else {})}
         out = root / "notebooks" / f"{nb.name}.ipynb"
@@ -68,6 +91,9 @@ def main(args) -> int:
         partial = out.with_name(f".{nb.name}.partial.ipynb")
         t0 = time.perf_counter()
         print(f"[{nb.name}] running{' (quick)' if args.quick else ''} ...", flush=True)
+        started = now()  # said before it runs: a call killed part-way leaves 'not finished', not the old row
+        entry({"name": nb.name, "status": "not finished", "started": started, "quick": args.quick,
+               "parameters": params})
         status, error, trace = "ok", None, None
         try:
             run_notebook(nb.path, params, partial, progress=f"[{nb.name}] cells")
@@ -85,10 +111,8 @@ def main(args) -> int:
                 print(f"[{nb.name}] {error}", file=sys.stderr, flush=True)
         dt = time.perf_counter() - t0
         print(f"[{nb.name}] {status} in {dt:.0f} s" + (f" -> {out}" if out else ""), flush=True)
-        log["notebooks"].append({"name": nb.name, "status": status, "seconds": round(dt, 1),
-                                 "output": str(out) if out else None, "parameters": params, "error": error,
-                                 "traceback": trace})
-        atomic_write_json(root / "reproduce.json", log)
+        entry({"name": nb.name, "status": status, "started": started, "quick": args.quick, "seconds": round(dt, 1),
+               "output": str(out) if out else None, "parameters": params, "error": error, "traceback": trace})
     if not args.no_report:
         path = write_report()
         print(f"report: {path}", flush=True)
