@@ -817,10 +817,29 @@ def test_more_eval_blocks_than_held_out_text_is_said(tiny_base):
     {"steps": "12"},  # wrong type
     {"k_sweep": 0.5},  # not a list
     {"learning_rate": 1e-3},  # unknown name
+    {"threads": -1},
 ])
 def test_bad_config_values_are_refused(bad):
     with pytest.raises(ConfigError):
         SplitConfig.from_dict(bad)
+
+
+def test_threads_0_leaves_torchs_threads_as_the_setting_says(monkeypatch):
+    """threads' help (the shared vocabulary) says 0 leaves them as set; study 3 refused 0."""
+    from workbench.studies.split import runner
+
+    def stop(*args, **kw):
+        raise KeyboardInterrupt  # the threads are what the study set before its first run
+
+    monkeypatch.setattr(runner, "measured_runs", stop)
+    before = torch.get_num_threads()
+    seen = []
+    monkeypatch.setattr(runner.torch, "set_num_threads", lambda n: seen.append(n))
+    for threads in (0, 1):
+        with pytest.raises(KeyboardInterrupt):
+            run_split_study(SplitConfig(threads=threads, write_results=False))
+    assert "0: leave as set" in SplitConfig.help()["threads"]
+    assert seen == [before, 1, before]  # 0: only given back as it was; 1: set, then given back
 
 
 def test_the_live_charts_memory_on_a_card_is_the_iterations_peak():

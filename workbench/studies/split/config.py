@@ -89,10 +89,12 @@ class SplitConfig(Config):
     def __post_init__(self) -> None:
         check_corpus(self.corpus)
         positive = ("eval_blocks", "micro_batch", "seq_len", "steps",
-                    "host_workers", "k_every", "threads", "modelled_micro_batch", "modelled_seq_len")
+                    "host_workers", "k_every", "modelled_micro_batch", "modelled_seq_len")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.threads < 0:  # 0 leaves torch's as set, as the shared vocabulary says (it was refused)
+            raise ConfigError(f"threads must be 0 (leave as set) or more, got {self.threads}")
         if not 0 <= self.untimed_steps < self.steps:
             raise ConfigError(f"untimed_steps must be in [0, steps): got untimed_steps={self.untimed_steps} with "
                               f"steps={self.steps} (raise steps or lower untimed_steps)")

@@ -309,7 +309,8 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
     tokens_per_s, k, labelled with `run` and `mode`; `mem_mib` on CUDA), run by run as each run
     ends (see _RunSink). The modelled half sends nothing: it is not a run."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     try:
         key = cfg.hash()
         run_dir = None
