@@ -1,7 +1,7 @@
 """A person's view: JupyterLab in a real (headless) browser, and the Voila dashboard.
 
 JupyterLab is started on 127.0.0.1 with a token; Debian's chromium is driven by Playwright for
-Python (no `playwright install`: FIELD_NOTES). The test opens study 1's notebook on tiny
+Python (no `playwright install`: no browser download here). The test opens study 1's notebook on tiny
 parameters, runs it, checks that the knobs and a chart with data rendered, moves a knob (a bad
 value shows the config error; a good one runs the study again) and saves a screenshot under
 results/browser/. Voila serves a study app the same way (screenshot), the report opens offline with

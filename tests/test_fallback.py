@@ -1,4 +1,4 @@
-"""Device fallback and the CPU-played memory budget (DESIGN.md section 3)."""
+"""Device fallback and the CPU-played memory budget."""
 
 import gc
 import re

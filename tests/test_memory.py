@@ -113,7 +113,7 @@ def test_qwen2_05b_prediction_is_above_the_simple_estimate():
     n = 494_032_768  # Qwen2-0.5B parameters, tied embedding once
     assert p.method == "predicted" and p.seconds > 0
     # A real CPU step of this config (fp32, fused AdamW, batch 1 x 512), run once with the weights
-    # present and measured by live tensor bytes, peaked at 8577.0 MiB (../shared/FIELD_NOTES.md).
+    # present and measured by live tensor bytes, peaked at 8577.0 MiB (measured on this project's machine).
     # The prediction never sees weights; it must land within 0.1% (8.6 MiB) of that measurement.
     assert abs(p.peak_bytes / 2**20 / 8577.0 - 1) < 0.001, p.peak_bytes / 2**20
     # Its parts follow from the parameter count: fp32 weights (+ the rotary buffer), two fp32

@@ -23,6 +23,30 @@ from workbench.studies.strategies.runner import claims_table, load_result, rebui
 TINY = dict(base_size="tiny", seq_len=64, token_budget=4096, eval_blocks=8)
 
 
+def test_what_the_published_rows_counted_is_read_from_the_claims_file(monkeypatch, tmp_path):
+    """The published tensor counts ('3/291', ...) and the model's size were typed into the text beside the
+    claims file that holds them: a claims file that said otherwise left them standing."""
+    from workbench.core import claims as claims_mod
+    from workbench.core.claims import study1_comparison
+
+    every = json.loads(claims_mod.CLAIMS_FILE.read_text())
+    for row in every["study1_strategies"]["rows"]:
+        row["claimed_trainable"] = row["claimed_trainable"].replace("/291", "/300")
+    every["study1_strategies"]["setup"]["params_total"] = 2 * 494032768
+    fake = tmp_path / "published_claims.json"
+    fake.write_text(json.dumps(every))
+    monkeypatch.setattr(claims_mod, "CLAIMS_FILE", fake)
+    claims_mod.published.cache_clear()
+    try:
+        summary = pd.DataFrame({"strategy": ["freeze_lower", "freeze_embeddings"], "improvement_mean_pct": [80.0, 40.0]})
+        why = study1_comparison(summary).set_index("strategy")["why_they_differ"]
+    finally:
+        claims_mod.published.cache_clear()
+    assert "Published '3/300' is a tensor count" in why["freeze_lower"], why["freeze_lower"]
+    assert "Published '290/300' counts tensors; one tensor (the embedding, 151,936 x 896) is 13.8% of Qwen2-0.5B's " \
+           "988,065,536 elements" in why["freeze_embeddings"], why["freeze_embeddings"]
+
+
 def test_four_strategies_fallback_and_results(tiny_base, results_dir):
     # A budget between what the small strategies need and what full fine-tuning needs.
     cfg = StrategiesConfig(strategies=("adapter", "freeze_lower", "freeze_embeddings", "full"), seeds=(0,),

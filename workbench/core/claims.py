@@ -1,7 +1,8 @@
 """What did the published studies claim, and where does the workbench's measurement differ?
 
 The claims live in one data file, `data/published_claims.json`, with their sources named
-(copied from the seed documents of the studies). Nothing here hard-codes a published figure.
+(copied from the seed documents of the studies); the reference model's shape is its config's
+(data/configs/qwen2-0.5b.json). Nothing here hard-codes a published figure.
 """
 
 from __future__ import annotations
@@ -15,19 +16,32 @@ from workbench.core.common import PROJECT_ROOT
 
 CLAIMS_FILE = PROJECT_ROOT / "data" / "published_claims.json"
 
-# What each published row of study 1 counted (DESIGN.md section 2): true of the published figures whatever
-# was measured. Why the improvements differ depends on the measurement (`_why`).
+# What each published row of study 1 counted: true of the published figures whatever
+# was measured. Why the improvements differ depends on the measurement (`_why`). The counts and the model's
+# size are the claims file's; the embedding's shape is the model's config (data/configs/qwen2-0.5b.json).
 _STUDY1_COUNTS = {
-    "freeze_lower": "Published '3/291' is a tensor count, and the layers were picked by substring: "
+    "freeze_lower": "Published '{freeze_lower}' is a tensor count, and the layers were picked by substring: "
     "'layers.1' also matches layers 10-19, so 'freeze lower' trained only 3 non-layer tensors. "
     "Here the decoder stack is found structurally and its upper half trains, with the final norm and the head "
     "(with tied embeddings the head is the input embedding, so that trains too).",
-    "adapter": "Published '26/291' counts tensors (2 layers x 12 tensors + norm + head); in elements the "
+    "adapter": "Published '{adapter}' counts tensors (2 layers x 12 tensors + norm + head); in elements the "
     "share is very different, and with tied embeddings the head is the embedding, so it trains too.",
-    "freeze_embeddings": "Published '290/291' counts tensors; one tensor (the embedding, 151,936 x 896) is 27.6% of "
-    "Qwen2-0.5B's 494,032,768 elements. With tied embeddings the head is frozen with the embedding.",
+    "freeze_embeddings": "Published '{freeze_embeddings}' counts tensors; one tensor (the embedding, {vocab:,} x "
+    "{hidden:,}) is {share:.1%} of {model}'s {params:,} elements. With tied embeddings the head is frozen with "
+    "the embedding.",
     "full": "All parameters train in both.",
 }
+
+
+def _study1_counts(name: str) -> str:
+    s1 = published()["study1_strategies"]
+    config = json.loads((PROJECT_ROOT / "data" / "configs" / "qwen2-0.5b.json").read_text())
+    vocab, hidden, params = config["vocab_size"], config["hidden_size"], s1["setup"]["params_total"]
+    counts = {r["strategy"]: r["claimed_trainable"].split()[0] for r in s1["rows"]}
+    return _STUDY1_COUNTS.get(name, "").format(**counts, vocab=vocab, hidden=hidden, share=vocab * hidden / params,
+                                               model=s1["setup"]["model"], params=params)
+
+
 # A measured improvement this close to the published one (percentage points, or 2 spreads over seeds where
 # that is wider) agrees with it: the published figure has no spread to compare with.
 AGREE_POINTS = 5.0
@@ -36,7 +50,7 @@ AGREE_POINTS = 5.0
 def _why(name: str, published_pct: float, measured_pct, spread_pct) -> str:
     """Which way, and how far, the measured improvement is from the published one, and the mechanism that
     explains it only where the measurement is consistent with it; then what the published row counted."""
-    counts = _STUDY1_COUNTS.get(name, "")
+    counts = _study1_counts(name)
     if measured_pct is None or pd.isna(measured_pct):
         return f"Not measured in this run: nothing to set beside the published {published_pct:.1f}%. {counts}"
     spread = 0.0 if spread_pct is None or pd.isna(spread_pct) else float(spread_pct)
@@ -70,14 +84,15 @@ def study1_general_problems() -> list[str]:
     s1 = published()["study1_strategies"]
     setup = s1["setup"]
     problems = list(s1["known_problems"])
+    vocab = json.loads((PROJECT_ROOT / "data" / "configs" / "qwen2-0.5b.json").read_text())["vocab_size"]
     problems.insert(0, f"baseline perplexity {setup['baseline_perplexity']:,} is above {setup['model']}'s "
-                       "vocabulary size (151,936): a model predicting uniformly would score better, so the "
+                       f"vocabulary size ({vocab:,}): a model predicting uniformly would score better, so the "
                        "weights were random")
     return problems
 
 
 def study1_comparison(summary: pd.DataFrame) -> pd.DataFrame:
-    """Published rows of study 1 beside the measured summary (from `transfer.summarize`)."""
+    """Published rows of study 1 beside the measured summary (from `strategies.tables.summarize`)."""
     s1 = published()["study1_strategies"]
     measured = summary.set_index("strategy") if len(summary) else pd.DataFrame()
     rows = []

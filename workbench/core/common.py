@@ -1,6 +1,7 @@
 """Names every layer shares: byte units, the row sink, where the project lives.
 
-    MiB, GiB     bytes in a mebibyte and a gibibyte (every memory figure is shown in MiB)
+    MiB, GiB     bytes in a mebibyte and a gibibyte (memory is shown in MiB; study 3's modelled
+                 card memory in GiB)
     mib_text     a MiB figure for a sentence: whole MiB from 100 up, one decimal below
     Sink         a callable that receives one row (a dict) per step or event: live charts,
                  steps.jsonl, the dashboard

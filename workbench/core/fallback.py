@@ -6,7 +6,7 @@ Each strategy gets an ordered list of attempts, each a device with an optional m
     Attempt.parse("cpu@48:cuda")                      # ... with the card's caching allocator modelled
     default_attempts(budget_mib=48)                   # GPU then CPU on a GPU machine; else cpu@48 then cpu
 
-`run_with_fallback(attempts, job)` runs `job(attempt, budget)` on each attempt in turn. On
+`run_with_fallback(attempts, job)` runs `job(attempt, budget, phase)` on each attempt in turn. On
 running out of memory (`out_of_memory`: torch's OutOfMemoryError, or CUDA's own; or a RuntimeError
 that follows, in the same phase, one the device's allocator or budget raised and a library caught) at
 any point of the job (load, forward, backward, optimizer step, evaluation) it drops everything the attempt

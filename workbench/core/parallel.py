@@ -6,8 +6,8 @@
     rows = run_many(train_one, configs, scheduler="tcp://10.0.0.5:8786")   # e.g. dask-jobqueue's SLURMCluster
 
 The question it answers: how do independent CPU-bound torch runs (study 1's strategy x seed runs,
-the ladder's rungs, a sweep's points) share a machine or a cluster without fighting over its
-cores? Torch processes that share cores must share threads (FIELD_NOTES: 14x slower if each takes
+gpu-check's predictions, a sweep's points) share a machine or a cluster without fighting over its
+cores? Torch processes that share cores must share threads (measured here: 14x slower if each takes
 them all), so:
 - a LocalCluster has `workers` single-thread worker processes, and each gets
   OMP/MKL/OPENBLAS_NUM_THREADS = max(1, cores // workers) in its environment (and

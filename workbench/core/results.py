@@ -1,7 +1,7 @@
 """Where results go, and how they are written so that nothing is lost or half-written.
 
     results/<study>/<run_id>/config.json, steps.jsonl, summary.json
-    results/<study>/runs.csv      one row per run: config fields + metrics + status
+    results/<study>/runs.csv      one row per run: its key, metrics, status (the ladder's: its config too)
 
 Every whole-file write goes to a temporary file in the same folder and is renamed into place,
 so a crash leaves the old file or the new one, never a torn one. A run's steps are appended one
@@ -96,8 +96,8 @@ _ENV_CACHE: dict[str, Any] | None = None
 def environment() -> dict[str, Any]:
     """Versions and hardware every result row carries.
 
-    Versions come from the installed packages' metadata, so writing a result never imports torch or
-    transformers (a sweep's tables and a notebook's `record()` stay light); the torch thread count
+    Versions come from the installed packages' metadata, so writing a result never imports transformers
+    (torch comes with the workbench's config module: core.data); the torch thread count
     and the GPU's name are read from torch when the process has imported it (it has, wherever
     anything trained), else they are left empty."""
     global _ENV_CACHE
@@ -280,11 +280,11 @@ def locked(path: str | Path, waiting: str | None = None):
 class StudyResult:
     """What a study's runner returns: its runs table, its step rows and its named side tables.
 
-        result = run_ladder(cfg)
+        result = run_split_study(cfg)
         result.runs                      # one row per run (rung, strategy, k, ...)
         result.steps                     # one row per training step of every run
-        result.tables["autofit"]         # side tables, by name (`result.table(name)` says which exist)
-        result.facts["host"]             # scalar facts (the host's measured rates, ...)
+        result.tables["timeline"]        # side tables, by name (`result.table(name)` says which exist)
+        result.facts["host_and_published"]  # facts (study 3's host rates; the ladder has none)
         result.paths                     # where each of them was written
     """
 

@@ -235,9 +235,9 @@ STRATEGIES: dict[str, Strategy] = {
                                  "which then trains too", _freeze_lower),
         Strategy("freeze_embeddings", "train everything but the input (and position) embeddings", _freeze_embeddings),
         Strategy("full", "full fine-tuning", _full, by_structure=False),
-        Strategy("lora", "LoRA (peft) on every linear layer of the decoder, rank 8", None),
+        Strategy("lora", "LoRA (peft) on every linear layer of the decoder (rank: lora_rank, 8 by default)", None),
         Strategy("bitfit", "biases only (where the model has biases)", _bitfit, by_structure=False),
-        Strategy("qlora", "4-bit NF4 base (bitsandbytes) + LoRA rank 8", None),
+        Strategy("qlora", "4-bit NF4 base (bitsandbytes) + LoRA (rank: lora_rank, 8 by default)", None),
     )
 }
 PAPER_STRATEGIES = ("adapter", "freeze_lower", "freeze_embeddings", "full")

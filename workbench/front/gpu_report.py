@@ -18,7 +18,7 @@ from workbench.core.results import atomic_write_json, atomic_write_text
 
 # A prediction passes when it is within this share of the allocator's peak (allocated); reserved
 # is shown beside it (the allocator rounds and caches, so reserved >= allocated) and checked
-# loosely. Memory predicted for CUDA models CUDA's kernels and allocator (DESIGN.md section 3).
+# loosely. Memory predicted for CUDA models CUDA's kernels and allocator (workbench.core.memory.cuda_model).
 THRESHOLDS = {"allocated_pct": 15.0, "reserved_pct": 35.0}
 TIME_LIMIT_S = 600  # the whole check should fit in ten minutes
 TIME_SPENT = f"{OUT_OF_TIME} before it began"

@@ -1,7 +1,7 @@
 """Live charts: what is the run doing right now (loss, device memory against the budget, speed)?
 
     with LiveChart(title="Study 1") as live:
-        df = run_strategies(cfg, sinks=[live])  # the chart updates while the study runs
+        result = run_strategies(cfg, sinks=[live])  # the chart updates while the study runs
     # leaving the block (also on an error) draws the final state: live.close()
 
 A LiveChart is a training sink: it receives the plain rows the train loop emits and never
@@ -12,7 +12,7 @@ empty in JupyterLab until the notebook was reopened; plotly.py issue 3053, `rend
 mimeExtension.ts). close() then replaces the Output, through a display id, by the final figure as
 plotly JSON, so the notebook file holds exactly the final state of the chart: small (no plotly.js
 bundle per chart, unlike a saved FigureWidget) and correct in an executed notebook, in Voila and
-in the HTML report (FIELD_NOTES: a FigureWidget keeps the state it had when first displayed; an
+in the HTML report (as found here: a FigureWidget keeps the state it had when first displayed; an
 Output's drawings are not saved with the notebook).
 
 Rows it understands: training rows (step, loss, tokens, mem_mib, tokens_per_s, and the run's

@@ -1,4 +1,5 @@
-"""The notebook side of a sweep: record a run's scalar results (a light import: no torch, no Dask).
+"""The notebook side of a sweep: record a run's scalar results (no Dask, no transformers;
+torch comes with the workbench's config module).
 
     from workbench.front.record import record
     record(ppl_after=31.2, status_note="fit")     # one column each in the sweep's runs.csv

@@ -1,7 +1,7 @@
 """results/index.html: every study's tables and charts in one page that opens offline.
 
 Each study contributes a section built from its results files (never from notebook outputs or
-logs). plotly.js is inlined once at the top of the page, so the charts work without a network.
+logs). plotly.js is inlined once, with the first chart, so the charts work without a network.
 Every section says where its figures come from: measured on this machine's CPU or GPU, or modelled.
 """
 

@@ -66,7 +66,7 @@ process, and their kernels with them.
 Progress: a tqdm bar over the points (finished ones count as done) with `running=R failed=F`;
 tqdm's rate gives the time left.
 
-Threads: torch processes that share cores must share threads (FIELD_NOTES: 14x slower if not), so
+Threads: torch processes that share cores must share threads (measured here: 14x slower if not), so
 each kernel gets OMP/MKL/OPENBLAS_NUM_THREADS = max(1, cores // N) through its environment (on a
 scheduler: its host's cores // the worker processes on that host).
 """

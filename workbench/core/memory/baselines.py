@@ -13,7 +13,7 @@ Both are called from the libraries themselves:
 
 The simulated step differs because it counts what they leave out: activations saved for backward,
 the vocabulary-sized logits and their loss gradient, the tied embedding's gradient existing
-several times at the end of backward, and optimizer temporaries (FIELD_NOTES.md).
+several times at the end of backward, and optimizer temporaries (measured here).
 """
 
 from __future__ import annotations

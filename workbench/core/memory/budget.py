@@ -7,7 +7,7 @@
 On CUDA the allocator enforces it (`torch.cuda.set_per_process_memory_fraction`, as torchtune
 does to emulate smaller cards) and the peak is `torch.cuda.max_memory_allocated`. On the CPU the
 workbench counts live tensor bytes (LiveBytes) and raises the same `torch.OutOfMemoryError`, so
-the fallback logic cannot tell the two apart (DESIGN.md section 3). Without a budget the context
+the fallback logic cannot tell the two apart. Without a budget the context
 still measures the peak.
 
 The two budgets do not cap the same thing. CUDA's caps the caching allocator's *reserved* memory

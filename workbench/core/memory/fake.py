@@ -6,7 +6,7 @@
     step = fake_step(model, n_blocks=4, seq=512, target="cuda", sm=90)   # the setup both share
 
 Shared by the step prediction (workbench.core.memory.predict) and the simulated offload rungs
-(workbench.core.memory.placement). FIELD_NOTES.md: under fake tensors transformers thinks it is
+(workbench.core.memory.placement). Measured here: under fake tensors transformers thinks it is
 being traced and builds an explicit seq x seq attention mask that a real run skips;
 `find_packed_sequence_indices` answers "not packed" (None) for fake inputs, as for real unpacked ones.
 """

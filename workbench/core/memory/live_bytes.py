@@ -10,7 +10,7 @@ A TorchDispatchMode sees every tensor an op returns. Each tensor's *storage* is 
 live-bytes curve of the program, not the sum of allocations. A view or an in-place op's result is
 never new memory: a tensor made before the mode is counted only when tracked (track_module), not
 when sliced (a slice of the held-out tokens counted their whole storage, host memory on a card).
-FIELD_NOTES: on real CPU tensors and on FakeTensorMode tensors this gives the same peak to the byte,
+Measured here: on real CPU tensors and on FakeTensorMode tensors this gives the same peak to the byte,
 per phase.
 
 With a budget, an op whose result pushes the count past it raises `torch.OutOfMemoryError`,

@@ -1,10 +1,11 @@
 """How much device memory is in use right now, while a run goes? A background sampler.
 
-    with MemoryMonitor("cpu", interval_s=0.5, sinks=[chart.add_row], live=budget.live):
+    rows = []
+    with MemoryMonitor("cpu", interval_s=0.5, sinks=[rows.append], live=budget.live):
         train(...)
 
-A daemon thread wakes every `interval_s` and sends one plain row to the sinks (the same sinks
-the training loop uses, so a live chart shows memory beside the loss):
+A daemon thread wakes every `interval_s` and sends one plain row to the sinks (rows of their own:
+no loss, so a LiveChart, which draws the training loop's rows, does not draw them):
 - on a GPU: NVML's used memory for the device (nvidia-ml-py's `pynvml`; it sees every process
   and the CUDA context, which torch does not) and torch's allocated / reserved / peak bytes;
 - on the CPU: the process's resident set (psutil) and, when a LiveBytes count is given, the

@@ -4,7 +4,7 @@
     RUNGS["bf16_ckpt"]                         # a Plan: precision, checkpointing, optimizer, ...
     plan_from_flags(precision="bf16-true", trainable="lora", lora_targets=("q_proj", "v_proj"))
 
-Each rung is a small frozen `Plan` (DESIGN.md section 2, "Study 2"), built from the one above it
+Each rung is a small frozen `Plan` (study 2's ladder), built from the one above it
 with `compose`, so a rung says only what it changes:
 
     Tier 1  fp32 -> fp16 / bf16 autocast (fp32 weights) -> pure bf16 weights, grads and AdamW

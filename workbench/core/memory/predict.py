@@ -15,7 +15,7 @@ alone is not). A CUDA step simulates every micro-batch: the allocator model repl
 longer run of repeated micro-batches can need more (Llama 2 7B, bf16-mixed LoRA with checkpointing at 1 x 8 x 1024:
 36 MiB more needed than from three of the eight).
 
-Workarounds, all measured (FIELD_NOTES.md):
+Workarounds, all measured here:
 - Under fake tensors transformers thinks it is being traced and builds an explicit seq x seq attention mask that a
   real run skips; `find_packed_sequence_indices` answers "not packed" (None) for fake inputs, as it does for real
   unpacked ones.

@@ -56,7 +56,8 @@ class LadderConfig(Config):
     breakdown_rung: str = param("", "rung whose per-category breakdown the notebook shows ('': bf16_ckpt when "
                                 "it is among the rungs, else the first)")
     threads: int = setting("threads", 0)
-    seed: int = setting("seed", 0, "of the measured runs")
+    seed: int = setting("seed", 0, "of the weights a rung adds (LoRA) and a config.json model's random weights and "
+                        "tokens; a measured step's batches are drawn with seed 0")
 
     def __post_init__(self):
         unknown = [r for r in self.rungs if r not in RUNGS]

@@ -6,7 +6,7 @@
 
 The rungs themselves (the Plan registry) live in workbench.core.memory.plan. Auto-fit ranks rungs
 by `speed_rank`: the expected cost of the rung's mechanism on a GPU (lower is faster), overridden
-by measured step times when the caller has them (`workbench estimate --auto-fit`). Running a
+by measured step times where the caller passes them (no command does yet). Running a
 choice, with a step down to the next one on a real out-of-memory error, is
 workbench.studies.ladder.autofit.run_with_step_down, for rungs and composed setups alike.
 """

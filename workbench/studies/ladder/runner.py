@@ -1,7 +1,8 @@
 """Study 2: will my fine-tune fit on my card, and what is the cheapest change that makes it fit?
 
     from workbench.studies.ladder.runner import LadderConfig, run_ladder
-    result = run_ladder(LadderConfig(base_size="tiny", steps=3))   # seconds, on the CPU
+    result = run_ladder(LadderConfig(base_size="tiny", steps=3))   # minutes on the CPU (15 rungs, the
+    # reference model's predictions, auto-fit); seconds with rungs=("fp32", "bf16_ckpt"), reference_model=""
     result.runs                                   # one row per (model, rung)
     result.tables["autofit"], result.tables["baselines"], result.tables["published"]
     with LiveChart(run_keys=("rung", "stage")) as live:     # live, per training step; the final
@@ -27,8 +28,8 @@ same model weights and workbench version; $WORKBENCH_RERUN=1 measures every rung
 rung read back has `reused` set in the result's rows, and the findings say which.
 
 Sinks receive the training rows of every measured rung (`stage` "ladder") and of every auto-fit
-attempt (`stage` "auto-fit"), labelled with `rung` and the `budget_mib` to fit, plus one event
-row per rung or attempt that did not train to the end (skipped, oom). Charts and the report section:
+attempt (`stage` "auto-fit"), labelled with `rung` and the `budget_mib` to fit, plus an event
+row per auto-fit try (ok too) and per rung that did not train to the end (skipped, oom). Charts and the report section:
 workbench.studies.ladder.figures; the widget app: workbench.front.apps.
 """
 

@@ -4,7 +4,7 @@ The engine keeps one small optimizer per parameter, so that a worker thread can 
 parameter the moment its gradient arrives, and so that a parameter can move between the host
 and the accelerator (when k changes) with its Adam state. The maths is always a library's:
 
-- `torch_fused`: `torch.optim.AdamW(fused=True)` (the default; FIELD_NOTES measured it at the
+- `torch_fused`: `torch.optim.AdamW(fused=True)` (the default; measured on these machines at the
   CPU's memory-bandwidth limit). The accelerator side always uses it too, so with fp32 the two
   sides are the same kernel and the engine matches plain AdamW bit for bit.
 - `deepspeed`: `deepspeed.ops.adam.DeepSpeedCPUAdam` (C++/SIMD, the seed's choice). Its op is

@@ -179,7 +179,7 @@ fresh copy of the base and is scored by **held-out** perplexity before and after
 
 Every run goes through the device-fallback ladder: on a machine without a GPU, first the CPU
 *playing* a GPU of `budget_mib` (allocations are counted, and an out-of-memory error is raised
-past the budget, exactly as CUDA would), then the CPU without a budget. A strategy that runs out
+past the budget, torch's OutOfMemoryError as CUDA raises it), then the CPU without a budget. A strategy that runs out
 of memory is freed and restarted from scratch on the next device; `device_history` says what happened."""
 
 NOTEBOOK_RUN_TITLE = "Study 1: loss, device memory against the budget, speed (live)"

@@ -1,7 +1,8 @@
 """Study 1: which transfer strategy gives the best model for a small target domain on my card?
 
     from workbench.studies.strategies.runner import StrategiesConfig, run_strategies
-    df = run_strategies(StrategiesConfig(token_budget=20_000, seeds=(0,)))   # CPU-sized
+    result = run_strategies(StrategiesConfig(token_budget=20_000, seeds=(0,)))   # CPU-sized
+    result.runs                                   # one row per (strategy, seed); a StudyResult
 
 Every (strategy, seed) run starts from a fresh copy of the base model, trains on the target
 domain's training text for the same token budget, and is scored by held-out perplexity before
