@@ -46,6 +46,8 @@ def test_name_value_reads_as_a_sweep_reads_it():
     # YAML reads an empty value as null: it said "got NoneType None"
     (["strategies", "lr="], "lr: expected a number, got nothing (an empty value, or null)"),
     (["ladder", "steps="], "steps: expected an integer, got nothing (an empty value, or null)"),
+    (["strategies", "seeds="], "seeds: expected a list, got nothing (an empty value, or null)"),
+    (["strategies", "preflight="], "preflight: expected true or false, got nothing (an empty value, or null)"),
 ])
 def test_bad_assignments_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2

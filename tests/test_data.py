@@ -208,6 +208,10 @@ def test_missing_or_empty_corpus_is_a_clear_error(tmp_path, make):
     if make == "folder_of_one":  # a second file with text: the check passes it on to the split
         (path / "b.txt").write_text("another file")
         assert StrategiesConfig(corpus=str(path)).corpus == str(path)
+    if make == "empty_dir":  # text files in a subfolder are text, as the split reads them
+        for name in ("c.txt", "d.rst"):
+            (path / "sub" / name).write_text(f"the text of {name}")
+        assert StrategiesConfig(corpus=str(path)).corpus == str(path)
     if make == "one_paragraph":  # the check reads a head of each file: what it does not settle, the split tells
         path.write_text("x" * 1500)
         with pytest.raises(CorpusError, match="too small"):

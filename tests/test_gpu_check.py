@@ -425,6 +425,9 @@ def test_the_predictions_fit_verdict_on_the_card_is_held_to_what_the_card_did():
     assert verdict({**card, "fits": True, "headroom_bytes": 200 * MiB, "margin": 0.0996}, oom, free_mib=1099.8) == [
         "fp32: predicted to need 1,000 MiB (1,099.6 with its 10.0% margin), with 1,099.8 MiB free on the card "
         "before it ran, yet it ran out of memory"]
+    assert verdict({**card, "fits": True, "headroom_bytes": 200 * MiB, "margin": 0.09996}, oom, free_mib=1100.04) == [
+        "fp32: predicted to need 1,000 MiB (1,099.96 with its 10.0% margin), with 1,100.04 MiB free on the card "
+        "before it ran, yet it ran out of memory"]  # apart only in the second decimal
     short = {**card, "fits": False, "headroom_bytes": -500 * MiB}
     assert verdict(short, oom) == []
     assert verdict(short, _measured(900, 1000)) == ["fp32: predicted to need 1,000 MiB, more than the 500 MiB free "

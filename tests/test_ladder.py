@@ -845,17 +845,22 @@ def test_a_resumed_ladder_writes_back_the_rungs_it_reuses_whole(tmp_path, monkey
     assert log.read_text() == kept and json.loads(kept)["row"]["status"] == "ok"
 
 
-def test_a_rung_that_measured_nothing_runs_again_as_the_machine_is_now(tmp_path, monkeypatch, tiny_base):
+@pytest.mark.parametrize("status", ["skipped", "oom", "not measured", "error"])
+def test_a_rung_that_measured_nothing_runs_again_as_the_machine_is_now(tmp_path, monkeypatch, tiny_base, status):
     """A rung skipped for want of free memory was read back as skipped by every later call with these
-    settings (its old reason, '1 MiB free', with it): only a rung that measured is reused."""
+    settings (its old reason, '1 MiB free', with it): only a rung that measured is reused, not one that ran
+    out of memory or failed either."""
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     monkeypatch.delenv(RERUN_ENV, raising=False)
     cfg = LadderConfig(base_size="tiny", rungs=("fp32",), breakdown_rung="fp32", micro_batch=2, seq_len=32,
                        steps=2, autofit=False, reference_model="")
     with monkeypatch.context() as m:
-        m.setattr(common, "host_free_mib", lambda: 1.0)
+        if status == "skipped":
+            m.setattr(common, "host_free_mib", lambda: 1.0)
+        else:
+            m.setattr(runner, "measure", lambda name, *a, **kw: {"status": status, "reason": "played"})
         busy = run_ladder(cfg).runs.set_index("rung")
-    assert busy.loc["fp32", "status"] == "skipped"
+    assert busy.loc["fp32", "status"] == status
     free = run_ladder(cfg).runs.set_index("rung")
     assert free.loc["fp32", "status"] == "ok" and "reused" not in free  # measured, not read back
     assert run_ladder(cfg).runs.set_index("rung").loc["fp32", "reused"]  # a rung that measured is reused

@@ -34,8 +34,12 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
 
     ran, ran_before = [], ("01_strategies", "02_ladder", "03_split")
 
+    said_before = {}  # each notebook's row while it runs
+
     def run(path, params, out, progress=None):
         ran.append(Path(path).stem)
+        rows = json.loads((results_dir / "reproduce.json").read_text())["notebooks"]
+        said_before[ran[-1]] = next(r for r in rows if r["name"] == ran[-1])
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         if len(ran) == 1:
             Path(out).write_text("half")  # papermill writes the notebook as it goes
@@ -47,6 +51,8 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
         Path(out).write_text("{}")
 
     monkeypatch.setattr(reproduce, "run_notebook", run)
+    stamps = iter(f"2026-11-29T10:{i // 60:02d}:{i % 60:02d}+00:00" for i in range(3600))  # each call a later one
+    monkeypatch.setattr(reproduce, "now", lambda: next(stamps))
     executed = results_dir / "notebooks"
     executed.mkdir(parents=True)
     for name in ran_before:  # the last good executed notebooks: a failed run must not replace them
@@ -62,6 +68,9 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     assert [(n["name"], n["status"]) for n in log["notebooks"]] == [
         ("01_strategies", "error"), ("02_ladder", "ok"), ("03_split", "error")]
     first, _, third = log["notebooks"]
+    for row in log["notebooks"]:  # 'not finished' while it ran; its end keeps when it started
+        assert said_before[row["name"]]["status"] == "not finished", said_before
+        assert row["started"] == said_before[row["name"]]["started"], (row, said_before)
     assert first["error"] == "ValueError: a cell raised (played)" and log["quick"] is True
     assert first["traceback"] == "Traceback\n  File cell 4, in train\nValueError: a cell raised (played)"
     assert third["error"] == "RuntimeError: Kernel died before replying (played)" and third["traceback"] is None

@@ -3,6 +3,7 @@ of steps.jsonl is left out, and runs.csv keeps every row a new one does not repl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -39,6 +40,37 @@ def test_a_torn_last_line_of_steps_is_left_out(tmp_path):
                     + '{"step": 3, "lo')  # the process killed mid-line
     steps = read_steps(path)
     assert steps["step"].tolist() == [1, 2] and steps["loss"].tolist() == [2.5, 2.4]
+
+
+@pytest.mark.parametrize("killed_at", range(3))  # each os.replace write_summary makes: 2 partial files, the summary's
+def test_a_run_killed_while_its_summary_is_written_is_one_try_or_unfinished(tmp_path, killed_at, monkeypatch):
+    """A second try of a finished run puts its config and steps in place and then writes its summary: a kill
+    at any point between leaves the finished try whole, or a run without a summary (it runs again), never the
+    old summary (finished) beside the new try's steps."""
+    run = results.RunDir("study", "r1", root=tmp_path)
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) > killed_at:
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    for n in (1, 2):
+        run.write_config({"try": n})
+        sink = run.steps_sink()
+        sink({"step": 1, "try": n})
+        sink.close()
+        if n == 2:
+            monkeypatch.setattr(results.os, "replace", replace)
+        with pytest.raises(KeyboardInterrupt) if n == 2 else contextlib.nullcontext():
+            run.write_summary({"status": "ok", "try": n})
+    monkeypatch.undo()
+    tries = {json.loads((run.path / "config.json").read_text())["try"],
+             json.loads((run.path / "steps.jsonl").read_text())["try"]}
+    summary = run.summary()
+    assert summary is None or tries == {summary["try"]}, (summary, tries)
+    assert summary is None  # the old summary went first; the new one was not written
 
 
 @pytest.mark.parametrize("key", ["012345678901", "1e3456789012", "123456789012"])

@@ -270,6 +270,18 @@ def test_the_published_rows_findings_say_which_setting_was_predicted():
     assert ("FP32 full model: predicted 8,577 MiB for qwen.json at 1 x 512.", "9,537 MiB") in found
 
 
+def test_the_ladder_chart_says_how_each_peak_was_predicted():
+    """A simulated peak and an estimated one (hatched) are named as the table's how_predicted names them."""
+    runs = pd.DataFrame([{"rung": r, "role": "at hand", "method": m, "predicted_peak_mib": v, "budget_mib": 64.0,
+                          "status": "skipped", "note": ""}
+                         for r, m, v in (("fp32", "predicted", 40.0), ("zero_offload", "estimated", 20.0))])
+    bars = {t.name: t for t in ladder_figures.ladder_figure(StudyResult("ladder", runs=runs)).data}
+    assert set(bars) == {"predicted, simulated (not measured)", "predicted, estimated (not measured)"}, set(bars)
+    assert list(bars["predicted, estimated (not measured)"].x) == ["zero_offload"]
+    assert bars["predicted, estimated (not measured)"].marker.pattern.shape == "/"
+    assert not bars["predicted, simulated (not measured)"].marker.pattern.shape
+
+
 def test_the_comparison_charts_draw_no_empty_workbench_trace():
     """Where no rung of the ladder is one the published rows or the library estimators compare to, the
     charts drew a workbench trace with no bar, named in the legend as if it were shown."""
@@ -277,8 +289,10 @@ def test_the_comparison_charts_draw_no_empty_workbench_trace():
     nan = float("nan")
     pub = pd.DataFrame([{"strategy": "FP32 full model", "published_mib": 9537.0, "workbench_predicted_mib": nan}])
     base = pd.DataFrame([{"estimator": "accelerate", "estimated_bytes": 2.0**30, "workbench_predicted_bytes": nan}])
+    pub = pd.concat([pub, pub.assign(strategy="FP16 full model")], ignore_index=True)  # one row predicted, or none
+    base = pd.concat([base, base.assign(estimator="DeepSpeed")], ignore_index=True)
     for predicted in (nan, 8577.0):
-        pub["workbench_predicted_mib"], base["workbench_predicted_bytes"] = predicted, predicted * 2**20
+        pub["workbench_predicted_mib"], base["workbench_predicted_bytes"] = [nan, predicted], [nan, predicted * 2**20]
         result = StudyResult("ladder", runs=runs, tables={"published": pub, "baselines": base})
         for fig in (ladder_figures.published_figure(result), ladder_figures.baselines_figure(result)):
             names = [t.name for t in fig.data]

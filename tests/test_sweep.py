@@ -250,6 +250,9 @@ def test_a_scheduler_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypat
 
     with pytest.raises(ConfigError, match=f"^scheduler: {re.escape(said)}$"):
         StrategiesConfig(scheduler="foo")
+    for scheme in ("tcp", "tls"):  # a host without its port, over either
+        with pytest.raises(ConfigError, match=rf"^scheduler: '{scheme}://10.0.0.5' is not a Dask scheduler address"):
+            StrategiesConfig(scheduler=f"{scheme}://10.0.0.5")
     assert StrategiesConfig(scheduler="tls://10.0.0.5:8786").scheduler == "tls://10.0.0.5:8786"  # reached later
 
 

@@ -35,16 +35,22 @@ def test_what_the_published_rows_counted_is_read_from_the_claims_file(monkeypatc
     every["study1_strategies"]["setup"]["params_total"] = 2 * 494032768
     fake = tmp_path / "published_claims.json"
     fake.write_text(json.dumps(every))
+    config = json.loads(claims_mod.REFERENCE_CONFIG.read_text())  # the model's shape: its config's
+    config.update(vocab_size=100_000, hidden_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(claims_mod, "CLAIMS_FILE", fake)
+    monkeypatch.setattr(claims_mod, "REFERENCE_CONFIG", tmp_path / "config.json")
     claims_mod.published.cache_clear()
     try:
         summary = pd.DataFrame({"strategy": ["freeze_lower", "freeze_embeddings"], "improvement_mean_pct": [80.0, 40.0]})
         why = study1_comparison(summary).set_index("strategy")["why_they_differ"]
+        problems = claims_mod.study1_general_problems()
     finally:
         claims_mod.published.cache_clear()
     assert "Published '3/300' is a tensor count" in why["freeze_lower"], why["freeze_lower"]
-    assert "Published '290/300' counts tensors; one tensor (the embedding, 151,936 x 896) is 13.8% of Qwen2-0.5B's " \
+    assert "Published '290/300' counts tensors; one tensor (the embedding, 100,000 x 1,000) is 10.1% of Qwen2-0.5B's " \
            "988,065,536 elements" in why["freeze_embeddings"], why["freeze_embeddings"]
+    assert "is above Qwen2-0.5B's vocabulary size (100,000)" in problems[0], problems
 
 
 def test_four_strategies_fallback_and_results(tiny_base, results_dir):
@@ -714,7 +720,7 @@ def test_a_call_killed_before_it_names_its_runs_leaves_the_last_calls_result_who
     killed in between showed the earlier call's runs beside its own summary ('Best held-out perplexity:
     lora' over a table of bitfit's runs). They are made from the runs latest.json names, and the overlap
     is in it."""
-    cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)
+    cfg = StrategiesConfig(strategies=("freeze_lower",), seeds=(0,), budget_mib=0, **TINY)  # published rows: claims
     first = run_strategies(cfg, progress=False)
     written = ResultsWriter.json
 
@@ -725,10 +731,10 @@ def test_a_call_killed_before_it_names_its_runs_leaves_the_last_calls_result_who
 
     monkeypatch.setattr(ResultsWriter, "json", killed_naming)
     with pytest.raises(KeyboardInterrupt):
-        run_strategies(cfg.replace(strategies=("lora",), eval_blocks=4), progress=False)
-    assert list(read_table(results_dir / "strategies" / "summary.csv")["strategy"]) == ["lora"]  # written
+        run_strategies(cfg.replace(strategies=("full",), eval_blocks=4), progress=False)
+    assert list(read_table(results_dir / "strategies" / "summary.csv")["strategy"]) == ["full"]  # written
     back = load_result()
-    assert list(back.runs["strategy"]) == ["bitfit"]
+    assert list(back.runs["strategy"]) == ["freeze_lower"]
     for name in ("summary", "claims", "corpus_overlap"):
         mine, theirs = first.tables[name], back.tables[name]
         assert list(theirs.columns) == list(mine.columns), name

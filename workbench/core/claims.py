@@ -15,6 +15,7 @@ import pandas as pd
 from workbench.core.common import PROJECT_ROOT
 
 CLAIMS_FILE = PROJECT_ROOT / "data" / "published_claims.json"
+REFERENCE_CONFIG = PROJECT_ROOT / "data" / "configs" / "qwen2-0.5b.json"  # the published model's shape
 
 # What each published row of study 1 counted: true of the published figures whatever
 # was measured. Why the improvements differ depends on the measurement (`_why`). The counts and the model's
@@ -35,7 +36,7 @@ _STUDY1_COUNTS = {
 
 def _study1_counts(name: str) -> str:
     s1 = published()["study1_strategies"]
-    config = json.loads((PROJECT_ROOT / "data" / "configs" / "qwen2-0.5b.json").read_text())
+    config = json.loads(REFERENCE_CONFIG.read_text())
     vocab, hidden, params = config["vocab_size"], config["hidden_size"], s1["setup"]["params_total"]
     counts = {r["strategy"]: r["claimed_trainable"].split()[0] for r in s1["rows"]}
     return _STUDY1_COUNTS.get(name, "").format(**counts, vocab=vocab, hidden=hidden, share=vocab * hidden / params,
@@ -84,7 +85,7 @@ def study1_general_problems() -> list[str]:
     s1 = published()["study1_strategies"]
     setup = s1["setup"]
     problems = list(s1["known_problems"])
-    vocab = json.loads((PROJECT_ROOT / "data" / "configs" / "qwen2-0.5b.json").read_text())["vocab_size"]
+    vocab = json.loads(REFERENCE_CONFIG.read_text())["vocab_size"]
     problems.insert(0, f"baseline perplexity {setup['baseline_perplexity']:,} is above {setup['model']}'s "
                        f"vocabulary size ({vocab:,}): a model predicting uniformly would score better, so the "
                        "weights were random")
