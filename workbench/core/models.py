@@ -7,9 +7,9 @@
 Real models load through transformers' Auto classes from safetensors only, without remote code
 unless asked. The embedded base is a small Qwen2-architecture model (tied embeddings, like
 Qwen2-0.5B) with a byte-level BPE tokenizer, trained here: the tokenizer on both domains' training
-text, the model on the standard library's source (see workbench.core.data). It is pretrained once, with a progress bar, and cached in
-`$WORKBENCH_CACHE` (default: `.cache/` in the project). The cache holds a manifest with the
-SHA-256 of every file; a cache that is partial or corrupt is rebuilt, never loaded.
+text, the model on the standard library's source (see workbench.core.data). It is pretrained once,
+with a progress bar, and cached in `$WORKBENCH_CACHE` (default: `.cache/` in the project). The cache
+holds a manifest with every file's SHA-256; a partial or corrupt cache is rebuilt, never loaded.
 """
 
 from __future__ import annotations

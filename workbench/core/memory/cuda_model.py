@@ -10,8 +10,9 @@ cannot run CUDA kernels, not even fake ones: autograd cannot make a CUDA leaf's 
 
 - attention (workbench.core.memory.cuda_attention): `scaled_dot_product_attention` goes to the kernel
   torch's sdp_utils.cpp picks on the card (cuDNN first where torch prefers it: sm_90/sm_100-class
-  cards with a cuDNN past 9.15; then flash, memory-efficient, math), called through its aten op so autograd saves what that kernel saves (flash and
-  memory-efficient: output + logsumexp, no S x S matrix), or for math (fp32 where flash does not
+  cards with a cuDNN past 9.15; then flash, memory-efficient, math), called through its aten op so
+  autograd saves what that kernel saves (flash and memory-efficient: output + logsumexp, no S x S
+  matrix), or for math (fp32 where flash does not
   run, bf16 before sm_80) the composite kernel op for op as it runs on real tensors (its fp32 S x S
   softmax kept);
 - dropout: `native_dropout`, as `at::dropout` picks for CUDA tensors (a 1-byte bool mask; the CPU

@@ -284,9 +284,8 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
     hand, ref = _hand(result), _reference(result)
     measured = hand[hand["status"] == "ok"]
     where = ", ".join(sorted(set(measured["device"].astype(str)))) if "device" in measured else ""
-    cpu_note = " (the CPU plays the device: live tensor bytes are counted; a card's allocator rounds them to blocks and " \
-        "reserves more)" \
-        if where == "cpu" else ""
+    cpu_note = (" (the CPU plays the device: live tensor bytes are counted; a card's allocator rounds them to "
+                "blocks and reserves more)") if where == "cpu" else ""
     model = hand["model"].iloc[0] if len(hand) else ""
     fitted = len(result.tables.get("autofit", pd.DataFrame())) > 0  # autofit=False: no attempts, no tables
     tags = (

@@ -39,7 +39,8 @@ from workbench.studies.ladder.autofit import NoSetupFits, SetupChoice, run_with_
 from workbench.studies.ladder.rungs import measure
 
 # Auto-fit's margin when the budget is played on the CPU: the prediction of a CPU step is exact to the
-# byte on the real CPU steps measured here and within 1% in the tests (tests/test_memory.py); a card keeps its measured error.
+# byte on the real CPU steps measured here and within 1% in the tests (tests/test_memory.py); a card keeps
+# its measured error.
 CPU_MARGIN = 0.01
 CPU_MARGIN_SOURCE = "the CPU prediction's tested tolerance"
 TRY_STEPS = 2  # steps each try trains: the second step is the steady one (the first allocates the optimizer state)

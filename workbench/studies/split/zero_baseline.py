@@ -3,8 +3,8 @@
 The baseline the split is meant to beat: gradients go to the host and DeepSpeedCPUAdam updates
 them after backward. One process, rank 0 of 1: NCCL when the model is on CUDA, gloo on the CPU
 (`workbench.core.common.single_process_group`). The first run builds DeepSpeed's ops
-(about two minutes here); a failure to set DeepSpeed up is returned as a reason; one while it trains is raised (the runner
-makes it a row).
+(about two minutes here); a failure to set DeepSpeed up is returned as a reason; one while it trains
+is raised (the runner makes it a row).
 """
 
 from __future__ import annotations

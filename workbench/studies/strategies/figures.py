@@ -178,9 +178,9 @@ fine-tuning) and three it left out (LoRA, BitFit, QLoRA). Each (strategy, seed) 
 fresh copy of the base and is scored by **held-out** perplexity before and after.
 
 Every run goes through the device-fallback ladder: on a machine without a GPU, first the CPU
-*playing* a GPU of `budget_mib` (allocations are counted, and an out-of-memory error is raised
-past the budget, torch's OutOfMemoryError as CUDA raises it), then the CPU without a budget. A strategy that runs out
-of memory is freed and restarted from scratch on the next device; `device_history` says what happened."""
+*playing* a GPU of `budget_mib` (allocations are counted, and torch's OutOfMemoryError is raised past
+the budget, as CUDA raises it), then the CPU without a budget. A strategy that runs out of memory
+is freed and restarted from scratch on the next device; `device_history` says what happened."""
 
 NOTEBOOK_RUN_TITLE = "Study 1: loss, device memory against the budget, speed (live)"
 
