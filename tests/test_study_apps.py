@@ -299,7 +299,9 @@ def test_the_comparison_charts_draw_no_empty_workbench_trace():
             assert len(names) == (1 if predicted != predicted else 2), names
             assert all(pd.Series(t.y).notna().any() for t in fig.data), names
         title = ladder_figures.published_figure(result).layout.title.text
-        assert ("none predicted" in title) == (predicted != predicted), title
+        assert ("qwen.json: none predicted" in title) == (predicted != predicted), title
+    no_reference = StudyResult("ladder", runs=runs.iloc[:0], tables={"published": pub.drop(columns="workbench_predicted_mib")})
+    assert ladder_figures.published_figure(no_reference).layout.title.text.endswith("for no reference model")
 
 
 def test_the_breakdown_gives_each_model_its_own_scale():

@@ -151,8 +151,8 @@ def published_figure(result: StudyResult) -> go.Figure:
         if pub.get("workbench_predicted_mib", pd.Series(dtype=float)).notna().any():  # no empty trace
             fig.add_trace(go.Bar(name="workbench prediction (not measured)", x=pub["strategy"],
                                  y=pub["workbench_predicted_mib"]))
-        else:
-            model = "no rung of this ladder: none predicted"
+        elif "workbench_predicted_mib" in pub:  # a reference model, but none of the rungs the rows build on
+            model = f"{model}: none predicted (no rung of this ladder is one the rows build on)"
     return fig.update_layout(barmode="group", yaxis_title="MiB", height=420,
                              title=f"Published memory table beside the prediction for {model}")
 
