@@ -300,7 +300,8 @@ def test_the_comparison_charts_draw_no_empty_workbench_trace():
             assert all(pd.Series(t.y).notna().any() for t in fig.data), names
         title = ladder_figures.published_figure(result).layout.title.text
         assert ("qwen.json: none predicted" in title) == (predicted != predicted), title
-    no_reference = StudyResult("ladder", runs=runs.iloc[:0], tables={"published": pub.drop(columns="workbench_predicted_mib")})
+    no_reference = StudyResult("ladder", runs=runs.iloc[:0],
+                               tables={"published": pub.drop(columns="workbench_predicted_mib")})
     assert ladder_figures.published_figure(no_reference).layout.title.text.endswith("for no reference model")
 
 
