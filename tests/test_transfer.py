@@ -42,7 +42,8 @@ def test_what_the_published_rows_counted_is_read_from_the_claims_file(monkeypatc
     monkeypatch.setattr(claims_mod, "REFERENCE_CONFIG", tmp_path / "config.json")
     claims_mod.published.cache_clear()
     try:
-        summary = pd.DataFrame({"strategy": ["freeze_lower", "freeze_embeddings"], "improvement_mean_pct": [80.0, 40.0]})
+        summary = pd.DataFrame({"strategy": ["freeze_lower", "freeze_embeddings"],
+                                "improvement_mean_pct": [80.0, 40.0]})
         why = study1_comparison(summary).set_index("strategy")["why_they_differ"]
         problems = claims_mod.study1_general_problems()
     finally:
