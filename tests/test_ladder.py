@@ -820,6 +820,18 @@ def test_a_re_measuring_ladder_killed_part_way_leaves_the_finished_one_whole(tmp
     after = runner.load_result()
     pd.testing.assert_frame_equal(after.steps, before.steps)
     pd.testing.assert_frame_equal(after.runs, before.runs)
+    measured = []
+
+    def counts(name, *args, **kw):
+        measured.append(name)
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(runner, "measure", counts)
+    monkeypatch.delenv(RERUN_ENV)
+    resumed = run_ladder(cfg)  # the rerun goes on: the rung it finished is kept, the one cut short measured
+    assert measured == ["bf16_ckpt"] and list(resumed.runs["reused"].eq(True)) == [True, False]
+    assert list(resumed.steps.groupby("rung", sort=False).size().items()) == [("fp32", 2), ("bf16_ckpt", 2)]
+    assert 9.9 not in set(resumed.steps["loss"])
 
 
 def test_a_resumed_ladder_writes_back_the_rungs_it_reuses_whole(tmp_path, monkeypatch, tiny_base):

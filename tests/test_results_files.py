@@ -65,12 +65,8 @@ def test_a_run_killed_while_its_summary_is_written_is_one_try_or_unfinished(tmp_
             monkeypatch.setattr(results.os, "replace", replace)
         with pytest.raises(KeyboardInterrupt) if n == 2 else contextlib.nullcontext():
             run.write_summary({"status": "ok", "try": n})
-    monkeypatch.undo()
-    tries = {json.loads((run.path / "config.json").read_text())["try"],
-             json.loads((run.path / "steps.jsonl").read_text())["try"]}
-    summary = run.summary()
-    assert summary is None or tries == {summary["try"]}, (summary, tries)
-    assert summary is None  # the old summary went first; the new one was not written
+    # the old summary went first, the new one was not written: unfinished, whichever files had moved
+    assert run.summary() is None, (run.summary(), calls)
 
 
 @pytest.mark.parametrize("key", ["012345678901", "1e3456789012", "123456789012"])
