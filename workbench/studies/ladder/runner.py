@@ -161,7 +161,6 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
                                                                    default=float) + "\n" for row in finished.values()))
     steps_sink, rungs_sink = _resumed_steps(run, finished, sinks), JsonlSink(run.path / "rungs.jsonl")
     for name in tqdm(cfg.rungs, desc="ladder", unit="rung", disable=not progress, file=sys.stderr):
-        plan = RUNGS[name]
         if name in finished:
             rows.append({**finished[name], "reused": True})  # read back, not measured by this call
             continue
@@ -169,12 +168,10 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
         try:
             p = predict(config, name, batch=cfg.micro_batch, seq=cfg.seq_len, n_blocks=len(blocks), instrumented=True)
         except StrategyNotApplicable as e:  # QLoRA without bitsandbytes: the rung's row says so, the others run
-            rows.append({"rung": name, "model": cfg.model, "role": "at hand", "tier": plan.tier, "help": plan.help,
-                         "budget_mib": cfg.budget_mib, "method": "not predicted", "status": "skipped",
-                         "reason": str(e), "data": data_note})
+            rows.append({**_head(name, cfg.model, "at hand", cfg.budget_mib), "method": "not predicted",
+                         "status": "skipped", "reason": str(e), "data": data_note})
             continue
-        row = {**p.row(), "model_label": p.model, "model": cfg.model, "role": "at hand",
-               "tier": plan.tier, "help": plan.help, "budget_mib": cfg.budget_mib,
+        row = {**p.row(), "model_label": p.model, **_head(name, cfg.model, "at hand", cfg.budget_mib),
                "fits_predicted": p.fit_bytes <= budget, "data": data_note}
         if cfg.measure:
             torch.manual_seed(cfg.seed)
@@ -208,14 +205,11 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
                 p = predict(ref, name, batch=cfg.reference_micro_batch, seq=cfg.reference_seq_len,
                             device=cfg.reference_device)
             except StrategyNotApplicable as e:
-                ref_rows.append({"rung": name, "model": cfg.reference_model, "role": "reference",
-                                 "tier": RUNGS[name].tier, "help": RUNGS[name].help,
-                                 "budget_mib": cfg.reference_budget_mib, "method": "not predicted",
-                                 "status": "skipped", "reason": str(e)})
+                ref_rows.append({**_head(name, cfg.reference_model, "reference", cfg.reference_budget_mib),
+                                 "method": "not predicted", "status": "skipped", "reason": str(e)})
                 continue
-            ref_rows.append({**p.row(), "model": cfg.reference_model, "role": "reference",
-                             "tier": RUNGS[name].tier, "help": RUNGS[name].help,
-                             "budget_mib": cfg.reference_budget_mib, "fits_predicted": p.fit_bytes <= ref_budget,
+            ref_rows.append({**p.row(), **_head(name, cfg.reference_model, "reference", cfg.reference_budget_mib),
+                             "fits_predicted": p.fit_bytes <= ref_budget,
                              "status": "skipped", "reason": "reference model: predicted only (no weights here)"})
     df = pd.DataFrame(rows + ref_rows)
     # (every rung skipped before its prediction, QLoRA alone without bitsandbytes: no column to divide)
@@ -274,6 +268,12 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
     steps = read_steps(run.path / "steps.jsonl") if (run.path / "steps.jsonl").exists() else pd.DataFrame()
     return StudyResult(STUDY, runs=df, steps=steps, tables={k: v for k, v in tables.items() if k != "ladder"},
                        paths={**paths, "run_dir": str(run.path)})
+
+
+def _head(rung: str, model: str, role: str, budget_mib: float) -> dict[str, Any]:
+    """What every row of a rung says of it, predicted or not."""
+    return {"rung": rung, "model": model, "role": role, "tier": RUNGS[rung].tier, "help": RUNGS[rung].help,
+            "budget_mib": budget_mib}
 
 
 def _figures_of(df: pd.DataFrame) -> dict[str, float]:
