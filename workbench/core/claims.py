@@ -34,9 +34,14 @@ _STUDY1_COUNTS = {
 }
 
 
+@lru_cache(maxsize=2)
+def _reference_config(path) -> dict:  # read once per path (a comparison asks for it per strategy)
+    return json.loads(path.read_text())
+
+
 def _study1_counts(name: str) -> str:
     s1 = published()["study1_strategies"]
-    config = json.loads(REFERENCE_CONFIG.read_text())
+    config = _reference_config(REFERENCE_CONFIG)
     vocab, hidden, params = config["vocab_size"], config["hidden_size"], s1["setup"]["params_total"]
     counts = {r["strategy"]: r["claimed_trainable"].split()[0] for r in s1["rows"]}
     return _STUDY1_COUNTS.get(name, "").format(**counts, vocab=vocab, hidden=hidden, share=vocab * hidden / params,
@@ -85,7 +90,7 @@ def study1_general_problems() -> list[str]:
     s1 = published()["study1_strategies"]
     setup = s1["setup"]
     problems = list(s1["known_problems"])
-    vocab = json.loads(REFERENCE_CONFIG.read_text())["vocab_size"]
+    vocab = _reference_config(REFERENCE_CONFIG)["vocab_size"]
     problems.insert(0, f"baseline perplexity {setup['baseline_perplexity']:,} is above {setup['model']}'s "
                        f"vocabulary size ({vocab:,}): a model predicting uniformly would score better, so the "
                        "weights were random")
