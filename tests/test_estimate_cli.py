@@ -308,6 +308,23 @@ def test_bad_arguments_are_one_clear_line(tiny_config, capsys, args, message):
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["estimate", "--model", "m", "--batch", "x"],
+     "workbench estimate: error: argument --batch: invalid int value: 'x'"),
+    (["estimate", "--batch", "2"], "workbench estimate: error: the following arguments are required: --model"),
+    (["ladder", "--nosuch"], "workbench ladder: error: unrecognized arguments: --nosuch"),
+    (["nosuch"], "workbench: error: argument COMMAND: invalid choice: 'nosuch'"),
+])
+def test_what_argparse_refuses_is_one_line_naming_where_the_options_are(capsys, argv, message):
+    """argparse printed the command's whole usage block (a dozen lines for estimate) above its error."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(message) and len(err.splitlines()) == 1, err
+    command = "workbench" if argv == ["nosuch"] else f"workbench {argv[0]}"
+    assert err.endswith(f"(`{command} --help` lists the options)\n"), err
+
+
 def test_a_sequence_past_a_rotary_models_positions_says_how_to_predict_a_context_extension(tmp_path, capsys):
     """Llama-3-8B's config states 8,192 positions; RoPE has no position table, so 16k tokens is a
     context extension, which raises the config's limit. GPT-2's learned table ends there."""

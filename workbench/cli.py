@@ -32,8 +32,17 @@ COMMAND_MODULES = (reproduce, commands, estimate, sweep, dashboard, gpu_check)
 PACKAGE = Path(__file__).resolve().parent  # a warning raised from a file under it is the workbench's own
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad option is one line naming the command and where its options are listed, as the
+    workbench's other errors are (argparse prints the command's whole usage block before it);
+    the subcommands' parsers are of this class too (`add_subparsers` makes its parent's kind)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="workbench",
         description="Experiments for training language models on GPUs that are too small: "
         "transfer strategies with device fallback, the memory ladder, the adaptive GPU/CPU split.",
