@@ -76,6 +76,14 @@ def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_
     assert f"- Predicted peaks of 1 rung(s) measured here are within {runs['max_prediction_error_pct'][0]:.1f}% " in out
 
 
+def test_a_run_whose_loss_diverges_is_one_line_naming_the_fix(tiny_base, results_dir, capsys):
+    """lr=1e9: the loss is NaN by the second step, and the study ended in FloatingPointError's traceback."""
+    code = main(["ladder", "--quick", "rungs=[fp32]", "reference_model=''", "autofit=false", "steps=3", "lr=1e9"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and re.fullmatch(r"workbench ladder: the loss became nan at step \d \(peak learning rate "
+                                      r"1e\+09\); lower the learning rate", err), err
+
+
 def test_a_warning_of_the_workbench_is_one_line_naming_the_command(tiny_base, results_dir, tmp_path, capsys):
     """A user corpus whose files repeat each other: the warning was Python's (runner.py:255: UserWarning:
     ..., then the source line `corpus = target_corpus(cfg.corpus)`), and "leaving 0.03%" did not say of

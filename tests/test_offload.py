@@ -1131,6 +1131,20 @@ def test_a_run_bigger_than_this_machine_is_a_skipped_row_not_the_study_killed(tm
     assert report_section(result)  # the report is made from skipped rows too
 
 
+def test_a_run_whose_loss_diverges_is_an_error_row_not_an_ok_one(tmp_path, monkeypatch, tiny_base):
+    """lr=1e9: every run's loss was NaN from the second step, and each was an "ok" row with its speed,
+    parity and perplexity taken from NaNs."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    cfg = SplitConfig.from_dict({**TINY, "lr": 1e9, "k_sweep": [0.0, 1.0], "adaptive": False, "steps": 3,
+                                 "write_results": False})
+    runs = {r["run"]: r for r in measured_runs(cfg)[0]}
+    assert list(runs) == ["plain AdamW", "k=0", "k=1"]
+    for r in runs.values():
+        assert r["status"] == "error" and "tokens_per_s" not in r, r
+        assert re.fullmatch(r"LossDiverged: the loss became nan at step \d \(peak learning rate 1e\+09\); lower "
+                            r"the learning rate", r["reason"]), r["reason"]
+
+
 def test_the_reference_and_the_engine_are_held_to_their_own_precision(tmp_path, monkeypatch, tiny_base):
     """In bf16 the engine's floor is a pure bf16 step, below the fp32 reference's predicted peak:
     with free memory between the two, only the reference is held back."""

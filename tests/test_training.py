@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from workbench.core.config import ConfigError
 from workbench.core.memory import monitor
-from workbench.core.training import BlockSampler, TrainSettings, evaluate_perplexity, train
+from workbench.core.training import BlockSampler, LossDiverged, TrainSettings, evaluate_perplexity, train
 
 
 def model_and_blocks(seed=0):
@@ -91,6 +91,17 @@ def test_accumulation_matches_a_big_batch():
     assert a.losses == pytest.approx(b.losses, rel=1e-4)
     for p, q in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_a_loss_that_is_not_a_number_stops_the_run_naming_the_step_and_the_learning_rate():
+    rows = []
+    m, blocks = model_and_blocks()
+    with pytest.raises(LossDiverged) as e:
+        train(m, blocks, TrainSettings(steps=12, micro_batch=4, lr=1e9), sinks=[rows.append])
+    step = rows[-1]["step"]
+    assert not math.isfinite(rows[-1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[:-1])  # sent, then stopped
+    assert str(e.value) == (f"the loss became {rows[-1]['loss']} at step {step} (peak learning rate 1e+09); "
+                            "lower the learning rate")
 
 
 def test_labels_are_shifted_once():

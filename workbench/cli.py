@@ -24,6 +24,7 @@ from workbench.core.data import CorpusError
 from workbench.core.models import ModelNotFoundError
 from workbench.core.results import results_root
 from workbench.core.trainable import StrategyNotApplicable
+from workbench.core.training import LossDiverged
 from workbench.front import commands, dashboard, gpu_check, reproduce, sweep
 from workbench.studies.ladder import cli as estimate
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)
             return int(args.func(args) or 0)
-    except (ConfigError, ModelNotFoundError, CorpusError, StrategyNotApplicable) as e:
+    except (ConfigError, ModelNotFoundError, CorpusError, StrategyNotApplicable, LossDiverged) as e:
         print(f"workbench {args.command}: {e}", file=sys.stderr)
         return 2
     except OSError as e:

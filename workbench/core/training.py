@@ -30,6 +30,17 @@ from workbench.core.config import Config, ConfigError, param
 from workbench.core.memory import monitor
 
 
+class LossDiverged(FloatingPointError):
+    """The training loss became NaN or infinite; the run's later figures would mean nothing."""
+
+
+def check_loss(loss: float, step: int, lr: float) -> None:
+    """Raise LossDiverged where the loss of `step` (from 1) is not finite, naming the peak `lr`."""
+    if not math.isfinite(loss):
+        raise LossDiverged(f"the loss became {loss} at step {step} (peak learning rate {lr:g}); "
+                           "lower the learning rate")
+
+
 @dataclass(frozen=True)
 class TrainSettings(Config):
     steps: int = param(100, "optimizer steps to take")
@@ -241,8 +252,7 @@ def train(
                 }
                 for sink in sinks:
                     sink(row)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss became {loss_value} at step {step + 1}; lower the learning rate")
+            check_loss(loss_value, step + 1, settings.lr)
         return TrainResult(settings.steps, tokens, seconds, losses[-1], losses)
     finally:  # as it was, also when a step raises (an error, a notebook cell interrupted)
         if settings.grad_checkpointing and not was_checkpointing:

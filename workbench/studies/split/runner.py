@@ -39,6 +39,7 @@ from workbench.core.common import Sink
 from workbench.core.fallback import freed_on_interrupt, release
 from workbench.core.models import check_seq_len, load_model
 from workbench.core.results import ResultsWriter, RunDir, StudyResult, latest, locked, read_table, results_root
+from workbench.core.training import check_loss
 from workbench.studies.split import perf_model as pm
 from workbench.studies.split.adam import AdamHP, backend_status
 from workbench.studies.split.balance import balance_k, settled
@@ -95,6 +96,14 @@ def _runs(cfg: SplitConfig) -> list[dict]:
     return runs
 
 
+def _finite(rows: list[dict], lr: float) -> list[dict]:
+    """`rows`, where every iteration's loss is finite; else LossDiverged (the run is an error row:
+    its speed was measured on NaNs, its parity and perplexity mean nothing)."""
+    for r in rows:
+        check_loss(r["loss"], r["iteration"] + 1, lr)
+    return rows
+
+
 def _summary(rows: list[dict], warmup: int) -> dict:
     """After warm-up: tokens/s total over total, the shares weighted by time / host parameters, means;
     and the k the run settled on with its tokens/s (an adaptive run's whole-run figures mix its ks)."""
@@ -145,7 +154,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         head = {**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0}
         try:  # on a card too small for the plain step (study 3's case): out of memory, a row
             model = copy.deepcopy(base).to(device)
-            rows = plain_adamw(model, batches, hp, cfg.max_grad_norm)
+            rows = _finite(plain_adamw(model, batches, hp, cfg.max_grad_norm), cfg.lr)
         except Exception as e:
             runs.append({**head, **failure(e)})
         else:
@@ -180,6 +189,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
             for b in batches:
                 eng.step(b)
             eng.close()
+            _finite(eng.rows, cfg.lr)
         except Exception as e:  # a failed run is a row, never a gap (on a card: out of memory too)
             row = failure(e)
         finally:
@@ -218,6 +228,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
             try:
                 rows, reason = run_zero_offload(copy.deepcopy(base).to(device), batches, cfg.lr, cfg.weight_decay,
                                                 cfg.precision, cfg.max_grad_norm)
+                _finite(rows, cfg.lr)
             except Exception as e:  # out of memory on a card: a row
                 row = failure(e)
         if row:
