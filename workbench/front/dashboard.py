@@ -11,11 +11,11 @@ for a token (printed with the URL); nothing else on the network can reach it. Th
 appears on a command line (where `ps` shows it to every user of the machine): it is $WORKBENCH_TOKEN
 or a random one, and reaches Voila through a voila.json readable only by you, in a private folder
 that is Voila's working directory, removed when the server stops; Voila's log writes a request's
-token `[secret]`. Voila is told not to move to
-another port: a busy port is a one-line error before anything starts, so the printed address is
-always the server's (a browser sent to a moved server's old port would hand the token to whatever
-listens there). The apps' kernels talk to Voila over Unix sockets in its connection folder (mode
-0700), not TCP ports on 127.0.0.1, whose output stream any user of a shared machine could read.
+token `[secret]`. Voila is told not to move to another port: a busy port is a one-line error
+before anything starts, so the printed address is always the server's (a browser sent to a moved
+server's old port would hand the token to whatever listens there). The apps' kernels talk to
+Voila over Unix sockets in its connection folder (mode 0700), not TCP ports on 127.0.0.1, whose
+output stream any user of a shared machine could read.
 """
 
 from __future__ import annotations
