@@ -55,6 +55,18 @@ def test_bad_assignments_are_one_line_errors(argv, message, capsys):
     assert message in err and "\n" not in err
 
 
+@pytest.mark.parametrize("study", list(STUDIES))
+def test_a_studys_help_lists_every_field_whole_under_its_column(study):
+    """The fields' help was one line each, up to 325 characters, wrapped by the terminal under nothing."""
+    text = cli.build_parser().commands[STUDIES[study].study].format_help()
+    fields = text.split("fields (NAME=VALUE):\n")[1]
+    assert max(len(line) for line in text.splitlines()) <= 102
+    assert all(line.startswith("  ") and (line[2] != " " or line.startswith(" " * 25)) for line in fields.splitlines())
+    flat = " ".join(fields.split())
+    for name, help_ in STUDIES[study].config.help().items():
+        assert f"{name} {' '.join(help_.split())}" in flat, name
+
+
 def test_json_records_decode_the_json_text_of_csv_cells():
     table = pd.DataFrame({"history": ['[{"device": "cuda", "status": "oom"}]', None],
                           "note": ["[fp32] was skipped", "{not json"], "peak": [1.5, float("nan")]})

@@ -15,6 +15,7 @@ Results go to results/<study>/ (or $WORKBENCH_RESULTS/<study>/); the runs table 
 from __future__ import annotations
 
 import argparse
+import textwrap
 import json
 
 import pandas as pd
@@ -74,7 +75,10 @@ def json_records(table: pd.DataFrame) -> list[dict]:
 
 def register(sub) -> None:
     for nb in STUDIES.values():
-        fields = "\n".join(f"  {n:<22} {h}" for n, h in nb.config.help().items())
+        # each field's help wrapped under its own column (some run to 300 characters)
+        fields = "\n".join(textwrap.fill(h, 100, initial_indent=f"  {n:<22} ",
+                                         subsequent_indent=" " * 25, break_on_hyphens=False)
+                           for n, h in nb.config.help().items())
         p = sub.add_parser(nb.study, help=nb.title, description=__doc__, epilog=f"fields (NAME=VALUE):\n{fields}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("assignments", nargs="*", metavar="NAME=VALUE", help=f"a field of {nb.config.__name__}")
