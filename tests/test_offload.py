@@ -43,7 +43,7 @@ from workbench.studies.split.perf_model import (GB, assumed, band_intervals, hos
 from workbench.studies.split.preflight import MemoryHold
 from workbench.studies.split.reference import plain_adamw
 from workbench.studies.split.batches import text_batches
-from workbench.studies.split.runner import load_result, measured_runs, run_split_study
+from workbench.studies.split.runner import load_result, measured_runs, published_rows, run_split_study
 
 HP = AdamHP(lr=1e-2, weight_decay=0.01)
 
@@ -906,7 +906,14 @@ def test_a_what_if_host_setting_is_listed_as_given_and_the_report_says_so():
         rows, _ = modelled_runs(cfg, host)
         runs = pd.DataFrame(rows).assign(panel=lambda d: d["source"] + ": " + d["hardware"])  # as the runner adds it
         html = next(s[2] for s in report_section(StudyResult("split", runs=runs)) if s[0] == "text")
-        assert f"a published MFU; {text}): no figure" in html
+        aside = ("; the published setting's row, the verdict and the validation do not take it: their host is modelled "
+                 "from one core measured here" if settings else "")
+        assert f"a published MFU; {text}{aside}): no figure" in html
+        # the published setting's row is one of them, and says which share it took (it said none)
+        published = pd.DataFrame([*rows, *published_rows(host)[0]]).assign(panel=lambda d: d["source"])
+        assert published["host_share_from"].iloc[-1] == "measured here"
+        html = next(s[2] for s in report_section(StudyResult("split", runs=published)) if s[0] == "text")
+        assert f"a published MFU; {text}{aside}): no figure" in html
 
 
 def test_the_same_settings_started_twice_at_once_are_measured_one_after_the_other(tmp_path, monkeypatch, tiny_base,

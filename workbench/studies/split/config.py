@@ -78,10 +78,12 @@ class SplitConfig(Config):
         False, "recompute activations in the modelled runs (less memory, a longer backward)"
     )
     host_share: float | None = param(
-        None, "host Adam's share of the Adam-pattern bandwidth (None: measured here, now, clipped to 1)"
+        None, "what-if: host Adam's share of the Adam-pattern bandwidth in the modelled runs (None: measured here, "
+        "now, clipped to 1); the published setting's row, the verdict and the validation take the measured one"
     )
     alpha: float | None = param(
-        None, "what-if: fix alpha, the ratio t_update_accelerator / t_update_host (None: modelled from the profiles)"
+        None, "what-if: fix alpha, the ratio t_update_accelerator / t_update_host, in the modelled runs (None: "
+        "modelled from the profiles); the published setting's row, the verdict and the validation take the modelled one"
     )
 
     write_results: bool = param(True, "write results/split/ (runs.csv; steps.csv and the side tables in <study_key>/)")

@@ -287,6 +287,9 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
     host = ("the host's update time from the alpha given" if "not used (alpha given)" in given else
             "the host from a bandwidth model of the named CPU, its Adam share given" if "config" in given else
             "the host from a bandwidth model of the named CPU, scaled per core from one core measured here")
+    if given & {"config", "not used (alpha given)"}:  # a what-if is not an input of the published comparison
+        host += ("; the published setting's row, the verdict and the validation do not take it: their host is "
+                 "modelled from one core measured here")
     tags = (
         f'<span class="tag measured">measured</span> {len(measured)} run(s) of the split engine on {where}: '
         f"the embedded base fine-tuned on the target corpus: tokens/s, idle share, loss, held-out perplexity "

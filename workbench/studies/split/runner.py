@@ -303,6 +303,7 @@ def published_rows(host: dict) -> tuple[list[dict], dict]:
                  "t_backward_s": op["t_backward_s"], "t_update_host_s": op["t_update_host_s"],
                  "t_transfer_s": op["t_transfer_s"], "k_balance": op["k_seed_formula"], "k_band": f"{lo}-{hi}",
                  "host_rate_from": op["host_rate_from"], "compute_from": op["compute_from"],
+                 "host_share_from": m.notes["host share"],  # measured here: never the what-if settings' share
                  "mode": "seed formula (no transfers)", "status": "ok" if sim["fits"] else "oom", "published_setting": True,
                  **({} if sim["fits"] else {"reason": _oom_reason(sim, m)})}
     return [claim, model_row], op
