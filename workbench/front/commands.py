@@ -15,8 +15,8 @@ Results go to results/<study>/ (or $WORKBENCH_RESULTS/<study>/); the runs table 
 from __future__ import annotations
 
 import argparse
-import textwrap
 import json
+import textwrap
 
 import pandas as pd
 
