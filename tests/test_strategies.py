@@ -139,6 +139,13 @@ def test_the_fallback_finding_says_which_runs_ran_out_and_which_were_kept_off():
     said = [f for f, _ in findings(StudyResult("strategies", runs=runs, tables={"summary": summary}))]
     assert said[-1] == ("3 run(s) did not fit the device budget and finished on the next device: 2 ran out of "
                         "memory (bitfit, full); 1 was kept off it by the pre-flight prediction (full).")
+    # beside it, the published runs that fell back, from the claims file (it named adapter alone, of three)
+    from workbench.core.claims import study1_comparison
+    claims = study1_comparison(summary)
+    published = findings(StudyResult("strategies", runs=runs, tables={"summary": summary, "claims": claims}))[-1][1]
+    assert published == "the published adapter, freeze_embeddings, full runs fell back from GPU to CPU"
+    claims["published_device"] = "GPU"
+    assert findings(StudyResult("strategies", runs=runs, tables={"summary": summary, "claims": claims}))[-1][1] == ""
 
 
 def _qlora_grads(evaluate_first: bool) -> dict[str, torch.Tensor]:

@@ -119,8 +119,12 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
             if len(rows):
                 verb = "" if what.startswith("ran") else "was " if len(rows) == 1 else "were "
                 how.append(f"{len(rows)} {verb}{what} ({', '.join(sorted(set(rows['strategy'])))})")
+        published = claims.get("published_device", pd.Series(dtype=str)).astype(str)
+        fell_there = sorted(claims.loc[published.str.contains("fallback", case=False), "strategy"]) \
+            if len(claims) else []
         out.append((f"{len(fell)} run(s) did not fit the device budget and finished on the next device: "
-                    f"{'; '.join(how)}.", "the published adapter run fell back from GPU to CPU"))
+                    f"{'; '.join(how)}.", f"the published {', '.join(fell_there)} runs fell back from GPU to CPU"
+                    if fell_there else ""))
     if "reused" in result.runs and result.runs["reused"].any():
         n, total = int(result.runs["reused"].sum()), len(result.runs)
         out.append((f"{n} of {total} runs were read back, not trained again: they "
