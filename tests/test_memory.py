@@ -315,3 +315,22 @@ def test_the_operand_walk_gives_what_pytree_gives_in_its_order():
                torch.linalg.eigh(x @ x.T), ((x, [x, x]), {"alpha": 2, "out": x, "bias": [x[0]]}), (), [[]], None]
     for s in structs:
         assert [id(t) for t in leaves(s)] == [id(t) for t in tree_flatten(s)[0]], s
+
+
+def test_what_accelerates_estimate_is_said_to_count_is_what_it_reports():
+    """The table and the notebook said accelerate reports "the largest single component, not a sum":
+    in fp32 its figure is 4x the weights' bytes, as many as weights, gradients and two moments."""
+    from conftest import tiny_config
+
+    from workbench.core.memory.baselines import accelerate_estimate, baseline_table
+
+    config = tiny_config("qwen2")
+    total = accelerate_estimate(config)["total_bytes"]
+    rows = {r["estimator"]: r for r in baseline_table(config)}
+    fp32, fp16 = rows["accelerate estimate-memory float32"], rows["accelerate estimate-memory float16"]
+    assert fp32["estimated_bytes"] == 4 * total and fp16["estimated_bytes"] == 2 * total
+    assert fp32["why_it_differs"] == ("its largest entry, 'step': 4 x the fp32 weights (as many bytes as weights + "
+                                      "gradients + 2 moments); no activations, logits or temporaries")
+    assert fp16["why_it_differs"] == ("its largest entry, 'optimizer': 2 x the fp32 weights (the two fp32 moments "
+                                      "alone, not the weights and gradients beside them); no activations, logits "
+                                      "or temporaries")

@@ -5,9 +5,10 @@
 
 Both are called from the libraries themselves:
 - accelerate's `estimate-memory` (accelerate/commands/estimate.py): `calculate_maximum_sizes` on
-  an empty model, then `estimate_training_usage`, which reports the *largest single component*
-  (for fp32: the optimizer step, 4x the model's bytes; for mixed precision: 2x) as "Training
-  using Adam" - not a sum, and with no activations, no logits and no temporaries.
+  an empty model, then `estimate_training_usage`, whose largest entry it reports as "Training
+  using Adam": for fp32 its step entry, 4x the model's bytes (as many as weights + gradients + two
+  moments); for mixed precision its optimizer entry, 2x (the two fp32 moments alone, without the
+  weights and gradients beside them); with no activations, no logits and no temporaries.
 - DeepSpeed's `estimate_zero2_model_states_mem_needs` / `estimate_zero3_model_states_mem_needs`
   (model states only: weights, gradients, optimizer; activations are left to the user).
 
@@ -67,15 +68,23 @@ def baseline_table(config) -> list[dict[str, Any]]:
     n, fp32_bytes, largest = weights_bytes(config)
     acc = accelerate_estimate(config)
     ds = deepspeed_estimates(n, largest)
-    why_acc = ("largest single component (not a sum); no activations, logits or temporaries")
+    meaning = {4: "as many bytes as weights + gradients + 2 moments",
+               2: "the two fp32 moments alone, not the weights and gradients beside them"}
+
+    def why_acc(dtype: str) -> str:  # which of accelerate's entries it reports, and what that counts
+        usage = acc[f"components_{dtype}"]
+        top = max(usage.values())
+        entry, times = next(k for k, v in usage.items() if v == top), top / acc["total_bytes"]
+        return (f"its largest entry, '{entry}': {times:g} x the fp32 weights"
+                + (f" ({meaning[times]})" if times in meaning else "") + "; no activations, logits or temporaries")
     why_ds = "model states only (weights, gradients, optimizer); activations left out"
     return [
         {"estimator": "rule of thumb (16 B/param)", "compares_to": "fp32", "estimated_bytes": simple_estimate(n, n),
          "why_it_differs": "weights + grads + 2 moments only; no activations, logits, temporaries"},
         {"estimator": "accelerate estimate-memory float32", "compares_to": "fp32",
-         "estimated_bytes": acc["training_float32_bytes"], "why_it_differs": why_acc},
+         "estimated_bytes": acc["training_float32_bytes"], "why_it_differs": why_acc("float32")},
         {"estimator": "accelerate estimate-memory float16", "compares_to": "bf16",
-         "estimated_bytes": acc["training_float16_bytes"], "why_it_differs": why_acc},
+         "estimated_bytes": acc["training_float16_bytes"], "why_it_differs": why_acc("float16")},
         {"estimator": "DeepSpeed ZeRO-2 (no offload)", "compares_to": "fp32",
          "estimated_bytes": ds["zero2_gpu_bytes"], "why_it_differs": why_ds + "; assumes 16-bit weights + fp32 master"},
         {"estimator": "DeepSpeed ZeRO-2 offload", "compares_to": "zero_offload",

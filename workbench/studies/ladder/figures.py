@@ -357,7 +357,8 @@ NOTEBOOK = [
      "figures.published_figure(result).show()"),
     ("", "table(figures.published_table(result))"),
     ("## What the usual estimators say, and why they differ\n\naccelerate's `estimate-memory` reports the largest "
-     "single component, not a sum; DeepSpeed's estimators count model states only. Neither counts activations, "
+     "of its entries: in fp32 as many bytes as weights, gradients and two moments; in mixed precision the two "
+     "moments alone. DeepSpeed's estimators count model states only. Neither counts activations, "
      "the vocabulary-sized logits and their gradient, or optimizer temporaries.",
      "figures.baselines_figure(result).show()"),
     ("", "table(figures.baselines_table(result))"),
