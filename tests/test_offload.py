@@ -541,7 +541,32 @@ def test_a_runs_summary_weighs_its_iterations_and_says_where_it_settled():
     assert s["host_done_before_bwd_end_share"] == pytest.approx(1.0)  # every host parameter there was
     assert s["tokens_per_s"] == pytest.approx(400 / 0.8) and s["k_actual"] == pytest.approx(0.5)
     assert (s["settled_k"], s["settled_from"], s["settled_tokens_per_s"]) == (1.0, 4, pytest.approx(200 / 0.2))
-    assert (s["iterations"], s["first_loss"], s["final_loss"]) == (6, 5.0, 0.0)
+    assert (s["iterations"], s["first_loss"], s["final_loss"]) == (6, 5.0, 0.0) and "reason" not in s
+    # k moved at the last iteration: no settled figures, and the row says why (its cells were empty, unexplained)
+    s = _summary([*rows[:5], row(5, 0.4, 100.0, 0.9, float("nan"), 0)], warmup=2)
+    assert s["settled_k"] is None and s["reason"] == (
+        "k still moving at the end: its last k, 0.40, ran 1 measured iteration(s), and settled figures need 2 "
+        "(raise steps); k_actual and tokens/s mix the ks it tried")
+
+
+def test_a_measured_adaptive_run_is_drawn_where_it_settled_or_labelled_as_a_mix():
+    """An adaptive run that tried k = 0, 0.39 and 1 was drawn at k 0.35, the mean of its iterations, a k
+    it never ran, with its whole run's tokens/s, under the name of a setting."""
+    base = {"source": "measured", "panel": "measured: this machine (cpu)", "status": "ok", "accel_idle_share": 0.5}
+    rows = [{**base, "mode": "static", "run": "k=0.5", "k_actual": 0.59, "tokens_per_s": 900.0},
+            {**base, "mode": "adaptive", "run": "adaptive", "k_actual": 0.35, "tokens_per_s": 800.0,
+             "settled_k": 1.0, "settled_tokens_per_s": 1000.0},
+            {**base, "source": "modelled", "panel": "modelled: A100", "mode": "adaptive", "run": "A100: adaptive",
+             "k_actual": 0.3, "tokens_per_s": 5000.0}]
+    drawn = throughput_figure(StudyResult("split", runs=pd.DataFrame(rows)))
+    points = {t.name: (list(t.x), list(t.y)) for t in drawn.data}
+    assert points["adaptive (where it settled)"] == ([1.0], [1000.0])
+    assert points["adaptive"] == ([0.3], [5000.0]) and points["static"] == ([0.59], [900.0])  # a modelled one: one k
+    rows[1]["settled_k"] = rows[1]["settled_tokens_per_s"] = None
+    mixed = "adaptive (its run's mean k: a mix of the ks it tried)"
+    for fig in (throughput_figure(StudyResult("split", runs=pd.DataFrame(rows))),
+                idle_figure(StudyResult("split", runs=pd.DataFrame(rows)))):
+        assert [list(t.x) for t in fig.data if t.name.startswith(mixed)] == [[0.35]], [t.name for t in fig.data]
 
 
 def test_a_rate_that_is_not_a_number_is_an_error_not_k_0():

@@ -175,7 +175,7 @@ def test_split_run_feeds_a_live_chart_and_the_report(results_dir):
     assert kinds[0] == "text" and 1 <= kinds.count("figure") <= 3
     assert 'class="tag measured"' in parts[0][2] and 'class="tag modelled"' in parts[0][2]
     tables = {title: t for k, title, t in parts if k == "table"}
-    mtable = tables["Measured runs (this machine)"]
+    mtable = tables[split_figures.RUN_TABLES["measured"]]
     assert list(mtable["run"]) == ["plain AdamW", *runs] and mtable["hardware"].str.startswith("this machine").all()
     modelled = next(t for title, t in tables.items() if title.startswith("Modelled"))
     assert len(modelled) and not modelled["hardware"].str.startswith("this machine").any()

@@ -23,7 +23,8 @@ from workbench.core.results import StudyResult
 RUN_COLUMNS = ["hardware", "run", "mode", "recompute", "status", "k_actual", "tokens_per_s", "settled_k",
                "settled_tokens_per_s", "tflops", "accel_idle_share", "host_done_before_bwd_end_share", "first_loss",
                "final_loss", "ppl_before", "ppl_after", "max_abs_diff_vs_adamw", "accel_memory_gib", "reason"]
-RUN_TABLES = {"measured": "Measured runs (this machine)",
+RUN_TABLES = {"measured": "Measured runs (this machine; k_actual: the share of parameters updated on the accelerator, "
+                          "in whole layers, so near a static run's k, not at it)",
               "modelled": "Modelled runs (performance model; oom: the modelled card's memory does not fit)",
               "published": "Published claims (the seed's own figures, not measured here)"}
 KEY_MODES = ["host only (k=0)", "adaptive", "ZeRO-Offload", "all on accelerator", "plain AdamW"]
@@ -55,9 +56,23 @@ def _panels(fig: go.Figure, n: int, cols: int) -> go.Figure:
     return fig.update_layout(height=160 + 300 * max(1, -(-n // cols)))
 
 
+def _adaptive_at(df: pd.DataFrame, settled: bool) -> pd.DataFrame:
+    """A measured adaptive run's point on a chart against k: where it settled (`settled`: its k and
+    tokens/s after its last move), else at its whole run's mean k, a k it may never have used, labelled so."""
+    df = df.copy()
+    adaptive = df["mode"].eq("adaptive") & df["source"].eq("measured")  # a modelled one runs at one k
+    there = adaptive & df["settled_k"].notna() if settled and "settled_k" in df else adaptive & False
+    if there.any():
+        df.loc[there, "k_actual"] = df.loc[there, "settled_k"]
+        df.loc[there, "tokens_per_s"] = df.loc[there, "settled_tokens_per_s"]
+    df.loc[there, "mode"] = "adaptive (where it settled)"
+    df.loc[adaptive & ~there, "mode"] = "adaptive (its run's mean k: a mix of the ks it tried)"
+    return df
+
+
 def throughput_figure(result: StudyResult) -> go.Figure:
     """Tokens/s against k, one panel per machine; each panel's title says measured or modelled."""
-    df = result.runs
+    df = _adaptive_at(result.runs, settled=True)
     speed = df[df["source"] != "published"].dropna(subset=["tokens_per_s"])
     fig = px.scatter(speed, x="k_actual", y="tokens_per_s", color="mode", symbol="mode", facet_col="panel",
                      facet_col_wrap=2, facet_row_spacing=0.14, hover_data=["run", "status"],
@@ -87,7 +102,7 @@ def tflops_figure(result: StudyResult) -> go.Figure:
 
 def idle_figure(result: StudyResult) -> go.Figure:
     """The share of an iteration the accelerator waits for the host, against k."""
-    df = result.runs
+    df = _adaptive_at(result.runs, settled=False)  # its idle share is its whole run's
     idle = df[df["source"] != "published"].dropna(subset=["accel_idle_share"])
     idle = idle.assign(accel_idle_pct=100 * idle["accel_idle_share"])  # in %, as the runs table shows it
     fig = px.scatter(idle, x="k_actual", y="accel_idle_pct", color="mode", symbol="status", facet_col="panel",

@@ -119,6 +119,11 @@ def _summary(rows: list[dict], warmup: int) -> dict:
             w = keep[weight].where(keep[col].notna(), 0.0)
             out[col] = float((keep[col].fillna(0.0) * w).sum() / w.sum()) if w.sum() > 0 else float("nan")
     out["tokens_per_s"] = float(keep["tokens"].sum() / (keep["iteration_ms"].sum() / 1e3))
+    if out["settled_k"] is None and "k_actual" in df and df["k_actual"].nunique() > 1:  # why no settled figures
+        last = df["k_actual"].iloc[-1]
+        n = int(((df["k_actual"] == last) & (df["iteration"] >= warmup)).iloc[::-1].cummin().sum())
+        out["reason"] = (f"k still moving at the end: its last k, {last:.2f}, ran {n} measured iteration(s), and "
+                         "settled figures need 2 (raise steps); k_actual and tokens/s mix the ks it tried")
     return out
 
 
