@@ -949,6 +949,11 @@ def test_a_killed_ladder_keeps_its_finished_rungs_and_goes_on_from_there(tmp_pat
     assert list(result.steps.groupby("rung", sort=False).size().items()) == [("fp32", 2), ("bf16_ckpt", 2), ("cpu", 2)]
     assert 9.9 not in set(result.steps["loss"])  # the step of the try that died is gone
     assert {r["rung"] for r in seen if "loss" in r} == {"fp32", "bf16_ckpt", "cpu"}  # the chart gets all three
+    # ... the cpu rung's without a memory figure: its device holds nothing (its host's live bytes, drawn as
+    # device memory, stood over the budget's line); its steps file keeps them
+    charted = {r["rung"]: r["mem_mib"] for r in seen if "loss" in r}
+    assert charted["cpu"] is None and charted["fp32"] > 0 and charted["bf16_ckpt"] > 0
+    assert (result.steps.loc[result.steps["rung"] == "cpu", "mem_mib"] > 0).all()
     # the reused rows are the rows: run again, nothing is measured and the table is the same
     again = run_ladder(cfg)
     assert measured == ["fp32", "bf16_ckpt", "cpu"]

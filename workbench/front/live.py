@@ -143,8 +143,10 @@ class LiveChart:
         budget = row.get("budget_mib")
         if budget and budget not in self._budgets:
             self._budgets.add(budget)
+            # whose budget: an attempt without one (a CPU run fallen back to) is drawn above it and fits
+            where = f" ({row['device']})" if row.get("device") else ""
             self.fig.add_hline(y=budget, line_dash="dash", line_color="red", row=1, col=2,
-                               annotation_text=f"budget {budget:g} MiB")
+                               annotation_text=f"budget {budget:g} MiB{where}")
         labels = ", ".join(f"{k}={row[k]}" for k in self.run_keys if k in row)
         self._status = f"{labels} — step {row['step']}, loss {row['loss']:.3f}"
         self.rows += 1

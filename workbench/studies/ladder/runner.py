@@ -120,6 +120,14 @@ def _labelled(sinks: list[Sink], **labels: Any) -> tuple[Sink, ...]:
     return (feed,)
 
 
+def _chart(sinks: list[Sink], name: str, budget_mib: float | None) -> tuple[Sink, ...]:
+    """The sinks of a rung's measured steps: labelled with its stage and the budget; the cpu rung's
+    without a memory figure (its device holds nothing, as its row says: the live bytes the count
+    gives for it are the host's, and were drawn as device memory over the budget's line)."""
+    host = name in RUNGS and RUNGS[name].placement == "cpu"
+    return _labelled(sinks, stage="ladder", budget_mib=budget_mib, **({"mem_mib": None} if host else {}))
+
+
 def _event(sinks: list[Sink], **row: Any) -> None:
     for sink in sinks:
         sink({"event": "attempt", **row})
@@ -182,7 +190,7 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) ->
                 m = {"status": "skipped", "reason": too_big}
             else:
                 m = measure(name, load, blocks, batch=cfg.micro_batch, steps=cfg.steps, lr=cfg.lr,
-                            sinks=(steps_sink, *_labelled(sinks, stage="ladder", budget_mib=cfg.budget_mib)))
+                            sinks=(steps_sink, *_chart(sinks, name, cfg.budget_mib)))
             if m["status"] != "ok":
                 _event(sinks, rung=name, attempt=name, result=m["status"])
             row.update({k: v for k, v in m.items() if k not in row or k in ("status", "reason")})
@@ -319,7 +327,7 @@ def _resumed_steps(run: RunDir, finished: dict[str, dict], sinks: list[Sink]) ->
     # on disk whole before the charts get them: a kill while they redraw loses none of them
     atomic_write_text(partial, "".join(json.dumps(row, default=float) + "\n" for row in rows))
     for row in rows:
-        for s in _labelled(sinks, stage="ladder", budget_mib=finished[row["rung"]].get("budget_mib")):
+        for s in _chart(sinks, row["rung"], finished[row["rung"]].get("budget_mib")):
             s(row)
     return JsonlSink(partial)
 
