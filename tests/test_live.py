@@ -67,8 +67,9 @@ def test_a_run_wears_one_colour_in_every_panel_and_runs_differ():
 def test_a_budgets_line_says_whose_budget_it_is():
     """A run fallen back to the CPU, which has no budget, was drawn above "budget 13 MiB" and fit."""
     live = LiveChart(display=False, min_interval_s=0)
-    live({"strategy": "full", "seed": 0, "device": "cpu@13", "budget_mib": 13.0, "step": 1, "loss": 5.0, "mem_mib": 12.0})
-    live({"strategy": "full", "seed": 0, "device": "cpu", "budget_mib": None, "step": 1, "loss": 5.0, "mem_mib": 14.0})
+    run = {"strategy": "full", "seed": 0, "step": 1, "loss": 5.0}
+    live({**run, "device": "cpu@13", "budget_mib": 13.0, "mem_mib": 12.0})
+    live({**run, "device": "cpu", "budget_mib": None, "mem_mib": 14.0})
     assert [a.text for a in live.close().layout.annotations if "budget" in a.text] == ["budget 13 MiB (cpu@13)"]
 
 
