@@ -8,6 +8,8 @@ real run is seconds to minutes); the sink tests run the real runners on tiny set
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 
@@ -280,6 +282,28 @@ def test_the_ladder_chart_says_how_each_peak_was_predicted():
     assert list(bars["predicted, estimated (not measured)"].x) == ["zero_offload"]
     assert bars["predicted, estimated (not measured)"].marker.pattern.shape == "/"
     assert not bars["predicted, simulated (not measured)"].marker.pattern.shape
+
+
+def test_a_rung_far_above_the_others_puts_the_ladder_chart_on_a_log_axis():
+    """On the tiny model ZeRO's 500M-element reduce bucket (954 MiB) stood beside rungs of 1-8 MiB and a 3 MiB
+    budget, all squashed into the panel's bottom; where the bars are alike the axis stays linear."""
+    def chart(values):
+        runs = pd.DataFrame([{"rung": f"r{i}", "role": "at hand", "method": "predicted", "predicted_peak_mib": v,
+                              "budget_mib": 3.0, "status": "skipped"} for i, v in enumerate(values)])
+        return ladder_figures.ladder_figure(StudyResult("ladder", runs=runs))
+
+    squashed = chart([1.6, 1.5, 0.9, 1.0, 0.0, 954.0])
+    assert squashed.layout.yaxis.type == "log" and squashed.layout.yaxis2.type != "log"
+    texts = {a.text: a for a in squashed.layout.annotations}
+    assert "peak device memory (MiB, log scale)" in texts
+    assert texts["budget 3 MiB"].y == pytest.approx(math.log10(3.0))  # on a log axis, at log10 of the value
+    assert [s.y0 for s in squashed.layout.shapes] == [3.0]  # the line at the value
+    alike = chart([1.6, 1.5, 0.9, 1.0, 0.0, 12.0])
+    assert alike.layout.yaxis.type != "log" and "peak device memory (MiB)" in {a.text for a in alike.layout.annotations}
+    # the ladder's table says why such a rung needs so much (its note was in the reference model's table alone)
+    runs = pd.DataFrame([{"rung": "zero_offload", "role": "at hand", "note": "a 500,000,000-element reduce bucket"}])
+    assert list(ladder_figures.ladder_table(StudyResult("ladder", runs=runs))["note"]) == [
+        "a 500,000,000-element reduce bucket"]
 
 
 def test_the_comparison_charts_draw_no_empty_workbench_trace():

@@ -7,6 +7,7 @@ Each figure says where its numbers come from: `predicted` (the training step ove
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pandas as pd
@@ -24,8 +25,9 @@ BUDGET_NOTE = ("On a GPU the budget caps the CUDA caching allocator's reserved m
                "a card of the same size.")
 
 LADDER_COLUMNS = ["rung", "method", "predicted_peak_mib", "measured_peak_mib", "status", "reason", "step_ms",
-                  "tokens_per_s", "loss_after", "fits_predicted", "fits_measured"]
+                  "tokens_per_s", "loss_after", "fits_predicted", "fits_measured", "note"]
 CATEGORIES = ["weights", "gradients", "optimizer_state", "activations", "temporaries"]
+LOG_SPREAD = 20  # the ladder chart's memory axis is logarithmic where its highest bar is this many times the median
 
 
 def _hand(result: StudyResult) -> pd.DataFrame:
@@ -76,7 +78,19 @@ def ladder_figure(result: StudyResult, title: str = "") -> go.Figure:
         if "step_ms" in ok:
             fig.add_trace(go.Bar(x=ok["rung"], y=ok["step_ms"], name="step time (measured on this machine)"),
                           row=1, col=2)
-    fig.add_hline(y=budget, line_dash="dash", line_color="red", annotation_text=f"budget {budget:g} MiB", row=1, col=1)
+    peaks = pd.concat([hand[c] for c in ("predicted_peak_mib", "measured_peak_mib") if c in hand]).dropna()
+    peaks = peaks[peaks > 0]
+    # one rung far above the rest (on a tiny model, ZeRO's 500M-element reduce bucket: 954 MiB beside a few)
+    # squashed every other bar and the budget's line into the panel's bottom: a log axis shows them all
+    log = len(peaks) > 1 and peaks.max() > LOG_SPREAD * peaks.median()
+    fig.add_hline(y=budget, line_dash="dash", line_color="red", row=1, col=1,
+                  **({} if log else {"annotation_text": f"budget {budget:g} MiB"}))
+    if log:  # on a log axis an annotation's y is log10 of the value, a line's is the value (plotly.py#2580)
+        fig.add_annotation(text=f"budget {budget:g} MiB", x=1, xref="x domain", y=math.log10(budget), yref="y",
+                           showarrow=False, xanchor="right", yanchor="bottom", font_color="red")
+        fig.update_yaxes(type="log", row=1, col=1)
+        fig.for_each_annotation(lambda a: a.update(text="peak device memory (MiB, log scale)"),
+                                selector={"text": "peak device memory (MiB)"})
     order = dict(categoryorder="array", categoryarray=list(hand["rung"]))
     fig.update_xaxes(**order)
     return fig.update_layout(barmode="group", height=450, title=title or "Memory ladder: peak device memory per rung")
