@@ -27,6 +27,7 @@ BUDGET_NOTE = ("On a GPU the budget caps the CUDA caching allocator's reserved m
 LADDER_COLUMNS = ["rung", "method", "predicted_peak_mib", "measured_peak_mib", "status", "reason", "step_ms",
                   "tokens_per_s", "loss_after", "fits_predicted", "fits_measured", "note"]
 CATEGORIES = ["weights", "gradients", "optimizer_state", "activations", "temporaries"]
+LITTLE_ACTIVATIONS = 0.05  # below this share of the peak, checkpointing's rows are said to show little
 LOG_SPREAD = 20  # the ladder chart's memory axis is logarithmic where its highest bar is this many times the median
 
 
@@ -214,11 +215,30 @@ def precision_verdict(result: StudyResult) -> str:
         if {"fp32", "bf16", "bf16_true"} <= set(rows.index):
             fp32, mixed, pure = (float(rows.loc[r, "predicted_peak_bytes"]) for r in ("fp32", "bf16", "bf16_true"))
             if fp32 > 0:
-                return (f"{rows['model'].iloc[0]}: bf16 autocast (mixed precision) needs {mixed / fp32:.0%} of fp32's "
+                return (f"{_setting(rows)}: bf16 autocast (mixed precision) needs {mixed / fp32:.0%} of fp32's "
                         f"peak, because its weights, gradients and AdamW state stay fp32; pure bf16 weights, "
                         f"gradients and state (bf16-true) need {pure / fp32:.0%}. Only the pure 16-bit step comes "
                         "near halving memory; the claim describes that mechanism, not autocast (predicted).")
     return ""
+
+
+def _setting(rows: pd.DataFrame) -> str:
+    """'MODEL at B x S': what a prediction's shares depend on (activations grow with the tokens, the rest not)."""
+    r = rows.iloc[0]
+    return f"{r['model']} at {r.get('batch', '?')} x {r.get('seq', '?')}" if "batch" in rows else str(r["model"])
+
+
+def _little_to_save(ref: pd.DataFrame) -> str:
+    """Where the reference setting's activations are a small share of its peak, what checkpointing's rows
+    can show there (the quick settings predict 1 x 32 tokens: 'with checkpointing' equalled 'without')."""
+    rows = ref.set_index("rung")
+    if "activations_bytes" not in rows or "fp32" not in rows.index or not rows.loc["fp32", "predicted_peak_bytes"]:
+        return ""
+    share = float(rows.loc["fp32", "activations_bytes"]) / float(rows.loc["fp32", "predicted_peak_bytes"])
+    return "" if share >= LITTLE_ACTIVATIONS else (
+        f"At {_setting(ref)} activations are {share:.1%} of fp32's predicted peak: checkpointing, which saves "
+        "activations, has next to nothing to save there, so its rows say little of what it saves at a longer "
+        "sequence (reference_seq_len).")
 
 
 def _fp16_claim() -> str:
@@ -263,11 +283,12 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     pub = result.tables.get("published", pd.DataFrame())
     ref = _reference(result)
     if len(pub) and "workbench_predicted_mib" in pub and len(ref):
-        r0 = ref.iloc[0]
-        setting = f"{r0['model']} at {r0.get('batch', '?')} x {r0.get('seq', '?')}"  # the published table states none
+        setting = _setting(ref)  # the published table states none
         for r in pub.dropna(subset=["workbench_predicted_mib"]).itertuples():
             out.append((f"{r.strategy}: predicted {r.workbench_predicted_mib:,.0f} MiB for {setting}.",
                         f"{r.published_mib:,.0f} MiB"))
+        if little := _little_to_save(ref):
+            out.append((little, ""))
     if not out and len(hand):  # e.g. one rung, predicted, and skipped as bigger than this machine
         out.append((f"No finding to state from {len(hand)} rung(s) predicted and {len(measured)} measured here "
                     "(the table has each rung).", ""))
