@@ -64,8 +64,12 @@ def ladder_figure(result: StudyResult, title: str = "") -> go.Figure:
     budget, beside the measured step time (rungs that cannot run here have none: their row says why)."""
     hand = _hand(result)
     budget = budget_mib(result)
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
-                        subplot_titles=("peak device memory (MiB)", "measured step time (ms)"))
+    peaks = pd.concat([hand[c] for c in ("predicted_peak_mib", "measured_peak_mib") if c in hand]).dropna()
+    # one rung far above the rest (on a tiny model, ZeRO's 500M-element reduce bucket: 954 MiB beside a few)
+    # squashed every other bar and the budget's line into the panel's bottom: a log axis shows them all
+    log = len(peaks[peaks > 0]) > 1 and peaks.max() > LOG_SPREAD * peaks[peaks > 0].median()
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=(
+        f"peak device memory (MiB{', log scale' if log else ''})", "measured step time (ms)"))
     for method in ("predicted", "estimated"):
         part = hand[hand["method"] == method]
         if len(part):
@@ -79,19 +83,11 @@ def ladder_figure(result: StudyResult, title: str = "") -> go.Figure:
         if "step_ms" in ok:
             fig.add_trace(go.Bar(x=ok["rung"], y=ok["step_ms"], name="step time (measured on this machine)"),
                           row=1, col=2)
-    peaks = pd.concat([hand[c] for c in ("predicted_peak_mib", "measured_peak_mib") if c in hand]).dropna()
-    peaks = peaks[peaks > 0]
-    # one rung far above the rest (on a tiny model, ZeRO's 500M-element reduce bucket: 954 MiB beside a few)
-    # squashed every other bar and the budget's line into the panel's bottom: a log axis shows them all
-    log = len(peaks) > 1 and peaks.max() > LOG_SPREAD * peaks.median()
-    fig.add_hline(y=budget, line_dash="dash", line_color="red", row=1, col=1,
-                  **({} if log else {"annotation_text": f"budget {budget:g} MiB"}))
-    if log:  # on a log axis an annotation's y is log10 of the value, a line's is the value (plotly.py#2580)
-        fig.add_annotation(text=f"budget {budget:g} MiB", x=1, xref="x domain", y=math.log10(budget), yref="y",
-                           showarrow=False, xanchor="right", yanchor="bottom", font_color="red")
-        fig.update_yaxes(type="log", row=1, col=1)
-        fig.for_each_annotation(lambda a: a.update(text="peak device memory (MiB, log scale)"),
-                                selector={"text": "peak device memory (MiB)"})
+    fig.add_hline(y=budget, line_dash="dash", line_color="red", row=1, col=1)
+    # its label apart: on a log axis an annotation's y is log10 of the value, a line's the value (plotly.py#2580)
+    fig.add_annotation(text=f"budget {budget:g} MiB", x=1, xref="x domain", y=math.log10(budget) if log else budget,
+                       yref="y", showarrow=False, xanchor="right", yanchor="bottom", font_color="red")
+    fig.update_yaxes(type="log" if log else "linear", row=1, col=1)
     order = dict(categoryorder="array", categoryarray=list(hand["rung"]))
     fig.update_xaxes(**order)
     return fig.update_layout(barmode="group", height=450, title=title or "Memory ladder: peak device memory per rung")
@@ -102,7 +98,7 @@ runs_table = ladder_table
 
 
 def autofit_table(result: StudyResult) -> pd.DataFrame:
-    """Auto-fit's attempts: the setup predicted fastest to fit, run with the budget enforced, and why."""
+    """Auto-fit's attempts: of the setups predicted to fit, the one expected fastest, run under the budget; why."""
     return rounded(result.tables.get("autofit", pd.DataFrame()))
 
 
@@ -229,12 +225,12 @@ def _setting(rows: pd.DataFrame) -> str:
 
 
 def _little_to_save(ref: pd.DataFrame) -> str:
-    """Where the reference setting's activations are a small share of its peak, what checkpointing's rows
-    can show there (the quick settings predict 1 x 32 tokens: 'with checkpointing' equalled 'without')."""
-    rows = ref.set_index("rung")
-    if "activations_bytes" not in rows or "fp32" not in rows.index or not rows.loc["fp32", "predicted_peak_bytes"]:
+    """Where the reference setting's activations are a small share of fp32's peak (the quick settings'
+    1 x 32 tokens), that checkpointing's rows show little there ('with' equalled 'without')."""
+    fp32 = ref.set_index("rung").loc["fp32"] if "fp32" in set(ref["rung"]) else {}
+    if not fp32.get("predicted_peak_bytes") or pd.isna(fp32.get("activations_bytes")):
         return ""
-    share = float(rows.loc["fp32", "activations_bytes"]) / float(rows.loc["fp32", "predicted_peak_bytes"])
+    share = float(fp32["activations_bytes"]) / float(fp32["predicted_peak_bytes"])
     return "" if share >= LITTLE_ACTIVATIONS else (
         f"At {_setting(ref)} activations are {share:.1%} of fp32's predicted peak: checkpointing, which saves "
         "activations, has next to nothing to save there, so its rows say little of what it saves at a longer "
@@ -342,7 +338,8 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
         ("figure", "", loss_figure(result)),
     ]
     if fitted:
-        parts += [("table", "Auto-fit: the setup predicted fastest to fit, run here with the budget enforced (on a "
+        parts += [("table", "Auto-fit: of the setups predicted to fit, the one a GPU's prior cost expects fastest, "
+                            "run here with the budget enforced (on a "
                             "card under a real CUDA budget where there is one, else on the CPU playing it; its "
                             "`device` column says which; measured where its status is ok or oom)",
                    autofit_table(result)),
@@ -364,8 +361,10 @@ checkpointing, micro-batch, optimizer, what trains, where tensors live). For eve
 workbench **predicts** the steady-state peak device memory by running the real training step on
 fake tensors (no GPU, no weights), **measures** the rungs that can run on this machine (peak
 live bytes, step time, tokens/s, loss after a fixed number of steps), and marks figures it had to
-**estimate** another way. Auto-fit then picks the fastest rung predicted to fit the budget and
-steps down the ladder on a real out-of-memory error."""
+**estimate** another way. Auto-fit then searches the setups in the order a prior cost of each
+mechanism on a GPU expects fastest (`prior_cost` in its search table: an expectation, not this
+machine's measured speed, so on a CPU its choice can be slower than rungs measured here), picks the
+first predicted to fit the budget, and steps down on a real out-of-memory error."""
 
 NOTEBOOK_RUN_TITLE = "Study 2: each measured rung (loss, memory against the budget, speed)"
 NOTEBOOK_RUN_KEYS = ("rung", "stage")
