@@ -176,10 +176,11 @@ def report_section(result: StudyResult | None) -> list[tuple[str, str, Any]]:
 # (`figures`) are in scope. Generated into notebooks/01_strategies.ipynb by workbench.front.notebooks.
 NOTEBOOK_INTRO = """# Study 1: which transfer strategy gives the best model for a small target domain on my card?
 
-Seven ways to fine-tune the same base on the same target text for the same token budget: four
-from the published comparison (adapter layers, freeze lower layers, freeze embeddings, full
-fine-tuning) and three it left out (LoRA, BitFit, QLoRA). Each (strategy, seed) run starts from a
-fresh copy of the base and is scored by **held-out** perplexity before and after.
+Up to seven ways to fine-tune the same base on the same target text for the same token budget (the
+`strategies` parameter picks them): four from the published comparison (adapter layers as it defines
+them, the last decoder layers and the head retrained, no adapter modules added; freeze lower layers;
+freeze embeddings; full fine-tuning) and three it left out (LoRA, BitFit, QLoRA). Each (strategy,
+seed) run starts from a fresh copy of the base and is scored by **held-out** perplexity before and after.
 
 Every run goes through the device-fallback ladder: on a machine without a GPU, first the CPU
 *playing* a GPU of `budget_mib` (allocations are counted, and torch's OutOfMemoryError is raised past
