@@ -243,6 +243,11 @@ def test_the_shown_summary_gives_the_improvement_in_percent():
                          for seed, after in enumerate((80.0, 90.0))])
     shown = summary_table(StudyResult("strategies", runs=runs, tables={"summary": summarize(runs)}))
     assert shown.loc[0, ["improvement_mean (%)", "improvement_std (%)"]].tolist() == pytest.approx([15.0, 7.1], abs=0.05)
+    # the trainable share's denominator beside it: LoRA's is the model with its adapters (the others', the base)
+    lora = runs.assign(trainable_params=32_768, total_params=214_080, trainable_share=32_768 / 214_080)
+    shown = summary_table(StudyResult("strategies", runs=lora, tables={"summary": summarize(lora)}))
+    assert list(shown.columns[3:6]) == ["trainable_params", "total_params", "trainable (%)"], list(shown.columns)
+    assert shown.loc[0, "total_params"] == 214_080
     assert not [c for c in shown.columns if c.startswith("improvement") and "(%)" not in c]
 
 

@@ -61,7 +61,8 @@ def overlap_table(result: StudyResult) -> pd.DataFrame:
     return rounded(ov[[c for c in cols if c in ov]])
 
 
-SUMMARY_COLUMNS = ["strategy", "statuses", "device_history", "trainable_params", "trainable_share", "ppl_before",
+SUMMARY_COLUMNS = ["strategy", "statuses", "device_history", "trainable_params", "total_params", "trainable_share",
+                   "ppl_before",
                    "ppl_after_mean", "ppl_after_std", "improvement_mean_pct", "improvement_std_pct",
                    "train_seconds", "tokens_per_s", "peak_mem_mib", "peak_is", "seeds"]
 
