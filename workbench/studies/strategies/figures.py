@@ -40,14 +40,18 @@ def perplexity_spread(df: pd.DataFrame, *,
     return fig.update_layout(title=title, yaxis_title="perplexity (lower is better)")
 
 
-def device_timeline(df: pd.DataFrame, *, title: str = "Where each run ended up") -> go.Figure:
-    """One bar per run coloured by its final status, hover showing the device history."""
+def device_timeline(df: pd.DataFrame, *, title: str = "Where each run ended up (colour: its status; in the bar: "
+                                                      "the device it finished on; hover: every attempt)") -> go.Figure:
+    """One bar per run coloured by its final status, naming the device it finished on (its bars, all of one
+    height, said nothing else but on hover), hover showing the device history."""
     colors = {"ok": "#2ca02c", "fallback": "#ff7f0e", "oom": "#d62728", "skipped": "#7f7f7f", "error": "black"}
     fig = go.Figure()
     for status, g in df.groupby("status"):
+        on = g["device"].astype("string").fillna("nowhere") if "device" in g else pd.Series("", index=g.index)
         fig.add_trace(go.Bar(
-            x=g["strategy"] + " s" + g["seed"].astype(str), y=[1] * len(g), name=status,
-            marker_color=colors.get(status, "blue"), hovertext=g["device_history"], hoverinfo="text+name",
+            x=g["strategy"] + " s" + g["seed"].astype(str), y=[1] * len(g), name=status, text=on,
+            textposition="inside", marker_color=colors.get(status, "blue"),
+            hovertext=g["device_history"], hoverinfo="text+name",
         ))
     return fig.update_layout(title=title, barmode="stack", yaxis=dict(visible=False), height=300)
 
