@@ -45,9 +45,8 @@ def budget_mib(result: StudyResult) -> float:
 
 
 def ladder_table(result: StudyResult) -> pd.DataFrame:
-    """The ladder for the model at hand: predicted and measured peak, speed, loss, fit, per rung. The
-    runs' `method` (how the predicted peak was made) is shown as `how_predicted`, simulated or estimated:
-    "method: predicted" beside a measured peak had read as if the measured figure were predicted too."""
+    """The ladder for the model at hand, per rung: predicted and measured peak, speed, loss, fit; `method` shown as
+    `how_predicted` ("method: predicted" beside a measured peak read as if that were predicted too)."""
     hand = _hand(result)
     return _how_predicted(rounded(hand[[c for c in LADDER_COLUMNS if c in hand]]))
 
@@ -103,16 +102,14 @@ def autofit_table(result: StudyResult) -> pd.DataFrame:
 
 
 def autofit_search_table(result: StudyResult) -> pd.DataFrame:
-    """Every setup the joint search tried, in its order (a row `not predicted` was ruled out by an earlier one's
-    prediction: `not_predicted` says why, `ruled_out_by` which). The margin is shown in %, as the CLI and the
-    choice's why say it (a bare 0.058 beside them)."""
+    """Every setup the joint search tried, in its order (`not_predicted`: why an earlier prediction ruled it out,
+    `ruled_out_by`: which); the margin in %, as the CLI and the choice's why say it (a bare 0.058 beside them)."""
     return rounded(result.tables.get("autofit_search", pd.DataFrame()).rename(columns={"margin": "margin_share"}))
 
 
 def breakdown_figure(result: StudyResult, rung: str) -> go.Figure:
-    """Bytes per category at the steady-state peak of one rung: predicted (and measured) for the
-    model at hand, predicted for the reference model. Each model has its own panel and scale: on
-    one axis the tiny model's few MiB were invisible beside the reference model's thousands."""
+    """Bytes per category at one rung's steady-state peak: predicted (and measured) for the model at hand, predicted
+    for the reference, each in its own panel (on one axis the tiny model's few MiB were invisible beside it)."""
     sel = result.runs[result.runs["rung"] == rung]
     # the cpu rung's step is all host memory, and so is what measured it: its prediction's host side beside it
     # (its device side is zeros, which had stood beside the measured host bytes as a total miss)
@@ -189,7 +186,11 @@ def baselines_figure(result: StudyResult) -> go.Figure:
 
 
 def baselines_table(result: StudyResult) -> pd.DataFrame:
-    return rounded(result.tables.get("baselines", pd.DataFrame()))
+    """The estimators' rows; an empty workbench cell says why (the rung compared to was not run)."""
+    base = result.tables.get("baselines", pd.DataFrame()).copy()
+    if (gap := base.get("workbench_predicted_bytes", pd.Series(dtype=float)).isna()).any():
+        base.loc[gap, "why_it_differs"] += "; no workbench figure: " + base.loc[gap, "compares_to"] + " was not run"
+    return rounded(base)
 
 
 def loss_figure(result: StudyResult) -> go.Figure:
