@@ -327,7 +327,8 @@ def test_a_rung_far_above_the_others_puts_the_ladder_chart_on_a_log_axis():
 def test_an_estimators_row_without_a_workbench_figure_says_why():
     """The ZeRO-3 estimator's row had an empty workbench cell (its rung not in the run) and a missing bar."""
     base = pd.DataFrame([{"estimator": "DeepSpeed ZeRO-3 offload params", "compares_to": "zero_offload_params",
-                          "estimated_bytes": 1.0, "why_it_differs": "model states only", "workbench_predicted_bytes": None},
+                          "estimated_bytes": 1.0, "why_it_differs": "model states only",
+                          "workbench_predicted_bytes": None},
                          {"estimator": "rule of thumb", "compares_to": "fp32", "estimated_bytes": 2.0,
                           "why_it_differs": "no activations", "workbench_predicted_bytes": 3.0}])
     shown = ladder_figures.baselines_table(StudyResult("ladder", runs=pd.DataFrame(), tables={"baselines": base}))
