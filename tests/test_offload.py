@@ -636,6 +636,16 @@ def test_band_intervals_and_verdict():
         hi = by.get((host, max(m for h, m in by if h == host)))
         assert hi["k_seed_formula"] >= r["k_seed_formula"] - 1e-12
     assert "seq" in v["text"] and "0.083" in v["text"]
+    # where the band holds between two lengths of the coarse grid, its throughput is modelled at the band's
+    # middle (the cell read "-", as if there were none); where it holds nowhere, "-"
+    for r in v["verdicts"]:
+        at = re.fullmatch(r"\d+ \(at seq (\d+)\)", r["tflops_modelled_at_band"])
+        ranges = [(int(a), int(b or a)) for a, b in re.findall(r"seq (\d+)(?:-(\d+))?",
+                                                                r["band_holds_k_seed_formula_on_card"])]
+        if at:
+            assert ranges and ranges[0][0] <= int(at[1]) <= ranges[0][1], r
+        assert (r["tflops_modelled_at_band"] == "-") == (not ranges), r
+    assert any(re.search(r"\(at seq", r["tflops_modelled_at_band"]) for r in v["verdicts"])
 
 
 def test_activation_memory_is_korthikantis_with_and_without_recompute():

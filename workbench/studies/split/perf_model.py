@@ -507,6 +507,16 @@ def _spans(ranges: list[tuple[float, float]]) -> str:
         f"nowhere in seq {FINE_SEQ[0]}-{FINE_SEQ[-1]}"
 
 
+def _tflops_at_band(coarse: list[dict], spans: list[tuple[float, float]], lo: float, hi: float, at: tuple) -> str:
+    """TFLOP/s modelled where the band holds: at the coarse grid's lengths in it; where none of them is
+    (a band of seq 264-288 between 256 and 384), at the middle of its first range ('-' had read as none)."""
+    shown = "; ".join(f"{op['tflops_modelled']:.0f}" for op in coarse if lo <= op["k_on_card"] <= hi)
+    if shown or not spans:
+        return shown or "-"
+    mid = int((spans[0][0] + spans[0][1]) // 16 * 8)  # on the verdict's step-8 grid
+    return f"{published_operating_point(mid, *at)['tflops_modelled']:.0f} (at seq {mid})"
+
+
 def seed_verdict(host_meas: dict | None = None) -> dict:
     """For which settings (host, MFU, activation recompute, sequence length) the seed's k band
     holds, as the model computes k from its own inputs; with the seed's alpha and throughput beside
@@ -535,8 +545,8 @@ def seed_verdict(host_meas: dict | None = None) -> dict:
                     "host": host, "mfu": mfu, "recompute": recompute, "alpha_modelled": coarse[0]["alpha_modelled"],
                     "fits_card": _spans(band_intervals([(s, float(p["fits"])) for s, p in fine], 1.0, 1.0)),
                     **{f"band_holds_{key}": _spans(v) for key, v in spans.items()},
-                    "tflops_modelled_at_band": "; ".join(
-                        f"{op['tflops_modelled']:.0f}" for op in coarse if lo <= op["k_on_card"] <= hi) or "-",
+                    "tflops_modelled_at_band": _tflops_at_band(coarse, spans["k_seed_formula_on_card"], lo, hi,
+                                                               (host, mfu, host_meas, recompute)),
                 })
     card = f"{load_profiles()[0][_setting('gpu')]['memory_gb']} GB"
     text = (f"Verdict on the seed's band k in [{lo}, {hi}] (its alpha {claims['alpha']}, {claims['throughput_tflops']} "
