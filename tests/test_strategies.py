@@ -390,6 +390,8 @@ def test_the_overlap_table_says_whether_the_models_pretraining_text_was_checked(
     table = figures.overlap_table(types.SimpleNamespace(tables={"corpus_overlap": ours}))
     assert table["seen_by_model_paragraphs"].iloc[0] == 2 and table["heldout_paragraphs_left_out"].iloc[0] == 3
     assert hub["seen_by_model_paragraphs"].isna().all()
+    # the source's: every paragraph it left out (its training text is the base's pretraining text; the cell was empty)
+    assert table["seen_by_model_paragraphs"].iloc[1] == table["heldout_paragraphs_left_out"].iloc[1] > 0
 
 
 def test_the_device_chart_names_where_each_run_finished():
@@ -398,7 +400,9 @@ def test_the_device_chart_names_where_each_run_finished():
 
     runs = pd.DataFrame([{"strategy": "full", "seed": 0, "status": "fallback", "device": "cpu",
                           "device_history": "cpu@13: oom in backward -> cpu: ok"},
-                         {"strategy": "lora", "seed": 0, "status": "ok", "device": "cpu@13", "device_history": "cpu@13: ok"},
-                         {"strategy": "qlora", "seed": 0, "status": "oom", "device": None, "device_history": "cpu@13: oom"}])
+                         {"strategy": "lora", "seed": 0, "status": "ok", "device": "cpu@13",
+                          "device_history": "cpu@13: ok"},
+                         {"strategy": "qlora", "seed": 0, "status": "oom", "device": None,
+                          "device_history": "cpu@13: oom"}])
     bars = {t.name: list(t.text) for t in device_timeline(runs).data}
     assert bars == {"fallback": ["cpu"], "ok": ["cpu@13"], "oom": ["nowhere"]}

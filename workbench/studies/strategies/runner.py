@@ -82,6 +82,8 @@ def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
                          "overlap_split_by_name_pct": 100 * m["source_overlap_share_by_name"],
                          "overlap_pct": 100 * m["source_overlap_share"],
                          "heldout_paragraphs_left_out": m["source_heldout_paragraphs_left_out"],
+                         # its training text is the base's pretraining text: each paragraph left out had been seen
+                         "seen_by_model_paragraphs": m["source_heldout_paragraphs_left_out"],
                          "docs_that_lost_text": ""})
     df = pd.DataFrame(rows)
     # unseen by the model too? The embedded base's pretraining text is ours; a hub model's (or a user's) is not
