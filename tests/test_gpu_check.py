@@ -860,6 +860,38 @@ def test_notebooks_check_keeps_to_the_time_budget(tmp_path, monkeypatch):
     assert "timeout_func" not in seen  # without a budget: papermill's own per-cell limit
 
 
+@pytest.mark.parametrize("spent", [True, False])
+def test_a_notebook_cut_off_by_the_time_budget_leaves_the_check_incomplete_not_failed(tmp_path, spent):
+    """A cell's limit under --time-budget is what is left of it: one cut off there raised nbclient's
+    CellTimeoutError, recorded as an error, and the whole check read "fail" where the runbook expects
+    "incomplete" (run the rest with --only). A cell that times out before the budget is spent still fails."""
+    import types
+
+    from nbclient.exceptions import CellTimeoutError
+
+    from workbench.front.gpu_report import summarize
+
+    calls = []
+    inner = _stand_in({"strategies": {"device": "cuda"}, "ladder": {"device": "cuda"}}, calls)
+
+    cut = []
+
+    def execute(path, params, out, timeout_s=None, deadline=None):
+        if Path(path).stem == "03_split":
+            cut.append(True)  # the budget ran out while its cell ran (spent), or the cell's own limit did not
+            raise CellTimeoutError("A cell timed out while it was being executed, after 12 seconds.")
+        return inner(path, params, out, timeout_s, deadline)
+
+    opts = types.SimpleNamespace(out=tmp_path, out_of_time=lambda: spent and bool(cut), deadline_at=1.0)
+    r = gn.check_notebooks(opts, execute=execute)
+    split = r["rows"][-1]
+    assert split["status"] == ("not finished" if spent else "error") and r["status"] == "fail"
+    assert summarize({"notebooks": r}, {}, 1.0)["status"] == ("incomplete" if spent else "fail")
+    assert split["why"] == (("the time budget (--time-budget) was spent while it ran (" if spent else "")
+                            + "CellTimeoutError: A cell timed out while it was being executed, after 12 seconds."
+                            + (")" if spent else ""))
+
+
 def test_notebooks_check_fails_a_study_whose_new_runs_trained_on_the_cpu_and_a_notebook_that_raised(tmp_path):
     # an earlier run on the card is in the notebook's runs.csv already: only this execution's rows count
     (tmp_path / "runs" / "notebooks" / "03_split" / "split").mkdir(parents=True)

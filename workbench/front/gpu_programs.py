@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from workbench.core.common import one_line
+from workbench.core.common import OUT_OF_TIME, one_line
 from workbench.core.memory.monitor import overhead
 from workbench.core.results import read_table, results_under
 from workbench.core.training import TrainSettings, train
@@ -126,7 +126,10 @@ def check_notebooks(opts, *, execute: Callable | None = None) -> dict[str, Any]:
                         deadline=opts.deadline_at)
                 status, error = "ok", None
             except Exception as e:
-                status, error = "error", one_line(e)
+                # a cell cut off at what was left of the budget (cell_limit) ran out of time; it did not fail
+                cut = isinstance(e, TimeoutError) and opts.out_of_time()
+                status, error = ("not finished", f"{OUT_OF_TIME} while it ran ({one_line(e)})") if cut else \
+                    ("error", one_line(e))
         added = read_table(runs / nb.study / "runs.csv")
         rows.append(notebook_row(nb.name, nb.study, status, time.perf_counter() - t0, out, error,
                                  devices_recorded(added)))
