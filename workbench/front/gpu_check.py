@@ -1,7 +1,7 @@
 """Does every GPU path of the workbench work on this card, and how close are the predictions?
 
     make gpu-check                      # or: workbench gpu-check [--quick] [--only ladder,trace]
-    workbench gpu-check --time-budget 460   # under a hard limit: what has not begun by then is 'not run'
+    workbench gpu-check --time-budget 430   # under a hard limit: what has not begun by then is 'not run'
     workbench gpu-check --model data/configs/qwen2-0.5b.json --batch 1 --seq 512
 
 Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in minutes:
