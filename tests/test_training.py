@@ -99,7 +99,8 @@ def test_a_loss_that_is_not_a_number_stops_the_run_naming_the_step_and_the_learn
     with pytest.raises(LossDiverged) as e:
         train(m, blocks, TrainSettings(steps=12, micro_batch=4, lr=1e9), sinks=[rows.append])
     step = rows[-1]["step"]
-    assert not math.isfinite(rows[-1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[:-1])  # sent, then stopped
+    # the step's row sent, then the run stopped
+    assert not math.isfinite(rows[-1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[:-1])
     assert str(e.value) == (f"the loss became {rows[-1]['loss']} at step {step} (peak learning rate 1e+09); "
                             "lower the learning rate")
 
