@@ -804,3 +804,37 @@ def test_qlora_without_bitsandbytes_is_skipped_with_the_pre_flight_on(tiny_base,
         row = run_strategies(StrategiesConfig(strategies=("qlora",), seeds=(0,), preflight=preflight, **TINY),
                              progress=False).runs.iloc[0]
         assert row["status"] == "skipped" and "QLoRA needs bitsandbytes, which is not installed" in row["history"]
+
+
+def test_a_strategy_whose_loss_diverges_is_a_row_and_the_comparison_goes_on(tiny_base, results_dir, monkeypatch):
+    """Full fine-tuning diverging at a learning rate LoRA takes is a finding of the comparison: the study
+    ended at the first such run (a traceback, then one line), with the other strategies not run. Played: the
+    train loop raises as it does on a NaN loss, for full only, after it ran out of memory on the budgeted
+    attempt (so the row's history shows both)."""
+    import torch
+
+    from workbench.core.training import LossDiverged
+
+    real = transfer.train
+
+    def train(model, blocks, settings, **kw):
+        if kw["extra"]["strategy"] == "full":
+            if kw["extra"]["budget_mib"]:
+                raise torch.OutOfMemoryError("played: out of memory on the budgeted attempt")
+            raise LossDiverged(f"the loss became nan at step 2 (peak learning rate {settings.lr:g}); lower the "
+                               "learning rate")
+        return real(model, blocks, settings, **kw)
+
+    monkeypatch.setattr(transfer, "train", train)
+    cfg = StrategiesConfig(strategies=("full", "bitfit"), seeds=(0,), budget_mib=64.0, preflight=False, **TINY)
+    result = run_strategies(cfg, progress=False)
+    rows = result.runs.set_index("strategy")
+    assert rows.loc["bitfit", "status"] == "ok" and rows.loc["bitfit", "ppl_after"] > 0  # the comparison went on
+    full = rows.loc["full"]
+    assert full["status"] == "error" and pd.isna(full["ppl_after"]) and full["device"] == "cpu"
+    assert full["device_history"] == "cpu@64: oom in train -> cpu: diverged in train"
+    assert full["notes"] == f"the loss became nan at step 2 (peak learning rate {cfg.lr:g}); lower the learning rate"
+    said = [text for text, _ in findings(result)]
+    assert f"1 run(s) stopped when their loss diverged, so they have no perplexity: full seed 0: {full['notes']}" \
+        in said
+    assert findings(load_result()) == findings(result)  # read back as the report reads it

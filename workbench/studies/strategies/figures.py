@@ -94,8 +94,13 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     """What we found, each beside the published claim it answers."""
     summary = result.tables.get("summary", pd.DataFrame())
     claims = result.tables.get("claims", pd.DataFrame())
+    runs = result.runs
+    stopped = runs[runs["status"] == "error"] if "status" in runs else runs.iloc[0:0]  # a loss that diverged
+    diverged = [(f"{len(stopped)} run(s) stopped when their loss diverged, so they have no perplexity: "
+                 + "; ".join(f"{r.strategy} seed {r.seed}: {r.notes}" for r in stopped.itertuples()), "")] \
+        if len(stopped) and "notes" in stopped else []
     if summary.empty or summary["ppl_after_mean"].isna().all():
-        return [("No strategy finished a run.", "")]
+        return [("No strategy finished a run.", ""), *diverged]
     done = summary.dropna(subset=["ppl_after_mean"]).sort_values("ppl_after_mean")
     best = done.iloc[0]
     order = " < ".join(f"{r.strategy} {r.ppl_after_mean:.1f}" for r in done.itertuples())
@@ -130,6 +135,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         out.append((f"{len(fell)} run(s) did not fit the device budget and finished on the next device: "
                     f"{'; '.join(how)}.", f"the published {', '.join(fell_there)} runs fell back from GPU to CPU"
                     if fell_there else ""))
+    out += diverged
     if "reused" in result.runs and result.runs["reused"].any():
         n, total = int(result.runs["reused"].sum()), len(result.runs)
         out.append((f"{n} of {total} runs were read back, not trained again: they "

@@ -53,7 +53,7 @@ from workbench.core.results import (
     reuse_finished_runs,
 )
 from workbench.core.trainable import StrategyNotApplicable, apply_strategy, check_lora_rank
-from workbench.core.training import evaluate_perplexity, train
+from workbench.core.training import LossDiverged, evaluate_perplexity, train
 from workbench.studies.strategies.config import STUDY, StrategiesConfig
 from workbench.studies.strategies.tables import (  # noqa: F401 (load_result, summarize: this module's API too)
     claims_table, load_result, rebuild_runs_table, steps_frame, summarize)
@@ -194,7 +194,12 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         predicted[str(attempt)] = got
         return got[:2] if got else None
 
+    history: list[dict] = []  # the attempts' events as the fallback chain records them, and the one running
+    running: list[Attempt] = []
+
     def job(attempt: Attempt, budget, phase):
+        history.append({"attempt": str(attempt), "result": "diverged", "phase": "train"})  # unless it returns
+        running[:] = [attempt]
         phase("load")
         torch.manual_seed(seed)
         model = _load_for(cfg, strategy, attempt.device)
@@ -217,6 +222,9 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                 "final_loss": result.final_loss}
 
     def announce(event):
+        if event["result"] in ("ok", "oom"):  # an attempt the job ran: its record replaces the one it began with
+            history.pop()
+        history.append(event)
         for sink in sinks:
             sink({"event": "attempt", "strategy": strategy, "seed": seed, **event})
 
@@ -225,6 +233,8 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                                     on_event=announce)
     except StrategyNotApplicable as e:
         outcome = Outcome("skipped", None, {"notes": str(e)}, [{"attempt": "-", "result": "skipped", "reason": str(e)}])
+    except LossDiverged as e:  # at a learning rate others take, a finding of the comparison: its row, and on
+        outcome = Outcome("error", running[0], {"notes": str(e)}, history)
     finally:
         steps_sink.close()
     row: dict[str, Any] = {"strategy": strategy, "seed": seed, "run_id": run.run_id, "status": outcome.status,
