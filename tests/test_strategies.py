@@ -267,6 +267,10 @@ def test_a_summary_written_under_the_old_names_is_summarized_again_when_read_bac
     result = load_result()
     assert result.tables["summary"].loc[0, "improvement_mean_pct"] == 20.0
     assert "(20.0% better; 1 seed)" in findings(result)[0][0]
+    # a held-out perplexity that rose is said to be worse (it read "-238.3% better")
+    worse = runs.assign(ppl_after=338.3, improvement_pct=-238.3)
+    said = findings(StudyResult("strategies", runs=worse, tables={"summary": summarize(worse)}))[0][0]
+    assert "100.0 -> 338.3 (238.3% worse; 1 seed)" in said, said
 
 
 def test_the_notes_name_what_trains_outside_the_layers():

@@ -838,3 +838,7 @@ def test_a_strategy_whose_loss_diverges_is_a_row_and_the_comparison_goes_on(tiny
     assert f"1 run(s) stopped when their loss diverged, so they have no perplexity: full seed 0: {full['notes']}" \
         in said
     assert findings(load_result()) == findings(result)  # read back as the report reads it
+    from workbench.studies.strategies.figures import runs_table
+
+    shown = runs_table(result).set_index("strategy")  # no peak: nothing to say what it counts
+    assert shown.loc["full", "peak_is"] == "" and shown.loc["bitfit", "peak_is"].startswith("measured")

@@ -81,13 +81,20 @@ def runs_table(result: StudyResult) -> pd.DataFrame:
     """Where each run went: every attempt in `device_history`, the measured and the predicted peak."""
     cols = ["strategy", "seed", "status", "device", "device_history", "peak_mem_mib", "peak_is", "predicted_peak_mib",
             "ppl_before", "ppl_after", "notes"]
-    runs = result.runs.assign(peak_is=result.runs["device"].map(peak_is)) if "device" in result.runs else result.runs
+    runs = result.runs
+    if "device" in runs:  # what a peak counts, where there is one (a run that diverged has none)
+        had = runs["peak_mem_mib"].notna() if "peak_mem_mib" in runs else True
+        runs = runs.assign(peak_is=runs["device"].map(peak_is).where(had, ""))
     return rounded(runs[[c for c in cols if c in runs]])
 
 
 def claims_table(result: StudyResult) -> pd.DataFrame:
     """The published study's rows beside what this run measured, with why they differ."""
     return rounded(result.tables.get("claims", pd.DataFrame()))
+
+
+def _better(pct: float) -> str:  # a held-out perplexity that rose is worse, not "-238.3% better"
+    return f"{pct:.1f}% better" if pct >= 0 else f"{-pct:.1f}% worse"
 
 
 def findings(result: StudyResult) -> list[tuple[str, str]]:
@@ -105,7 +112,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     best = done.iloc[0]
     order = " < ".join(f"{r.strategy} {r.ppl_after_mean:.1f}" for r in done.itertuples())
     out = [(f"Best held-out perplexity: {best['strategy']}, {best['ppl_before']:.1f} -> {best['ppl_after_mean']:.1f} "
-            f"({best['improvement_mean_pct']:.1f}% better; "
+            f"({_better(best['improvement_mean_pct'])}; "
             + (f"mean of {int(best['seeds'])} seeds" if best["seeds"] != 1 else "1 seed") + f"). Order: {order}.",
             "; ".join(f"{r.strategy} {r.published_improvement_pct:.1f}%" for r in claims.itertuples()
                       if pd.notna(r.published_improvement_pct)) + " better (published, on random weights)")]
