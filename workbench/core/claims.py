@@ -62,7 +62,8 @@ def _why(name: str, published_pct: float, measured_pct, spread_pct) -> str:
     spread = 0.0 if spread_pct is None or pd.isna(spread_pct) else float(spread_pct)
     tol = max(AGREE_POINTS, 2 * spread)
     gap = float(measured_pct) - published_pct
-    said = f"Measured {measured_pct:.1f}% better against the published {published_pct:.1f}%: "
+    how = f"{measured_pct:.1f}% better" if measured_pct >= 0 else f"{-measured_pct:.1f}% worse"  # not "-12% better"
+    said = f"Measured {how} against the published {published_pct:.1f}% better: "
     if abs(gap) <= tol:
         said += f"within {tol:.1f} percentage points, they agree."
     else:
