@@ -66,8 +66,7 @@ def overlap_table(result: StudyResult) -> pd.DataFrame:
 
 
 SUMMARY_COLUMNS = ["strategy", "statuses", "device_history", "trainable_params", "total_params", "trainable_share",
-                   "ppl_before",
-                   "ppl_after_mean", "ppl_after_std", "improvement_mean_pct", "improvement_std_pct",
+                   "ppl_before", "ppl_after_mean", "ppl_after_std", "improvement_mean_pct", "improvement_std_pct",
                    "train_seconds", "tokens_per_s", "peak_mem_mib", "peak_is", "seeds"]
 
 

@@ -233,7 +233,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
                                     on_event=announce)
     except StrategyNotApplicable as e:
         outcome = Outcome("skipped", None, {"notes": str(e)}, [{"attempt": "-", "result": "skipped", "reason": str(e)}])
-    except LossDiverged as e:  # at a learning rate others take, a finding of the comparison: its row, and on
+    except LossDiverged as e:  # at a learning rate others take, a finding: its row; the comparison goes on
         outcome = Outcome("error", running[0], {"notes": str(e)}, history)
     finally:
         steps_sink.close()

@@ -36,8 +36,8 @@ def peak_is(device) -> str:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Mean and spread over seeds, one row per strategy, in the order the strategies were run."""
     order = list(dict.fromkeys(df["strategy"]))
-    measured = ("trainable_params", "total_params", "trainable_share", "trainable_set", "ppl_before", "ppl_after", "improvement_pct", "tokens_per_s",
-                "train_seconds", "peak_mem_mib")
+    measured = ("trainable_params", "total_params", "trainable_share", "trainable_set", "ppl_before", "ppl_after",
+                "improvement_pct", "tokens_per_s", "train_seconds", "peak_mem_mib")
     # a study where every run ran out of memory has no measured columns: they are empty, not missing
     df = df.assign(**{c: float("nan") for c in measured if c not in df})
     ok = df[df["status"].isin(["ok", "fallback"])]
