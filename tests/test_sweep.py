@@ -647,3 +647,20 @@ def test_record_outside_a_sweep_writes_into_the_working_folder_which_git_ignores
         pytest.skip("not a git checkout")
     for where in ("sweep_result.json", "notebooks/sweep_result.json"):  # a notebook run in Jupyter writes there
         assert subprocess.run(["git", "check-ignore", "-q", "--no-index", where], cwd=ROOT).returncode == 0, where
+
+
+def test_a_failed_runs_error_is_one_line_and_its_whole_text_is_kept_beside_it():
+    """nbclient's cell timeout quotes the cell's source: about ten lines stood in runs.csv's error cell and
+    in the sweep's summary, which say "the error's one line"."""
+    from nbclient.exceptions import CellTimeoutError
+    from papermill.exceptions import PapermillExecutionError
+
+    from workbench.front.notebooks import failure
+
+    long = "A cell timed out while it was being executed, after 8 seconds.\nThe message was: ...\n['import os']"
+    assert failure(CellTimeoutError(long)) == (
+        "CellTimeoutError: A cell timed out while it was being executed, after 8 seconds.", f"CellTimeoutError: {long}")
+    assert failure(RuntimeError("Kernel died")) == ("RuntimeError: Kernel died", None)
+    raised = PapermillExecutionError(4, 5, "ValueError: bad\nsecond line", "ValueError", "bad\nsecond line",
+                                     ["\x1b[0;31mTraceback\x1b[0m", "ValueError: bad"])
+    assert failure(raised) == ("ValueError: bad", "Traceback\nValueError: bad")

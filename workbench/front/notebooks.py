@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from traitlets.config import Config as TraitletsConfig
 
-from workbench.core.common import PROJECT_ROOT
+from workbench.core.common import PROJECT_ROOT, one_line
 from workbench.core.config import Config
 from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder.config import LadderConfig
@@ -309,12 +309,16 @@ def run_notebook(
 def failure(e: BaseException) -> tuple[str, str | None]:
     """A failed run as (one line, the cell's traceback or None): for an error raised in a cell,
     the cell's exception and its traceback without colour codes (the executed notebook has it
-    too); for anything else (a dead kernel, a cell timeout), the exception itself."""
+    too); for anything else (a dead kernel, a cell timeout), the exception's first line, and its
+    whole text where it has more (nbclient's cell timeout quotes the cell: ten lines had stood in
+    runs.csv's error cell and the sweep's summary)."""
     from papermill.exceptions import PapermillExecutionError, strip_color
 
     if isinstance(e, PapermillExecutionError):
-        return f"{e.ename}: {e.evalue}", strip_color("\n".join(e.traceback))
-    return f"{type(e).__name__}: {e}", None
+        first = str(e.evalue or "").strip().splitlines()
+        return f"{e.ename}: {first[0][:300] if first else ''}", strip_color("\n".join(e.traceback))
+    text = str(e).strip()
+    return one_line(e), (f"{type(e).__name__}: {text}" if "\n" in text else None)
 
 
 if __name__ == "__main__":  # python -m workbench.front.notebooks: regenerate notebooks/
