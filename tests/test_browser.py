@@ -291,6 +291,39 @@ def test_the_dashboard_command_line_carries_no_token(tmp_path):
         shutil.rmtree(folder)
 
 
+def test_the_dashboards_apps_write_apart_and_its_address_carries_any_token(tmp_path, monkeypatch, capsys):
+    """The apps' studies wrote into the studies' own results/<study>/, where a demo's run became what the report
+    read as the study's latest; a $WORKBENCH_TOKEN with '&', '#' or a space was printed unquoted, an address
+    that asked for the token again. Played: no server starts."""
+    import argparse
+
+    from workbench.front import dashboard
+
+    seen = {}
+
+    class Server:
+        returncode = 0
+
+        def __init__(self, cmd, **kw):
+            seen.update(kw)
+
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(dashboard.subprocess, "Popen", Server)
+    proc = start_voila(tmp_path / "apps", 8866, "t-0123", env={"PATH": "/bin"})
+    shutil.rmtree(proc.config_dir)
+    assert seen["env"] == {"PATH": "/bin", "WORKBENCH_RESULTS": str(tmp_path / "apps" / "results")}
+    monkeypatch.setattr(dashboard, "prepare", lambda quick: tmp_path / "apps")
+    monkeypatch.setenv("WORKBENCH_TOKEN", "my tok&en#1")
+    assert dashboard.main(argparse.Namespace(port=free_port(), prepare_only=False, quick=True)) == 0
+    out = capsys.readouterr().out
+    assert "/?token=my%20tok%26en%231  (Ctrl-C stops the server)" in out, out
+
+
 def test_voila_refuses_a_taken_port_instead_of_moving_to_another(tmp_path, server_env):
     """Voila's own default moves to the next free port; the printed address (and the token a
     browser sends there) would then reach whatever holds the first one."""
@@ -366,6 +399,7 @@ def test_a_stopped_dashboard_takes_its_server_and_token_with_it(tmp_path, server
         if cli.poll() is None or port_in_use(port):
             os.killpg(cli.pid, signal.SIGKILL)  # leave no server behind when this fails
     assert not list(tmp_path.glob("workbench-voila-*")), log.read_text()
+    assert "workbench dashboard: stopped (the server, its kernels and its token's folder are gone)" in log.read_text()
     deadline = time.time() + 10
     while port_in_use(port) and time.time() < deadline:
         time.sleep(0.2)

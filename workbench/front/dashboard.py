@@ -3,17 +3,18 @@
     workbench dashboard --quick        # tiny parameters: each app opens in about a minute
     workbench dashboard --port 8866    # default parameters (each app runs its full study on open)
 
-Each study notebook is copied with its parameters injected (papermill's prepare-only mode: no
-code runs) into results/dashboard/, and Voila serves that folder. Voila runs a notebook when its
-page is opened and shows only the outputs: the live charts update as the study runs, and the
-knobs panel at the end re-runs it with other settings. The server binds to 127.0.0.1 and asks
-for a token (printed with the URL); nothing else on the network can reach it. The token never
-appears on a command line (where `ps` shows it to every user of the machine): it is $WORKBENCH_TOKEN
-or a random one, and reaches Voila through a voila.json readable only by you, in a private folder
-that is Voila's working directory, removed when the server stops; Voila's log writes a request's
-token `[secret]`. Voila is told not to move to another port: a busy port is a one-line error
-before anything starts, so the printed address is always the server's (a browser sent to a moved
-server's old port would hand the token to whatever listens there). The apps' kernels talk to
+Each study notebook is copied with its parameters injected (papermill's prepare-only mode: no code
+runs) into results/dashboard/, and Voila serves that folder; the apps' runs are written under
+results/dashboard/results/, apart from the studies' own results and the report. Voila runs a
+notebook when its page is opened and shows only the outputs: the live charts update as the study
+runs, and the knobs panel at the end re-runs it with other settings. The server binds to 127.0.0.1
+and asks for a token (printed with the URL); nothing else on the network can reach it. The token
+never appears on a command line (where `ps` shows it to every user of the machine): it is
+$WORKBENCH_TOKEN or a random one, and reaches Voila through a voila.json readable only by you, in a
+private folder that is Voila's working directory, removed when the server stops; Voila's log writes
+a request's token `[secret]`. Voila is told not to move to another port: a busy port is a one-line
+error before anything starts, so the printed address is always the server's (a browser sent to a
+moved server's old port would hand the token to whatever listens there). The apps' kernels talk to
 Voila over Unix sockets in its connection folder (mode 0700), not TCP ports on 127.0.0.1, whose
 output stream any user of a shared machine could read.
 """
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import quote
 
 from workbench.core.config import ConfigError
 from workbench.core.results import results_root
@@ -110,10 +112,13 @@ def private_config(token: str) -> Path:
 
 def start_voila(folder: Path, port: int, token: str, **popen_kw) -> subprocess.Popen:
     """Voila on 127.0.0.1:`port` serving `folder`, asking for `token` (never on a command line).
-    Stop it with `stop_voila`, which also removes the token's private folder."""
+    Stop it with `stop_voila`, which also removes the token's private folder. The apps' studies write
+    under `folder`/results, not the studies' own results/<study>/ (a demo's run had become what the
+    report read as the study's latest result)."""
     config = private_config(token)
+    env = {**(popen_kw.pop("env", None) or os.environ), "WORKBENCH_RESULTS": str(Path(folder).absolute() / "results")}
     try:
-        proc = subprocess.Popen(voila_command(folder, port), cwd=config, **popen_kw)
+        proc = subprocess.Popen(voila_command(folder, port), cwd=config, env=env, **popen_kw)
     except BaseException:
         shutil.rmtree(config, ignore_errors=True)
         raise
@@ -145,7 +150,8 @@ def main(args) -> int:
         return 0
     token = os.environ.get("WORKBENCH_TOKEN") or secrets.token_urlsafe(16)
     check_port(args.port)  # again: preparing took seconds
-    print(f"open http://127.0.0.1:{args.port}/?token={token}  (Ctrl-C stops the server)", flush=True)
+    # quoted: a $WORKBENCH_TOKEN with '&', '#' or a space made an address that asked for the token again
+    print(f"open http://127.0.0.1:{args.port}/?token={quote(token, safe='')}  (Ctrl-C stops the server)", flush=True)
     proc = start_voila(folder, args.port, token)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # `kill`, a closed terminal: stop Voila, remove the token
         signal.signal(sig, _exit_on)
@@ -155,6 +161,8 @@ def main(args) -> int:
         return 130
     finally:
         stop_voila(proc)
+        print("workbench dashboard: stopped (the server, its kernels and its token's folder are gone)",
+              file=sys.stderr, flush=True)
 
 
 def _exit_on(signum, frame):
