@@ -135,8 +135,14 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     msg = str(e.value)
     assert "2 of 3 points are invalid; nothing was run" in msg
     assert "point 2" in msg and "base_sise" in msg and "point 3" in msg and "seq_len" in msg
-    assert "point 1" not in msg
+    assert "point 1" not in msg and "takes a list" not in msg
     assert not out.exists()
+    # a list setting written in a grid file as its values ("rungs: [fp32, bf16]" sweeps "fp32" and "bf16"): the
+    # error named no fix
+    with pytest.raises(ConfigError) as e:
+        run_sweep("02_ladder", [{"rungs": "fp32"}, {"rungs": "bf16"}], out=out)
+    assert str(e.value).endswith("\n  (rungs takes a list: in a grid file each of its values is a list, rungs: "
+                                 "[[a, b]]; with -p, -p 'rungs=[a, b]')"), str(e.value)
     # an unknown name for a plain notebook is checked against its parameters cell
     with pytest.raises(ConfigError, match=r"unknown parameter y; the notebook's parameters cell has: "
                                           r"check_threads, fail, sleep_s, x"):

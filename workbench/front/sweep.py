@@ -23,8 +23,9 @@ Layout (default `<out>` = results/sweeps/<notebook stem>/):
 
     <out>/runs.csv                 one row per point of the latest call's grid: point, parameters,
                                    status, seconds, error, notebook, recorded results, reused
-    <out>/study_runs.csv           every point's results/*/runs.csv stacked, each row led by its
-                                   point, study and the parameters that vary across the grid
+    <out>/study_runs.csv           the same points' results/*/runs.csv stacked, each row led by its
+                                   point, study and the parameters that vary across the grid (a
+                                   point of an earlier call's grid keeps its folder, not its rows)
     <out>/<key>/point.json         the notebook and parameters of this point
     <out>/<key>/<stem>.ipynb       the executed notebook (also for a failed run: it shows the error)
     <out>/<key>/sweep_result.json  scalars the notebook recorded (see `record`)

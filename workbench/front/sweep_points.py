@@ -215,8 +215,12 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
         seen[key] = i
         planned.append(Point(key, params))
     if errors:
+        # a grid file's list is the values to sweep: a setting that takes a list needs a list of lists
+        listed = next((m[1] for e in errors if (m := re.search(r"(\w+): expected a list, got", e))), None)
+        hint = (f"\n  ({listed} takes a list: in a grid file each of its values is a list, {listed}: [[a, b]]; "
+                f"with -p, -p '{listed}=[a, b]')") if listed else ""
         raise ConfigError(f"{len(errors)} of {len(points)} points are invalid; nothing was run:\n  "
-                          + "\n  ".join(errors))
+                          + "\n  ".join(errors) + hint)
     return path, planned
 
 
