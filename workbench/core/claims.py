@@ -53,6 +53,11 @@ def _study1_counts(name: str) -> str:
 AGREE_POINTS = 5.0
 
 
+def better(pct: float) -> str:
+    """An improvement in held-out perplexity as said: a perplexity that rose is worse, not "-238.3% better"."""
+    return f"{pct:.1f}% better" if pct >= 0 else f"{-pct:.1f}% worse"
+
+
 def _why(name: str, published_pct: float, measured_pct, spread_pct) -> str:
     """Which way, and how far, the measured improvement is from the published one, and the mechanism that
     explains it only where the measurement is consistent with it; then what the published row counted."""
@@ -62,8 +67,7 @@ def _why(name: str, published_pct: float, measured_pct, spread_pct) -> str:
     spread = 0.0 if spread_pct is None or pd.isna(spread_pct) else float(spread_pct)
     tol = max(AGREE_POINTS, 2 * spread)
     gap = float(measured_pct) - published_pct
-    how = f"{measured_pct:.1f}% better" if measured_pct >= 0 else f"{-measured_pct:.1f}% worse"  # not "-12% better"
-    said = f"Measured {how} against the published {published_pct:.1f}% better: "
+    said = f"Measured {better(measured_pct)} against the published {published_pct:.1f}% better: "
     if abs(gap) <= tol:
         said += f"within {tol:.1f} percentage points, they agree."
     else:

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from workbench.core import charts
 from workbench.core.charts import rounded
-from workbench.core.claims import study1_general_problems
+from workbench.core.claims import better, study1_general_problems
 from workbench.core.results import StudyResult
 from workbench.studies.strategies.tables import peak_is
 
@@ -92,10 +92,6 @@ def claims_table(result: StudyResult) -> pd.DataFrame:
     return rounded(result.tables.get("claims", pd.DataFrame()))
 
 
-def _better(pct: float) -> str:  # a held-out perplexity that rose is worse, not "-238.3% better"
-    return f"{pct:.1f}% better" if pct >= 0 else f"{-pct:.1f}% worse"
-
-
 def findings(result: StudyResult) -> list[tuple[str, str]]:
     """What we found, each beside the published claim it answers."""
     summary = result.tables.get("summary", pd.DataFrame())
@@ -111,7 +107,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     best = done.iloc[0]
     order = " < ".join(f"{r.strategy} {r.ppl_after_mean:.1f}" for r in done.itertuples())
     out = [(f"Best held-out perplexity: {best['strategy']}, {best['ppl_before']:.1f} -> {best['ppl_after_mean']:.1f} "
-            f"({_better(best['improvement_mean_pct'])}; "
+            f"({better(best['improvement_mean_pct'])}; "
             + (f"mean of {int(best['seeds'])} seeds" if best["seeds"] != 1 else "1 seed") + f"). Order: {order}.",
             "; ".join(f"{r.strategy} {r.published_improvement_pct:.1f}%" for r in claims.itertuples()
                       if pd.notna(r.published_improvement_pct)) + " better (published, on random weights)")]
