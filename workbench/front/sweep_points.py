@@ -4,10 +4,9 @@
     path, planned = plan("01_strategies", points)     # one ConfigError listing every bad point
     df = collect(out, planned)                        # one row per point, from its folder's files
 
-The grid syntax (three forms of grid file, `-p` axes) is described in workbench.front.sweep's
-docstring, which is also `workbench sweep --help`. Every point is validated before anything runs:
-a study notebook's parameters must build its config (unknown names, wrong types and bad values are
-errors); any other notebook's parameters must be names of its cell tagged `parameters`.
+The grid syntax is in workbench.front.sweep's docstring (`workbench sweep --help`). Every point is
+validated before anything runs: a study notebook's parameters must build its config (unknown names,
+wrong types and bad values are errors); another notebook's must be names of its `parameters` cell.
 
 A point's key is the study config's `.hash()` for a study notebook (so points that spell the same
 config differently are one run), else a hash of the sorted parameters. The tables (runs.csv,
@@ -214,13 +213,11 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
             continue
         seen[key] = i
         planned.append(Point(key, params))
-    if errors:
-        # a grid file's list is the values to sweep: a setting that takes a list needs a list of lists
+    if errors:  # a grid file's list is the values swept: a setting that takes a list needs a list of lists
         listed = next((m[1] for e in errors if (m := re.search(r"(\w+): expected a list, got", e))), None)
-        hint = (f"\n  ({listed} takes a list: in a grid file each of its values is a list, {listed}: [[a, b]]; "
-                f"with -p, -p '{listed}=[a, b]')") if listed else ""
-        raise ConfigError(f"{len(errors)} of {len(points)} points are invalid; nothing was run:\n  "
-                          + "\n  ".join(errors) + hint)
+        raise ConfigError("\n  ".join([f"{len(errors)} of {len(points)} points are invalid; nothing was run:", *errors]
+                                       + [f"({listed} takes a list: in a grid file each of its values is a list, "
+                                          f"{listed}: [[a, b]]; with -p, -p '{listed}=[a, b]')"] * bool(listed)))
     return path, planned
 
 
