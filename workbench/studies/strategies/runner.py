@@ -195,11 +195,9 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         return got[:2] if got else None
 
     history: list[dict] = []  # the attempts' events as the fallback chain records them, and the one running
-    running: list[Attempt] = []
 
     def job(attempt: Attempt, budget, phase):
         history.append({"attempt": str(attempt), "result": "diverged", "phase": "train"})  # unless it returns
-        running[:] = [attempt]
         phase("load")
         torch.manual_seed(seed)
         model = _load_for(cfg, strategy, attempt.device)
@@ -234,7 +232,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
     except StrategyNotApplicable as e:
         outcome = Outcome("skipped", None, {"notes": str(e)}, [{"attempt": "-", "result": "skipped", "reason": str(e)}])
     except LossDiverged as e:  # at a learning rate others take, a finding: its row; the comparison goes on
-        outcome = Outcome("error", running[0], {"notes": str(e)}, history)
+        outcome = Outcome("error", Attempt.parse(history[-1]["attempt"]), {"notes": str(e)}, history)
     finally:
         steps_sink.close()
     row: dict[str, Any] = {"strategy": strategy, "seed": seed, "run_id": run.run_id, "status": outcome.status,
