@@ -247,7 +247,8 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
                 # the panel's Output: the ladder's and the split's apps showed an empty chart)
                 page.locator("button.widget-button", has_text="Run").click()
                 page.get_by_text("done", exact=True).wait_for(timeout=180_000)
-                page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=30_000)
+                # 120 s: beside the other test worker, 30 s once ran out after "done" (2026-11-30)
+                page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=120_000)
                 assert page.locator("table.wb-table").count() >= 1
                 page.screenshot(path=str(SHOTS / "voila_ladder_run.png"), full_page=True)
             finally:
