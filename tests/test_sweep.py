@@ -111,7 +111,8 @@ def test_grid_forms_and_options(tmp_path):
 def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(capsys):
     """`sweep NOTEBOOK --workers 2 x=1 x=2` ended in argparse's "unrecognized arguments: x=1 x=2"."""
     assert main(["sweep", str(NOTEBOOK), "x=1", "--dry-run", "x=2", "-p", "x=3", "x=4"]) == 0
-    listed = [json.loads(line.split(" ", 1)[1]) for line in capsys.readouterr().out.splitlines() if "{" in line]
+    listed = [json.JSONDecoder().raw_decode(line.split(" ", 1)[1])[0]
+              for line in capsys.readouterr().out.splitlines() if "{" in line]
     assert sorted(p["x"] for p in listed) == [1, 2, 3, 4]
     with pytest.raises(SystemExit):  # an unknown option, or a word that is no NAME=VALUE, is still refused
         main(["sweep", str(NOTEBOOK), "--dry-run", "x=1", "--nosuch"])
@@ -275,7 +276,7 @@ def test_a_grid_file_mixing_the_combined_form_with_parameters_is_refused(tmp_pat
     assert load_grid(bad) == [{"sleep_s": 0, "x": 1}, {"sleep_s": 0, "x": 2}]
 
 
-def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, monkeypatch):
+def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")  # what the kernels would inherit without their share
     grid = tmp_path / "grid.yaml"
     grid.write_text("points:\n  - {x: 1}\n  - {x: 2}\n  - {x: 3, fail: true}\n  - {x: 4, check_threads: true}\n")
@@ -303,6 +304,12 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, mon
     assert len(table) == 4 and list(table.status) == list(df.status)
     assert sorted(runs_of(counter)) == [1, 2, 3, 4]
 
+    # --dry-run says which points a run would reuse (the three finished), and none with --rerun
+    for extra, reused in (([], [True, True, False, True]), (["--rerun"], [False] * 4)):
+        assert main(["sweep", str(NOTEBOOK), "--grid", str(grid), "--out", str(out), "--dry-run", *extra]) == 0
+        *lines, last = capsys.readouterr().out.splitlines()
+        assert [line.endswith("(finished: a run reuses it)") for line in lines] == reused, lines
+        assert last == f"4 point(s) of {NOTEBOOK.name}, {sum(reused)} of them finished in {out.resolve()}"
     stamps = {k: (out / k / "status.json").stat().st_mtime_ns for k in df.point}
     again = run_sweep(NOTEBOOK, load_grid(grid), workers=2, out=out, progress=False)
     # the three finished points did not run again; the failed one was retried (and failed again)

@@ -37,9 +37,8 @@ Layout (default `<out>` = results/sweeps/<notebook stem>/):
 `<key>` is the study config's `.hash()` for a study notebook (so points that spell the same config
 differently are one run), else a hash of the sorted parameters.
 
-Results convention: a notebook records scalar results with `workbench.front.record.record(loss=1.2)`,
-which writes `sweep_result.json` into $WORKBENCH_SWEEP_DIR (the point's folder, also the kernel's
-working directory). They become columns of runs.csv (prefixed `result_` if a name is taken).
+Results: a notebook records scalars with `workbench.front.record.record(loss=1.2)` into $WORKBENCH_SWEEP_DIR's
+`sweep_result.json` (the point's folder, the kernel's working directory): runs.csv's columns (`result_` if taken).
 
 Engine: each point is one Dask task (workbench.core.parallel) that runs papermill in a worker
 process, one run at a time per process; the notebook's kernel is a child of that worker. By default
@@ -64,12 +63,9 @@ a point not begun never begins) and write runs.csv with the unfinished points `p
 those a dead worker had not begun); on SIGKILL a LocalCluster's workers exit with the sweep
 process, and their kernels with them.
 
-Progress: a tqdm bar over the points (finished ones count as done) with `running=R failed=F`;
-tqdm's rate gives the time left.
-
-Threads: torch processes that share cores must share threads (measured here: 14x slower if not), so
-each kernel gets OMP/MKL/OPENBLAS_NUM_THREADS = max(1, cores // N) through its environment (on a
-scheduler: its host's cores // the worker processes on that host).
+Progress: a tqdm bar over the points (finished ones count as done). `--dry-run` lists the points and which a run
+reuses. Torch processes that share cores must share threads (14x slower if not, here): each kernel gets
+OMP/MKL/OPENBLAS_NUM_THREADS = max(1, cores // N) (on a scheduler: its host's cores // its worker processes).
 """
 
 from __future__ import annotations
@@ -266,6 +262,11 @@ def _outcome(future, point_dir: Path, call: str) -> str:
     return "error"
 
 
+def sweep_folder(path: Path, out: str | Path | None) -> Path:
+    """`out`, or results/sweeps/<the notebook's stem>/; absolute, the path the workers see."""
+    return (Path(out) if out else results_root() / "sweeps" / path.stem).resolve()
+
+
 def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int = 1,
               out: str | Path | None = None, timeout_s: float | None = None, progress: bool = True,
               rerun: bool = False, scheduler: str | None = None):
@@ -277,7 +278,7 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     (after stopping the runs and writing runs.csv) on Ctrl-C or SIGTERM.
     """
     path, planned = plan(notebook, points)
-    named, out = out, (Path(out) if out else results_root() / "sweeps" / path.stem).resolve()  # workers see this path
+    named, out = out, sweep_folder(path, out)
     check_folder(out, "--out" if named else "the sweep's folder (in WORKBENCH_RESULTS)")  # a traceback had said so
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -302,7 +303,7 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
         env[RERUN_ENV] = "1"
     if progress:
         where = (f"on the Dask scheduler {scheduler}" if scheduler else
-                 f"{workers} worker(s) x {threads_per_worker(workers)} thread(s)")
+                 f"{workers} worker{'s' * (workers > 1)} x {threads_per_worker(workers)} thread(s)")
         print(f"sweep {path.stem}: {len(planned)} points, {len(reused)} already finished, {where} -> {out}",
               file=sys.stderr, flush=True)
     for p in todo:  # a finished point run again keeps its outputs aside until the new run finishes
@@ -360,7 +361,7 @@ def register(sub) -> None:
                    help="a run taking longer than this is stopped and recorded as an error (whole seconds: "
                         "30.5 is 31)")
     p.add_argument("--rerun", action="store_true", help="run every point again, even finished ones")
-    p.add_argument("--dry-run", action="store_true", help="validate and list the points; run nothing")
+    p.add_argument("--dry-run", action="store_true", help="validate and list the points (and which a run reuses)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 
@@ -378,9 +379,11 @@ def main(args) -> int:
                      points_from_options([*args.assignments, *args.param]))
     if args.dry_run:
         path, planned = plan(args.notebook, points)
+        out = sweep_folder(path, args.out)  # what a run would reuse (none with --rerun)
+        done = {p.key for p in planned if not args.rerun and (read_status(out / p.key) or {}).get("status") == "ok"}
         for p in planned:
-            print(p.key, json.dumps(p.parameters))
-        print(f"{len(planned)} point(s) of {path.name}")
+            print(p.key, json.dumps(p.parameters), *["(finished: a run reuses it)"] * (p.key in done))
+        print(f"{len(planned)} point(s) of {path.name}, {len(done)} of them finished in {out}")
         return 0
     try:
         df = run_sweep(args.notebook, points, workers=args.workers or 1, out=args.out, timeout_s=args.timeout,
@@ -394,5 +397,4 @@ def main(args) -> int:
           + f" -> {Path(df.attrs['out']) / 'runs.csv'}")
     for _, row in failed.iterrows():
         print(f"  {row.point} {row.status}: {row.error}")
-    failed = df[df.status != "ok"]
-    return 1 if len(failed) else 0
+    return 1 if (df.status != "ok").any() else 0
