@@ -29,7 +29,7 @@ def test_unknown_names_are_rejected_with_the_known_ones_listed():
 
 
 BAD = [
-    {"steps": "10"}, {"steps": 1.5}, {"steps": True}, {"lr": "fast"}, {"seeds": 3},
+    {"steps": "10"}, {"steps": 1.5}, {"steps": True}, {"lr": "fast"}, {"lr": True}, {"seeds": 3},
     {"seeds": ["a"]}, {"mode": "c"}, {"flag": 1}, {"name": 3},
     {"lr": float("nan")}, {"lr": float("inf")}, {"lr": -float("inf")}, {"steps": 1e99},
 ]

@@ -66,6 +66,23 @@ def test_a_rewrapped_or_reindented_copy_of_training_text_is_shared_text():
         assert c.heldout == (own[1],) and c.overlap.seen_by_model_paragraphs == 1
 
 
+def test_a_paragraph_both_sides_hold_stays_in_the_training_text_whichever_document_comes_first():
+    """Training documents are read first: a repeated paragraph is decontaminated out of the held-out text and
+    the training text stays whole, also where the held-out document comes first in the list."""
+    shared = " ".join(f"s{i:03d}" for i in range(40))
+    own = [" ".join(f"{k}{i:03d}" for i in range(40)) for k in ("x", "y")]
+    c = disjoint_split([("held", f"{own[1]}\n\n{shared}"), ("train", f"{own[0]}\n\n{shared}")], {"held"}, "order")
+    assert c.train == (f"{own[0]}\n\n{shared}",) and c.heldout == (own[1],)
+    assert (c.overlap.duplicate_paragraphs, c.overlap.dropped_paragraphs, c.overlap.files) == (1, 1, ("held",))
+
+
+def test_overlap_share_counts_every_held_out_window_repeats_included():
+    """The share is of the held-out text's windows as evaluated: a shared window that occurs twice counts twice."""
+    a = "".join(chr(97 + (i * 7) % 26) for i in range(60))  # 11 windows, in the training text
+    b = "".join(chr(65 + (i * 11) % 26) for i in range(60))  # 11 windows, not
+    assert overlap_share([a], [a, a, b]) == pytest.approx(22 / 33, abs=1e-12)
+
+
 def test_target_corpus_held_out_text_is_unseen_in_content():
     """The review's finding: split by topic name, about half of the held-out windows were training text."""
     a, b = target_corpus(), target_corpus()

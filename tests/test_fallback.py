@@ -78,6 +78,10 @@ def test_first_attempt_fitting_is_ok_and_preflight_skips():
     out = run_with_fallback(attempts, _job_needing(2), preflight=lambda a: (100.0, "test"))
     assert out.history[0]["result"] == "skipped" and "predicted peak 100.0 MiB" in out.history[0]["reason"]
     assert out.status == "fallback"
+    # held to the budget in its own unit, MiB: 2% over is skipped, 2% under runs (read as MB, 8 MiB let 8.39 through)
+    over = run_with_fallback(attempts, _job_needing(2), preflight=lambda a: (8 * 1.02, "test"))
+    assert over.history[0]["result"] == "skipped" and "> budget 8 MiB" in over.history[0]["reason"]
+    assert run_with_fallback(attempts, _job_needing(2), preflight=lambda a: (8 * 0.98, "test")).status == "ok"
 
 
 def test_a_cpu_attempt_without_a_budget_is_held_to_the_memory_this_machine_has_free():

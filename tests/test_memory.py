@@ -98,12 +98,29 @@ def test_accounting_phases_and_budget():
     w = sum(p.numel() * 4 for p in model.parameters())
     assert rep.breakdown()["weights"] == w
     assert rep.breakdown()["optimizer_state"] >= 2 * w
+    # a run of one step peaks before any optimizer state exists; from two steps on, at the steady state's
+    assert rep.first_step_peak_bytes < rep.steady_peak_bytes
+    assert [rep.run_peak_bytes(n) for n in (1, 2, 5)] == [rep.first_step_peak_bytes] + [rep.steady_peak_bytes] * 2
     # A budget below the weights + state raises the CUDA allocator's exception type.
     with pytest.raises(torch.OutOfMemoryError):
         with MemoryAccounting("cpu", budget_bytes=w) as acc:
             acc.watch(model)
             model(x).square().mean().backward()
             opt.step()
+
+
+def test_what_the_forward_made_and_is_alive_in_backward_is_counted_as_activations():
+    """A tensor the forward made that is alive when backward begins, though autograd saved none of it (the
+    output a training loop keeps, the loss; under checkpointing what the checkpoint holds), is what backward
+    needs or holds: activations in the breakdown the ladder shows, not temporaries."""
+    model = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    with MemoryAccounting("cpu") as acc:
+        acc.watch(model)
+        out = model(x)  # 64 KiB; sum() saves only its input's shape
+        out.sum().backward()
+    back = acc.report().phase_peaks[(0, "backward")].by_category
+    assert out.numel() * 4 <= back["activations"] <= out.numel() * 4 + 64, back  # the output, and the loss
 
 
 def test_qwen2_05b_prediction_is_above_the_simple_estimate():

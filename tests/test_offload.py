@@ -249,6 +249,12 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     masters = eng.master_weights()
     assert all(torch.equal(masters[n], before[n]) for n in before)
     eng.close()
+    # an overflow starts GradScaler's count of good steps again: 1,999 good steps before it do not double
+    # the scale at the next good one
+    eng, _ = run_engine(tiny_qwen(), batches(512, 1), k=0.5, precision="fp16", loss_scale=2.0**60,
+                        made=lambda e: setattr(e, "_good_steps", 1999))
+    assert eng.rows[0]["skipped_overflow"] and eng.scale == 2.0**59 and eng._good_steps == 0
+    eng.close()
 
 
 def test_an_fp16_step_skipped_for_overflow_teaches_the_engine_no_update_rate():
@@ -905,6 +911,20 @@ def test_a_cards_memory_is_binary():
     m = machine("A100-80GB-SXM", host_share=1.0)
     sim = simulate(model_shape("llama2-10b", 128), m, 1.0, 8, mode="all-accelerator")
     assert not sim["fits"] and re.fullmatch(r"needs 1\d\d\.\d\d GiB of 80\.00 GiB", _oom_reason(sim, m))
+
+
+def test_the_modelled_card_memory_counts_each_state_once():
+    """The regex above takes 149 GiB as well as 168: the figure itself. All on the card: bf16 weights and
+    gradients, the fp32 master and Adam's two moments (2 + 2 + 4 + 8 bytes a parameter). Split: the bf16
+    weights, two of the largest layer's bf16 gradients in flight, and 16 bytes (master, fp32 gradient,
+    moments) for the card's share k. Both beside the activations, the loss's logits and the context."""
+    shape = model_shape("llama2-10b", 128)
+    n, largest = shape.n_params, max(shape.sizes.values())
+    rest = pm.activation_bytes(shape, 8, False) + pm.logits_bytes(shape, 8) + pm.CONTEXT_BYTES
+    assert pm.accel_memory_bytes(shape, 8, 1.0, "all-accelerator") == pytest.approx(16 * n + rest, rel=1e-12)
+    for k in (0.0, 0.25, 1.0):
+        assert pm.accel_memory_bytes(shape, 8, k, "split") == pytest.approx(2 * n + 4 * largest + 16 * k * n + rest,
+                                                                             rel=1e-12)
 
 
 def test_a_modelled_row_says_where_its_host_rate_came_from():

@@ -251,6 +251,24 @@ def test_the_shown_summary_gives_the_improvement_in_percent():
     assert not [c for c in shown.columns if c.startswith("improvement") and "(%)" not in c]
 
 
+def test_the_summary_aggregates_each_column_over_the_seeds_that_finished():
+    """One strategy's row over its seeds: the spread of the improvement (not of the perplexity, which the
+    test above could not tell apart: its base was 100), the highest peak, and no figure from a run that
+    ran out of memory (its status is listed)."""
+    from workbench.studies.strategies.runner import summarize
+
+    rows = [{"strategy": "full", "seed": seed, "status": status, "device": "cpu", "device_history": "cpu: ok",
+             "ppl_before": 200.0, "ppl_after": after, "improvement_pct": 100 * (1 - after / 200), "peak_mem_mib": peak}
+            for seed, (status, after, peak) in enumerate((("ok", 80.0, 10.0), ("fallback", 120.0, 20.0),
+                                                          ("oom", float("nan"), 99.0)))]
+    row = summarize(pd.DataFrame(rows)).set_index("strategy").loc["full"]
+    assert row.improvement_mean_pct == pytest.approx(50.0) and row.ppl_after_mean == pytest.approx(100.0)
+    assert row.improvement_std_pct == pytest.approx(pd.Series([60.0, 40.0]).std())  # 14.1, not the ppl's 28.3
+    assert row.ppl_after_std == pytest.approx(pd.Series([80.0, 120.0]).std())
+    assert row.peak_mem_mib == 20.0 and row.seeds == 2  # the oom run's 99 MiB is not a finished run's peak
+    assert row.statuses == "fallback, ok, oom"
+
+
 def test_a_summary_written_under_the_old_names_is_summarized_again_when_read_back(results_dir):
     """A results folder from before the rename: its summary.csv has improvement_pct_mean, and the findings,
     which read improvement_mean_pct, would end the report with a KeyError."""

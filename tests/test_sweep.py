@@ -108,6 +108,15 @@ def test_grid_forms_and_options(tmp_path):
     assert combine([{"x": 1, "y": 0}, {"x": 2, "y": 0}], [{"y": 5}]) == [{"x": 1, "y": 5}, {"x": 2, "y": 5}]
 
 
+def test_a_points_key_does_not_depend_on_the_order_its_parameters_are_given_in(capsys):
+    """A resumed sweep whose -p options or grid came in another order finds its finished points (the key is
+    the parameters', sorted), and the same point spelt in two orders runs once."""
+    _, planned = sweep.plan(NOTEBOOK, [{"x": 1, "fail": False}, {"fail": False, "x": 1}, {"x": 2, "fail": False}])
+    assert [p.parameters["x"] for p in planned] == [1, 2]
+    assert "point 2 is the same run as point 1" in capsys.readouterr().err
+    assert sweep.plan(NOTEBOOK, [{"fail": False, "x": 2}])[1][0].key == planned[1].key
+
+
 def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(capsys):
     """`sweep NOTEBOOK --workers 2 x=1 x=2` ended in argparse's "unrecognized arguments: x=1 x=2"."""
     assert main(["sweep", str(NOTEBOOK), "x=1", "--dry-run", "x=2", "-p", "x=3", "x=4"]) == 0
