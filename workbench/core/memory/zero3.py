@@ -234,8 +234,12 @@ class ZeroParamOffloadStep(torch.optim.Optimizer):
 
     def _gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False, *,
                           stream: int = ALLGATHER_STREAM) -> _Gathered:
-        """The coordinator's gather (on the allgather stream); `stream` 0: a blocking `all_gather`."""
-        params = list(params)
+        """The coordinator's gather (on the allgather stream); `stream` 0: a blocking `all_gather`.
+        In ds_id order: the coordinator hands over a set of parameters (`fetch_sub_module`'s
+        `params_to_fetch`, the prefetch's), whose order follows their addresses, which differ from run to
+        run; the order of the gathers decides where the caching allocator puts them, so a real run's
+        reserved peak can differ by a segment from another's, and this prediction takes one order."""
+        params = sorted(params, key=lambda q: q.ds_id)
         for p in params:
             p.ds_status = self.status.INFLIGHT
             with self.acc.placing(DEVICE), self.acc.on_stream(stream):  # ds_tensor.data.to(device).view(ds_shape)
