@@ -473,6 +473,16 @@ def test_the_choice_says_whether_the_setup_as_given_fits_where_it_was_predicted(
     assert tight.given_name in [r["setup"] for r in tight.table if r["fits"] is False]
 
 
+def test_a_search_on_the_cpu_offers_no_offload(config):
+    """On the CPU the host is the device: `--device cpu --search` had offered ZeRO-Offload, "3,194 MiB, fits",
+    the card's part of a process that needs 12 GiB of that one memory. On a card it is offered."""
+    for device, offloads in (("cpu", set()), ("cuda", {"zero_offload", "zero_offload_params"})):
+        seen = []
+        search(config, _setup(), batch=2, seq=16, budget_mib=10_000, device=device, keep=1, margin=0.0,
+               runnable=lambda p: seen.append(p.placement) or True)
+        assert set(seen) - {"device"} == offloads
+
+
 def test_a_search_that_finds_nothing_yet_says_the_least_need_so_far(config, capsys):
     """A budget nothing fits predicts every setup (minutes on a real model) with no sign of how far
     off it is; the bar says, once a setup was predicted, the least need so far against the budget."""

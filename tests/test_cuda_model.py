@@ -6,6 +6,7 @@ the caching allocator's rules.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import warnings
@@ -462,6 +463,12 @@ def test_paged_optimizer_state_is_outside_the_allocators_figures(tmp_path, monke
     assert "(0.2 MiB: the two states of each parameter of 100,000 elements or more" in paged.note
     assert paged.fit_bytes == paged.reserved_peak_bytes >= paged.needed_reserved_bytes
     assert paged.nvidia_smi_bytes == paged.reserved_peak_bytes + paged.context_bytes + state
+    # on a card with room for half the state beside the rest, the driver pages the other half out: nvidia-smi
+    # shows the whole card in use, not more (it read 4,679 MiB on a 4,096 MiB card that "fits")
+    rest = paged.reserved_peak_bytes + paged.context_bytes
+    tight = dataclasses.replace(paged, card_bytes=rest + state // 2)
+    assert tight.fits and tight.nvidia_smi_bytes == rest + state // 2 == tight.card_bytes
+    assert dataclasses.replace(paged, card_bytes=rest + 2 * state).nvidia_smi_bytes == rest + state  # room for all
     # under WSL2 Windows' driver does not oversubscribe managed memory: the state cannot page out,
     # so it must fit on the card beside the allocator's need (auto-fit chose the paged rung there
     # exactly when the unpaged one did not fit, and it ran out of memory)

@@ -48,6 +48,7 @@ Optimizer = Literal["adamw", "adamw_torch", "adamw8bit", "paged_adamw8bit"]
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw8bit", "paged_adamw8bit")
 TRAINABLES = ("full", "lora", "qlora", "adapter", "freeze_lower", "freeze_embeddings", "bitfit")
 PLACEMENTS = ("device", "device_map", "zero_offload", "zero_offload_params", "cpu")
+OFFLOADS = ("device_map", "zero_offload", "zero_offload_params")  # a card's and the host's memory: one on a CPU
 # the command line's names (issue 10) -> the plan's
 CLI_PRECISIONS = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16_true",
                   "fp16-true": "fp16_true"}
@@ -120,7 +121,7 @@ class Plan:
 
     def cannot_run_here(self, device: torch.device) -> str | None:
         """Why this plan cannot be measured on `device` (None: it can)."""
-        if self.placement in ("device_map", "zero_offload", "zero_offload_params"):
+        if self.placement in OFFLOADS:
             if device.type != "cuda":
                 return (f"{self.placement} moves tensors between a GPU and the host; measured on the CPU, "
                         f"where both are the same memory, it has no device peak (`workbench gpu-check` "
@@ -138,7 +139,7 @@ class Plan:
 # the registry: each rung is the one above it plus one change
 
 def _ladder() -> dict[str, Plan]:
-    fp32 = Plan("fp32", 1, "fp32 weights, grads and AdamW state (the baseline)", speed_rank=3)
+    fp32 = Plan("fp32", 1, "fp32 weights, grads and fused AdamW state (the baseline)", speed_rank=3)
     bf16 = fp32.compose("bf16", "bf16 autocast (weights and optimizer state stay fp32)",
                         precision="bf16", speed_rank=1)
     fp16 = fp32.compose("fp16", "fp16 autocast + GradScaler (CUDA only)", precision="fp16", speed_rank=1.1)

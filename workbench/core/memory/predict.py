@@ -113,19 +113,19 @@ class Prediction:
     @property
     def nvidia_smi_bytes(self) -> int:
         """What nvidia-smi would show in use for the process (for the whole card with `--card here`,
-        whose context figure is all that is in use there now): reserved + the CUDA context (+ paged
-        optimizer state, resident on the card while nothing presses it out)."""
-        return self.reserved_peak_bytes + self.context_bytes + self.pageable_bytes if self.device == "cuda" else 0
+        whose context figure is all that is in use there now): reserved + the CUDA context + the paged
+        optimizer state resident on the card: all of it while nothing presses it out; on a card, at most
+        the room the rest leaves (the driver moves its other pages to the host; under WSL2 it cannot)."""
+        used, paged = self.reserved_peak_bytes + self.context_bytes, self.pageable_bytes
+        room = self.card_bytes - used if self.card_bytes and self.pages_out else paged
+        return used + max(0, min(paged, room)) if self.device == "cuda" else 0
 
     @property
     def fit_bytes(self) -> int:
-        """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the
-        allocator's reserved peak, which a budget caps (a card's memory or
-        set_per_process_memory_fraction; paged state is managed memory, outside it); on the CPU the
-        live bytes, which the CPU budget counts. Not `needed_reserved_bytes`, the least cap modelled by
-        replaying under caps: on the H200 (2026-11-26) the least cap a step trained under was above it
-        by 5.4% (bf16_true_lora, which gave back nothing under a cap: 3,456 MiB against 3,446 uncapped)
-        and 18.7% (zero_offload), where the predicted reserved peak was 0.5% under and 13% over it."""
+        """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the allocator's
+        reserved peak, which a budget caps (a card's memory or set_per_process_memory_fraction; paged state is
+        managed memory, outside it); on the CPU the live bytes. Not `needed_reserved_bytes`: on the H200
+        (2026-11-26) the least cap a step trained under was 5.4% and 18.7% above it (docs/card-records.md)."""
         paged = 0 if self.pages_out else self.pageable_bytes  # what of the paged state must fit anyway
         if self.device == "cuda" and self.reserved_peak_bytes:
             # paged state is outside the allocator's figures already

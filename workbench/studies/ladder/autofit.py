@@ -54,7 +54,7 @@ from workbench.core.config import ConfigError
 from workbench.core.fallback import out_of_memory, release
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import bf16_native
-from workbench.core.memory.plan import CLI_OPTIMIZERS, Plan
+from workbench.core.memory.plan import CLI_OPTIMIZERS, OFFLOADS, Plan
 from workbench.core.memory.predict import WeightsExceedCard, predict
 from workbench.studies.ladder.card_records import CARD_RECORDS, card_reserved_errors, reserved_shortfall
 from workbench.studies.ladder.validation import MARGINS_FILE
@@ -281,7 +281,7 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     run here). A candidate a prediction made already rules out (it cannot fit; or, once one fits, it
     cannot need less than the setup kept last) is not predicted (`ruled_out`; its row says why,
     `not_predicted`): the choice and the step-down order are those of predicting every candidate.
-    `progress`: a bar on standard error, one tick per setup (each predicted one a simulated step:
+    On the CPU (`device` "cpu") no setup offloads. `progress`: a bar on standard error, one tick per setup (each predicted one a simulated step:
     seconds to a minute). `load` (CUDA): how the weights reach the card (`predict`'s: "dtype", as
     `model.to("cuda")` moves a model; "host", as the workbench's own tries load it)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
@@ -293,8 +293,9 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     margin_of = (lambda plan: fixed) if fixed else (lambda plan: prediction_margin(plan, device=device))
     the_card = cuda_model.card(card)
     sm = the_card.sm if the_card is not None else cuda_model.DEFAULT_SM
+    on_cuda = torch.device(device).type == "cuda"  # on the CPU the host is the device: nothing to offload to
     ranked = sorted((p for p in candidates(setup, batch, allow_lora=allow_lora, sm=sm)
-                     if runnable is None or runnable(p)),
+                     if (on_cuda or p.placement not in OFFLOADS) and (runnable is None or runnable(p))),
                     key=lambda p: (p.trainable != setup.trainable, cost(p, sm)))
     choice = SetupChoice(None, batch, budget, *margin_of(setup), given=setup)
     choice.given_name = next((p.name for p in ranked if choice.settings(p) == choice.settings(setup)), "")

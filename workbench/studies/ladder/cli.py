@@ -6,11 +6,9 @@
     workbench estimate --model data/configs/qwen2-0.5b.json --batch 4 --seq 1024 --precision bf16-true \
         --trainable lora --lora-targets q_proj,v_proj --checkpointing --card "RTX 4060 Ti 8GB"
 
-MODEL is a hub id, a model directory or a config.json file (works offline); a table, or JSON (bytes).
-A setup is a named rung (--rung) or composed from flags (--precision, --optimizer, --trainable, ...).
-With --device cuda (the default) the step makes CUDA's choices (simulated) and the caching
-allocator and CUDA context are modelled (workbench/core/memory/cuda_model.py); --device cpu predicts
-a CPU step, exactly.
+MODEL: a hub id, a model directory or a config.json file (offline). A setup is a named rung (--rung) or
+composed from flags (--precision, --optimizer, ...). --device cuda (the default): the step makes CUDA's
+choices (simulated), the caching allocator and context are modelled (core/memory/cuda_model.py); cpu: exact.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from workbench.core.config import ConfigError
 from workbench.core.memory.accounting import CATEGORIES
 from workbench.core.memory.cuda_model import Card, card as cuda_card
 from workbench.core.memory.meta import model_config
-from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, RUNGS, TRAINABLES, plan_from_flags
+from workbench.core.memory.plan import CLI_OPTIMIZERS, CLI_PRECISIONS, OFFLOADS, RUNGS, TRAINABLES, plan_from_flags
 from workbench.core.memory.predict import CUDA_STEPS, WeightsExceedCard, predict
 from workbench.core.memory.snapshot import dump, predicted_snapshot
 from workbench.core.models import ModelNotFoundError
@@ -49,14 +47,16 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, help="hub id, model directory or config.json file")
     p.add_argument("--batch", type=int, default=1, help="sequences per optimizer step (default 1)")
     p.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
-    p.add_argument("--rung", default=None, metavar="RUNG", help="a rung name (listed below) or 'all' (default fp32)")
+    p.add_argument("--rung", default=None, metavar="RUNG", help="a rung name (below) or 'all' (default fp32 "
+                   "without setup flags; the rungs train with adamw_fused, as the workbench does)")
     p.add_argument("--device", default="cuda", help="cuda (default: CUDA's choices simulated, allocator "
                    "modelled) or cpu (a CPU step, exact)")
     p.add_argument("--precision", default=None, help=f"{' | '.join(CLI_PRECISIONS)} (-true: pure 16-bit weights, "
                    "grads and optimizer state)")
-    p.add_argument("--optimizer", default=None, help=f"{' | '.join(CLI_OPTIMIZERS)} (adamw_torch: what "
-                   "torch.optim.AdamW() picks on the device; default)")
-    p.add_argument("--trainable", default=None, help=f"{' | '.join(TRAINABLES)} (default full)")
+    p.add_argument("--optimizer", default=None, help=f"{' | '.join(CLI_OPTIMIZERS)} (default adamw_torch: what "
+                   "torch.optim.AdamW() picks on the device, foreach on CUDA; not the fp32 rung's adamw_fused)")
+    p.add_argument("--trainable", default=None, help=f"{' | '.join(TRAINABLES)} (default full; lora where "
+                   "--lora-rank or --lora-targets is given)")
     p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default 8)")
     p.add_argument("--lora-targets", default=None, help="comma-separated module names LoRA wraps "
                    "(default: every decoder linear)")
@@ -85,6 +85,7 @@ def register(sub) -> None:
     p.set_defaults(func=_estimate)
 
 
+_SHORT = {"optimizer_state": "optimizer"}  # the column's heading; the JSON keeps the category's name
 _MODELLED = "modelled"  # a preset's or a size's context (a per-card constant), not what is in use on a card now
 _FLAGS = ("precision", "optimizer", "trainable", "lora_rank", "lora_targets", "checkpointing", "micro_batch")
 
@@ -149,7 +150,11 @@ def _check(args) -> list[str]:
                           "searches more than the rungs)")
     if args.snapshot is not None:  # before the prediction's seconds, not after
         check_writable_file(args.snapshot, "--snapshot", "step.pickle")
-    return list(RUNGS) if (args.rung == "all" or args.auto_fit) else [args.rung] if args.rung else []
+    if args.device == "cpu" and args.rung in OFFLOADS:  # it read "fits" for the card's part of the process alone
+        raise ConfigError(f"--rung {args.rung} splits a card's memory from the host's; with --device cpu they are one "
+                          "memory: use --device cuda (it gives the host's memory beside the card's)")
+    every = [n for n, r in RUNGS.items() if args.device == "cuda" or r.placement not in OFFLOADS]  # the CPU: no offload
+    return every if (args.rung == "all" or args.auto_fit) else [args.rung] if args.rung else []
 
 
 def _estimate(args) -> int:
@@ -239,7 +244,8 @@ def _estimate(args) -> int:
                        "reserved_peak_bytes": "modelled (allocator, on a card with room: what fits compares)",
                        "needed_reserved_bytes": "modelled (allocator, the least cap it runs under; up to 23% low "
                                                 "on the H200 (zero_offload), not compared)",
-                       "nvidia_smi_bytes": "modelled (reserved + context)",
+                       "nvidia_smi_bytes": "modelled (reserved + context + paged optimizer state on the card, "
+                                           "at most the room left on --card)",
                        "fits_card": "the fit figure + the CUDA context within --card, no margin (null: no card)",
                        "fits_budget": "the fit figure + the prediction's measured margin within the budget "
                                       "(--budget-mib, or --auto-fit's: the card less its context; null: none)"},
@@ -289,7 +295,10 @@ def _estimate(args) -> int:
                       + ("until its cache repeated (a long run's peaks)" if p.steady else
                          "its cache still changing (peaks of those steps)" if p.steady is False else "as asked"))
             print(f"  CUDA context     {p.context_bytes / MiB:>12,.1f} MiB  {p.context_source}")
-            print(f"  nvidia-smi       {p.nvidia_smi_bytes / MiB:>12,.1f} MiB  modelled (reserved + context)")
+            on = p.nvidia_smi_bytes - p.reserved_peak_bytes - p.context_bytes  # of the paged state: on the card, out
+            paged = f" + paged optimizer state: {on / MiB:,.1f} MiB on the card, {(p.pageable_bytes - on) / MiB:,.1f} out"
+            print(f"  nvidia-smi       {p.nvidia_smi_bytes / MiB:>12,.1f} MiB  modelled (reserved + context"
+                  f"{paged * bool(p.pageable_bytes)})")
             print(f"  attention kernel {', '.join(f'{k} x{n}' for k, n in p.kernels.items()) or 'none'}  simulated")
             if p.host_bytes:
                 print(f"  host memory      {p.host_bytes / MiB:>12,.1f} MiB  simulated ({p.placement})")
@@ -313,7 +322,7 @@ def _estimate(args) -> int:
         return 0
     cuda = args.device == "cuda"
     # whole category names: cut at 10 characters they read "optimizer_", "activation", "temporarie"
-    head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{_SHORT.get(c, c):>11}" for c in p_cats())
+    head = f"{'rung':<20} {'method':<10} {'peak MiB':>10} " + " ".join(f"{_SHORT.get(c, c):>11}" for c in CATEGORIES)
     on_card = cuda and args.card is not None
     if cuda:
         head += f" {'alloc MiB':>10} {'reserved MiB':>12} {'smi MiB':>10}"
@@ -322,7 +331,7 @@ def _estimate(args) -> int:
     print(head + ("   fits (with margin)" if budget else ""))
     for p in preds.values():
         line = f"{p.rung:<20} {p.method:<10} {p.peak_mib:>10,.1f} " + " ".join(
-            f"{p.breakdown.get(c, 0) / MiB:>11,.1f}" for c in p_cats())
+            f"{p.breakdown.get(c, 0) / MiB:>11,.1f}" for c in CATEGORIES)
         if cuda:
             line += f" {p.allocated_peak_bytes / MiB:>10,.1f} {p.reserved_peak_bytes / MiB:>12,.1f} {p.nvidia_smi_bytes / MiB:>10,.1f}"
         if on_card:
@@ -389,9 +398,3 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
               + " -> ".join(p.name for p in choice.fitting))
     return 0 if choice.plan else 1
 
-
-_SHORT = {"optimizer_state": "optimizer"}  # the column's heading; the JSON keeps the category's name
-
-
-def p_cats():
-    return CATEGORIES
