@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -273,6 +274,15 @@ def test_counting_the_attention_kernels_sees_what_the_call_gets(monkeypatch):
     with cuda_attention.counting_choices({}) as counts:  # the card's: the CPU's calls are not counted
         F.scaled_dot_product_attention(q, q, q)
     assert counts == {} and F.scaled_dot_product_attention is real
+    # a float mask is cast as the call casts it, given by name or by place (the choice had seen it in fp32)
+    masks = []
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda q, k, v, m=None, *a, **kw:
+                        masks.append(kw.get("attn_mask", m).dtype) or choice(q, k, v, kw.get("attn_mask", m)))
+    mask = torch.zeros(8, 8)
+    with cuda_attention.counting_choices({}, "cpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        F.scaled_dot_product_attention(q, q, q, mask)
+    assert masks == [torch.bfloat16, torch.bfloat16]
 
 
 def test_an_offload_rung_whose_host_state_is_past_the_free_memory_is_a_skipped_row(monkeypatch, tmp_path):
@@ -542,6 +552,10 @@ def test_summary_is_on_disk_after_each_check_so_a_killed_run_keeps_what_came_bef
     report = (tmp_path / "report.md").read_text()
     assert "| bf16 | ok |" in report and "## GPU check: incomplete" in report
     assert "- trace: pending (not reached: the run ended before it began)" in report
+    # killed in the second after a check, as the card is given back: the finished check is kept, not "running"
+    with mock.patch.object(gc, "release_card", side_effect=KeyboardInterrupt), pytest.raises(KeyboardInterrupt):
+        gc.run_checks(gc.Options(out=tmp_path), {"environment": found["environment"]}, say=said.append)
+    assert json.loads((tmp_path / "summary.json").read_text())["checks"] == {"environment": "pass"}
     # a SIGKILL leaves no handler to run: what is on disk while a check runs says it was running
     seen = {}
 

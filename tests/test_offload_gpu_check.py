@@ -7,6 +7,7 @@ measurements and on a real CPU engine run (the CUDA layer itself needs a GPU).
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -69,6 +70,17 @@ def test_parity_row():
     assert not bad["passed"] and bad["worst_param"] == "b"
     nan = sg.parity_row("fp32", ref, {"a": torch.zeros(3), "b": torch.tensor([1.0, float("nan")])}, lr=1e-3)
     assert not nan["passed"]
+
+
+def test_a_deepspeed_not_installed_is_recorded_as_torchaos_is_not_failed(monkeypatch):
+    """Its ImportError had read "unavailable" and failed study 3's check, where the verdict passes over a
+    library baseline not installed (torchao's already was)."""
+    from workbench.studies.split.zero_baseline import run_zero_offload
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ImportError
+    rows, reason = run_zero_offload(torch.nn.Linear(2, 2), [torch.zeros(1, 2)], 1e-3, 0.0)
+    assert (rows, reason) == ([], sg.NOT_INSTALLED)
+    assert sg.baseline_row("DeepSpeed ZeRO-Offload", rows, reason)["status"] == sg.NOT_INSTALLED
 
 
 def test_baseline_rows():

@@ -152,13 +152,15 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
             say(f"gpu-check {name}: killed ({why}); the checks after it did not run")
             write()
             raise
-        try:  # a sticky CUDA error (a device-side assert) raises here again: said, and the next check runs
-            release_card()
-        except Exception as e:
-            results[name]["release_error"] = one_line(e)
-        results[name]["seconds"] = time.perf_counter() - t
+        try:
+            try:  # a sticky CUDA error (a device-side assert) raises here again: said, and the next check runs
+                release_card()
+            except Exception as e:
+                results[name]["release_error"] = one_line(e)
+        finally:  # a SIGTERM in this second too: the finished check's result is written before the run ends
+            results[name]["seconds"] = time.perf_counter() - t
+            summary = write()
         say(f"gpu-check {name}: {results[name].get('status')} ({results[name]['seconds']:.0f} s)")
-        summary = write()
     return summary
 
 

@@ -224,8 +224,10 @@ def counting_choices(counts: dict[str, int], device_type: str = "cuda") -> Itera
     real, names = F.scaled_dot_product_attention, _backend_names()
 
     def counted(query, key, value, *args, **kwargs):
-        if query.device.type == device_type:
-            query, key, value = autocast_inputs(device_type, query, key, value)
+        if query.device.type == device_type:  # a float mask is cast too (positional, or attn_mask=)
+            query, key, value, mask = autocast_inputs(device_type, query, key, value,
+                                                      kwargs.get("attn_mask", args[0] if args else None))
+            args, kwargs = ((mask, *args[1:]), kwargs) if args else (args, {**kwargs, "attn_mask": mask})
             name = names.get(int(torch._fused_sdp_choice(query, key, value, *args, **kwargs)), "unknown")
             counts[name] = counts.get(name, 0) + 1
         return real(query, key, value, *args, **kwargs)

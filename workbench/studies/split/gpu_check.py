@@ -38,7 +38,7 @@ from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP
 from workbench.studies.split.balance import settled
 from workbench.studies.split.engine import SplitEngine
-from workbench.studies.split.zero_baseline import run_zero_offload
+from workbench.studies.split.zero_baseline import NOT_INSTALLED, run_zero_offload
 
 ITERATIONS, WARMUP = 6, 2  # per run; the first WARMUP iterations are left out of every mean
 # the adaptive run: its first decision comes at iteration 3 (rows lag a step), a fit of backward
@@ -52,7 +52,6 @@ SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_a
              num_key_value_heads=4, vocab_size=8192, batch=8, seq=256)
 QUICK = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=2048, batch=4, seq=64)
-NOT_INSTALLED = "not installed"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,14 +16,18 @@ import torch
 from workbench.core.common import clear_stale_build_lock, one_line, single_process_group
 from workbench.core.memory.offload import REDUCE_BUCKET_SIZE  # DeepSpeed's default
 
+NOT_INSTALLED = "not installed"  # a library baseline's reason: recorded, and passed over by gpu-check's verdict
+
 
 def run_zero_offload(model: torch.nn.Module, batches: list[torch.Tensor], lr: float, weight_decay: float,
                      precision: str = "fp32", max_grad_norm: float = 0.0) -> tuple[list[dict], str | None]:
     """Train with deepspeed.initialize(ZeRO-2 + offload_optimizer=cpu); per-iteration rows, or
-    ([], reason) when DeepSpeed cannot run here."""
+    ([], reason) when DeepSpeed cannot run here (NOT_INSTALLED: not installed at all)."""
     try:
         import deepspeed
-
+    except ImportError:
+        return [], NOT_INSTALLED
+    try:
         single_process_group(next(model.parameters()).device)  # no port open to the network (DeepSpeed's own would)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         config = {
