@@ -332,11 +332,10 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         note = (note + "; " if note else "") + ("the GradScaler's few bytes (its scale, growth tracker and found-inf "
                                                 "flag) are not simulated: torch disables it without CUDA")
     if device == "cuda" and (settings := cuda_model.allocator_settings()):
-        note = (note + "; " if note else "") + (f"PYTORCH_(CUDA_)ALLOC_CONF or the environment sets {', '.join(settings)} here: the reserved "
-                                                "figures model the default allocator's segments and reuse (with "
-                                                "expandable ones a card's reserved peak is usually nearer the "
-                                                "allocated one; with cudaMallocAsync or no caching the allocator is "
-                                                "not torch's: not modelled)")
+        note = (note + "; " if note else "") + (f"PYTORCH_(CUDA_)ALLOC_CONF or the environment sets {', '.join(settings)} here: "
+                                                "the reserved figures model the default allocator's segments and reuse "
+                                                "(with expandable ones a card's reserved peak is usually nearer the "
+                                                "allocated one; with cudaMallocAsync or no caching: not modelled)")
     if plan.trainable == "qlora" and plan.pure_half:  # what the step simulated did: said, not changed
         note = (note + "; " if note else "") + ("QLoRA: peft's prepare_model_for_kbit_training keeps every weight but "
                                                 "the 4-bit ones in fp32, so a pure-half setup trains them in fp32 "
@@ -350,11 +349,12 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if emulated:  # the memory is bf16's; the speed is not (auto-fit offers fp16-mixed there)
         note = (note + "; " if note else "") + emulated
     if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
-        q = plan.trainable == "qlora"
-        fixes = ["--precision bf16-true"] * (not plan.pure_half and not q) + ["--trainable qlora"] * (not q)
-        raise WeightsExceedCard(f"{the_card.name} ({the_card.total_bytes / 2**20:,.1f} MiB) is smaller than the "
-                                f"weights alone ({breakdown['weights'] / 2**20:,.1f} MiB); use a larger --card, "
-                                + ", ".join([*fixes, "or --auto-fit (it tries ZeRO offload too)"]))
+        q, w, room = plan.trainable == "qlora", breakdown["weights"], the_card.total_bytes  # fixes that may do: ~4 bits
+        fixes = [f for f, ok in (("--precision bf16-true", not (plan.pure_half or q) and w / 2 < room),  # a weight
+                                 ("--trainable qlora", not q and w / (8 - 4 * plan.pure_half) < room)) if ok]
+        raise WeightsExceedCard(f"{the_card.name} ({room / 2**20:,.1f} MiB) is smaller than the weights alone "
+                                f"({w / 2**20:,.1f} MiB); use a larger --card, " + "".join(f"{f}, " for f in fixes)
+                                + "or ZeRO-3 offload, which keeps them on the host (--rung zero_offload_params)")
     cuda: dict[str, Any] = {}
     if device == "cuda" and report.timeline is not None and plan.placement in ("device", *SIMULATED_PLACEMENTS):
         last = min(replay_steps or report.steps, report.steps) - 1  # the last step replayed as simulated

@@ -1,7 +1,10 @@
 """Auto-fit that keeps the training the same: the fastest setup predicted to fit a card, searched jointly.
 
+    from workbench.core.memory import cuda_model, plan
     from workbench.studies.ladder.autofit import search
-    choice = search("data/configs/qwen2-0.5b.json", plan, batch=8, seq=512, budget_mib=8192)
+    card = cuda_model.card("RTX 4060 Ti 8GB")                # the budget: what the card leaves after its CUDA context
+    choice = search("data/configs/qwen2-0.5b.json", plan.plan_from_flags(precision="bf16-mixed", batch=8),
+                    batch=8, seq=512, budget_mib=card.usable_bytes / 2**20, card=card.name)
     choice.plan, choice.micro_batch, choice.why        # what to run, and why this one
     choice.table                                       # every setup tried, in order (predicted or ruled out)
 
