@@ -349,9 +349,9 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     if emulated:  # the memory is bf16's; the speed is not (auto-fit offers fp16-mixed there)
         note = (note + "; " if note else "") + emulated
     if the_card is not None and the_card.total_bytes < breakdown.get("weights", 0):
-        q, w, room = plan.trainable == "qlora", breakdown["weights"], the_card.total_bytes  # fixes that may do: ~4 bits
-        fixes = [f for f, ok in (("--precision bf16-true", not (plan.pure_half or q) and w / 2 < room),  # a weight
-                                 ("--trainable qlora", not q and w / (8 - 4 * plan.pure_half) < room)) if ok]
+        q, w, room = plan.trainable == "qlora", breakdown["weights"], the_card.total_bytes  # the fixes that may fit:
+        fixes = [f for f, ok in (("--precision bf16-true", not (plan.pure_half or q) and w / 2 < room),  # 2 bytes,
+                                 ("--trainable qlora", not q and w / (8 - 4 * plan.pure_half) < room)) if ok]  # ~0.5
         raise WeightsExceedCard(f"{the_card.name} ({room / 2**20:,.1f} MiB) is smaller than the weights alone "
                                 f"({w / 2**20:,.1f} MiB); use a larger --card, " + "".join(f"{f}, " for f in fixes)
                                 + "or ZeRO-3 offload, which keeps them on the host (--rung zero_offload_params)")

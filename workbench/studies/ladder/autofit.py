@@ -284,8 +284,8 @@ def search(model: Any, setup: Plan, *, batch: int, seq: int, budget_mib: float, 
     run here). A candidate a prediction made already rules out (it cannot fit; or, once one fits, it
     cannot need less than the setup kept last) is not predicted (`ruled_out`; its row says why,
     `not_predicted`): the choice and the step-down order are those of predicting every candidate.
-    On the CPU (`device` "cpu") no setup offloads. `progress`: a bar on standard error, one tick per setup (each predicted one a simulated step:
-    seconds to a minute). `load` (CUDA): how the weights reach the card (`predict`'s: "dtype", as
+    On the CPU (`device` "cpu") no setup offloads. `progress`: a bar on standard error, one tick per
+    setup (each predicted one a simulated step: seconds to a minute). `load` (CUDA): how the weights reach the card (`predict`'s: "dtype", as
     `model.to("cuda")` moves a model; "host", as the workbench's own tries load it)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
