@@ -20,6 +20,7 @@ from workbench.core.common import MiB
 from workbench.core.config import ConfigError
 from workbench.core.memory import cuda_model
 from workbench.core.memory.predict import predict
+from workbench.front.gpu_report import short_of_time
 from workbench.studies.ladder import fit_run, gpu_autofit
 from workbench.studies.ladder import autofit
 from workbench.studies.ladder.autofit import prediction_margin
@@ -256,7 +257,13 @@ def test_the_auto_fit_check_runs_the_step_down_on_the_card_under_its_cap(tiny_ba
     rooms = []  # the cap is planned within what the card can give
     plan_cap = gpu_autofit.plan_cap
     monkeypatch.setattr(gpu_autofit, "plan_cap", lambda *a: rooms.append(a[2:]) or plan_cap(*a))
-    opts = types.SimpleNamespace(model="embedded", tiny=True, batch=4, seq=64, device="cuda")
+    opts = types.SimpleNamespace(model="embedded", tiny=True, batch=4, seq=64, device="cuda", out_of_time=lambda: True)
+    # past --time-budget once its predictions are made, the step-down does not begin (it could end past the kill)
+    assert gpu_autofit.check_autofit(opts) == {"status": "not run", "reason": "the time budget (--time-budget) was "
+                                               "spent before its step-down began (after its predictions)"}
+    assert not played_card["tries"] and len(asked) == 2 and short_of_time(gpu_autofit.check_autofit(opts))
+    asked.clear()
+    opts.out_of_time = lambda: False
     v = gpu_autofit.check_autofit(opts)
     assert v["status"] == "pass", v["failures"]
     assert [(kw["card"].name, kw["load"]) for kw in asked] == [(CARD, "host")] * 2

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from workbench.core.common import MiB
+from workbench.core.common import OUT_OF_TIME, MiB
 from workbench.core.memory import cuda_model
 from workbench.core.memory.monitor import indexed, release_held
 from workbench.core.memory.plan import RUNGS
@@ -115,6 +115,8 @@ def check_autofit(opts) -> dict[str, Any]:
     card = cuda_model.card_at_hand(dev)
     p = {name: predict(config, name, batch=opts.batch, seq=opts.seq, device="cuda", card=card, load="host")
          for name in (FIRST, NEXT)}  # as measure() loads them
+    if opts.out_of_time():  # --time-budget: its predictions took the rest, and its runs would end past the kill
+        return {"status": "not run", "reason": f"{OUT_OF_TIME} before its step-down began (after its predictions)"}
     needs = {FIRST: p[FIRST].allocated_peak_bytes / MiB, NEXT: p[NEXT].fit_bytes / MiB}
     cap, setups = plan_cap(needs[FIRST], needs[NEXT], cuda_model.card_free_now(dev).usable_bytes / MiB)
     plans = [RUNGS[s] for s in setups]
