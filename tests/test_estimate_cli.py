@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from workbench.cli import main
+from workbench.core.memory.accounting import CATEGORIES
 from workbench.core.memory.plan import OFFLOADS, RUNGS
 from workbench.studies.ladder import cli as estimate_cli
 from workbench.studies.ladder.autofit import prediction_margin
@@ -474,7 +475,11 @@ def test_a_setup_from_flags_on_a_card(tiny_config, capsys):
     assert p["reserved_peak_bytes"] >= p["allocated_peak_bytes"] >= p["peak_bytes"]
     assert out["labels"]["reserved_peak_bytes"].startswith("modelled")
     assert main(args[:-3] + ["--device", "cpu"]) == 0  # the same setup as a CPU step: live bytes only
-    assert "on cpu: predicted peak 0." in capsys.readouterr().out  # the CPU's fit figure: live bytes
+    out = capsys.readouterr().out
+    assert "on cpu: predicted peak 0." in out  # the CPU's fit figure: live bytes
+    # each category labelled, as the CUDA output's are (its lines had no label)
+    cats = [line for line in out.splitlines() if line.split() and line.split()[0] in CATEGORIES]
+    assert len(cats) == len(CATEGORIES) and all(line.endswith(" MiB  simulated") for line in cats), cats
     # on a card the headline's live bytes are not what fits compares (the reserved peak): said (a user-journey audit)
     assert main(args[:-1]) == 0
     assert "on cuda: predicted peak of live tensors " in capsys.readouterr().out

@@ -305,9 +305,9 @@ def _estimate(args) -> int:
         elif cpu_only:  # what the host holds at its peak
             for c, b in p.host_breakdown.items():
                 print(f"  {c:<16} {b / MiB:>12,.1f} MiB  host")
-        else:
+        else:  # the CPU step's live bytes at its peak, each category
             for c, b in p.breakdown.items():
-                print(f"  {c:<16} {b / MiB:>12,.1f} MiB")
+                print(f"  {c:<16} {b / MiB:>12,.1f} MiB  {'simulated' if p.method == 'predicted' else p.method}")
         if p.card:
             print(f"  card {p.card} ({p.card_bytes / MiB:,.0f} MiB): " + ("fits" if p.fits else "does not fit")
                   + f", headroom {p.headroom_bytes / MiB:,.1f} MiB" + (" (nothing of this setup is on the card)" if cpu_only
