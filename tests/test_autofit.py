@@ -473,6 +473,15 @@ def test_the_choice_says_whether_the_setup_as_given_fits_where_it_was_predicted(
     assert tight.given_name in [r["setup"] for r in tight.table if r["fits"] is False]
 
 
+def test_with_lora_allowed_a_setup_that_keeps_what_trains_comes_first(config):
+    """LoRA's prior cost (0.7) is the lowest of all: ranked by cost alone, a search that may use it would
+    choose it over a full fine-tune that fits, changing what trains. It is offered only after them."""
+    choice = search(config, _setup(), batch=2, seq=16, budget_mib=10_000, device="cpu", keep=1, margin=0.0,
+                    allow_lora=True)
+    assert choice.plan.trainable == "full" and any(r["changes_what_trains"] for r in choice.table) is False
+    assert autofit.cost(choice.plan.compose("x", "", trainable="lora")) < autofit.cost(choice.plan)
+
+
 def test_a_search_on_the_cpu_offers_no_offload(config):
     """On the CPU the host is the device: `--device cpu --search` had offered ZeRO-Offload, "3,194 MiB, fits",
     the card's part of a process that needs 12 GiB of that one memory. On a card it is offered."""

@@ -150,6 +150,18 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
         repredict_card_record(tmp_path / "bad")
 
 
+def test_which_rungs_of_a_record_ran_with_the_workspaces_held_and_how_a_small_shortfall_is_said():
+    """The first rung of a process makes the cuBLAS workspaces inside its step, the later ones find them made
+    (unless gpu-check released them before each rung); and a shortfall under 0.1% keeps its two decimals
+    (device_map's 0.04% read "0.0% below")."""
+    assert [card_records.workspaces_of({}, k) for k in (0, 1, 13)] == ["fresh", "held", "held"]
+    assert card_records.workspaces_of({"workspaces": "released before each rung"}, 1) == "fresh"
+    row = {"placement": "device_map", "error_pct": -0.04, "rung": "device_map", "card": "H200", "record": "r"}
+    pct, why = reserved_shortfall("device_map", [row])
+    assert pct == 0.04 and why.startswith("reserved peak 0.04% below the card's at worst (1 device_map rung(s);")
+    assert reserved_shortfall("device_map", [{**row, "error_pct": 1.25}])[1].startswith("reserved peak never below")
+
+
 def test_the_committed_card_records_give_every_simulated_placement_its_reserved_margin():
     """The H200 records re-predicted with this checkout's code (post hoc), and the latest one's errors
     as predicted before the card ran it: together they set the margin auto-fit keeps on CUDA. Post

@@ -369,8 +369,9 @@ def test_k_formula_without_transfers_is_the_seeds():
     # copies beside the update (CUDA copy engines), slower than neither: the seed's k
     overlapped = Rates(1.0, 2.0, 0.1, t_to_host_s=0.5, t_to_accel_s=0.5, copies_overlap=True)
     assert balance_k(overlapped) == pytest.approx(balance_k(r))
-    # ... unless the link is the slowest stage
+    # ... unless the link is the slowest stage, either way
     assert balance_k(Rates(1.0, 2.0, 0.1, t_to_host_s=3.0, copies_overlap=True)) > balance_k(r)
+    assert balance_k(Rates(1.0, 2.0, 0.1, t_to_accel_s=3.0, copies_overlap=True)) > balance_k(r)
 
 
 def test_backward_slowed_by_the_host_moves_k_to_the_accelerator():
@@ -548,6 +549,11 @@ def test_a_runs_summary_weighs_its_iterations_and_says_where_it_settled():
     assert s["tokens_per_s"] == pytest.approx(400 / 0.8) and s["k_actual"] == pytest.approx(0.5)
     assert (s["settled_k"], s["settled_from"], s["settled_tokens_per_s"]) == (1.0, 4, pytest.approx(200 / 0.2))
     assert (s["iterations"], s["first_loss"], s["final_loss"]) == (6, 5.0, 0.0) and "reason" not in s
+    # a last k first used inside the warm-up: its settled figures are of its measured iterations alone
+    early = [row(0, 0.0, 999.0, 0.5, 0.5, 10), row(1, 1.0, 999.0, 0.5, 0.5, 10), row(2, 1.0, 100.0, 0.9, 1.0, 0),
+             row(3, 1.0, 100.0, 0.9, 1.0, 0)]
+    s = _summary(early, warmup=2)
+    assert (s["settled_k"], s["settled_from"], s["settled_tokens_per_s"]) == (1.0, 1, pytest.approx(200 / 0.2))
     # k moved at the last iteration: no settled figures, and the row says why (its cells were empty, unexplained)
     s = _summary([*rows[:5], row(5, 0.4, 100.0, 0.9, float("nan"), 0)], warmup=2)
     assert s["settled_k"] is None and s["reason"] == (
@@ -1034,6 +1040,12 @@ def test_study_runner_measured_and_modelled(tmp_path, monkeypatch, tiny_base):
     assert (measured["status"] == "ok").all()
     engine_runs = measured[measured["run"] != "plain AdamW"]
     assert (engine_runs["max_abs_diff_vs_adamw"] == 0.0).all()  # fp32: the same weights as AdamW
+    # a measured run's TFLOP/s: its tokens/s x the model's FLOPs per token, in 1e12 (never checked before)
+    from workbench.core.models import load_model
+
+    base = load_model(cfg.model, spec=cfg.spec())[0]
+    flops = pm.shape_from_model(base, cfg.model, cfg.seq_len).flops_per_token()
+    assert measured["tflops"].tolist() == pytest.approx((measured["tokens_per_s"] * flops / 1e12).tolist())
     modelled = df[df["source"] == "modelled"]
     assert {"adaptive", "ZeRO-Offload", "all on accelerator"} <= set(modelled["mode"])
     # the what-if share in the modelled runs; the published setting's row takes the measured one, and says so

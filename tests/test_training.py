@@ -33,6 +33,11 @@ def test_rows_losses_and_determinism():
     assert {"loss", "lr", "tokens", "step_ms", "tokens_per_s", "mem_mib", "tag"} <= set(rows[0])
     assert rows[-1]["tokens"] == 12 * 4 * 32
     assert r1.losses[-1] < r1.losses[0] - 0.5  # it learns
+    # each row's rate is its own step's tokens over its own time (not the run's tokens so far), and the run's
+    # final loss is its last step's
+    for row in rows:
+        assert row["tokens_per_s"] == pytest.approx(4 * 32 / (row["step_ms"] / 1e3))
+    assert r1.final_loss == r1.losses[-1] == rows[-1]["loss"] != r1.losses[0]
     m2, _ = model_and_blocks()
     r2 = train(m2, blocks, TrainSettings(steps=12, micro_batch=4, lr=3e-3))
     assert r1.losses == r2.losses  # seeded and deterministic on CPU
