@@ -7,12 +7,15 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from workbench.core import results
+from workbench.core import files, results
 from workbench.core.results import ResultsWriter, StudyResult, atomic_write_json, latest, read_steps, read_table
 
 
@@ -32,6 +35,27 @@ def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(tmp_path,
     umask = os.umask(0)
     os.umask(umask)
     assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~umask)
+
+
+def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path):
+    """SIGKILL runs no `except`: the writer's hidden temporary stays. The next write of that file removes
+    it once its process is gone, and leaves a live writer's, another file's and another host's."""
+    path = tmp_path / "summary.json"
+    code = ("import os, sys, signal; from workbench.core import files; "
+            "files.os.replace = lambda a, b: os.kill(os.getpid(), signal.SIGKILL); "
+            "files.atomic_write_json(sys.argv[1], {'n': 1})")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=Path(__file__).resolve().parent.parent)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    (left,) = tmp_path.glob(".summary.json.*.tmp")
+    host = files._host()
+    live = tmp_path / f".summary.json.{host}-{os.getppid()}.abc.tmp"  # a live process's (pytest's parent)
+    other_host = tmp_path / f".summary.json.elsewhere-{proc.pid}.abc.tmp"
+    other_file = tmp_path / f".steps.json.{host}-{proc.pid}.abc.tmp"
+    for p in (live, other_host, other_file):
+        p.write_text("{}")
+    atomic_write_json(path, {"n": 2})
+    assert not left.exists() and json.loads(path.read_text()) == {"n": 2}
+    assert live.exists() and other_host.exists() and other_file.exists()
 
 
 def test_a_torn_last_line_of_steps_is_left_out(tmp_path):
@@ -86,7 +110,7 @@ def test_a_key_of_digits_is_text_and_its_row_is_replaced(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("same_second", [False, True])
 def test_latest_is_the_most_recent_calls_rows(tmp_path, monkeypatch, same_second):
     """The report shows study 3's latest settings (`latest`): every test had written one key only."""
-    from workbench.core import results
+    from workbench.core import files, results
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     stamps = iter(["2026-11-29T10:00:00+00:00"] * 3 if same_second else
@@ -174,7 +198,8 @@ def test_runs_csv_is_written_after_the_tables_it_lists(tmp_path, monkeypatch):
             raise KeyboardInterrupt("killed (played)")
         return real(path, text)
 
-    monkeypatch.setattr(results, "atomic_write_text", killed_at_the_fact)
+    for module in (results, files):  # csv tables write through results' name, json facts through files'
+        monkeypatch.setattr(module, "atomic_write_text", killed_at_the_fact)
     with pytest.raises(KeyboardInterrupt):
         writer.write(result("b", 2.0), runs_key="study_key")
     assert list(read_table(tmp_path / "split" / "runs.csv")["study_key"]) == ["a"]  # b's tables are not all there

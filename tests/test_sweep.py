@@ -345,6 +345,16 @@ def test_timeout_stops_a_run(tmp_path, counter):
     assert json.loads((out / df.point[1] / "point.json").read_text())["timeout_s"] == 3
 
 
+def test_a_notebook_records_without_importing_torch_or_pandas():
+    """A sweep's notebook imports record in a cell that --timeout bounds per cell (3 s above): through
+    core.results it brought torch and pandas (2 s here unloaded, past 3 s under a loaded CI, where the
+    test's good point timed out now and then)."""
+    code = ("import sys; from workbench.front.record import record; "
+            "print(sorted(m for m in ('torch', 'pandas', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_timeout_counts_the_whole_run(tmp_path, monkeypatch):
     """papermill's timeout is per cell: a run of short cells that passes --timeout is stopped too
     (its kernel killed), and is an error row."""

@@ -22,7 +22,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -31,13 +30,12 @@ import pandas as pd
 
 from workbench.core.common import PROJECT_ROOT, environ
 from workbench.core.config import ConfigError
+from workbench.core.files import atomic_write_json, atomic_write_text  # noqa: F401  (used here; callers import them from here too)
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")
 # columns that hold keys: read as text (a hash of digits, or digits around one 'e', read as a number:
 # 012345678901 became 12345678901 and 1e3456789012 inf, and the same settings added a second row)
 KEY_COLUMNS = ("run_id", "study_key", "point")
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 def results_root() -> Path:
@@ -47,27 +45,6 @@ def results_root() -> Path:
     if env:
         return Path(env).absolute()
     return PROJECT_ROOT / "results"
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are for everyone who can read the folder
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def atomic_write_csv(path: str | Path, df: pd.DataFrame) -> Path:

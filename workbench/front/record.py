@@ -1,5 +1,5 @@
-"""The notebook side of a sweep: record a run's scalar results (no Dask, no transformers;
-torch comes with the workbench's config module).
+"""The notebook side of a sweep: record a run's scalar results (the standard library only: a
+sweep's notebook imports it in a cell that papermill's per-cell timeout, --timeout, also bounds).
 
     from workbench.front.record import record
     record(ppl_after=31.2, status_note="fit")     # one column each in the sweep's runs.csv
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workbench.core.results import atomic_write_json
+from workbench.core.files import atomic_write_json
 
 RESULT_FILE = "sweep_result.json"
 SWEEP_DIR_ENV = "WORKBENCH_SWEEP_DIR"   # set in each kernel: the point's folder
