@@ -458,13 +458,14 @@ def published_operating_point(seq_len: int | None = None, host: str | None = Non
 
 
 def measure_here() -> dict:
-    """The host measurement the model's functions take (hostbench.measure_host, one thread). Pass one
+    """The host measurement the model's functions take (hostbench.measure_host, one thread), the one study 3
+    and `split --published` both make (they had measured 8M and 16M elements, 3 and 5 times). Pass one
     measurement to every call whose figures are shown together: each call left without one measures
     anew, and this machine's rate moves between runs (a share of 0.76 and one of 1.00 seen a second apart)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # a per-core figure (see the module docstring)
     try:
-        return measure_host(numel=8_000_000, reps=3)
+        return measure_host(numel=16_000_000, backend="torch_fused", reps=5)
     finally:
         torch.set_num_threads(n)
 

@@ -46,7 +46,6 @@ from workbench.studies.split.balance import balance_k, settled
 from workbench.studies.split.batches import base_perplexity, heldout_ppl, text_batches
 from workbench.studies.split.config import STUDY, SplitConfig
 from workbench.studies.split.engine import SplitEngine, first_decision
-from workbench.studies.split.hostbench import measure_host
 from workbench.studies.split.preflight import MemoryHold, failure
 from workbench.studies.split.reference import plain_adamw
 from workbench.studies.split.zero_baseline import run_zero_offload
@@ -348,7 +347,7 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
             # model scales it to the named host's cores; on a shared machine a multi-threaded measurement mostly
             # measures the other processes: 2 threads seen 50x slower under load, 1 unchanged). About a second.
             torch.set_num_threads(1)
-            host = measure_host(numel=16_000_000, backend="torch_fused", reps=5)
+            host = pm.measure_here()  # `split --published`'s own
         mod_rows, mod_events = modelled_runs(cfg, host)
         pub_rows, op = published_rows(host)
         verdict = pm.seed_verdict(host)
