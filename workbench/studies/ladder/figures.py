@@ -27,7 +27,7 @@ BUDGET_NOTE = ("On a GPU the budget caps the CUDA caching allocator's reserved m
 LADDER_COLUMNS = ["rung", "method", "predicted_peak_mib", "measured_peak_mib", "status", "reason", "step_ms",
                   "tokens_per_s", "loss_after", "fits_predicted", "fits_measured", "note"]
 CATEGORIES = ["weights", "gradients", "optimizer_state", "activations", "temporaries"]
-LITTLE_ACTIVATIONS = 0.05  # below this share of the peak, checkpointing's rows are said to show little
+LITTLE_SAVING = 0.05  # checkpointing saving less of the peak than this, its published row is said to show little
 LOG_SPREAD = 20  # the ladder chart's memory axis is logarithmic where its highest bar is this many times the median
 
 
@@ -225,17 +225,18 @@ def _setting(rows: pd.DataFrame) -> str:
     return f"{r['model']} at {r.get('batch', '?')} x {r.get('seq', '?')}" if "batch" in rows else str(r["model"])
 
 
-def _little_to_save(ref: pd.DataFrame) -> str:
-    """Where the reference setting's activations are a small share of fp32's peak (the quick settings'
-    1 x 32 tokens), that checkpointing's rows show little there ('with' equalled 'without')."""
-    fp32 = ref.set_index("rung").loc["fp32"] if "fp32" in set(ref["rung"]) else {}
-    if not fp32.get("predicted_peak_bytes") or pd.isna(fp32.get("activations_bytes")):
+def _little_to_save(pub: pd.DataFrame, ref: pd.DataFrame) -> str:
+    """Where checkpointing saves little of the reference's pure 16-bit peak (quick settings: 1 x 32), that its
+    row shows little (fp32's activations at fp32's peak, after backward, had read "0.0%" at 1 x 512)."""
+    mib = pub.dropna(subset=["workbench_predicted_mib"]).set_index("strategy")["workbench_predicted_mib"]
+    full, ckpt = mib.get("FP16 full model"), mib.get("FP16 + gradient checkpointing")
+    if not full or ckpt is None:
         return ""
-    share = float(fp32["activations_bytes"]) / float(fp32["predicted_peak_bytes"])
-    return "" if share >= LITTLE_ACTIVATIONS else (
-        f"At {_setting(ref)} activations are {share:.1%} of fp32's predicted peak: checkpointing, which saves "
-        "activations, has next to nothing to save there, so its rows say little of what it saves at a longer "
-        "sequence (reference_seq_len).")
+    saved = 1 - float(ckpt) / float(full)
+    return "" if saved >= LITTLE_SAVING else (
+        f"At {_setting(ref)} checkpointing lowers pure bf16's predicted peak by {saved:.1%} ({full:,.0f} to "
+        f"{ckpt:,.0f} MiB): the activations it saves are a small part of that step's peak, so this row says "
+        "little of what it saves at a longer sequence (reference_seq_len).")
 
 
 def _fp16_claim() -> str:
@@ -284,8 +285,7 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         for r in pub.dropna(subset=["workbench_predicted_mib"]).itertuples():
             out.append((f"{r.strategy}: predicted {r.workbench_predicted_mib:,.0f} MiB for {setting}.",
                         f"{r.published_mib:,.0f} MiB"))
-        if little := _little_to_save(ref):
-            out.append((little, ""))
+        out += [(little, "")] if (little := _little_to_save(pub, ref)) else []
     if not out and len(hand):  # e.g. one rung, predicted, and skipped as bigger than this machine
         out.append((f"No finding to state from {len(hand)} rung(s) predicted and {len(measured)} measured here "
                     "(the table has each rung).", ""))
