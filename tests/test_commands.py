@@ -9,8 +9,10 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -397,6 +399,7 @@ def test_a_seed_outside_what_a_run_takes_is_a_one_line_error_before_anything_run
     ("estimate", ["estimate", "--model", "data/configs/gpt2.json"], "workbench estimate: interrupted"),
     ("gpu-check", ["gpu-check"], "workbench gpu-check: interrupted; the checks it finished are written"),
     ("strategies", ["strategies"], "workbench strategies: interrupted; finished runs are kept"),
+    ("split", ["split"], "workbench split: interrupted; study 3 reuses no run: a rerun measures them again"),
 ])
 def test_ctrl_c_says_what_is_kept_only_where_something_is(command, argv, said, monkeypatch, capsys):
     """Every command said 'finished runs are kept' on Ctrl-C, estimate too, which runs nothing."""
@@ -413,3 +416,29 @@ def test_ctrl_c_says_what_is_kept_only_where_something_is(command, argv, said, m
     monkeypatch.setattr(cli, "build_parser", parser)
     assert cli.main(argv) == 130
     assert capsys.readouterr().err.strip() == said
+
+
+def test_sigterm_ends_a_command_as_ctrl_c_does_and_says_so(monkeypatch, capsys):
+    """SIGTERM (`kill`, `timeout`) ended a study without a word and without its `finally`s: a DeepSpeed
+    build killed so left its lock, and every later build waited on it for good (a user audit)."""
+    released, before = [], signal.getsignal(signal.SIGTERM)
+
+    def terminated(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises in here
+        finally:
+            released.append(True)
+
+    real = cli.build_parser
+
+    def parser():
+        p = real()
+        p.commands["ladder"].set_defaults(func=terminated)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    assert cli.main(["ladder"]) == 143
+    assert released == [True]
+    assert capsys.readouterr().err.strip() == "workbench ladder: terminated; finished runs are kept"
+    assert signal.getsignal(signal.SIGTERM) == before  # the caller's handler is back

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -70,6 +72,14 @@ def _one_line_warnings(command: str):
     return show
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -85,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if os.environ.get("WORKBENCH_RESULTS"):  # relative: the caller's folder, also for kernels run in notebooks/
         os.environ["WORKBENCH_RESULTS"] = str(results_root())
+    # SIGTERM (`kill`, `timeout`) as ^C is: the `finally`s run (a DeepSpeed build's lock is released; it had
+    # been left, and every later build waited on it) and the run says so; it had ended without a word
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)
@@ -98,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"workbench {args.command}: cannot write the results folder {results_root()}: {e.strerror} "
               "(set WORKBENCH_RESULTS to a folder you can write)", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        kept = {"estimate": "", "gpu-check": "; the checks it finished are written"}  # no runs to keep
-        print(f"workbench {args.command}: interrupted{kept.get(args.command, '; finished runs are kept')}",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        kept = {"estimate": "", "gpu-check": "; the checks it finished are written",  # no runs to keep
+                "split": "; study 3 reuses no run: a rerun measures them again"}
+        how = "terminated" if isinstance(e, _Terminated) else "interrupted"
+        print(f"workbench {args.command}: {how}{kept.get(args.command, '; finished runs are kept')}", file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,9 @@ def clear_stale_build_lock(op: str = "cpu_adam") -> str | None:
     except FileNotFoundError:
         return None
     if age_s < STALE_BUILD_LOCK_S:  # a build under way (here or in another process): left to finish
+        warnings.warn(f"{lock} is {age_s:,.0f} s old: a build of {op} is under way (a first one takes minutes) "
+                      f"and this run waits for it; if none is running, a killed build left it: remove it",
+                      stacklevel=2)
         return None
     lock.unlink(missing_ok=True)
     said = f"removed {lock}: a build of {op} killed {age_s / 60:,.0f} min ago left it, and every build waited on it"
