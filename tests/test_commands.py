@@ -442,3 +442,19 @@ def test_sigterm_ends_a_command_as_ctrl_c_does_and_says_so(monkeypatch, capsys):
     assert released == [True]
     assert capsys.readouterr().err.strip() == "workbench ladder: terminated; finished runs are kept"
     assert signal.getsignal(signal.SIGTERM) == before  # the caller's handler is back
+
+
+def test_a_study_that_finished_no_run_exits_1(tmp_path, monkeypatch, capsys):
+    """`strategies devices=[cuda]` without a card skipped every run, said "No strategy finished a run" and
+    exited 0 (a user audit). A ladder of predictions alone, and a reference's predicted rows, are not runs."""
+    from workbench.front.commands import nothing_ran
+
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    assert main(["strategies", "--quick", "devices=[cuda]"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("- No strategy finished a run.")
+    rows = pd.DataFrame({"status": ["skipped", "fallback"]})
+    assert not nothing_ran(rows) and nothing_ran(rows.iloc[:1]) and not nothing_ran(rows.iloc[:1], measure=False)
+    ladder = pd.DataFrame({"role": ["at hand", "reference"], "status": ["error", "skipped"]})
+    assert nothing_ran(ladder) and not nothing_ran(ladder.assign(status=["ok", "skipped"]))
+    split = pd.DataFrame({"source": ["measured", "modelled"], "status": ["error", "ok"]})
+    assert nothing_ran(split) and not nothing_ran(split.assign(status=["ok", "error"]))
