@@ -451,7 +451,10 @@ def test_a_study_that_finished_no_run_exits_1(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     assert main(["strategies", "--quick", "devices=[cuda]"]) == 1
-    assert capsys.readouterr().out.rstrip().endswith("- No strategy finished a run.")
+    said = capsys.readouterr()
+    assert said.out.rstrip().endswith("- No strategy finished a run.")
+    # where the results are, as sweep says it (the study commands had not said it)
+    assert said.err.rstrip().endswith(f"workbench strategies: results in {tmp_path / 'strategies'}"), said.err[-300:]
     rows = pd.DataFrame({"status": ["skipped", "fallback"]})
     assert not nothing_ran(rows) and nothing_ran(rows.iloc[:1]) and not nothing_ran(rows.iloc[:1], measure=False)
     ladder = pd.DataFrame({"role": ["at hand", "reference"], "status": ["error", "skipped"]})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 
 import pandas as pd
@@ -23,6 +24,7 @@ import pandas as pd
 from workbench.core.charts import Table
 from workbench.core.common import stdout_to_stderr
 from workbench.core.config import ConfigError
+from workbench.core.results import results_root
 from workbench.front.notebooks import STUDIES, StudyNotebook
 from workbench.front.sweep_points import parse_value
 from workbench.studies.split.figures import operating_point_table
@@ -120,6 +122,9 @@ def main(args) -> int:
             print(line)
         for finding, claim in nb.figures.findings(result):
             print(f"- {finding}" + (f"  [published: {claim}]" if claim else ""))
+    if result.paths:  # (stderr: stdout is the table, or one JSON document)
+        run_dir = f"; this run's files in {result.paths['run_dir']}" if "run_dir" in result.paths else ""
+        print(f"workbench {args.command}: results in {results_root() / result.study}{run_dir}", file=sys.stderr)
     return 1 if nothing_ran(result.runs, measure=getattr(cfg, "measure", True)) else 0
 
 
