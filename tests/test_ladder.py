@@ -1024,6 +1024,11 @@ def test_a_reference_model_that_does_not_exist_is_said_before_any_rung(tmp_path,
                        autofit=False, reference_model=str(tmp_path / "none.json"))
     with pytest.raises(ModelNotFoundError, match="none.json"):
         run_ladder(cfg, progress=False)
+    # nor is a run folder made for it, nor for a model at hand that is not there (one was left holding
+    # config.partial.json and a lock alone: a user audit)
+    with pytest.raises(ModelNotFoundError, match="gone.json"):
+        run_ladder(cfg.replace(reference_model="", model=str(tmp_path / "gone.json")), progress=False)
+    assert not (tmp_path / "ladder").exists()
 
 
 def test_the_ladder_shows_its_progress_over_the_rungs(tmp_path, monkeypatch, tiny_base, capsys):

@@ -51,7 +51,7 @@ from workbench.core.memory.baselines import baseline_table
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.predict import predict
-from workbench.core.models import load_model, model_fingerprint
+from workbench.core.models import EMBEDDED, load_model, model_fingerprint, resolve_model_path
 from workbench.core.trainable import StrategyNotApplicable
 from workbench.core.results import (JsonlSink, ResultsWriter, RunDir, StudyResult, atomic_write_text, code_fingerprint,
                                     library_versions, read_steps, read_table, results_root, reuse_finished_runs)
@@ -145,18 +145,20 @@ def run_ladder(cfg: LadderConfig, sinks: Iterable[Sink] = (), *, progress: bool 
         torch.set_num_threads(cfg.threads)
     try:
         device = cfg.resolved_device() if cfg.autofit else None  # where auto-fit runs: a missing card says so first
+        # a missing model or reference config is said before the run's folder is made (it was left holding
+        # config.partial.json and a lock alone), and before the model at hand (the embedded base: minutes)
+        ref = model_config(_resolve(cfg.reference_model)) if cfg.reference_model else None
+        if cfg.model != EMBEDDED:
+            resolve_model_path(_resolve(cfg.model))
         with RunDir(STUDY, cfg.run_id()).training():  # the same ladder started elsewhere at once waits, then reads back
-            return _run_ladder(cfg, list(sinks), progress, device)
+            return _run_ladder(cfg, list(sinks), progress, device, ref)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device) -> StudyResult:
+def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device, ref) -> StudyResult:
     run = RunDir(STUDY, cfg.run_id())
     run.write_config(cfg.to_dict())
-    # read before the model at hand (which may build the embedded base: minutes) and the rungs (a missing one
-    # was said after every rung was measured)
-    ref = model_config(_resolve(cfg.reference_model)) if cfg.reference_model else None
     config, load, blocks, data_note = model_at_hand(cfg)
     budget = int(cfg.budget_mib * MiB)
     rows: list[dict[str, Any]] = []
