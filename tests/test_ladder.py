@@ -1040,6 +1040,9 @@ def test_the_ladder_shows_its_progress_over_the_rungs(tmp_path, monkeypatch, tin
     assert re.search(r"ladder: 100%\S* *\S* 2/2 \[", capsys.readouterr().err)
     run_ladder(cfg, progress=False)
     assert "ladder:" not in capsys.readouterr().err
+    # the reference model's predictions too: about a minute of silence after "ladder: 8/8" (a user audit)
+    run_ladder(cfg.replace(reference_model="data/configs/gpt2.json", reference_seq_len=32))
+    assert re.search(r"reference predictions: 100%\S* *\S* 2/2 \[", capsys.readouterr().err)
 
 
 def test_a_qlora_rung_without_bitsandbytes_is_a_skipped_row_not_a_traceback(env, monkeypatch):

@@ -210,7 +210,7 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device, re
     ref_rows = []
     if cfg.reference_model:
         ref_budget = int(cfg.reference_budget_mib * MiB)
-        for name in cfg.rungs:
+        for name in tqdm(cfg.rungs, desc="reference predictions", unit="rung", disable=not progress, file=sys.stderr):
             try:
                 p = predict(ref, name, batch=cfg.reference_micro_batch, seq=cfg.reference_seq_len,
                             device=cfg.reference_device)
