@@ -84,16 +84,37 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     # log had listed the latest call's notebooks alone, each written when it ended: a killed one was nowhere)
 
     def killed(path, params, out, progress=None):
+        Path(out).write_text("half")  # papermill writes as it goes
         raise KeyboardInterrupt
 
     monkeypatch.setattr(reproduce, "run_notebook", killed)
     assert main(["reproduce", "--quick", "--only", "02_ladder", "--no-report"]) == 130  # Ctrl-C, said in a line
+    assert not list(executed.glob(".*partial*"))  # the half-run notebook is not left hidden (a fault audit)
     monkeypatch.setattr(reproduce, "run_notebook", run)
     assert main(["reproduce", "--quick", "--only", "01_strategies", "--no-report"]) == 0
     log = json.loads((results_dir / "reproduce.json").read_text())
     assert [(n["name"], n["status"]) for n in log["notebooks"]] == [
         ("01_strategies", "ok"), ("02_ladder", "not finished"), ("03_split", "error")]
     assert log["notebooks"][2] == third
+
+
+def test_quick_runs_each_notebook_on_its_quick_parameters(results_dir, monkeypatch):
+    """Nothing but the slow headless run held --quick to the notebooks' quick parameters (a fault audit:
+    with them ignored, `reproduce --quick` would run the full study, about 25 minutes)."""
+    from workbench.front import reproduce
+
+    seen = {}
+
+    def run(path, params, out, progress=None):
+        seen[Path(path).stem] = params
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("{}")
+
+    monkeypatch.setattr(reproduce, "run_notebook", run)
+    assert main(["reproduce", "--quick", "--no-report"]) == 0
+    assert set(seen) == {nb.name for nb in STUDIES.values()}
+    for nb in STUDIES.values():
+        assert nb.quick and {k: seen[nb.name].get(k) for k in nb.quick} == dict(nb.quick), nb.name
 
 
 def test_an_unknown_notebook_is_one_line_naming_the_known_ones(results_dir, capsys):

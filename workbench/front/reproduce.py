@@ -109,6 +109,9 @@ def main(args) -> int:
                 traceback.print_exc()
             else:  # a cell's error: one line; its traceback is in the executed notebook and the log
                 print(f"[{nb.name}] {error}", file=sys.stderr, flush=True)
+        except BaseException:  # ^C, SIGTERM: the half-executed notebook is not kept (hidden, it stayed for good)
+            partial.unlink(missing_ok=True)
+            raise
         dt = time.perf_counter() - t0
         print(f"[{nb.name}] {status} in {dt:.0f} s" + (f" -> {out}" if out else ""), flush=True)
         entry({"name": nb.name, "status": status, "started": started, "quick": args.quick, "seconds": round(dt, 1),
