@@ -187,3 +187,29 @@ def test_unknown_parameter_is_an_error_before_and_inside_the_notebook(tmp_path):
     with pytest.raises(pm.PapermillExecutionError, match="unknown parameter"):
         pm.execute_notebook(str(STUDIES["01_strategies"].path), str(tmp_path / "out2.ipynb"),
                             parameters={"token_budgt": 10}, kernel_name="python3", progress_bar=False)
+
+
+def test_the_report_names_a_study_on_its_first_finding_inlines_plotly_once_and_lists_the_notebooks(results_dir,
+                                                                                                   monkeypatch):
+    """Three things of index.html no test held (a fault audit): the study's name beside its first finding
+    (not its second), plotly.js inlined once (4.8 MB a chart otherwise), and the table of notebooks run."""
+    from types import SimpleNamespace
+
+    import plotly.graph_objects as go
+
+    from workbench.front import report
+
+    fig = go.Figure()
+    figures = SimpleNamespace(findings=lambda r: [("first finding", "claim one"), ("second finding", "")],
+                              report_section=lambda r: [("figure", "a chart", fig), ("figure", "another", fig)])
+    fake = {k: SimpleNamespace(study=k, title=f"Study {k}", load=lambda: object(), figures=figures) for k in "ab"}
+    monkeypatch.setattr(report, "STUDIES", fake)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "reproduce.json").write_text(json.dumps({"notebooks": [
+        {"name": "01_strategies", "status": "ok", "started": "2026-11-30T10:00:00+00:00", "seconds": 3.0}]}))
+    page = report.write_report().read_text()
+    assert "<tr><td>Study a</td><td>first finding</td><td>claim one</td></tr>" in page
+    assert "<tr><td></td><td>second finding</td><td></td></tr>" in page
+    assert page.count("* plotly.js v") == 1 and page.count('class="plotly-graph-div"') == 4
+    notebooks = page[page.index("<h3>Notebooks executed</h3>"):]
+    assert "01_strategies" in notebooks[:2000] and "ok" in notebooks[:2000]

@@ -675,6 +675,8 @@ def test_record_outside_a_sweep_writes_into_the_working_folder_which_git_ignores
     monkeypatch.chdir(tmp_path)
     record(loss=1.5)
     assert json.loads((tmp_path / "sweep_result.json").read_text()) == {"loss": 1.5}
+    record(loss=1.25, steps=3)  # a second call adds, and a name recorded again holds its last value
+    assert json.loads((tmp_path / "sweep_result.json").read_text()) == {"loss": 1.25, "steps": 3}
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     for where in ("sweep_result.json", "notebooks/sweep_result.json"):  # a notebook run in Jupyter writes there
