@@ -428,3 +428,19 @@ def test_the_device_chart_names_where_each_run_finished():
                           "device_history": "cpu@13: oom"}])
     bars = {t.name: list(t.text) for t in device_timeline(runs).data}
     assert bars == {"fallback": ["cpu"], "ok": ["cpu@13"], "oom": ["nowhere"]}
+
+
+def test_the_loss_curves_are_the_finished_attempts_alone(results_dir):
+    """A run that ran out of memory on the played card and fell back to the CPU logged steps on both: its
+    loss curves and steps table are the CPU attempt's (nothing held this: a fault audit)."""
+    import json
+
+    from workbench.studies.strategies.tables import steps_frame
+
+    run = results_dir / "strategies" / "r1"
+    run.mkdir(parents=True)
+    rows = [{"strategy": "full", "seed": 0, "step": s, "loss": 5.0 - s, "tokens": 64 * s, "device": d}
+            for d, steps in (("cpu@10", (1, 2)), ("cpu", (1, 2, 3))) for s in steps]
+    (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = steps_frame(pd.DataFrame({"run_id": ["r1"], "device": ["cpu"]}))
+    assert got["step"].tolist() == [1, 2, 3] and set(got["device"]) == {"cpu"}
