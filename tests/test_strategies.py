@@ -444,3 +444,17 @@ def test_the_loss_curves_are_the_finished_attempts_alone(results_dir):
     (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = steps_frame(pd.DataFrame({"run_id": ["r1"], "device": ["cpu"]}))
     assert got["step"].tolist() == [1, 2, 3] and set(got["device"]) == {"cpu"}
+
+
+def test_freeze_lower_on_an_odd_number_of_layers_trains_the_larger_upper_half():
+    """The test models have 4 and 6 layers, where n // 2 and n - n // 2 agree (a fault audit): on 5, the
+    layers it trains and the note saying which must agree, and leave no layer of the upper half frozen."""
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=5, num_attention_heads=4,
+                                                     num_key_value_heads=2))
+    m, sel = apply_strategy(m, "freeze_lower")
+    layers = model_parts(m).layers
+    trained = [i for i, layer in enumerate(layers) if all(p.requires_grad for p in layer.parameters())]
+    assert trained == [2, 3, 4] and not any(p.requires_grad for i in (0, 1) for p in layers[i].parameters())
+    assert any(note.startswith("trains decoder layers 2..4 of 5") for note in sel.notes), sel.notes
