@@ -164,6 +164,11 @@ def test_zero2_flattens_the_weights_where_deepspeed_does_and_the_card_keeps_thei
     roomy = simulate_placed(config, plan, batch=1, seq=SEQ, target="cuda", reduce_bucket_size=n)
     tight = simulate_placed(config, plan, batch=1, seq=SEQ, target="cuda", reduce_bucket_size=n, card_bytes=3 * n)
     assert roomy.summary["flattened_on"] == DEVICE and tight.summary["flattened_on"] == HOST
+    # room for the flat copy's elements beside the weights, not for its bf16 bytes: on the host (a room check
+    # in elements found room at half the real size; a fault audit)
+    between = simulate_placed(config, plan, batch=1, seq=SEQ, target="cuda", reduce_bucket_size=n,
+                              card_bytes=int(3.5 * n))
+    assert between.summary["flattened_on"] == HOST
     for r in (roomy, tight):
         made = [nb for nb, op in zip((nb for _, nb in r.device.timeline), r.device.timeline_ops) if op == "setup"]
         assert made.count(2 * n) == 1  # one flat bf16 buffer on the card holds every weight
