@@ -282,3 +282,16 @@ def test_zero3s_model_is_partitioned_on_the_host_before_the_engine_and_trains_as
     assert all(ds and n == 0 and dtype == "torch.bfloat16" for ds, n, dtype in new["before"])  # cast, then partitioned
     assert new["partitions"] == old["partitions"] == ["torch.bfloat16"]
     assert new["losses"] == old["losses"] and new["losses"][-1] < new["losses"][0]
+
+
+def test_with_lora_the_hosts_16_bit_partitions_hold_every_weight_and_the_fp32_master_the_trained_ones():
+    """ZeRO-3 partitions every parameter, frozen ones too: the host's bf16 partitions are the whole model's,
+    the fp32 master the trained ones'. With full training the two counts are one, so a host buffer sized by
+    the trained parameters alone went unseen (a fault audit)."""
+    config = tiny_config("qwen2")
+    n_base = sum(p.numel() for p in {id(p): p for p in build_meta_model(config).parameters()}.values())
+    plan = RUNGS["zero_offload_params"].compose("z3_lora", "", trainable="lora")
+    r = simulate_placed(config, plan, batch=BATCH, seq=SEQ, target="cuda")
+    trained = r.summary["trained_parameters"]
+    assert 0 < trained < n_base
+    assert r.host.breakdown()["weights"] == 2 * (n_base + trained) + 4 * trained  # bf16 of all + fp32 master
