@@ -64,6 +64,20 @@ def test_a_run_wears_one_colour_in_every_panel_and_runs_differ():
     assert [t.name for t in fig.data if t.showlegend is not False] == ["full 0 cpu", "lora 0 cpu@64"]
 
 
+def test_the_runs_take_the_palettes_colours_in_order_with_a_cards_columns_too():
+    """A card's columns (allocated, reserved, NVML) are traces of a run too: counted as runs, each later
+    run's colour skipped ahead, and study 1's 21 runs shared colours sooner (a fault audit)."""
+    from workbench.core.charts import palette
+
+    live = LiveChart(display=False, min_interval_s=0)
+    for i, strategy in enumerate(("full", "lora", "adapter")):
+        live({"strategy": strategy, "seed": 0, "device": "cuda", "step": 1, "loss": 5.0, "mem_mib": 10.0,
+              "cuda_peak_allocated_mib": 10.0, "cuda_peak_reserved_mib": 12.0, "nvml_used_mib": 500.0})
+    fig = live.close()
+    shown = [(t.name, t.line.color) for t in fig.data if t.showlegend is not False]
+    assert shown == list(zip(("full 0 cuda", "lora 0 cuda", "adapter 0 cuda"), palette()[:3]))
+
+
 def test_a_budgets_line_says_whose_budget_it_is():
     """A run fallen back to the CPU, which has no budget, was drawn above "budget 13 MiB" and fit."""
     live = LiveChart(display=False, min_interval_s=0)
@@ -71,6 +85,12 @@ def test_a_budgets_line_says_whose_budget_it_is():
     live({**run, "device": "cpu@13", "budget_mib": 13.0, "mem_mib": 12.0})
     live({**run, "device": "cpu", "budget_mib": None, "mem_mib": 14.0})
     assert [a.text for a in live.close().layout.annotations if "budget" in a.text] == ["budget 13 MiB (cpu@13)"]
+    # the same budget on two devices is two budgets (it was drawn once, named by the first device)
+    live = LiveChart(display=False, min_interval_s=0)
+    for device in ("cuda@13", "cpu@13", "cpu@13"):
+        live({**run, "device": device, "budget_mib": 13.0, "mem_mib": 12.0})
+    assert [a.text for a in live.close().layout.annotations if "budget" in a.text] == [
+        "budget 13 MiB (cuda@13)", "budget 13 MiB (cpu@13)"]
 
 
 def test_an_empty_memory_panel_says_why():

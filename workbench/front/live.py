@@ -70,7 +70,7 @@ class LiveChart:
         self.fig.update_xaxes(title_text="step", col=2)
         self.fig.update_xaxes(title_text="step", col=3)
         self._traces: dict[tuple, tuple[int, int, int]] = {}
-        self._budgets: set[float] = set()
+        self._budgets: set[tuple[float, str | None]] = set()
         self._status = ""
         self._last_draw = 0.0
         self.rows = 0
@@ -141,8 +141,8 @@ class LiveChart:
                     self._traces[(key, column)] = (len(self.fig.data) - 1,)
                 self._append(self._traces[(key, column)][0], row["step"], row[column])
         budget = row.get("budget_mib")
-        if budget and budget not in self._budgets:
-            self._budgets.add(budget)
+        if budget and (budget, row.get("device")) not in self._budgets:  # cuda@8192 and cpu@8192: two budgets
+            self._budgets.add((budget, row.get("device")))
             # whose budget: an attempt without one (a CPU run fallen back to) is drawn above it and fits
             where = f" ({row['device']})" if row.get("device") else ""
             self.fig.add_hline(y=budget, line_dash="dash", line_color="red", row=1, col=2,
