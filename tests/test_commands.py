@@ -258,6 +258,13 @@ def test_long_text_leaves_the_shell_table_and_follows_it_once_per_row_key():
     assert lines == ["reason (by strategy):", f"  full: {why}", "notes (by strategy):",
                      "  adapter: trains the last 2 decoder layers, the final norm and the head"]
     assert split_long_text(short) == (short, [])  # nothing long: the table as it was
+    # a first column whose rows differ in their texts (study 3's source): by row number, a # column
+    runs = pd.DataFrame({"source": ["measured", "measured", "modelled"], "k": [0.0, 0.5, 0.2],
+                         "reason": ["k still moving at the end of the run, so its figure is not settled", None,
+                                    "modelled on H100-PCIe from the rates measured here and published specs"]})
+    short, lines = split_long_text(runs)
+    assert list(short.columns) == ["#", "source", "k"] and list(short["#"]) == [1, 2, 3]
+    assert lines == ["reason (by #):", f"  1: {runs['reason'][0]}", f"  3: {runs['reason'][2]}"]
 
 
 def test_three_library_messages_no_user_can_act_on_are_dropped_and_no_other():

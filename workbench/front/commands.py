@@ -45,13 +45,19 @@ def parse_assignments(items: list[str]) -> dict:
 def split_long_text(table: pd.DataFrame, width: int = 48) -> tuple[pd.DataFrame, list[str]]:
     """The runs table for a terminal: a text column with a value longer than `width` (a skipped
     rung's reason, a strategy's notes) would make every row hundreds of characters wide, so it
-    leaves the table and its texts follow it, once each, under the row's first column."""
+    leaves the table and its texts follow it, once each, under the row's first column; where a first
+    column's value has several texts (study 3's `source`: measured, modelled), under the row's number,
+    a `#` column (they had read "measured: ..." twice over, with nothing to say which row)."""
     longest = {c: table[c].map(lambda v: len(v) if isinstance(v, str) else 0).max() for c in table.columns[1:]
                if not pd.api.types.is_numeric_dtype(table[c])}
     long = [c for c, n in longest.items() if n > width]
     if not long:
         return table, []
     key, lines = table.columns[0], []
+    if any(table.groupby(key, dropna=False)[c].nunique(dropna=False).max() > 1 for c in long):
+        table = table.copy()
+        table.insert(0, "#", range(1, len(table) + 1))
+        key = "#"
     for col in long:
         lines.append(f"{col} (by {key}):")
         texts = [(k, v) for k, v in zip(table[key], table[col]) if isinstance(v, str) and v.strip()]
