@@ -189,6 +189,21 @@ def test_a_played_gpu_peak_is_the_predicted_step_to_the_byte(tiny_base, results_
     assert row["peak_mem_mib"] == row["predicted_peak_mib"] < steady - 0.2, (row["peak_mem_mib"], steady)
 
 
+def test_a_study_stopped_part_way_lists_the_runs_it_finished(tiny_base, results_dir):
+    """Ctrl-C kept the finished runs' folders, but runs.csv, written at the end alone, was not there (a user
+    audit): a reader of results/strategies/runs.csv saw no run."""
+    cfg = StrategiesConfig(strategies=("bitfit", "freeze_embeddings"), seeds=(0,), budget_mib=0, **TINY)
+
+    def killed(row):
+        if row.get("strategy") == "freeze_embeddings":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_strategies(cfg, [killed], progress=False)
+    runs = pd.read_csv(results_dir / "strategies" / "runs.csv")
+    assert list(zip(runs["strategy"], runs["status"])) == [("bitfit", "ok")]
+
+
 def test_finished_runs_are_reused_only_when_everything_they_depend_on_matches(tiny_base, results_dir, tmp_path,
                                                                              monkeypatch):
     cfg = StrategiesConfig(strategies=("bitfit",), seeds=(0,), budget_mib=0, **TINY)

@@ -338,13 +338,17 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     pending = [i for i in range(len(jobs)) if i not in done]
     for i in sorted(done):  # runs read back: the live chart shows what they did (it stayed empty)
         _replay(jobs[i], sinks)
-    if cfg.workers > 1 or cfg.scheduler:
-        rows = run_many(run_job, [jobs[i] for i in pending], workers=cfg.workers, scheduler=cfg.scheduler or None,
-                        desc="strategies", progress=progress)
-        for i in pending:  # the live chart, after the fact
-            _replay(jobs[i], sinks)
-    else:
-        rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress)
+    try:
+        if cfg.workers > 1 or cfg.scheduler:
+            rows = run_many(run_job, [jobs[i] for i in pending], workers=cfg.workers,
+                            scheduler=cfg.scheduler or None, desc="strategies", progress=progress)
+            for i in pending:  # the live chart, after the fact
+                _replay(jobs[i], sinks)
+        else:
+            rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress)
+    except BaseException:  # ^C, SIGTERM: runs.csv lists the runs finished so far (it was written at the end alone)
+        rebuild_runs_table()
+        raise
     reused = set(done) | {i for i, row in zip(pending, rows) if row.get("reused")}  # one another process trained
     done.update(zip(pending, rows))
     df = pd.DataFrame([done[i] for i in range(len(jobs))])
