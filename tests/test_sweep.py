@@ -318,7 +318,8 @@ def test_failure_is_a_row_and_finished_points_are_skipped(tmp_path, counter, mon
         assert main(["sweep", str(NOTEBOOK), "--grid", str(grid), "--out", str(out), "--dry-run", *extra]) == 0
         *lines, last = capsys.readouterr().out.splitlines()
         assert [line.endswith("(finished: a run reuses it)") for line in lines] == reused, lines
-        assert last == f"4 point(s) of {NOTEBOOK.name}, {sum(reused)} of them finished in {out.resolve()}"
+        said = "all run again (--rerun)" if extra else f"{sum(reused)} of them finished"  # "0 of them finished"
+        assert last == f"4 point(s) of {NOTEBOOK.name}, {said} in {out.resolve()}"
     stamps = {k: (out / k / "status.json").stat().st_mtime_ns for k in df.point}
     again = run_sweep(NOTEBOOK, load_grid(grid), workers=2, out=out, progress=False)
     # the three finished points did not run again; the failed one was retried (and failed again)

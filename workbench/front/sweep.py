@@ -381,9 +381,9 @@ def main(args) -> int:
         path, planned = plan(args.notebook, points)
         out = sweep_folder(path, args.out)  # what a run would reuse (none with --rerun)
         done = {p.key for p in planned if not args.rerun and (read_status(out / p.key) or {}).get("status") == "ok"}
-        for p in planned:
-            print(p.key, json.dumps(p.parameters), *["(finished: a run reuses it)"] * (p.key in done))
-        print(f"{len(planned)} point(s) of {path.name}, {len(done)} of them finished in {out}")
+        said = "all run again (--rerun)" if args.rerun else f"{len(done)} of them finished"
+        print(*(" ".join([p.key, json.dumps(p.parameters)] + ["(finished: a run reuses it)"] * (p.key in done))
+                for p in planned), f"{len(planned)} point(s) of {path.name}, {said} in {out}", sep="\n")
         return 0
     try:
         df = run_sweep(args.notebook, points, workers=args.workers or 1, out=args.out, timeout_s=args.timeout,
