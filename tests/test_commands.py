@@ -110,8 +110,10 @@ def test_a_warning_of_the_workbench_is_one_line_naming_the_command(tiny_base, re
                  "seq_len=16", "token_budget=512", "eval_blocks=100000", "budget_mib=0", "--json"])
     out, err = capsys.readouterr()
     history = json.loads(out)[0]["history"]  # a list of attempts: it was the CSV cell's JSON text, a string
+    # and what the peak counts, as the printed table says it (--json had no label: a user audit)
+    assert json.loads(out)[0]["peak_is"].startswith("measured: "), json.loads(out)[0].get("peak_is")
     assert [a["result"] for a in history] == ["ok"], history
-    err = [line for line in err.splitlines() if "warning" in line.lower()]
+    err = [line for line in err.splitlines() if ": warning: " in line.lower()]
     assert code == 0 and len(err) == 2, err
     assert re.fullmatch(rf"workbench strategies: warning: eval_blocks 100,000 is more than the held-out text of "
                         rf"{tmp_path} holds: all of it is scored, [1-9]\d* blocks of 16 tokens", err[1]), err[1]

@@ -119,8 +119,10 @@ def main(args) -> int:
     cfg = nb.config.from_dict(nb.quick_under(given) if args.quick else given)
     with stdout_to_stderr():  # what is printed while it runs (DeepSpeed's accelerator warning, progress)
         result = nb.run(cfg)  # goes to stderr: stdout carries the runs table and findings alone
-    if args.json:
-        print(json.dumps(json_records(result.runs), indent=1))
+    if args.json:  # the runs, with the labels the printed table adds (study 1's peak_is: what a peak counts)
+        shown = nb.figures.runs_table(result)
+        labels = shown[[c for c in shown if c not in result.runs and not pd.api.types.is_numeric_dtype(shown[c])]]
+        print(json.dumps(json_records(result.runs.join(labels)), indent=1))
     else:
         table, notes = split_long_text(nb.figures.runs_table(result))
         print(Table(table))  # as the notebooks show it: thousands separated, flags yes/no, gaps empty
