@@ -1601,13 +1601,15 @@ def test_cli_published_json_shows_one_host_measurement(capsys, monkeypatch):
     assert next(share) in (0.5, 0.7)  # measured once (twice before)
 
 
-def test_the_study_and_published_measure_the_host_alike(monkeypatch, tmp_path, tiny_base):
+def test_the_study_and_published_measure_the_host_alike(monkeypatch, tmp_path, tiny_base, capsys):
     """`split` measured 16M elements 5 times, `split --published` 8M 3 times: on one machine their
     verdicts read a band of seq 232-264 and one of 312-352 (a user audit). Both take measure_here's now."""
     seen = []
     monkeypatch.setattr(pm, "measure_host", lambda **kw: seen.append(kw) or dict(HOST))
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     run_split_study(SplitConfig.from_dict({**TINY, "k_sweep": [0.5], "adaptive": False, "reference": False}))
+    # with a bar over its runs (the study said nothing for its half minute: a user audit)
+    assert re.search(r"split: 100%\S* *\S* 1/1 \[", capsys.readouterr().err)
     assert main(["split", "--published", "--json"]) == 0
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0]["numel"] >= 16_000_000, seen
 

@@ -30,10 +30,12 @@ import contextlib
 import copy
 import json
 import math
+import sys
 from typing import Callable, Iterable
 
 import pandas as pd
 import torch
+from tqdm import tqdm
 
 from workbench.core.common import Sink
 from workbench.core.fallback import freed_on_interrupt, release
@@ -127,7 +129,7 @@ def _summary(rows: list[dict], warmup: int) -> dict:
 
 
 def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
-                  run_dir: Callable[[str], object] | None = None):
+                  run_dir: Callable[[str], object] | None = None, progress: bool = True):
     """Fine-tune the base under every measured setting; (run rows, step rows, timeline rows).
 
     `sinks` get each iteration's row of every engine run (the reference and ZeRO-Offload runs send
@@ -171,7 +173,7 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
         release(device)
 
     status = backend_status(cfg.backend)
-    for spec in _runs(cfg):
+    for spec in tqdm(_runs(cfg), desc="split", unit="run", file=sys.stderr, disable=not progress):  # (~30 s silent)
         name = spec["name"]
         head = {**common, "run": name, "mode": spec["mode"], "k_target": spec["kw"]["k"]}
         why = status if status != "ok" else hold.reason("engine", spec["kw"]["k"], compared=ref_w is not None)
@@ -318,7 +320,7 @@ def _oom_reason(sim: dict, m) -> str:  # what a modelled run that does not fit n
 
 
 # ---------------------------------------------------------------- the entry point
-def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult:
+def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = (), *, progress: bool = True) -> StudyResult:
     """Run study 3 (measured + modelled): one row per run, the iterations, and the side tables.
 
     `sinks` get every iteration of the engine's runs as a plain row (loss, cumulative tokens,
@@ -342,7 +344,7 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = ()) -> StudyResult
                       f"({key}) is being measured by another process; waiting for it to finish") \
             if cfg.write_results else contextlib.nullcontext()
         with hold, freed_on_interrupt(cfg.resolved_device()):  # ^C: the runs' model is not kept on the card
-            runs, steps, events = measured_runs(cfg, sinks, run_dir)
+            runs, steps, events = measured_runs(cfg, sinks, run_dir, progress)
             # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth, per core (the host
             # model scales it to the named host's cores; on a shared machine a multi-threaded measurement mostly
             # measures the other processes: 2 threads seen 50x slower under load, 1 unchanged). About a second.
