@@ -203,3 +203,12 @@ def test_runs_csv_is_written_after_the_tables_it_lists(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         writer.write(result("b", 2.0), runs_key="study_key")
     assert list(read_table(tmp_path / "split" / "runs.csv")["study_key"]) == ["a"]  # b's tables are not all there
+
+
+def test_a_benchmark_row_keeps_its_own_environment_columns(tmp_path, monkeypatch):
+    """This process's env_* overwrote a row's own (cpu_adam.py records env_deepspeed; a row of another
+    machine's measurement would have carried this one's), the other way round from update_runs (a fault audit)."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    results.append_benchmark_row({"benchmark": "b", "value": 1.0, "env_torch": "2.11.0+cu130"})
+    row = pd.read_csv(tmp_path / "benchmarks.csv").iloc[0]
+    assert row["env_torch"] == "2.11.0+cu130" and row["benchmark"] == "b" and row["env_cpu_count"] > 0

@@ -370,7 +370,8 @@ def append_benchmark_row(row: dict[str, Any]) -> Path:
     (a crash never leaves a torn file; two benchmarks at once do not lose each other's rows).
     """
     path = results_root() / "benchmarks.csv"
-    full = {"when": now(), **row, **{f"env_{k}": v for k, v in environment().items()}}
+    env = {f"env_{k}": v for k, v in environment().items()}
+    full = {"when": now(), **row, **{k: v for k, v in env.items() if k not in row}}  # a row's own env_* kept
     with locked(path):
         old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
         atomic_write_csv(path, pd.concat([old, pd.DataFrame([full])], ignore_index=True))
