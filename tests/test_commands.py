@@ -466,7 +466,8 @@ def test_a_study_that_finished_no_run_exits_1(tmp_path, monkeypatch, capsys):
     assert said.err.rstrip().endswith(f"workbench strategies: results in {tmp_path / 'strategies'}"), said.err[-300:]
     rows = pd.DataFrame({"status": ["skipped", "fallback"]})
     assert not nothing_ran(rows) and nothing_ran(rows.iloc[:1]) and not nothing_ran(rows.iloc[:1], measure=False)
-    ladder = pd.DataFrame({"role": ["at hand", "reference"], "status": ["error", "skipped"]})
-    assert nothing_ran(ladder) and not nothing_ran(ladder.assign(status=["ok", "skipped"]))
+    ladder = pd.DataFrame({"role": ["at hand", "at hand", "reference"], "status": ["error", "error", "skipped"]})
+    assert nothing_ran(ladder) and not nothing_ran(ladder.assign(status=["ok", "error", "skipped"]))
+    assert not nothing_ran(ladder.assign(status=["skipped"] * 3))  # too big to measure here: predicted
     split = pd.DataFrame({"source": ["measured", "modelled"], "status": ["error", "ok"]})
     assert nothing_ran(split) and not nothing_ran(split.assign(status=["ok", "error"]))

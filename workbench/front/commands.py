@@ -138,9 +138,12 @@ def main(args) -> int:
 
 def nothing_ran(runs, measure: bool = True) -> bool:
     """Whether a study asked to run found no run that finished (ok, or fallback to another device), of those it
-    ran here (study 3's measured rows: its modelled ones are no run; the ladder's reference rows are skipped). A study
+    ran here (study 3's measured rows: its modelled ones are no run; the ladder: every rung failed). A study
     whose every run was skipped (`devices=[cuda]` without one) had exited 0 after "No strategy finished a run"."""
     if "status" not in runs or not measure:  # a ladder of predictions alone (measure=False) runs nothing
         return False
+    if "role" in runs:  # the ladder's rows are predictions first: a rung too big to measure here is skipped
+        hand = runs[runs["role"] == "at hand"]["status"]  # (a 7B config's), not a failure; a failed one is
+        return len(hand) > 0 and bool((hand == "error").all())
     runs = runs[runs["source"] == "measured"] if "source" in runs else runs
     return len(runs) > 0 and not runs["status"].isin(["ok", "fallback"]).any()
