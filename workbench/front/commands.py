@@ -142,8 +142,8 @@ def nothing_ran(runs, measure: bool = True) -> bool:
     whose every run was skipped (`devices=[cuda]` without one) had exited 0 after "No strategy finished a run"."""
     if "status" not in runs or not measure:  # a ladder of predictions alone (measure=False) runs nothing
         return False
-    if "role" in runs:  # the ladder's rows are predictions first: a rung too big to measure here is skipped
-        hand = runs[runs["role"] == "at hand"]["status"]  # (a 7B config's), not a failure; a failed one is
+    if "role" in runs:  # the ladder predicts first: a rung too big to measure here (a 7B config's) is skipped,
+        hand = runs[runs["role"] == "at hand"]["status"]  # no failure; it fails where every rung at hand failed
         return len(hand) > 0 and bool((hand == "error").all())
     runs = runs[runs["source"] == "measured"] if "source" in runs else runs
     return len(runs) > 0 and not runs["status"].isin(["ok", "fallback"]).any()
