@@ -682,7 +682,7 @@ def test_the_ladder_gives_back_the_thread_count_it_set(monkeypatch):
     kernel ran next (study 3 gives its own back); an error on the way gives it back too."""
     before, seen = torch.get_num_threads(), []
 
-    def study(cfg, sinks, progress, device):
+    def study(cfg, sinks, progress, device, ref):
         seen.append(torch.get_num_threads())
         raise RuntimeError("a rung failed")
 
