@@ -30,7 +30,7 @@ import pandas as pd
 
 from workbench.core.common import PROJECT_ROOT, environ
 from workbench.core.config import ConfigError
-from workbench.core.files import atomic_write_json, atomic_write_text  # noqa: F401  (used here; callers import them from here too)
+from workbench.core.files import atomic_write_json, atomic_write_text  # noqa: F401  (callers' import too)
 
 STATUSES = ("ok", "oom", "fallback", "skipped", "error")
 # columns that hold keys: read as text (a hash of digits, or digits around one 'e', read as a number:
@@ -370,8 +370,7 @@ def append_benchmark_row(row: dict[str, Any]) -> Path:
     (a crash never leaves a torn file; two benchmarks at once do not lose each other's rows).
     """
     path = results_root() / "benchmarks.csv"
-    env = {f"env_{k}": v for k, v in environment().items()}
-    full = {"when": now(), **row, **{k: v for k, v in env.items() if k not in row}}  # a row's own env_* kept
+    full = {"when": now(), **{f"env_{k}": v for k, v in environment().items()}, **row}  # a row's own env_* kept
     with locked(path):
         old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
         atomic_write_csv(path, pd.concat([old, pd.DataFrame([full])], ignore_index=True))

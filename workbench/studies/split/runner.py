@@ -345,10 +345,9 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = (), *, progress: b
             if cfg.write_results else contextlib.nullcontext()
         with hold, freed_on_interrupt(cfg.resolved_device()):  # ^C: the runs' model is not kept on the card
             runs, steps, events = measured_runs(cfg, sinks, run_dir, progress)
-            # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth, per core (the host
-            # model scales it to the named host's cores; on a shared machine a multi-threaded measurement mostly
-            # measures the other processes: 2 threads seen 50x slower under load, 1 unchanged). About a second.
-            torch.set_num_threads(1)
+            # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth, per core, measured on
+            # one thread (the host model scales it to the named host's cores; on a shared machine a multi-threaded
+            # measurement mostly measures the other processes: 2 threads seen 50x slower under load, 1 unchanged)
             host = pm.measure_here()  # `split --published`'s own
         mod_rows, mod_events = modelled_runs(cfg, host)
         pub_rows, op = published_rows(host)
