@@ -301,7 +301,9 @@ def test_an_error_that_follows_an_out_of_memory_error_a_library_caught_falls_bac
     with pytest.raises(RuntimeError, match="automatic conversion"):  # no out-of-memory error first: a bug
         run_with_fallback((Attempt.parse("cpu@8"), Attempt.parse("cpu")),
                           _raising(RuntimeError("We encountered some issues during automatic conversion")))
-    for bug, later in ((RuntimeError("shape '[2, 3]' is invalid"), "train"), (KeyError("a bug"), None)):
+    # a later phase, another error, or a RuntimeError subclass (NotImplementedError: an op missing, not memory)
+    for bug, later in ((RuntimeError("shape '[2, 3]' is invalid"), "train"), (KeyError("a bug"), None),
+                       (NotImplementedError("aten::_foo is not implemented for 'Half'"), None)):
         with pytest.raises(type(bug)):
             run_with_fallback((Attempt.parse("cpu@1"), Attempt.parse("cpu")), caught_then(bug, later))
     # on a card the allocator's own count says so (torch.cuda.memory_stats' num_ooms)

@@ -190,3 +190,18 @@ def test_a_played_cards_step_rows_carry_its_allocated_and_reserved_peaks():
     assert memory == {"cpu@64:cuda": allocated, "cpu@64:cuda reserved (modelled)": reserved}
     with device_budget("cpu", 64) as plain:  # a live-bytes budget: its own figure, and no reserved column
         assert set(plain.step_memory()) == {"mem_mib"}
+
+
+def test_a_steps_window_starts_at_what_the_card_holds_when_the_step_begins():
+    """A step's row counts what is allocated when it begins, though the step frees it and allocates less:
+    the window restarts at the allocator's current bytes, not at nothing."""
+    with device_budget("cpu", 64, allocator="cuda") as b:
+        big = torch.empty(8 * MiB, dtype=torch.uint8)
+        first = b.step_memory()
+        del big  # the next step begins holding 8 MiB, frees it, then holds 2 MiB at most
+        small = torch.empty(2 * MiB, dtype=torch.uint8)
+        second = b.step_memory()
+        third = b.step_memory()  # nothing happened: what is held now, 2 MiB
+        del small
+    assert first["mem_mib"] == second["mem_mib"] == 8 and third["mem_mib"] == 2
+    assert first["modelled_reserved_mib"] == second["modelled_reserved_mib"] == third["modelled_reserved_mib"] >= 8
