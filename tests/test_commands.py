@@ -88,6 +88,11 @@ def test_a_study_runs_from_the_shell_and_prints_its_findings(tiny_base, results_
     # fp32 compared; the cpu rung has no device peak to compare (it had counted, and alone read "within nan%")
     runs = pd.read_csv(results_dir / "ladder" / "runs.csv")
     assert f"- Predicted peaks of 1 rung(s) measured here are within {runs['max_prediction_error_pct'][0]:.1f}% " in out
+    # the findings wrapped at 100 columns, a finding's later lines indented under its dash
+    lines = out.splitlines()
+    findings = lines[next(i for i, t in enumerate(lines) if t.startswith("- ")):]
+    assert max(map(len, findings)) <= 100 and all(t.startswith(("- ", "  ")) for t in findings), findings
+    assert len(findings) > sum(t.startswith("- ") for t in findings)  # some finding is longer than one line
 
 
 def test_a_run_whose_loss_diverges_is_one_line_naming_the_fix(tiny_base, results_dir, capsys):

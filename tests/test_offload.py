@@ -1552,11 +1552,22 @@ def test_each_run_is_copied_with_no_earlier_run_on_the_card_and_zero_offload_cli
     assert given == [(torch.device("cpu"), {"cpu"})] * 3
 
 
+def _published_table(out: str) -> dict:
+    """`split --published`'s table, name to value: the lines after its title and header, up to the verdict."""
+    lines = out.splitlines()[2:]
+    return dict(line.split(None, 1) for line in lines[:next(i for i, t in enumerate(lines) if t.startswith("Verdict"))])
+
+
 def test_cli_published_and_bad_set(capsys, monkeypatch):
     """`split --published` printed raw JSON (0.10583979328165376, t_backward_s 0.3130337223691072)
     followed by the verdict's text, so --json's stdout was not JSON either."""
     assert main(["split", "--published"]) == 0
-    shown = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[2:-1])
+    out = capsys.readouterr().out
+    shown = _published_table(out)
+    # the verdict follows the table, wrapped at 100 columns (it printed as one line of 1,500 characters)
+    verdict = out.splitlines()[2 + len(shown):]
+    assert verdict[0].startswith("Verdict on the seed's band") and len(verdict) > 3, verdict
+    assert max(map(len, verdict)) <= 100 and "seq" in " ".join(verdict)
     assert shown["n_params"] == "9,976,549,376" and shown["k_band"] == "0.1-0.2" and shown["claim_alpha"] == "0.083"
     assert shown["t_backward_s"].endswith(" s") and shown["tflops_modelled"].endswith(" TFLOP/s")
     assert len(shown["alpha_modelled"].lstrip("0.")) == 3  # three significant digits (0.106, 0.0951)
@@ -1571,13 +1582,13 @@ def test_cli_published_and_bad_set(capsys, monkeypatch):
     monkeypatch.setattr(pm, "measure_host", lambda **kw: dict(HOST))
     assert main(["split", "--published"]) == 0
     out = capsys.readouterr().out
-    fixed = dict(line.split(None, 1) for line in out.splitlines()[2:-1])
+    fixed = _published_table(out)
     assert float(fixed["alpha_modelled"]) < 0.1 and len(fixed["alpha_modelled"]) == 6 and \
         f"Modelled alpha, per host: {fixed['host']} {fixed['alpha_modelled']}," in " ".join(out.split()), out[-400:]
     # below 100 GB/s too (a share measured under load): it read "= 84 GB/s" beside the rate's 84.3 GB/s
     monkeypatch.setattr(pm, "measure_host", lambda **kw: {**HOST, "bandwidth_share": 0.51})
     assert main(["split", "--published"]) == 0
-    slow = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()[2:-1])
+    slow = _published_table(capsys.readouterr().out)
     assert slow["host_rate_from"].endswith(f") = {slow['host_adam_gb_per_s']}") and \
         float(slow["host_adam_gb_per_s"].split()[0]) < 100, slow
     # it takes no settings of one's own (they were ignored, exit 0)

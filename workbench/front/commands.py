@@ -65,6 +65,12 @@ def split_long_text(table: pd.DataFrame, width: int = 48) -> tuple[pd.DataFrame,
     return table.drop(columns=long), lines
 
 
+def paragraph(text: str, indent: str = "", width: int = 100) -> str:
+    """A finding or a verdict for a terminal: wrapped at `width` columns, its later lines indented by
+    `indent`, words and numbers never split (study 3's verdict had printed as one line of 1,500 characters)."""
+    return textwrap.fill(text, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
 def json_records(table: pd.DataFrame) -> list[dict]:
     """The runs table as JSON records, a column of JSON text (a CSV cell's `history`, a config's list)
     decoded: `--json` carried each run's `history` as a string of JSON to parse again."""
@@ -113,7 +119,7 @@ def main(args) -> int:
         else:
             print("The seed's setting, modelled from inputs independent of its figures (claim_*: the seed's):")
             print(Table(operating_point_table(op)))
-            print(verdict["text"])
+            print(paragraph(verdict["text"]))
         return 0
     given = parse_assignments(args.assignments)
     cfg = nb.config.from_dict(nb.quick_under(given) if args.quick else given)
@@ -129,7 +135,7 @@ def main(args) -> int:
         for line in notes:
             print(line)
         for finding, claim in nb.figures.findings(result):
-            print(f"- {finding}" + (f"  [published: {claim}]" if claim else ""))
+            print(paragraph(f"- {finding}" + (f"  [published: {claim}]" if claim else ""), indent="  "))
     if result.paths:  # (stderr: stdout is the table, or one JSON document)
         run_dir = f"; this run's files in {result.paths['run_dir']}" if "run_dir" in result.paths else ""
         print(f"workbench {args.command}: results in {results_root() / result.study}{run_dir}", file=sys.stderr)
