@@ -22,6 +22,7 @@ from workbench.core.memory import allocator, cuda_model as cm, segments
 from workbench.core.memory.accounting import (EMPTY_CACHE, EMPTY_CACHE_SERIAL, MemoryAccounting, MemoryReport, PeakSnapshot)
 from workbench.core.memory.meta import model_config
 from workbench.core.memory.plan import RUNGS, make_plan_optimizer, plan_from_flags, rung
+from workbench.core.memory import plan as plan_module, predict as predict_module
 from workbench.core.memory.predict import CUDA_STEPS, predict, simulate
 from workbench.core.memory.snapshot import dump, predicted_snapshot, snapshot_from_report
 from workbench.core.training import train
@@ -327,6 +328,31 @@ def test_foreach_adamw_holds_more_in_the_optimizer_step(tmp_path):
     n = p.breakdown["weights"] - 64 * 4  # trainable fp32 bytes (less the rotary buffer)
     largest = 512 * 64 * 4
     assert cuda - cpu == pytest.approx(n - 2 * largest, abs=1024)
+
+
+def test_foreach_adamws_step_counters_are_on_the_host_not_in_the_cards_allocator(tmp_path, monkeypatch):
+    """torch's foreach (and single-tensor) AdamW keeps each parameter's step counter on the CPU, whatever the
+    parameter's device; the fused one on the card. The simulation runs on the CPU and counted them as the card's: one
+    512-byte block per parameter in the allocator model (Qwen2-0.5B: 290 of them)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    plan = plan_from_flags(optimizer="adamw_torch")
+    report = simulate(model_config(str(path)), plan, batch=1, seq=32, steps=CUDA_STEPS, target="cuda")
+    sizes = {serial: n for serial, n in report.timeline if n >= 0}
+    counters = len(report.host_serials)
+    # one per parameter: 12 per layer (q, k, v with biases, o, gate, up, down, two norms), the tied embedding, the norm
+    assert counters == 2 * 12 + 2 and all(sizes[s] == 4 for s in report.host_serials)
+    fused = simulate(model_config(str(path)), rung("fp32"), batch=1, seq=32, steps=CUDA_STEPS, target="cuda")
+    assert not fused.host_serials  # adamw_fused: on the card, as a card runs it
+    on_host = predict(str(path), plan, batch=1, seq=32, device="cuda")
+    monkeypatch.setattr(plan_module, "host_step_counters", lambda optimizer: [])
+    monkeypatch.setattr(predict_module, "host_step_counters", lambda optimizer: [])
+    counted = predict(str(path), plan, batch=1, seq=32, device="cuda")
+    assert counted.allocated_peak_bytes - on_host.allocated_peak_bytes == counters * 512
+    monkeypatch.undo()  # and the memory snapshot, a card's allocator's view, has none of them either
+    traced = predicted_snapshot(str(path), plan, batch=1, seq=32)["device_traces"][0]
+    state = [e["size"] for e in traced if e["action"] == "alloc" and e["frames"][0]["filename"] == "optimizer_state"]
+    assert state and 4 not in state, state
 
 
 # ------------------------------------------------------------------------------------------------

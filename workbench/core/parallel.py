@@ -307,15 +307,17 @@ class Runs:
 
 
 def run_many(fn: Callable[[Any], Any], items: Iterable[Any], *, workers: int = 0,
-             scheduler: str | None = None, desc: str = "runs", progress: bool = True) -> list:
-    """[fn(item) for item in items], on `workers` > 1 processes or on `scheduler`.
+             scheduler: str | None = None, desc: str = "runs", progress: bool = True, done: int = 0) -> list:
+    """[fn(item) for item in items], on `workers` > 1 processes or on `scheduler`; the bar counts `done`
+    runs finished before (read back, not run again) among its total.
 
     workers <= 1 and no scheduler: in this process, in order, no Dask at all (a study's default).
     """
     items = list(items)
     if scheduler is None and workers <= 1:
         results = []
-        for item in tqdm(items, desc=desc, unit="run", disable=not progress or not items, file=sys.stderr):
+        for item in tqdm(items, desc=desc, unit="run", disable=not progress or not items, file=sys.stderr,
+                         initial=done, total=done + len(items)):
             results.append(fn(item))
         return results
     if not items:
@@ -323,7 +325,7 @@ def run_many(fn: Callable[[Any], Any], items: Iterable[Any], *, workers: int = 0
     n = min(workers, len(items))
     with cluster(n, scheduler) as client:
         runs = Runs(client, fn, items, threads=None if scheduler else threads_per_worker(n),
-                    desc=desc, progress=progress)
+                    desc=desc, progress=progress, total=done + len(items), initial=done)
         for _, future in runs:
             if future.status != "finished":
                 future.result()  # raises the run's own exception with its traceback (the rest are cancelled)

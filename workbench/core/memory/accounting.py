@@ -98,6 +98,7 @@ class MemoryReport:
     timeline_casts: tuple = ()  # what a load converts on the card (card_load.loaded_on_card)
     paged_serials: frozenset = frozenset()  # a paged optimizer's state (CUDA managed memory): its allocations
     paged_bytes: int = 0  # and their bytes
+    host_serials: frozenset = frozenset()  # a card's step made these on the host (torch's foreach AdamW's step counters)
 
     @property
     def peak_bytes(self) -> int:

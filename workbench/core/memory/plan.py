@@ -319,6 +319,13 @@ def make_plan_optimizer(model: torch.nn.Module, plan: Plan, settings: TrainSetti
     return cls(params, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
+def host_step_counters(optimizer) -> list[torch.Tensor]:
+    """The step counters torch's foreach and single-tensor loops keep on the host whatever their parameter's
+    device (a CPU scalar each: torch/optim/adam.py `_init_group`); fused and capturable ones keep theirs on it."""
+    return [s["step"] for g in optimizer.param_groups if not (g.get("fused") or g.get("capturable"))
+            for p in g["params"] if isinstance((s := optimizer.state.get(p, {})).get("step"), torch.Tensor)]
+
+
 def plan_from_flags(*, precision: str = "fp32", optimizer: str = "adamw_torch", trainable: str = "full",
                     lora_rank: int = 8, lora_targets: tuple[str, ...] | None = None, checkpointing: bool = False,
                     batch: int = 1, micro_batch: int | None = None, name: str = "custom") -> Plan:

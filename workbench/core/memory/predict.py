@@ -28,11 +28,11 @@ Workarounds, all measured here:
   single-tensor AdamW's bias correction is defined).
 
 The offload rungs accelerate `device_map` and DeepSpeed ZeRO-2 with the optimizer offloaded are simulated with each
-tensor at its place, the card or host memory, as the library places and copies it (workbench.core.memory.offload):
-the device peak is the card's, `host_bytes` the host's. So is ZeRO-3 with the parameters offloaded as well:
-DeepSpeed's own parameter coordinator decides which weights are on the card at each module
-(workbench.core.memory.zero3). fp16 autocast for a CPU target cannot be simulated here: its figures are *estimated*
-from the bf16 simulation, and the result says so (`method="estimated"` and a `note`).
+tensor at its place, the card or host memory, as the library places and copies it (workbench.core.memory.offload): the
+device peak is the card's, `host_bytes` the host's. So is ZeRO-3 with the parameters offloaded as well: DeepSpeed's
+own parameter coordinator decides which weights are on the card at each module (workbench.core.memory.zero3). fp16
+autocast for a CPU target cannot be simulated here: its figures are *estimated* from the bf16 simulation, and the
+result says so (`method="estimated"` and a `note`).
 
 `device="cpu"` (the default) predicts a CPU step, exactly. `device="cuda"` makes the simulated step take CUDA's
 choices (attention kernel, dropout masks, autocast lists, optimizer; simulated) and replays its allocations through
@@ -56,7 +56,8 @@ from workbench.core.memory.fake import check_step, fake_step, unpacked_for_fake_
 from workbench.core.memory.meta import build_meta_model, model_config, model_label
 from workbench.core.memory.monitor import bf16_emulated_on
 from workbench.core.memory.offload import SIMULATED_PLACEMENTS, simulate_placed
-from workbench.core.memory.plan import PAGED_FROM, Plan, apply_trainable, make_plan_optimizer, paged_state, rung
+from workbench.core.memory.plan import (PAGED_FROM, Plan, apply_trainable, host_step_counters, make_plan_optimizer,
+                                        paged_state, rung)
 from workbench.core.memory.zero3 import STREAM_NAMES
 from workbench.core.models import check_seq_len
 from workbench.core.training import train
@@ -167,18 +168,16 @@ class Prediction:
 # simulation
 
 def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_blocks: int | None = None,
-             target: str = "cpu", sm: int | None = None, timeline: bool = False,
-             instrumented: bool = False) -> MemoryReport:
+             target: str = "cpu", sm: int | None = None, timeline: bool = False, instrumented: bool = False) -> MemoryReport:
     """Run `steps` real training steps of `plan` over fake tensors and account their bytes.
 
-    `n_blocks`: how many blocks the training set holds (the loop keeps a shuffled index of them,
-    8 bytes each); default: just enough for the simulated steps. `target`: the device the step is
-    for: "cpu" (exact), or "cuda" (CUDA's kernel, dropout, autocast and optimizer choices on a card
-    of compute capability `sm`, and the allocation timeline for the allocator model). `timeline`:
-    record the allocation timeline for a CPU target too (for a memory snapshot). `instrumented`: the
-    step as this workbench's own live-bytes count runs it (a dispatch mode: autograd sums every
-    multi-use tensor's gradients out of place), to compare with that count; default: the plain step
-    (the engine's in-place sums, workbench.core.memory.accounting).
+    `n_blocks`: how many blocks the training set holds (the loop keeps a shuffled index of them, 8 bytes each);
+    default: just enough for the simulated steps. `target`: the device the step is for: "cpu" (exact), or "cuda"
+    (CUDA's kernel, dropout, autocast and optimizer choices on a card of compute capability `sm`, and the allocation
+    timeline for the allocator model). `timeline`: record the allocation timeline for a CPU target too (for a memory
+    snapshot). `instrumented`: the step as this workbench's own live-bytes count runs it (a dispatch mode: autograd
+    sums every multi-use tensor's gradients out of place), to compare with that count; default: the plain step (the
+    engine's in-place sums, workbench.core.memory.accounting).
     """
     check_step(config, seq, steps)
     device = torch.device("cpu")
@@ -200,8 +199,10 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     report = acc.report()
     report.timeline_casts = tuple(casts)
     report.kernels = dict(mode.kernels) if step.cuda else {}
-    if plan.optimizer == "paged_adamw8bit" and step.cuda and (paged := paged_state(optimizer)):
-        report.paged_serials, report.paged_bytes = frozenset(acc.serials_of(paged)), sum(t.nbytes for t in paged)
+    if step.cuda:  # on a card these are outside its allocator: foreach AdamW's step counters, a paged optimizer's state
+        report.host_serials = frozenset(acc.serials_of(host_step_counters(optimizer)))
+        if plan.optimizer == "paged_adamw8bit" and (paged := paged_state(optimizer)):
+            report.paged_serials, report.paged_bytes = frozenset(acc.serials_of(paged)), sum(t.nbytes for t in paged)
     return report
 
 
@@ -257,7 +258,6 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
     the workbench ran it for the card records of 2026-11-22 and 2026-11-26). Raises ConfigError for an unknown rung,
     a non-positive shape or a card smaller than the weights alone, ModelNotFoundError for a config that is not one.
     """
-
     plan = rung(rung_name)
     for name, v in (("batch", batch), ("seq", seq)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -373,7 +373,7 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         if workspaces == "held" and any(len(w) == 3 and w[2] is not None for w in made):  # made by a run before
             events, steps_of, roles, streams, _ = cuda_model.after_a_run(events, steps_of, roles, streams, before)
         steady_from = next((i for i, s in enumerate(steps_of) if s >= last), 0)
-        outside = report.paged_serials if pageable else ()
+        outside = (report.paged_serials if pageable else frozenset()) | report.host_serials
         run = dict(steps_of=steps_of, simulated_steps=report.steps, until=replay_steps or allocator.STEADY)
         alloc = allocator.replay(events, roles, made, steady_from=steady_from, outside=outside, streams=streams, **run)
         cuda = dict(allocated_peak_bytes=alloc.steady_allocated_peak_bytes,

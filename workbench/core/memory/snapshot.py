@@ -64,6 +64,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
         else:
             alloc(("extra", j), nbytes, frames)
     roles, ops = report.timeline_roles or {}, report.timeline_ops or [""] * len(report.timeline)
+    outside = report.host_serials | report.paged_serials  # not the card's allocator's (as allocator.replay's `outside`)
     for i, ((serial, nbytes), op, step) in enumerate(zip(report.timeline, ops, report.timeline_steps)):
         if nbytes == EMPTY_CACHE:
             before = [(seg, base, total) for seg, base, total, _ in a.segment_blocks()]
@@ -71,7 +72,7 @@ def snapshot_from_report(report: MemoryReport, extra_allocs=()) -> dict[str, Any
             kept = {seg for seg, *_ in a.segment_blocks()}
             trace.extend({"action": "segment_free", "addr": base, "size": total, "stream": seg[1], "frames": []}
                          for seg, base, total in before if seg not in kept)
-        elif nbytes >= 0:
+        elif nbytes >= 0 and serial not in outside:
             frames = [{"filename": roles.get(serial, "temporaries"), "line": step + 1, "name": op or "setup"}]
             alloc(serial, nbytes, frames)
         elif serial in live:

@@ -341,11 +341,12 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
     try:
         if cfg.workers > 1 or cfg.scheduler:
             rows = run_many(run_job, [jobs[i] for i in pending], workers=cfg.workers,
-                            scheduler=cfg.scheduler or None, desc="strategies", progress=progress)
+                            scheduler=cfg.scheduler or None, desc="strategies", progress=progress, done=len(done))
             for i in pending:  # the live chart, after the fact
                 _replay(jobs[i], sinks)
         else:
-            rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress)
+            rows = run_many(lambda i: run_job(jobs[i], sinks), pending, desc="strategies", progress=progress,
+                            done=len(done))
     except BaseException:  # ^C, SIGTERM: runs.csv lists the runs finished so far (it was written at the end alone)
         rebuild_runs_table()
         raise
