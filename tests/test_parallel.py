@@ -74,6 +74,13 @@ def test_sequential_in_this_process():
     assert run_many(probe, [], workers=2) == []
 
 
+def test_the_bar_counts_the_runs_finished_before_among_its_total(capsys):
+    """A study that reads 3 finished runs back and runs 2: the bar reads 3/5 to 5/5 (it read 0/2 to 2/2)."""
+    run_many(probe, [1, 2], progress=True, done=3, desc="runs")
+    shown = capsys.readouterr().err
+    assert "3/5" in shown and "5/5" in shown and "/2 " not in shown, shown
+
+
 def test_local_cluster_order_threads_and_errors(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")  # inherited by the workers unless their share replaces it
     before = set(workers())
