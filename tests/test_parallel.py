@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 import psutil
 import pytest
@@ -96,6 +97,29 @@ def test_local_cluster_order_threads_and_errors(monkeypatch):
     with pytest.raises(Boom, match="run 2 failed on purpose"):
         run_many(explode_at_2, [1, 2, 3, 4], workers=2, progress=False)
     assert set(workers()) <= before, "a worker process outlived run_many"
+
+
+def test_more_workers_than_cores_is_said(monkeypatch):
+    """workers=100 on this 2-core machine was taken without a word: a hundred processes, each with its torch."""
+    class Started(Exception):
+        pass
+
+    def started(**kw):
+        raise Started(kw["n_workers"])  # (no cluster is started: what matters is said before)
+
+    monkeypatch.setattr(parallel, "LocalCluster", started)
+    monkeypatch.setattr(parallel, "cores", lambda: 2)
+    with pytest.warns(UserWarning, match=r"^3 workers on 2 cores: they share the cores, no faster than 2 side by "
+                                         r"side, .* workers=2 at most$"), pytest.raises(Started):
+        with cluster(3):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n, cards in ((2, []), (4, ["0", "1", "2", "3"])):  # as many as the cores, or one worker per card
+            monkeypatch.setattr(parallel, "visible_cards", lambda cards=cards: cards)
+            with pytest.raises(Started):
+                with cluster(n):
+                    pass
 
 
 def test_a_workers_share_of_the_cores(monkeypatch):

@@ -193,6 +193,9 @@ def cluster(workers: int = 1, scheduler: str | None = None) -> Iterator[Client]:
             yield client
         return
     workers = max(1, workers)
+    if workers > max(here := cores(), len(visible_cards())):  # (several cards: a worker for each is their use)
+        warnings.warn(f"{workers} workers on {here} cores: they share the cores, no faster than {here} side by side, and "
+                      f"each worker process holds its own torch and model in memory; workers={here} at most")
     with dask.config.set(_LOCAL_CONFIG):
         local = LocalCluster(
             n_workers=workers, processes=True, threads_per_worker=1, memory_limit=0,
