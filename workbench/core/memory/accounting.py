@@ -22,23 +22,22 @@ storage carries a role, and the bytes of each role are kept as running totals:
 - temporaries: everything else (forward intermediates that die in forward, backward's
   intermediates and recomputed activations, the optimizer's scratch tensors).
 
-Phases: `forward` starts at the watched model's forward pre-hook, `backward` while autograd's
-engine runs a graph task, `optimizer` from the end of backward to the next forward (clipping,
-the update, zeroing). Steps are counted by the optimizer step hook. At every new peak (overall and per
-step x phase) the five running totals and the op that allocated are copied: a few integers, cheap.
+Phases: `forward` starts at the watched model's forward pre-hook, `backward` while autograd's engine runs a graph
+task, `optimizer` from the end of backward to the next forward (clipping, the update, zeroing). Steps are counted by
+the optimizer step hook. At every new peak (overall and per step x phase) the five running totals and the op that
+allocated are copied: a few integers, cheap.
 
 With `stub_scalars=True` (FakeTensorMode runs, predict.py) an op that would read a tensor's value into
 Python (`.item()`, `float(loss)`) returns 1.0 instead of failing: the unchanged loop runs over fake tensors.
 
-The count changes what it counts in one place. When a tensor feeds several ops, autograd's engine
-sums its gradients in an input buffer (torch/csrc/autograd/input_buffer.cpp `accumulate`): in place
-(`old.add_(new)`) when the buffer's tensor is dense and nothing else holds its storage, else out of
-place (`old + new`, one more tensor of that size). A Python dispatch mode (this one, and
-FakeTensorMode) makes `isTensorSubclassLike` true, so under it the sum is always out of place: a
-tied embedding's two gradients then hold a third vocab x hidden tensor at the end of backward. With
-`plain_engine=True` (fake tensors only) the accounting makes the choice the engine makes without a
-mode, by the engine's own rule, so the simulated step is the plain step a user runs; every sum is
-listed in `sums` ((in_place, shape), in order). The real-tensor count is always the instrumented step.
+The count changes what it counts in one place. When a tensor feeds several ops, autograd's engine sums its gradients
+in an input buffer (torch/csrc/autograd/input_buffer.cpp `accumulate`): in place (`old.add_(new)`) when the buffer's
+tensor is dense and nothing else holds its storage, else out of place (`old + new`, one more tensor of that size). A
+Python dispatch mode (this one, and FakeTensorMode) makes `isTensorSubclassLike` true, so under it the sum is always
+out of place: a tied embedding's two gradients then hold a third vocab x hidden tensor at the end of backward. With
+`plain_engine=True` (fake tensors only) the accounting makes the choice the engine makes without a mode, by the
+engine's own rule, so the simulated step is the plain step a user runs; every sum is listed in `sums` ((in_place,
+shape), in order). The real-tensor count is always the instrumented step.
 """
 
 from __future__ import annotations
