@@ -117,6 +117,27 @@ def test_a_points_key_does_not_depend_on_the_order_its_parameters_are_given_in(c
     assert sweep.plan(NOTEBOOK, [{"fail": False, "x": 2}])[1][0].key == planned[1].key
 
 
+def test_quick_starts_each_point_from_the_studys_tiny_settings(tmp_path, capsys):
+    """`sweep STUDY --quick`: each point is the study's quick settings with its own values on top (a sweep had no
+    --quick: a teacher's tiny sweep named every tiny setting); a field the user gives takes its quick ones' place."""
+    from workbench.front.notebooks import STUDIES
+
+    ladder, strategies = STUDIES["02_ladder"], STUDIES["01_strategies"]
+    out = str(tmp_path / "sw")
+    assert main(["sweep", "02_ladder", "--quick", "micro_batch=1", "micro_batch=2", "--dry-run", "--out", out]) == 0
+    listed = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines() if "{" in line]
+    expected = [ladder.quick_under({"micro_batch": m}) for m in (1, 2)]
+    assert [json.loads(params) for _, params in listed] == expected and expected[0]["base_size"] == "tiny"
+    assert [key for key, _ in listed] == [ladder.check(p).hash() for p in expected]
+    assert main(["sweep", "01_strategies", "--quick", "devices=[cpu]", "--dry-run", "--out", out]) == 0
+    (point,) = [json.loads(line.split(" ", 1)[1]) for line in capsys.readouterr().out.splitlines() if "{" in line]
+    assert point == strategies.quick_under({"devices": ["cpu"]}) and "budget_mib" not in point
+    assert main(["sweep", str(NOTEBOOK), "--quick", "x=1", "--dry-run"]) == 2  # not a study: nothing to start from
+    assert capsys.readouterr().err.strip() == (
+        f"workbench sweep: --quick starts from a study notebook's tiny settings; {NOTEBOOK} is not one "
+        f"({', '.join(STUDIES)})")
+
+
 def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(capsys):
     """`sweep NOTEBOOK --workers 2 x=1 x=2` ended in argparse's "unrecognized arguments: x=1 x=2"."""
     assert main(["sweep", str(NOTEBOOK), "x=1", "--dry-run", "x=2", "-p", "x=3", "x=4"]) == 0

@@ -2,22 +2,22 @@
 
     workbench sweep 01_strategies --grid grid.yaml --workers 2
     workbench sweep 01_strategies -p base_size=tiny -p token_budget=2000 -p seeds=[0] -p seeds=[1]
+    workbench sweep 02_ladder --quick micro_batch=1 micro_batch=2     # two tiny ladders: minutes
     workbench sweep tests/notebooks/sweep_point.ipynb -p x=1 -p x=2 -p x=3 --out /tmp/sw   # seconds
     workbench sweep 01_strategies --grid grid.yaml --scheduler tcp://10.0.0.5:8786     # a cluster
 
 Grid (YAML or JSON; `-p NAME=VALUE` values are parsed as YAML, `1e-3` included):
-- a mapping of parameter -> list of values is expanded as a cartesian product; a value that is not
-  a list is the same for every point. A list-valued parameter needs a list of lists:
-  `seeds: [[0], [1]]` is two points, `seeds: [[0, 1]]` one.
+- a mapping of parameter -> list of values is expanded as a cartesian product; a value that is not a list is the
+  same for every point. A list-valued parameter needs a list of lists: `seeds: [[0], [1]]` is two points, `[[0, 1]]` one.
 - a list of mappings is an explicit list of points.
 - a mapping with only the keys `grid` (a product, as above), `points` (explicit points) and
   `fixed` (merged into every point) combines both: the product's points, then the explicit ones.
 - repeated `-p` options with the same name are one more axis of the product; `-p` options are
   crossed with the grid file's points and override its values.
 
-Every point is validated before anything runs: a study notebook's parameters must build its config
-(unknown names, wrong types and bad values are errors); any other notebook's parameters must be
-names of its cell tagged `parameters`. One bad point is a ConfigError that lists it; nothing runs.
+Every point is validated before anything runs: a study notebook's parameters must build its config (unknown names,
+wrong types and bad values are errors); any other notebook's parameters must be names of its cell tagged `parameters`.
+One bad point is a ConfigError that lists it; nothing runs.
 
 Layout (default `<out>` = results/sweeps/<notebook stem>/):
 
@@ -34,36 +34,33 @@ Layout (default `<out>` = results/sweeps/<notebook stem>/):
     <out>/<key>/status.json        written last, atomically: status ok or error, seconds, error
     <out>/<key>/.previous/         a finished point's files while --rerun runs it again (back if stopped)
 
-`<key>` is the study config's `.hash()` for a study notebook (so points that spell the same config
-differently are one run), else a hash of the sorted parameters.
+`<key>` is the study config's `.hash()` for a study notebook (so points that spell the same config differently are one
+run), else a hash of the sorted parameters. Results: a notebook records scalars with
+`workbench.front.record.record(loss=1.2)` into $WORKBENCH_SWEEP_DIR's `sweep_result.json` (the point's folder, the
+kernel's working directory): runs.csv's columns (`result_` if taken).
 
-Results: a notebook records scalars with `workbench.front.record.record(loss=1.2)` into $WORKBENCH_SWEEP_DIR's
-`sweep_result.json` (the point's folder, the kernel's working directory): runs.csv's columns (`result_` if taken).
+Engine: each point is one Dask task (workbench.core.parallel) that runs papermill in a worker process, one run at a
+time per process; the notebook's kernel is a child of that worker. By default a LocalCluster of N single-thread worker
+processes, listening on 127.0.0.1 only, no dashboard; with `--scheduler ADDRESS` an existing scheduler's workers (e.g.
+dask-jobqueue's SLURMCluster or PBSCluster) run the points: they need this package installed and `<out>` and the
+notebook at the same paths (a shared filesystem). A failed run is a row (status error, the error's one line); so is a
+run whose worker died, or one that took longer than --timeout (its kernel is killed).
 
-Engine: each point is one Dask task (workbench.core.parallel) that runs papermill in a worker
-process, one run at a time per process; the notebook's kernel is a child of that worker. By default
-a LocalCluster of N single-thread worker processes, listening on 127.0.0.1 only, no dashboard;
-with `--scheduler ADDRESS` an existing scheduler's workers (e.g. dask-jobqueue's SLURMCluster or
-PBSCluster) run the points: they need this package installed and `<out>` and the notebook at the
-same paths (a shared filesystem). A failed run is a row (status error, the error's one line); so
-is a run whose worker died, or one that took longer than --timeout (its kernel is killed).
+Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun redoes every point,
+e.g. after the notebook changed, since the key is the parameters only; a finished point's files are kept aside until
+its new run finishes, and a rerun stopped any way gives them back, by itself or at the next call). An `<out>` holding
+another notebook's points (one of the same file name elsewhere) is refused, unless --rerun; so is a point a live run
+still holds (its `.running.lock`: a stopped sweep's run on a scheduler's worker; a dead holder's lock is taken over).
+A point's status.json is written only after its executed notebook is complete and renamed into place, so a run stopped
+halfway has none and is redone. A finished point's files are on disk the moment it finishes and runs.csv is rebuilt
+from the points' folders (after each finished point and by every call), so a sweep killed any way (Ctrl-C, SIGTERM,
+SIGKILL, a crash) loses no finished run. Ctrl-C and SIGTERM stop the running points (their kernels are killed, on a
+scheduler's workers too; a point not begun never begins) and write runs.csv with the unfinished points `pending` (as
+are those a dead worker had not begun); on SIGKILL a LocalCluster's workers exit with the sweep process, and their
+kernels with them.
 
-Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun
-redoes every point, e.g. after the notebook changed, since the key is the parameters only; a
-finished point's files are kept aside until its new run finishes, and a rerun stopped any way gives
-them back, by itself or at the next call). An `<out>` holding another notebook's points (one of the
-same file name elsewhere) is refused, unless --rerun; so is a point a live run still holds (its
-`.running.lock`: a stopped sweep's run on a scheduler's worker; a dead holder's lock is taken over).
-A point's status.json is written only after its executed notebook is complete and renamed into
-place, so a run stopped halfway has none and is redone. A finished point's files are on disk the
-moment it finishes and runs.csv is rebuilt from the points' folders (after each finished point and
-by every call), so a sweep killed any way (Ctrl-C, SIGTERM, SIGKILL, a crash) loses no finished run.
-Ctrl-C and SIGTERM stop the running points (their kernels are killed, on a scheduler's workers too;
-a point not begun never begins) and write runs.csv with the unfinished points `pending` (as are
-those a dead worker had not begun); on SIGKILL a LocalCluster's workers exit with the sweep
-process, and their kernels with them.
-
-Progress: a tqdm bar over the points (finished ones count as done). `--dry-run` lists the points and which a run
+`--quick`: a study notebook's points start from its tiny settings (`workbench STUDY --quick`'s), their own values on
+top. Progress: a tqdm bar over the points (finished ones count as done). `--dry-run` lists the points and which a run
 reuses. Torch processes that share cores must share threads (14x slower if not, here): each kernel gets
 OMP/MKL/OPENBLAS_NUM_THREADS = max(1, cores // N) (on a scheduler: its host's cores // its worker processes).
 """
@@ -91,10 +88,11 @@ from workbench.core.common import environ
 from workbench.core.config import ConfigError, check_scheduler
 from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, now, results_root
-from workbench.front.notebooks import failure, run_notebook
+from workbench.front.notebooks import STUDIES, failure, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
 from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, load_grid,
-                                          plan, points_from_options, read_status, set_aside, write_tables)
+                                          plan, points_from_options, read_status, resolve_notebook, set_aside,
+                                          write_tables)
 
 SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
 SWEEP_CALL_ENV = "WORKBENCH_SWEEP_CALL"  # and the sweep call's id (what a stop abandons)
@@ -103,12 +101,7 @@ KILL_GRACE_S = 10.0
 
 
 # ------------------------------------------------------------------------------------------------
-# The notebook side: recording results
-
-
-# ------------------------------------------------------------------------------------------------
-# One point: the task a Dask worker runs
-
+# One point: the task a Dask worker runs (the notebook side, recording results: workbench.front.record)
 
 # papermill changes the working directory and the kernel inherits os.environ: one run per process.
 _ONE_AT_A_TIME = threading.Lock()
@@ -363,6 +356,8 @@ def register(sub) -> None:
     p.add_argument("--rerun", action="store_true", help="run every point again, even finished ones")
     p.add_argument("--dry-run", action="store_true", help="validate and list the points (and which a run reuses)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quick", action="store_true", help="a study notebook's points start from its tiny settings "
+                                                        "(`workbench STUDY --quick`'s), their own values on top")
     p.set_defaults(func=main)
 
 
@@ -377,6 +372,11 @@ def main(args) -> int:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     points = combine(load_grid(args.grid) if args.grid else None,
                      points_from_options([*args.assignments, *args.param]))
+    if args.quick:
+        if (study := STUDIES.get(resolve_notebook(args.notebook).stem)) is None:
+            raise ConfigError(f"--quick starts from a study notebook's tiny settings; {args.notebook} is not one "
+                              f"({', '.join(STUDIES)})")
+        points = [study.quick_under(point) for point in points]
     if args.dry_run:
         path, planned = plan(args.notebook, points)
         out = sweep_folder(path, args.out)  # what a run would reuse (none with --rerun)
