@@ -344,6 +344,9 @@ def test_qlora_quantized_onto_the_card_from_the_host_holds_one_fp32_weight_at_a_
                   (EMPTY_CACHE_SERIAL, EMPTY_CACHE), (8, 512), (7, 17 * MiB)]  # measure()'s, then train()
     assert t2 < 0 and t5 < 0 and roles[t2] == roles[t5] == "weights" and st == [0] * len(ev)
     assert ws == [("cuBLAS workspace (forward)", 32 * MiB, 7 + 6)]  # still after the forward's first event
+    # a pure-half QLoRA: the frozen bias (4) is cast to 16 bits on the host and moved with the rest, as it is
+    half = (((1,), 0, False), ((2, 3), 16 * MiB, True), ((4,), 8192, False), ((5,), 16 * MiB, True))
+    assert cl.replay_load("host", events, [0] * 8, ops, {6: "weights"}, half, made)[0] == ev
 
     def load_peak(timeline):
         live, peak = {}, 0

@@ -691,6 +691,9 @@ def test_cap_rows_compare_the_need_less_the_workspaces_and_judge_it_by_the_targe
     assert ok["predicted_needed_mib"] == 4180.0 and ok["measured_least_cap_mib"] == 4192.0
     assert ok["error_pct"] == round(100 * (4180 - 4192) / 4192, 2) and ok["passed"]
     assert ok["trials"] == [{"cap_mib": 4192.0, "ran": True}, {"cap_mib": 4176.0, "ran": False}]
+    # the error is of the measured least cap (25% above 800 MiB; of the need's 1,000 MiB it would read 20%)
+    assert cap_row("bf16_true_lora", predicted_needed=1000 * MiB, workspaces=0, predicted_reserved=1100 * MiB,
+                   least=800 * MiB, uncapped={}, tried=[])["error_pct"] == 25.0
     off = cap_row("bf16_true_lora", predicted_needed=3004 * MiB, workspaces=ws, predicted_reserved=3174 * MiB,
                   least=3200 * MiB, uncapped={}, tried=[])
     assert off["error_pct"] < -TARGET_PCT and not off["passed"]

@@ -37,7 +37,7 @@ from workbench.studies.split.config import SplitConfig
 from workbench.studies.split.engine import SplitEngine
 from workbench.studies.split.figures import (host_table, idle_figure, operating_point_table, report_section,
                                               sensitivity_figure, tflops_figure, throughput_figure)
-from workbench.studies.split.layers import last_arriving, probe_k, split_layers
+from workbench.studies.split.layers import guessed_arrival_order, last_arriving, probe_k, split_layers
 from workbench.studies.split.perf_model import (GB, assumed, band_intervals, host_bandwidth, load_profiles, machine, model_shape, seed_verdict, simulate, validate,
     validation_points)
 from workbench.studies.split.preflight import MemoryHold
@@ -324,6 +324,32 @@ def test_deepspeed_cpu_adam_backend_close_to_adamw():
     eng.close()
 
 
+@pytest.mark.parametrize("backend", ["torch_fused", "torch_foreach", "torch_single", "deepspeed"])
+def test_adam_state_moved_between_backends_keeps_its_step(backend):
+    """A layer's Adam state moves when k changes, and is put back after an fp16 overflow or a clip: its step count
+    (the bias correction) and moments arrive as they left, and the next update counts from there."""
+    from workbench.studies.split.adam import ParamAdam
+
+    if backend_status(backend) != "ok":
+        pytest.skip(backend_status(backend))
+    state = {"step": 3, "exp_avg": torch.full((4,), 0.5), "exp_avg_sq": torch.full((4,), 2.0)}
+    adam = ParamAdam(torch.zeros(4), HP, backend)
+    adam.import_state(state)
+    moved = adam.export_state()
+    assert moved["step"] == 3 and torch.equal(moved["exp_avg"], state["exp_avg"]) and \
+        torch.equal(moved["exp_avg_sq"], state["exp_avg_sq"])
+    adam.master.grad = torch.ones(4)
+    adam.step()
+    assert adam.export_state()["step"] == 4
+    plain = torch.optim.AdamW([p := torch.nn.Parameter(torch.zeros(4))], lr=HP.lr, betas=HP.betas, eps=HP.eps,
+                              weight_decay=HP.weight_decay)
+    plain.state[p] = {"step": torch.tensor(3.0), "exp_avg": state["exp_avg"].clone(),
+                      "exp_avg_sq": state["exp_avg_sq"].clone()}
+    p.grad = torch.ones(4)
+    plain.step()  # the same update from the same state: the bias correction of step 4
+    torch.testing.assert_close(adam.master, p.detach(), rtol=0, atol=HP.lr * 1e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: pinned buffers, copy streams")
 def test_cuda_engine_matches_adamw_in_fp32():
     base, data = tiny_qwen(), batches(512)
@@ -345,6 +371,8 @@ def test_tied_layer_arrives_last_and_is_listed_once():
     eng.step(batches(100, 1)[0])
     eng.finish()
     assert eng.order_measured and eng.order[-1] == "transformer.wte"
+    # the order guessed before a backward is measured (the first iteration's, the modelled runs'): the measured one
+    assert guessed_arrival_order(layers) == eng.order
     eng.close()
 
 
@@ -362,6 +390,7 @@ def test_k_formula_without_transfers_is_the_seeds():
     r = Rates(t_backward_s=1.0, t_update_host_s=2.0, alpha=0.1)
     assert balance_k(r, include_transfer=False) == pytest.approx((2.0 - 1.0) / (1.1 * 2.0))
     assert balance_k(Rates(3.0, 2.0, 0.1)) == 0.0  # backward longer than host work: host does all
+    assert balance_k(Rates(1.0, 0.5, 0.0)) == 0.0  # a tie (backward bounds both ends): the host, no memory on the card
     assert balance_k(Rates(0.0, 2.0, 0.1)) == pytest.approx(1 / 1.1)
     # copies in turn with the update (one CPU worker) slow the host side: the accelerator takes more
     serial = Rates(1.0, 2.0, 0.1, t_to_host_s=0.5, t_to_accel_s=0.5, copies_overlap=False)
@@ -436,6 +465,8 @@ def test_a_probe_moves_k_far_enough_for_a_fit():
     # one layer holds everything past the share in use: the probe takes it (half of it must fit under k)
     far = probe_k(["a", "b"], {"a": 90, "b": 10}, 0.1, 0.25, 0.2)
     assert far == pytest.approx(0.55) and last_arriving(["a", "b"], {"a": 90, "b": 10}, far)[1] == 1.0
+    # at a share of exactly one step it goes down, to none on the accelerator (less there: no more memory)
+    assert probe_k(["a", "b", "c", "d"], dict.fromkeys("abcd", 25), 0.25, 0.25, 0.2) == 0.0
 
 
 def test_adaptive_engine_keeps_its_start_k_until_a_backward_after_warm_up_is_measured(monkeypatch):
@@ -845,6 +876,17 @@ def test_more_eval_blocks_than_held_out_text_is_said(tiny_base):
         warnings.simplefilter("error")  # exactly as many as there are: no warning
         _, same = text_batches(SplitConfig.from_dict({**TINY, "eval_blocks": len(held)}), tok)
     assert torch.equal(same, held) and len(held) < 100_000
+    # the training batches: `steps` batches of `micro_batch` consecutive blocks from a seeded start, the same each
+    # call, none shared between batches (each run trains on steps x micro_batch blocks of text)
+    from workbench.core.data import corpus_blocks
+    from workbench.core.models import corpus_for
+
+    cfg = SplitConfig.from_dict(TINY)
+    batches, _ = text_batches(cfg, tok)
+    train, _ = corpus_blocks(tok, corpus_for(cfg.model, cfg.corpus, cfg.spec()), cfg.seq_len, cfg.eval_blocks)
+    start = next(i for i in range(len(train)) if torch.equal(train[i], batches[0][0]))
+    assert torch.equal(torch.cat(batches), train[(start + torch.arange(4 * 2)) % len(train)])
+    assert all(torch.equal(a, b) for a, b in zip(batches, text_batches(cfg, tok)[0]))
 
 
 @pytest.mark.parametrize("bad", [

@@ -205,3 +205,27 @@ def test_a_steps_window_starts_at_what_the_card_holds_when_the_step_begins():
         del small
     assert first["mem_mib"] == second["mem_mib"] == 8 and third["mem_mib"] == 2
     assert first["modelled_reserved_mib"] == second["modelled_reserved_mib"] == third["modelled_reserved_mib"] >= 8
+
+
+def test_a_played_cards_need_is_the_least_cap_its_step_runs_under_not_its_reserved_peak(monkeypatch):
+    """A played card's pre-flight holds a run to the least reserved cap its replayed step runs under: the allocator
+    gives back a wholly free cached segment before it runs out. Held to the reserved peak (a card with room), a run
+    that fits the budget would be skipped. The step here: 30 MiB freed, then 40 MiB."""
+    import types
+
+    from workbench.core.memory import played
+
+    events = [(1, 30 * MiB), (2, 512), (1, -1), (3, 40 * MiB)]
+    given = {}
+
+    def simulate(config, plan, **kw):
+        given.update(kw)
+        return types.SimpleNamespace(timeline=events, timeline_roles={}, timeline_steps=[0] * 4, steps=kw["steps"])
+
+    monkeypatch.setattr(played, "simulate", simulate)
+    allocated, needed = played.played_card_peaks("unused", "plan", batch=1, seq=8, n_blocks=1, steps=5)
+    assert allocated == 40 * MiB + 512 and needed == 2 * MiB + 40 * MiB  # not 72 MiB: the 30 MiB segment given back
+    assert needed < allocator.replay(events, {}).reserved_peak_bytes
+    assert given["steps"] == 3 and given["instrumented"] and given["timeline"]  # as the budget's count runs it
+    played.played_card_peaks("unused", "plan", batch=1, seq=8, n_blocks=1, steps=2)
+    assert given["steps"] == 2
