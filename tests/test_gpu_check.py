@@ -995,9 +995,11 @@ def test_the_monitor_workload_is_lengthened_to_last_long_enough_to_time(monkeypa
     assert gp.workload_lasting("cpu", 15, 0)[1] == 15
 
 
-def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monkeypatch):
+@pytest.mark.parametrize("released", [True, False])
+def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monkeypatch, released):
     """check_cap's CUDA layer, played on the CPU: torch.cuda's calls and the rung's run are stand-ins
-    (a run trains when the cap above what is held covers what the rung needs)."""
+    (a run trains when the cap above what is held covers what the rung needs). `released`: whether this
+    torch can give back the cuBLAS workspaces before each run."""
     import types
 
     from torch.cuda._utils import _get_device_index
@@ -1022,13 +1024,19 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
         state.update(held=100 * MiB, room=60 * MiB)  # every run makes the workspaces again
         if cap is not None and cap + room < need[name]:
             return {"status": "oom", "reason": "CUDA out of memory"}
-        return {"status": "ok", "cuda_max_allocated_bytes": held + need[name] - 50 * MiB,
-                "cuda_max_reserved_bytes": held + need[name] + 300 * MiB}
+        # held, the step allocates up to 10 MiB less than it needs above what is allocated: its lower bound (the
+        # allocated peak above what is reserved) is 70 MiB below its need, not 10 (above what is allocated)
+        peak = held + need[name] - 50 * MiB if released else held - room + need[name] - 10 * MiB
+        return {"status": "ok", "cuda_max_allocated_bytes": peak, "cuda_max_reserved_bytes": held + need[name] + 300 * MiB}
 
-    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", release, raising=False)
+    if released:
+        monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", release, raising=False)
+    else:
+        monkeypatch.delattr(torch._C, "_cuda_clearCublasWorkspaces", raising=False)
     for attr, fn in dict(
             get_device_properties=lambda d: types.SimpleNamespace(name="NVIDIA H200", total_memory=total, major=9, minor=0),
-            memory_reserved=lambda d: state["held"], memory_allocated=lambda d: state["held"] - 10 * MiB,
+            memory_reserved=lambda d: state["held"],  # (held: the segment's 60 MiB free are not allocated)
+            memory_allocated=lambda d: state["held"] - (10 * MiB if released else state["room"]),
             empty_cache=lambda: None, synchronize=lambda d=None: None,
             # torch's own check: it raises ValueError for a device without an index ("cuda")
             set_per_process_memory_fraction=lambda f, d: fractions.append(f) if _get_device_index(d) == 0 else None,
@@ -1045,6 +1053,10 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     assert set(rows) == set(gpu_cap.CAP_RUNGS) and all(r["status"] == "ok" for r in rows.values()), result
     for name, r in rows.items():
         least = r["measured_least_cap_mib"] * MiB
+        if not released:  # each trial draws on the 60 MiB the held segment has free: the bisection reaches there
+            assert least >= need[name] - 60 * MiB > least - gpu_cap.STEP and not r["workspaces_released"]
+            assert r["held_reserved_mib"] == 100
+            continue
         # what the step needs, found above what the process held once the workspaces were released:
         # not 60 MiB less, which a trial drawing on the held segment's free room would have found
         assert least >= need[name] > least - gpu_cap.STEP
@@ -1056,6 +1068,8 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
         assert r["predicted_needed_mib"] == round(p.needed_reserved_bytes / MiB, 1)
     # a warm-up and an uncapped run per rung, then capped trials; every cap lifted after its trial
     assert [c for n, c in runs if n == "zero_offload"][:2] == [None, None]
+    if not released:
+        return
     # a notebook's own cap (torchtune's way of playing a smaller card) is what each trial gives back
     assert fractions and fractions[-1] == before and all(f == before for f in fractions[1::2])
     assert "### Reserved needed" in result["report"]

@@ -162,6 +162,9 @@ def test_a_device_this_machine_lacks_is_a_message_and_the_last_run_stays(monkeyp
     panel.controls["host_share"].value = "0.8"
     panel.button.click()
     assert len(seen) == 2 and seen[1].host_share == 0.8
+    panel.controls["host_share"].value = " None "  # as a config prints it: none again
+    panel.button.click()
+    assert len(seen) == 3 and seen[2].host_share is None
 
 
 def test_no_knob_runs_code_a_dashboard_viewer_chooses():
