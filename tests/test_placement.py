@@ -79,6 +79,10 @@ def test_device_map_places_the_weights_where_accelerate_does_and_loses_no_bytes(
     host_params = [p for p in meta.parameters() if not any(p is q for q in card_params)]
     assert dev["optimizer_state"] == 2 * _bytes(card_params) + 4 * len(card_params)
     assert host["optimizer_state"] == 2 * _bytes(host_params) + 4 * len(host_params)
+    # torch's AdamW without fused (adamw_torch) keeps every step counter on the host, the card's parameters' too
+    loop = simulate_placed(llama, plan.compose("loop", "", optimizer="adamw_torch"), batch=BATCH, seq=SEQ)
+    assert loop.device.breakdown()["optimizer_state"] == 2 * _bytes(card_params)
+    assert loop.host.breakdown()["optimizer_state"] == 2 * _bytes(host_params) + 4 * len(card_params + host_params)
     # all bytes together: the plain step's, plus only the copies across (hidden states, not weights)
     plain = simulate(llama, RUNGS["bf16_ckpt"], batch=BATCH, seq=SEQ).steady_peak_bytes
     hidden = BATCH * SEQ * llama.hidden_size * 4

@@ -91,7 +91,7 @@ from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, n
 from workbench.front.notebooks import STUDIES, failure, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
 from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, load_grid,
-                                          plan, points_from_options, read_status, resolve_notebook, set_aside,
+                                          plan, points_from_options, read_status, resolve_notebook, set_aside, study_of,
                                           write_tables)
 
 SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
@@ -373,7 +373,7 @@ def main(args) -> int:
     points = combine(load_grid(args.grid) if args.grid else None,
                      points_from_options([*args.assignments, *args.param]))
     if args.quick:
-        if (study := STUDIES.get(resolve_notebook(args.notebook).stem)) is None:
+        if (study := study_of(resolve_notebook(args.notebook))) is None:
             raise ConfigError(f"--quick starts from a study notebook's tiny settings; {args.notebook} is not one "
                               f"({', '.join(STUDIES)})")
         points = [study.quick_under(point) for point in points]

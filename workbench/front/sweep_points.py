@@ -169,7 +169,7 @@ def resolve_notebook(notebook: str | Path) -> Path:
         raise ConfigError(f"no notebook {str(notebook)!r}: not a file, and {e.args[0]}") from None
 
 
-def _study(path: Path):
+def study_of(path: Path):
     return STUDIES.get(path.stem)
 
 
@@ -178,7 +178,7 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
     import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
 
     path = resolve_notebook(notebook)
-    study = _study(path)
+    study = study_of(path)
     known = None
     if study is None:
         try:

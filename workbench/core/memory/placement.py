@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from workbench.core.memory.accounting import EMPTY_CACHE, MemoryAccounting, MemoryReport, PeakSnapshot
 from workbench.core.memory.live_bytes import _storages
+from workbench.core.memory.plan import host_step_counters
 
 DEVICE, HOST = "device", "host"
 PLACES = (DEVICE, HOST)
@@ -170,14 +171,13 @@ class PlacedAccounting(MemoryAccounting):
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         super()._after_step(optimizer, args, kwargs)
-        # State lives with its parameter; the step counter of the foreach and single-tensor loops
-        # is a CPU scalar (torch/optim/adamw.py), the fused kernel's is on the parameter's device.
+        # State lives with its parameter, but for the step counter of the foreach and single-tensor loops
+        # (a CPU scalar: plan.host_step_counters); the fused kernel's is on the parameter's device.
+        counters = {id(t) for t in host_step_counters(optimizer)}
         for p, state in optimizer.state.items():
-            group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
-            on_host = not (group.get("fused") or group.get("capturable"))
-            for k, t in state.items():
+            for t in state.values():
                 if isinstance(t, torch.Tensor):
-                    self.preset([t], HOST if k == "step" and on_host else (self.place_of(p) or self.exec_places[0]))
+                    self.preset([t], HOST if id(t) in counters else (self.place_of(p) or self.exec_places[0]))
 
     # -- reports ------------------------------------------------------------------------------
     def place_report(self, place: str, full: MemoryReport | None = None) -> MemoryReport:
