@@ -347,7 +347,10 @@ def run_split_study(cfg: SplitConfig, sinks: Iterable[Sink] = (), *, progress: b
             runs, steps, events = measured_runs(cfg, sinks, run_dir, progress)
             # The host Adam's share of the Adam-pattern bandwidth and one core's bandwidth, per core, measured on
             # one thread (the host model scales it to the named host's cores; on a shared machine a multi-threaded
-            # measurement mostly measures the other processes: 2 threads seen 50x slower under load, 1 unchanged)
+            # measurement mostly measures the other processes: 2 threads seen 50x slower under load, 1 unchanged).
+            # The modelled half after it runs on one thread too, as it did until ffa30aa (after which a CI run's
+            # study 3 notebook cell, under load, went 15 minutes without a word past its measured runs)
+            torch.set_num_threads(1)
             host = pm.measure_here()  # `split --published`'s own
         mod_rows, mod_events = modelled_runs(cfg, host)
         pub_rows, op = published_rows(host)
