@@ -4,11 +4,12 @@
     .venv/bin/python benchmarks/split_adaptive.py --device cuda --iterations 12   # on a card
 
 What it counts: tokens/s of `SplitEngine` on a small random Qwen2 (hidden 256, 6 layers, vocab
-4096; batch 4 x 128, fp32, the default torch fused AdamW on the host) at k = 0, k = 1 and adaptive
-(k = 0 at the start; from the fourth iteration on (index 3), when a backward after warm-up has
+4096; batch 4 x 128, fp32, the default torch fused AdamW on the host) at k = 0, k = 1, adaptive and
+"adaptive, stages" (the balance as it was until 2026-11-30: the host side taken from its stages'
+times, not measured whole as the union of their spans; balance.py) (each adaptive run: k = 0 at the start; from the fourth iteration on (index 3), when a backward after warm-up has
 been measured, recomputed from measured rates, waiting after each move for a row at the new k). Each run takes
 `--iterations` steps; the first `--warmup` are left out. The runs go in alternating order, one
-round forward and the next reversed (k0, k1, adaptive | adaptive, k1, k0 | ...), so that a drift
+round forward and the next reversed (k0, k1, adaptive, stages | stages, adaptive, k1, k0 | ...), so that a drift
 of load from other processes hits every run alike; each figure is the median over the rounds.
 It prints, per run, tokens/s and backward time, and for the adaptive run the k it settled on (its
 last iteration's k), its tokens/s relative to the faster fixed k, backward's slowdown with every
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -47,14 +49,26 @@ from workbench.studies.split.engine import SplitEngine  # noqa: E402
 from workbench.studies.split.gpu_check import settled  # noqa: E402
 
 NAME = "split_adaptive"
-VERSION = 1
+VERSION = 2  # 2: beside the adaptive run, the same with the host side from its stages (the balance until 2026-11-30)
 SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
-RUNS = {"k=0": dict(k=0.0), "k=1": dict(k=1.0), "adaptive": dict(k=0.0, adaptive=True)}
 
 
-def one_run(base, batches, warmup: int, **kw) -> dict:
-    eng = SplitEngine(copy.deepcopy(base), hp=AdamHP(lr=1e-4), **kw)
+class StagesEngine(SplitEngine):
+    """The balance as it was until 2026-11-30: the host side from its stages' sums (the slowest of
+    the three where copies run beside the host Adam, all three added on the CPU), not measured whole."""
+
+    def current_rates(self):
+        return dataclasses.replace(super().current_rates(), t_host_busy_s=None)
+
+
+RUNS = {"k=0": dict(k=0.0), "k=1": dict(k=1.0), "adaptive": dict(k=0.0, adaptive=True),
+        "adaptive, stages": dict(k=0.0, adaptive=True, engine=StagesEngine)}
+ADAPTIVE = ("adaptive", "adaptive, stages")
+
+
+def one_run(base, batches, warmup: int, engine=None, **kw) -> dict:
+    eng = (engine or SplitEngine)(copy.deepcopy(base), hp=AdamHP(lr=1e-4), **kw)
     try:
         for b in batches:
             eng.step(b)
@@ -97,18 +111,20 @@ def main() -> int:
         for name in order:
             got[name].append(one_run(base, batches, args.warmup, **RUNS[name]))
             r = got[name][-1]
-            print(f"  round {rnd + 1} {name:<9} {r['tokens_per_s']:>9,.0f} tokens/s  backward {r['backward_ms']:>7.1f} ms"
+            print(f"  round {rnd + 1} {name:<16} {r['tokens_per_s']:>9,.0f} tokens/s  backward {r['backward_ms']:>7.1f} ms"
                   + (f"  k settled at {r['k_last']:.2f} ({r['probes']} probe(s)); backward's slowdown "
                      f"{r['interference_ms']:.1f} ms; after its last move "
                      + (f"(iteration {r['settled_from']} on) {r['settled_tokens_per_s']:,.0f} tokens/s"
-                        if r["settled_tokens_per_s"] else "(not settled)") if name == "adaptive" else ""))
+                        if r["settled_tokens_per_s"] else "(not settled)") if name in ADAPTIVE else ""))
     med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in got.items()}
     best_fixed = max(("k=0", "k=1"), key=med.get)
     ratio = med["adaptive"] / med[best_fixed]
     k_last = [r["k_last"] for r in got["adaptive"]]
     print("  median tokens/s: " + ", ".join(f"{n} {v:,.0f}" for n, v in med.items())
           + f"; adaptive settled at k = {', '.join(f'{k:.2f}' for k in k_last)}; "
-          f"{ratio:.3f}x the faster fixed k ({best_fixed}); load average {os.getloadavg()[0]:.2f}")
+          f"{ratio:.3f}x the faster fixed k ({best_fixed}); with the host side from its stages, settled at k = "
+          + ", ".join(f"{r['k_last']:.2f}" for r in got["adaptive, stages"])
+          + f", {med['adaptive, stages'] / med[best_fixed]:.3f}x; load average {os.getloadavg()[0]:.2f}")
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio,
                           "unit": "ratio (adaptive tokens/s over the faster of k=0 and k=1)",
                           "detail": f"rounds={args.rounds} iterations={args.iterations} warmup={args.warmup} "

@@ -628,8 +628,13 @@ def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monke
     env = {"gpu": "Fake H0", "gpu_total_mib": 1.0}
     summary = gr.summarize({"environment": {"status": "pass"}, "ladder": out}, env, 1.0)
     assert summary["status"] == "incomplete"
-    assert "- ladder: fail (the time budget (--time-budget) was spent before parts of it began)" in \
-        gr.report_markdown(summary)
+    assert ("- ladder: incomplete (the time budget (--time-budget) was spent before parts of it began or while "
+            "they ran; what ran passed)") in gr.report_markdown(summary)
+    # and the shell's line says so too (2026-11-30's card printed "notebooks: fail" for a notebook the budget cut)
+    said = []
+    cut = {"environment": found["environment"], "ladder": lambda o: out}
+    assert gc.run_checks(gc.Options(out=tmp_path), cut, say=said.append)["checks"]["ladder"] == "fail"
+    assert any(line.startswith("gpu-check ladder: incomplete (the time budget") for line in said), said
     # one rung off the mark beside it is a failure
     off = {**out, "failures": out["failures"] + ["bf16: prediction off by +40.0% of allocated"]}
     assert gr.summarize({"environment": {"status": "pass"}, "ladder": off}, env, 1.0)["status"] == "fail"

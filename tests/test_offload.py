@@ -422,6 +422,53 @@ def test_backward_slowed_by_the_host_moves_k_to_the_accelerator():
     assert balance_k(Rates(0.5, 2.0, 0.1, t_interference_s=0.0)) == pytest.approx(1.5 / 2.2)
 
 
+def test_the_host_side_measured_whole_is_t_host_where_its_stages_did_not_overlap():
+    """The H200's case (2026-11-30, the 32M-parameter model in fp32): each host stage alone about as
+    long as backward, so max(t_U, t_D, t_W) said the host keeps up (k = 0), while at k = 0 the host's
+    stages, one after another, took about twice backward and k = 1 ran 2.7x as fast. The host side
+    measured whole (its busy time) moves k to the accelerator."""
+    assert engine_mod.busy_ms([(20.0, 25.0), (0.0, 10.0), (5.0, 12.0), (21.0, 22.0)]) == 17.0  # overlaps once
+    assert engine_mod.busy_ms([]) == 0.0
+    assumed = Rates(0.048, 0.040, 0.2, t_to_host_s=0.044, t_to_accel_s=0.041)
+    assert assumed.host_side_s() == 0.044 and balance_k(assumed) == 0.0
+    measured = dataclasses.replace(assumed, t_host_busy_s=0.100)
+    assert measured.host_side_s() == 0.100 and measured.host_side_s(include_transfer=False) == 0.040
+    k = balance_k(measured)
+    assert k == pytest.approx((0.100 - 0.048) / (0.100 + 0.2 * 0.040))  # where the two sides cross
+    with pytest.raises(ValueError, match="finite"):
+        balance_k(dataclasses.replace(assumed, t_host_busy_s=float("nan")))
+
+
+def test_the_engine_measures_the_host_side_whole_from_its_own_spans():
+    """Each row's host_busy_ms is the union of the host's spans in that iteration: at least the busiest
+    lane's (each lane is one thread here), at most all lanes added; the balance's T_host is it per
+    parameter, scaled to all of them. With no host share (k = 1) nothing is measured."""
+    eng, _ = run_engine(tiny_qwen(), batches(512, 4), k=0.5)
+    rows = [r for r in eng.rows if r["host_params"]]
+    assert rows
+    for r in rows:
+        lanes = (r["to_host_ms"], r["host_update_ms"], r["to_accel_ms"])
+        assert max(lanes) <= r["host_busy_ms"] + 1e-6 and r["host_busy_ms"] <= sum(lanes) + 1e-6
+        # the timeline's host spans of that iteration, every lane, overlaps once
+        spans = sorted((e["start_ms"], e["end_ms"]) for e in eng.events
+                       if e["iteration"] == r["iteration"] and e["lane"] != "accelerator")
+        union, end = 0.0, float("-inf")
+        for a, b in spans:
+            union, end = (union + b - max(a, end), b) if b > end else (union, end)
+        assert r["host_busy_ms"] == pytest.approx(union, abs=1e-6) and spans
+    per = None  # blended row by row as the engine learns its rates: the first as it is, then halfway
+    for r in rows:
+        v = r["host_busy_ms"] / 1e3 / r["host_params"]
+        per = v if per is None else 0.5 * per + 0.5 * v
+    rates = eng.current_rates()
+    assert rates.t_host_busy_s == pytest.approx(per * eng.total_numel, rel=1e-9)
+    assert rates.host_side_s() == rates.t_host_busy_s == pytest.approx(eng.rows[-1]["t_host_side_s"])
+    eng.close()
+    eng, _ = run_engine(tiny_qwen(), batches(512, 3), k=1.0)
+    assert eng.current_rates().t_host_busy_s is None and "host_busy_s_per_elem" not in eng.rates
+    eng.close()
+
+
 def test_backward_fit_recovers_the_slowdown_from_measured_k():
     obs = [(0.0, 0.095), (0.5, 0.060), (1.0, 0.025), (0.25, 0.0775)]
     t_b, i = backward_fit(obs)
@@ -2174,9 +2221,12 @@ def test_split_adaptive_benchmark_runs_and_writes_its_row(results_dir):
     import json
 
     rounds = json.loads(row["rounds_json"])
-    assert set(rounds) == {"k=0", "k=1", "adaptive"} and all(len(v) == 1 for v in rounds.values())
-    adaptive = rounds["adaptive"][0]
-    assert f"backward {adaptive['backward_ms']:>7.1f} ms" in out.stdout and adaptive["probes"] >= 0
+    assert set(rounds) == {"k=0", "k=1", "adaptive", "adaptive, stages"} and all(len(v) == 1 for v in rounds.values())
+    for name in ("adaptive", "adaptive, stages"):  # the balance now, and with the host side from its stages' times
+        adaptive = rounds[name][0]
+        assert f"{name:<16} " in out.stdout and adaptive["probes"] >= 0
+        assert f"backward {adaptive['backward_ms']:>7.1f} ms  k settled at {adaptive['k_last']:.2f}" in out.stdout
+    assert "with the host side from its stages, settled at k = " in out.stdout
     bad = subprocess.run([sys.executable, "benchmarks/split_adaptive.py", "--iterations", "2", "--warmup", "2"],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--iterations must exceed --warmup" in bad.stderr
@@ -2223,6 +2273,16 @@ def test_split_adaptive_counts_the_runs_probes_from_its_rows(monkeypatch):
     monkeypatch.setattr(bench, "settled", lambda rows, warmup: {"settled_tokens_per_s": 1.0, "settled_from": warmup})
     got = bench.one_run(types.SimpleNamespace(), range(len(marks)), 2, k=0.0, adaptive=True)
     assert got["probes"] == 3 and got["tokens_per_s"] == 100 / 0.01 and got["k_last"] == 0.5
+    # "adaptive, stages": the engine it names is the one that runs, and its balance has no measured host side
+    assert bench.RUNS["adaptive, stages"]["engine"] is bench.StagesEngine
+    monkeypatch.undo()
+    eng = bench.StagesEngine(tiny_qwen(), hp=HP, k=0.5)
+    for b in batches(512, 3):
+        eng.step(b)
+    eng.finish()
+    assert "host_busy_s_per_elem" in eng.rates and eng.current_rates().t_host_busy_s is None
+    assert eng.rows[-1]["t_host_side_s"] == pytest.approx(eng.current_rates().host_side_s())
+    eng.close()
 
 
 def test_split_moved_k_benchmark_runs_and_writes_its_row(results_dir):

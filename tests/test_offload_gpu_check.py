@@ -181,6 +181,10 @@ def test_run_row_on_a_real_cpu_engine_run():
     eng.close()
     assert r["tokens_per_s"] > 0 and r["d2h_gb_per_s"] > 0 and r["h2d_gb_per_s"] > 0 and r["alpha"] > 0
     assert r["pinned_bytes"] == 0 and r["staging_bytes"] > 0 and r["timeline_problems"] == []
+    # the balance's inputs, iteration by iteration, as the engine's rows had them (ms)
+    assert [p["host_busy_ms"] for p in r["balance_path"]] == [round(x["host_busy_ms"], 3) for x in eng.rows]
+    assert r["host_busy_ms"] > 0 and r["balance_path"][-1]["t_host_side_ms"] == round(
+        eng.rows[-1]["t_host_side_s"] * 1e3, 3)
     v = sg.split_verdict([], [r], [], LIMIT)
     assert v["status"] == "pass", v["failures"]
 
@@ -214,6 +218,7 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     assert "### Study 3 split engine on the card: pass" in r["report"]
     adaptive = next(x for x in r["runs"] if x["run"] == "adaptive")
     assert len(adaptive["k_path"]) == 5 and "- adaptive: k by iteration" in r["report"]
+    assert [p["k"] for p in adaptive["balance_path"]] == adaptive["k_path"] and "| host_busy_ms |" in r["report"]
     assert "settled_k" in adaptive and all(len(x["k_path"]) == 3 for x in r["runs"] if x["run"] != "adaptive")
 
 

@@ -55,7 +55,7 @@ from workbench.core.results import check_folder, environment, results_root, resu
 from workbench.core.training import TrainSettings, train
 from workbench.front import gpu_programs
 from workbench.front.gpu_report import (TIME_SPENT, gpu_rungs, ladder_verdict, rung_row, study1_verdict, summarize,
-                                         write_results)
+                                         status_words, write_results)
 from workbench.studies.ladder import gpu_autofit, gpu_cap
 from workbench.studies.ladder.autofit import prediction_margin
 from workbench.studies.ladder.config import LadderConfig
@@ -160,7 +160,7 @@ def run_checks(opts: Options, found: dict[str, Callable[[Options], dict[str, Any
         finally:  # a SIGTERM in this second too: the finished check's result is written before the run ends
             results[name]["seconds"] = time.perf_counter() - t
             summary = write()
-        say(f"gpu-check {name}: {results[name].get('status')} ({results[name]['seconds']:.0f} s)")
+        say(f"gpu-check {name}: {status_words(results[name].get('status'), results[name])} ({results[name]['seconds']:.0f} s)")
     return summary
 
 

@@ -212,6 +212,14 @@ def short_of_time(result: dict[str, Any]) -> bool:
         and all(OUT_OF_TIME in f for f in failures))
 
 
+def status_words(status: str, result: dict[str, Any]) -> str:
+    """A check's status as the report and the shell say it: a check failed only by parts the time
+    budget cut off or kept from beginning is incomplete (nothing it measured failed)."""
+    if status == "fail" and short_of_time(result):
+        return f"incomplete ({OUT_OF_TIME} before parts of it began or while they ran; what ran passed)"
+    return status + (f" ({UNFINISHED[status]})" if status in UNFINISHED else "")
+
+
 def summarize(results: dict[str, dict[str, Any]], env: dict[str, Any], seconds: float) -> dict[str, Any]:
     """The summary.json: every check's result and the overall status: incomplete while a check is
     pending or running; fail when a check failed; incomplete when the time budget kept parts from
@@ -242,9 +250,7 @@ def report_markdown(summary: dict[str, Any]) -> str:
              f"Card: {env.get('gpu', '?')} ({env.get('gpu_total_mib', 0):.0f} MiB), torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, {summary['seconds']:.0f} s"
              + ("" if summary["within_time_limit"] else f" (over the {TIME_LIMIT_S} s limit)") + ".", ""]
-    lines += [f"- {name}: {status}" + (f" ({UNFINISHED[status]})" if status in UNFINISHED else
-                                       f" ({OUT_OF_TIME} before parts of it began)" if status == "fail"
-                                       and short_of_time(summary["results"].get(name, {})) else "")
+    lines += [f"- {name}: {status_words(status, summary['results'].get(name, {}))}"
               for name, status in summary["checks"].items()]
     ladder = summary["results"].get("ladder", {})
     if ladder.get("rows"):

@@ -15,6 +15,15 @@ stages sets the pace, T_host = max(t_U, t_D, t_W); when one thread copies and up
 (the CPU-only engine), they add up, T_host = t_U + t_D + t_W. The performance model's per-layer
 simulation (perf_model.simulate) checks the formula against a schedule.
 
+The engine does not assume either: it measures T_host whole (`t_host_busy_s`), as how long at least
+one of the host's stages was at work in an iteration (overlaps counted once, waits for gradients
+not at all), per parameter the host updated. On an H200 (2026-11-30, the 32M-parameter model in
+fp32) max(t_U, t_D, t_W) said the host about kept up with backward (the k = 0 run's balance asked
+for k = 0.07), yet at k = 0 the host still had 55% of its share to do when backward ended and an
+iteration took 2.7x as long as at k = 1: the stages had not overlapped as assumed (one cause the code
+shows: the host worker stages each layer's weights for the copy back itself, after its Adam). The
+adaptive run settled at k = 0, 16,877 tokens/s, where k = 1 ran 44,209.
+
 Interference: the formula takes t_B as fixed, whatever k. Measured, it is not: with every update
 on the host, backward took 3.8x as long on an H200 (2026-11-22, a 32M-parameter model: 95 ms at
 k=0, 25 ms at k=1) and 1.6x as long on the CPU twin (two cores): the host's Adam, copies and
@@ -47,6 +56,9 @@ class Rates:
     t_to_accel_s: float = 0.0  # all weights back to the accelerator (t_W)
     copies_overlap: bool = True  # copies run beside the host Adam (CUDA) or in turn with it
     t_interference_s: float = 0.0  # backward's extra time with every parameter updated beside it (I)
+    # the host side measured whole: how long its stages were at work, overlaps counted once (engine rows'
+    # host_busy_ms); where given, it is T_host, and the stages' sums only say where the time went
+    t_host_busy_s: float | None = None
 
     @property
     def t_transfer_s(self) -> float:
@@ -56,6 +68,8 @@ class Rates:
         """T_host: the host side's time for all parameters."""
         if not include_transfer:
             return self.t_update_host_s
+        if self.t_host_busy_s is not None:
+            return self.t_host_busy_s
         if self.copies_overlap:
             return max(self.t_update_host_s, self.t_to_host_s, self.t_to_accel_s)
         return self.t_update_host_s + self.t_transfer_s
@@ -64,7 +78,8 @@ class Rates:
 
 def balance_k(r: Rates, include_transfer: bool = True) -> float:
     """The share of parameters to update on the accelerator (0: host only, 1: all)."""
-    times = (r.t_backward_s, r.t_update_host_s, r.alpha, r.t_to_host_s, r.t_to_accel_s, r.t_interference_s)
+    times = (r.t_backward_s, r.t_update_host_s, r.alpha, r.t_to_host_s, r.t_to_accel_s, r.t_interference_s,
+             0.0 if r.t_host_busy_s is None else r.t_host_busy_s)
     if not all(math.isfinite(t) for t in times):  # NaN compares false: min/max would quietly give k = 0
         raise ValueError(f"balance_k needs finite rates, got {r}")
     t_h = r.host_side_s(include_transfer)

@@ -101,6 +101,16 @@ HOST, ACCEL = "host", "accelerator"
 ABORT_WAIT_S = 60.0
 
 
+def busy_ms(spans: list[tuple[float, float]]) -> float:
+    """How long at least one of the (start, end) spans was running: their union's length."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def first_decision(k_every: int) -> int:
     """The first iteration at which an adaptive engine can move k: the row of iteration 1 (the first
     backward after warm-up) is in when step 3 starts (rows lag step() by one call), and k is
@@ -691,6 +701,7 @@ class SplitEngine:
         # forward (less its waits), backward, verdict, update: not the bookkeeping between forward and backward
         busy = m["accel_update_end"] - t0 - it.wait_ms - (m["backward_start"] - m["forward_end"])
         host_end = max((e[3] for e in ev), default=bwd_end)
+        host_busy = busy_ms([(e[2], e[3]) for e in ev])
         row = {
             "iteration": it.index,
             "loss": it.loss,
@@ -716,6 +727,9 @@ class SplitEngine:
             "to_host_bytes": sum(e[5] for e in to_host),
             "to_accel_bytes": sum(e[5] for e in to_acc),
             "host_tail_ms": max(0.0, host_end - bwd_end),
+            # the host side's own time: how long at least one of its stages (copy in, Adam, copy out) was
+            # at work, overlaps counted once and waits for gradients not at all (the balance's T_host)
+            "host_busy_ms": host_busy,
             # the question the notebook plots: how much host update was done when backward ended
             "host_done_before_bwd_end_share": done_before / it.host_numel if it.host_numel else float("nan"),
             "accel_idle_share": max(0.0, 1.0 - busy / period) if period > 0 else float("nan"),
@@ -738,6 +752,7 @@ class SplitEngine:
                     # None until backward has been measured at two k (0 would read as "no slowdown")
                     "t_interference_s": rates.t_interference_s if self._fit else None,
                     "t_update_host_s": rates.t_update_host_s, "t_transfer_s": rates.t_transfer_s,
+                    "t_host_side_s": rates.host_side_s(self.include_transfer),
                     # the k the balance asks for on these rates; the next decision may hold k (a row at a
                     # new k is to come), probe instead, or not come (k_every; not adaptive)
                     "k_next": balance_k(rates, self.include_transfer)})
@@ -752,13 +767,14 @@ class SplitEngine:
 
         def blend(key, value):
             if value > 0 and value == value:
-                r[key] = 0.5 * r[key] + 0.5 * value
+                r[key] = 0.5 * r[key] + 0.5 * value if key in r else value
 
         # an fp16 step skipped for overflow ran no update: its near-zero update times are no rate (they had
         # lowered alpha from 0.94 to 0.66 in six such steps of a tiny Qwen2, pushing k towards 1)
         updated = not row.get("skipped_overflow")
         if row["host_params"] and updated:
             blend("host_s_per_elem", row["host_update_ms"] / 1e3 / row["host_params"])
+            blend("host_busy_s_per_elem", row["host_busy_ms"] / 1e3 / row["host_params"])
         if row["to_host_bytes"]:
             blend("d2h_s_per_byte", row["to_host_ms"] / 1e3 / row["to_host_bytes"])
         if row["to_accel_bytes"]:
@@ -788,6 +804,8 @@ class SplitEngine:
             t_to_accel_s=r["h2d_s_per_byte"] * b * n,
             copies_overlap=self.cuda,  # on the CPU one worker copies and updates in turn
             t_interference_s=interference,
+            # measured once the host has updated a share: how its stages overlapped, not assumed
+            t_host_busy_s=r["host_busy_s_per_elem"] * n if "host_busy_s_per_elem" in r else None,
         )
 
     def _timeline(self, it: _Iter, m: dict, ev: list) -> None:

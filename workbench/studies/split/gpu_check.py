@@ -75,6 +75,15 @@ def timeline_problems(events: list[dict], tol_ms: float = 0.05) -> list[str]:
             f"before it starts" for e in events if e["end_ms"] < e["start_ms"] - tol_ms]
 
 
+# balance_path's columns: (key, engine row field, scale to ms)
+BALANCE_PATH = (("k", "k_actual", 1), ("iteration_ms", "iteration_ms", 1), ("backward_ms", "backward_ms", 1),
+                ("host_busy_ms", "host_busy_ms", 1), ("host_update_ms", "host_update_ms", 1),
+                ("to_host_ms", "to_host_ms", 1), ("to_accel_ms", "to_accel_ms", 1),
+                ("accel_update_ms", "accel_update_ms", 1), ("t_backward_ms", "t_backward_s", 1e3),
+                ("t_interference_ms", "t_interference_s", 1e3), ("t_update_host_ms", "t_update_host_s", 1e3),
+                ("t_host_side_ms", "t_host_side_s", 1e3), ("alpha", "alpha", 1), ("k_next", "k_next", 1))
+
+
 def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMUP, **extra) -> dict[str, Any]:
     """One engine run: means over the measured iterations (after warm-up), rates, overlap, pinned bytes."""
     keep = [r for r in rows if r["iteration"] >= warmup] or rows
@@ -88,6 +97,8 @@ def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMU
         "tokens_per_s": sum(r["tokens"] for r in keep) / (ms / 1e3) if ms > 0 else None,
         "iteration_ms": _mean([r["iteration_ms"] for r in keep]),
         "backward_ms": _mean([r["backward_ms"] for r in keep]),
+        # the host's stages at work, overlaps once (the balance's T_host for the share it had)
+        "host_busy_ms": _mean([r.get("host_busy_ms") for r in keep if r.get("host_params")]),
         "accel_idle_share": _mean([r["accel_idle_share"] for r in keep]),
         "host_done_before_bwd_end_share": _mean([r["host_done_before_bwd_end_share"] for r in keep]),
         "overlapped_iterations": len(overlapped_iterations(ev)),
@@ -97,6 +108,9 @@ def run_row(name: str, rows: list[dict], events: list[dict], warmup: int = WARMU
         # backward's measured slowdown with every update on the host (adaptive runs: fitted over k)
         "interference_ms": None if last.get("t_interference_s") is None else last["t_interference_s"] * 1e3,
         "k_path": [round(r["k_actual"], 3) for r in rows],  # every iteration's k, warm-up included
+        # what each iteration's balance saw (ms, warm-up included): why k went where it went
+        "balance_path": [{key: None if r.get(src) is None else round(r[src] * scale, 3)
+                          for key, src, scale in BALANCE_PATH} for r in rows],
         "d2h_gb_per_s": sum(r["to_host_bytes"] for r in keep) / (to_h_ms * 1e6) if to_h_ms > 0 else None,
         "h2d_gb_per_s": sum(r["to_accel_bytes"] for r in keep) / (to_a_ms * 1e6) if to_a_ms > 0 else None,
         "pinned_bytes": last.get("pinned_bytes"),
@@ -194,7 +208,7 @@ def split_markdown(result: dict[str, Any]) -> str:
               for p in result.get("parity", [])]
     lines += [f"- measured, not judged: {p['run']}: max |engine - AdamW| = {p['max_abs_diff']:.3g} ({p['worst_param']})"
               for p in result.get("kernel_differences", [])]
-    cols = ["run", "status", "k_actual", "tokens_per_s", "backward_ms", "accel_idle_share", "host_done_before_bwd_end_share",
+    cols = ["run", "status", "k_actual", "tokens_per_s", "backward_ms", "host_busy_ms", "accel_idle_share", "host_done_before_bwd_end_share",
             "overlapped_iterations", "alpha", "d2h_gb_per_s", "h2d_gb_per_s", "pinned_bytes"]
     rows = result.get("runs", []) + result.get("baselines", [])
     if rows:
