@@ -276,7 +276,7 @@ def measure_offloaded(plan: Plan, load: Callable[[], torch.nn.Module], blocks: t
                     loss = engine(input_ids=b, labels=b).loss
                     engine.backward(loss)
                     engine.step()
-                    total += float(loss) / settings.grad_accum
+                    total += float(loss.detach()) / settings.grad_accum  # no requires_grad warning (seen on a card)
                 dt = time.perf_counter() - t0
                 row = {**extra, "step": step + 1, "loss": total, "step_ms": dt * 1e3,
                        "tokens_per_s": settings.tokens_per_step(blocks.shape[1]) / dt,
