@@ -202,6 +202,8 @@ def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(
     ahead = gc.check_ladder(opts)
     assert (here["options"]["predicted"], ahead["options"]["predicted"]) == ("in this process",
                                                                               "ahead, on 2 Dask workers")
+    # how long the predictions made ahead took (the cluster's start included): the rest of the check is the card's
+    assert ahead["options"]["predicted_s"] > 0.5 > here["options"]["predicted_s"] >= 0
     assert here["rows"] == ahead["rows"] and not ahead["tracebacks"]
     assert [r["predicted_allocated_mib"] > 0 for r in ahead["rows"]] == [True, True]
     assert calls == [("measure", "bf16", False), ("measure", "zero_offload", False)]  # none predicted here

@@ -205,9 +205,9 @@ def check_ladder(opts: Options) -> dict[str, Any]:
                                        load="host", **({"workspaces": "fresh"} if fresh or name == names[0] else
                                                        {"workspaces": "held", "after": first})))
              for name in names}
-    # Predictions are CPU work, ~20 s a rung for Qwen2-0.5B on a CI core; the H200's ladder check took 315 s
-    # (2026-11-26), its rungs' steps 23 s: made side by side first where there are cores (its 16)
-    ahead, how = run_ahead(_prediction, items, desc="predictions")
+    # CPU work (~20 s a rung of Qwen2-0.5B on a CI core), made side by side first where there are cores (the H200's 16)
+    t, (ahead, how) = time.perf_counter(), run_ahead(_prediction, items, desc="predictions")
+    predicted_s = time.perf_counter() - t  # ahead (else ~0: one by one below); of the check's 213 s on 2026-11-30
     for name in names:
         if opts.out_of_time():
             rows.append(rung_row(name, {}, dict(NOT_RUN), {}))
@@ -244,7 +244,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     left = {"left_allocated_before_gc_bytes": before_gc,
             "left_allocated_after_gc_bytes": torch.cuda.memory_allocated(opts.device)}
     options = {"model": opts.model, "batch": opts.batch, "seq": opts.seq, "steps": opts.steps, "counted": opts.counted,
-               "predicted": how,
+               "predicted": how, "predicted_s": round(predicted_s, 1),
                "workspaces": "released before each rung" if fresh else "held from the first rung on"}
     return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, "options": options, **left}
 
