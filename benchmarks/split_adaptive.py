@@ -87,7 +87,7 @@ def one_run(base, batches, warmup: int, engine=None, **kw) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the three runs (order reversed every round)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the four runs (order reversed every round)")
     ap.add_argument("--iterations", type=int, default=10, help="steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out (the adaptive run's k settles there)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda")

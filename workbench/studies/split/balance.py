@@ -9,13 +9,13 @@ to the host (t_D for all parameters), the host Adam (t_U), weights back (t_W). B
     k = (T_host - t_B) / (T_host + alpha * t_U),   clipped to [0, 1]
 
 T_host is t_U in the seed's formula, k = (t_U - t_B) / ((1 + alpha) * t_U), which leaves the
-transfers out. With transfers, T_host depends on whether the copies run beside the host Adam:
-on CUDA they do (copy engines, side streams), layer after layer, so the slowest of the three
-stages sets the pace, T_host = max(t_U, t_D, t_W); when one thread copies and updates in turn
-(the CPU-only engine), they add up, T_host = t_U + t_D + t_W. The performance model's per-layer
-simulation (perf_model.simulate) checks the formula against a schedule.
+transfers out. With transfers, a stage model: where the copies run beside the host Adam (copy
+engines, side streams), layer after layer, the slowest of the three stages sets the pace, T_host =
+max(t_U, t_D, t_W); where they run in turn with it, they add up, T_host = t_U + t_D + t_W. The
+performance model (perf_model, the modelled GPUs) assumes the first, and its per-layer simulation
+(perf_model.simulate) checks the formula against a schedule.
 
-The engine does not assume either: it measures T_host whole (`t_host_busy_s`), as how long at least
+The engine assumes neither, once it has measured: it measures T_host whole (`t_host_busy_s`), as how long at least
 one of the host's stages was at work in an iteration (overlaps counted once, waits for gradients
 not at all), per parameter the host updated. On an H200 (2026-11-30, the 32M-parameter model in
 fp32) max(t_U, t_D, t_W) said the host about kept up with backward (the k = 0 run's balance asked

@@ -111,6 +111,14 @@ def busy_ms(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def kept_busy_ms(events: list[tuple]) -> float:
+    """The host side's time on the updates kept, from (lane, name, start, end, ..., redo) events: a
+    speculation the verdict undid (its update and its weights sent back) is not counted, as in
+    host_update_ms; the redo is, and so is the gradient's one copy in."""
+    redone = {e[1] for e in events if e[-1]}
+    return busy_ms([(e[2], e[3]) for e in events if e[-1] or e[0] == "to host" or e[1] not in redone])
+
+
 def first_decision(k_every: int) -> int:
     """The first iteration at which an adaptive engine can move k: the row of iteration 1 (the first
     backward after warm-up) is in when step 3 starts (rows lag step() by one call), and k is
@@ -701,7 +709,7 @@ class SplitEngine:
         # forward (less its waits), backward, verdict, update: not the bookkeeping between forward and backward
         busy = m["accel_update_end"] - t0 - it.wait_ms - (m["backward_start"] - m["forward_end"])
         host_end = max((e[3] for e in ev), default=bwd_end)
-        host_busy = busy_ms([(e[2], e[3]) for e in ev])
+        host_busy = kept_busy_ms([(*e, redo) for e, (*_, redo) in zip(ev, it.host_events)])
         row = {
             "iteration": it.index,
             "loss": it.loss,
@@ -774,7 +782,8 @@ class SplitEngine:
         updated = not row.get("skipped_overflow")
         if row["host_params"] and updated:
             blend("host_s_per_elem", row["host_update_ms"] / 1e3 / row["host_params"])
-            blend("host_busy_s_per_elem", row["host_busy_ms"] / 1e3 / row["host_params"])
+            if row["iteration"] > 0:  # the first iteration's host Adam also makes its state (no calibrated seed)
+                blend("host_busy_s_per_elem", row["host_busy_ms"] / 1e3 / row["host_params"])
         if row["to_host_bytes"]:
             blend("d2h_s_per_byte", row["to_host_ms"] / 1e3 / row["to_host_bytes"])
         if row["to_accel_bytes"]:
@@ -802,7 +811,7 @@ class SplitEngine:
             alpha=r["accel_s_per_elem"] / r["host_s_per_elem"],
             t_to_host_s=r["d2h_s_per_byte"] * b * n,
             t_to_accel_s=r["h2d_s_per_byte"] * b * n,
-            copies_overlap=self.cuda,  # on the CPU one worker copies and updates in turn
+            copies_overlap=self.cuda,  # the stage model's (used only until the host side is measured whole)
             t_interference_s=interference,
             # measured once the host has updated a share: how its stages overlapped, not assumed
             t_host_busy_s=r["host_busy_s_per_elem"] * n if "host_busy_s_per_elem" in r else None,

@@ -75,7 +75,7 @@ def timeline_problems(events: list[dict], tol_ms: float = 0.05) -> list[str]:
             f"before it starts" for e in events if e["end_ms"] < e["start_ms"] - tol_ms]
 
 
-# balance_path's columns: (key, engine row field, scale to ms)
+# balance_path's columns: (key, engine row field, scale: seconds to ms; k, alpha and k_next as they are)
 BALANCE_PATH = (("k", "k_actual", 1), ("iteration_ms", "iteration_ms", 1), ("backward_ms", "backward_ms", 1),
                 ("host_busy_ms", "host_busy_ms", 1), ("host_update_ms", "host_update_ms", 1),
                 ("to_host_ms", "to_host_ms", 1), ("to_accel_ms", "to_accel_ms", 1),
