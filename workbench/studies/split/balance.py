@@ -15,9 +15,10 @@ max(t_U, t_D, t_W); where they run in turn with it, they add up, T_host = t_U + 
 performance model (perf_model, the modelled GPUs) assumes the first, and its per-layer simulation
 (perf_model.simulate) checks the formula against a schedule.
 
-The engine assumes neither, once it has measured: it measures T_host whole (`t_host_busy_s`), as how long at least
-one of the host's stages was at work in an iteration (overlaps counted once, waits for gradients
-not at all), per parameter the host updated. On an H200 (2026-11-30, the 32M-parameter model in
+The engine assumes neither, once it has measured: it measures T_host whole (`t_host_busy_s`), as
+how long at least one of the host's stages was at work on the updates kept in an iteration
+(overlaps counted once, waits for gradients not at all; engine.kept_busy_ms), per parameter the
+host updated. On an H200 (2026-11-30, the 32M-parameter model in
 fp32) max(t_U, t_D, t_W) said the host about kept up with backward (the k = 0 run's balance asked
 for k = 0.07), yet at k = 0 the host still had 55% of its share to do when backward ended and an
 iteration took 2.7x as long as at k = 1: the stages had not overlapped as assumed (one cause the code
