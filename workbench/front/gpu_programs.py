@@ -58,7 +58,9 @@ DEVICE_COLUMNS = ("device", "hardware")
 # attempts). Without a budget they train on the card; running out of memory there is the strategies check's.
 # Study 2's auto-fit gets a budget its tiny setups fit on a card (70 MiB predicted on an H200 at the quick
 # 4 x 64, two 32 MiB cuBLAS workspaces in it); stepping down on a card's error is the autofit check's.
-ON_A_CARD = {"strategies": {"budget_mib": 0.0}, "ladder": {"budget_mib": 256.0}}
+# Its reference model's predictions are left out: CPU work the same on any machine (CI runs them), and
+# 44 s of the card's time on 2026-11-30, when the time budget cut the notebook off in the next step.
+ON_A_CARD = {"strategies": {"budget_mib": 0.0}, "ladder": {"budget_mib": 256.0, "reference_model": ""}}
 NOTEBOOK_TIMEOUT_S = 300
 # benchmarks/monitor_overhead.py's target: the monitor may cost a run at most 1% of its time
 MONITOR_TARGET = 1.01
