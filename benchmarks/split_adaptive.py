@@ -6,11 +6,13 @@
 What it counts: tokens/s of `SplitEngine` on a small random Qwen2 (hidden 256, 6 layers, vocab
 4096; batch 4 x 128, fp32, the default torch fused AdamW on the host) at k = 0, k = 1, adaptive and
 "adaptive, stages" (the balance as it was until 2026-11-30: the host side taken from its stages'
-times, not measured whole as the union of their spans; balance.py) (each adaptive run: k = 0 at the start; from the fourth iteration on (index 3), when a backward after warm-up has
-been measured, recomputed from measured rates, waiting after each move for a row at the new k). Each run takes
+times, not measured whole as the union of their spans; balance.py). Each adaptive run starts at
+k = 0; from the fourth iteration on (index 3), when a backward after warm-up has been measured, k
+is recomputed from measured rates, waiting after each move for a row at the new k. Each run takes
 `--iterations` steps; the first `--warmup` are left out. The runs go in alternating order, one
-round forward and the next reversed (k0, k1, adaptive, stages | stages, adaptive, k1, k0 | ...), so that a drift
-of load from other processes hits every run alike; each figure is the median over the rounds.
+round forward and the next reversed (k0, k1, adaptive, stages | stages, adaptive, k1, k0 | ...),
+so that a drift of load from other processes hits every run alike; each figure is the median over
+the rounds.
 It prints, per run, tokens/s and backward time, and for the adaptive run the k it settled on (its
 last iteration's k), its tokens/s relative to the faster fixed k, backward's slowdown with every
 update on the host as the engine fitted it, and the tokens/s of its measured iterations after its

@@ -735,8 +735,8 @@ class SplitEngine:
             "to_host_bytes": sum(e[5] for e in to_host),
             "to_accel_bytes": sum(e[5] for e in to_acc),
             "host_tail_ms": max(0.0, host_end - bwd_end),
-            # the host side's own time: how long at least one of its stages (copy in, Adam, copy out) was
-            # at work, overlaps counted once and waits for gradients not at all (the balance's T_host)
+            # the host side's own time: how long at least one of its stages (copy in, Adam, copy out) was at
+            # work on the updates kept, overlaps counted once, waits for gradients not at all (the balance's T_host)
             "host_busy_ms": host_busy,
             # the question the notebook plots: how much host update was done when backward ended
             "host_done_before_bwd_end_share": done_before / it.host_numel if it.host_numel else float("nan"),
