@@ -424,10 +424,12 @@ def test_backward_slowed_by_the_host_moves_k_to_the_accelerator():
 
 
 def test_the_host_side_measured_whole_is_t_host_where_its_stages_did_not_overlap():
-    """The H200's case (2026-11-30, the 32M-parameter model in fp32): each host stage alone about as
-    long as backward, so max(t_U, t_D, t_W) said the host keeps up (k = 0), while at k = 0 the host's
-    stages, one after another, took about twice backward and k = 1 ran 2.7x as fast. The host side
-    measured whole (its busy time) moves k to the accelerator."""
+    """Shaped like the H200's case (2026-11-30, the 32M-parameter model in fp32): each host stage alone
+    about as long as backward, so max(t_U, t_D, t_W) said the host keeps up (k = 0), while at k = 0 the
+    host's stages, one after another, took about twice backward and k = 1 ran 2.7x as fast. The rates
+    below are illustrative, not the card's (the record kept no per-iteration t_U; gpu-check's
+    balance_path keeps them since): the host side measured whole (its busy time) moves k to the
+    accelerator."""
     assert engine_mod.busy_ms([(20.0, 25.0), (0.0, 10.0), (5.0, 12.0), (21.0, 22.0)]) == 17.0  # overlaps once
     assert engine_mod.busy_ms([]) == 0.0
     # a clipped step: the speculated update of "w" and its weights sent back were undone, then redone after
