@@ -172,7 +172,7 @@ def _fake_card(monkeypatch, calls: list, measure_takes_s: float = 0.0) -> None:
         def sample(self):
             return {}
 
-    monkeypatch.setattr(gc, "model_at_hand", lambda cfg: (None, lambda: None, torch.zeros(4, 8), None))
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg, **kw: (None, lambda: None, torch.zeros(4, 8), None))
     monkeypatch.setattr(gc, "card_at_hand", lambda device: gc.cuda_model.card("H200 141GB"))
     monkeypatch.setattr(gc, "card_free_now", lambda device: gc.cuda_model.card("H200 141GB"))
     monkeypatch.setattr(gc, "predict", fake_predict)
@@ -193,7 +193,7 @@ def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(
     calls = []
     _fake_card(monkeypatch, calls)
     monkeypatch.setattr(gc, "predict", gpu_cap.predict)  # the workers' own: the real one
-    monkeypatch.setattr(gc, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None,
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg, **kw: (tiny_config("qwen2"), lambda: None,
                                                           torch.zeros(4, 32, dtype=torch.long), None))
     opts = gc.Options(out=tmp_path, rungs=("bf16", "zero_offload"), seq=32, steps=2)
     here = gc.check_ladder(opts)
@@ -225,7 +225,7 @@ def test_the_card_s_attention_kernels_are_counted_beside_the_prediction_s_and_a_
     _fake_card(monkeypatch, calls)
     monkeypatch.setattr(gc, "counting_choices", lambda counts: cuda_attention.counting_choices(counts, "cpu"))
     monkeypatch.setattr(gc, "predict", gpu_cap.predict)
-    monkeypatch.setattr(gc, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None,
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg, **kw: (tiny_config("qwen2"), lambda: None,
                                                           torch.zeros(4, 32, dtype=torch.long), None))
 
     def attends(name, load, blocks, **kw):
@@ -1054,7 +1054,7 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
         monkeypatch.setattr(torch.cuda, attr, fn)
     monkeypatch.setattr(gpu_cap, "measure", measure)
     blocks = torch.zeros((4, 32), dtype=torch.long)
-    monkeypatch.setattr(gpu_cap, "model_at_hand", lambda cfg: (tiny_config("qwen2"), lambda: None, blocks, ""))
+    monkeypatch.setattr(gpu_cap, "model_at_hand", lambda cfg, **kw: (tiny_config("qwen2"), lambda: None, blocks, ""))
     opts = types.SimpleNamespace(model="x", tiny=True, batch=1, seq=32, device="cuda", extra={},
                                  out_of_time=lambda: False)
     result = gpu_cap.check_cap(opts)

@@ -1105,3 +1105,34 @@ def test_a_qlora_rung_without_bitsandbytes_is_a_skipped_row_not_a_traceback(env,
                        progress=False)  # every rung skipped before its prediction: no column to divide
     assert list(alone.runs["status"]) == ["skipped"] and alone.runs["predicted_peak_mib"].isna().all()
     assert findings(alone) and report_section(alone)
+
+
+def test_a_kept_model_is_made_once_and_each_load_is_a_fresh_loads_equal(tmp_path, monkeypatch):
+    """gpu-check loads its model some 35 times (a rung, a cap trial), and a random init of Qwen2-0.5B takes
+    13-17 s on a core here: kept (model_at_hand(keep=True)), it is made once and each load is a copy. A copy
+    must be what a fresh load is: the same weights, tied weights still tied, a model of its own (a rung
+    that changes it changes no later rung's), and torch's random state left as a fresh load leaves it."""
+    import transformers
+    from conftest import tiny_config
+
+    path = tmp_path / "config.json"
+    tiny_config("qwen2").to_json_file(path)
+    cfg = runner.LadderConfig(model=str(path), seq_len=16, reference_model="")
+    made, init = [], transformers.AutoModelForCausalLM.from_config
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", lambda *a, **k: made.append(1) or init(*a, **k))
+    _, fresh, _, _ = runner.model_at_hand(cfg)
+    _, load, _, _ = runner.model_at_hand(cfg, keep=True)
+    assert not hasattr(fresh, "timings")
+    want = fresh()
+    drawn_after_fresh = torch.rand(4)
+    for _ in range(3):
+        got = load()
+        assert torch.equal(torch.rand(4), drawn_after_fresh)  # what a run draws next (LoRA's A, dropout) is the same
+        assert got.state_dict().keys() == want.state_dict().keys()
+        assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())
+        assert got.lm_head.weight is got.model.embed_tokens.weight  # tied, as from_config ties them
+        with torch.no_grad():  # a rung that changes its model in place (a cast, a wrapped layer)
+            got.model.embed_tokens.weight.mul_(0.5)
+            got.model.layers[0].self_attn.q_proj.weight.zero_()
+    assert len(made) == 2  # the fresh load's and the kept model's: once, not once a load
+    assert load.timings["copies"] == 3 and load.timings["made_s"] >= 0 and load.timings["copy_s"] >= 0

@@ -191,7 +191,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
 
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, steps=opts.steps, reference_model="")
-    config, load, blocks, _ = model_at_hand(cfg)
+    config, load, blocks, _ = model_at_hand(cfg, keep=True)  # made once, a copy for each rung
     here = card_at_hand(opts.device)
     rows, tracebacks = [], {}
     # each rung measured as a fresh process runs it: its first matmuls make the cuBLAS workspaces (one after
@@ -244,7 +244,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     left = {"left_allocated_before_gc_bytes": before_gc,
             "left_allocated_after_gc_bytes": torch.cuda.memory_allocated(opts.device)}
     options = {"model": opts.model, "batch": opts.batch, "seq": opts.seq, "steps": opts.steps, "counted": opts.counted,
-               "predicted": how, "predicted_s": round(predicted_s, 1),
+               "predicted": how, "predicted_s": round(predicted_s, 1), "loads": dict(getattr(load, "timings", {})),
                "workspaces": "released before each rung" if fresh else "held from the first rung on"}
     return {**ladder_verdict(rows), "tracebacks": tracebacks, "card": here.name, "sm": here.sm, "options": options, **left}
 

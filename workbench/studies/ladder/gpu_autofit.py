@@ -110,7 +110,7 @@ def autofit_markdown(tries: list[dict[str, Any]], cap_mib: float, needs_mib: dic
 def check_autofit(opts) -> dict[str, Any]:
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, reference_model="")
-    config, load, blocks, _ = model_at_hand(cfg)
+    config, load, blocks, _ = model_at_hand(cfg, keep=True)  # made once, a copy for each setup tried
     dev = indexed(opts.device)
     card = cuda_model.card_at_hand(dev)
     p = {name: predict(config, name, batch=opts.batch, seq=opts.seq, device="cuda", card=card, load="host")

@@ -114,7 +114,7 @@ def cap_markdown(rows: list[dict[str, Any]]) -> str:
 def check_cap(opts) -> dict[str, Any]:
     cfg = LadderConfig(model=opts.model, base_size="tiny" if opts.tiny else "default", micro_batch=opts.batch,
                        seq_len=opts.seq, steps=TRIAL_STEPS, reference_model="")
-    config, load, blocks, _ = model_at_hand(cfg)
+    config, load, blocks, _ = model_at_hand(cfg, keep=True)  # made once, a copy for each run
     dev = indexed(opts.device)  # set_per_process_memory_fraction raises ValueError for "cuda"
     card = cuda_model.card_at_hand(dev)
     before = torch.cuda.get_per_process_memory_fraction(dev)  # a notebook's own cap comes back after each trial
@@ -189,7 +189,7 @@ def check_cap(opts) -> dict[str, Any]:
             rows.append(cap_row(**row, least=least, uncapped=uncapped, tried=tried, held=(res0, alloc0)))
         except Exception as e:  # one rung's failure is its row (with the trials it had)
             rows.append(cap_row(**row, least=None, uncapped={}, tried=tried, reason=one_line(e)))
-    return {**cap_verdict(rows), "predicted": how}
+    return {**cap_verdict(rows), "predicted": how, "loads": dict(getattr(load, "timings", {}))}
 
 
 def cap_prediction(item: tuple) -> dict[str, Any]:

@@ -35,9 +35,11 @@ workbench.studies.ladder.figures; the widget app: workbench.front.apps.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
-from typing import Any, Iterable
+import time
+from typing import Any, Callable, Iterable
 
 import pandas as pd
 import torch
@@ -60,8 +62,14 @@ from workbench.studies.ladder.fit_run import past_free, run_choice, search_here
 from workbench.studies.ladder.rungs import measure
 
 
-def model_at_hand(cfg: LadderConfig):
-    """(config, load() -> fresh model, train blocks) for the model at hand."""
+def model_at_hand(cfg: LadderConfig, *, keep: bool = False):
+    """(config, load() -> fresh model, train blocks) for the model at hand.
+
+    keep (a config's random init only): the model is made once, and each load() returns a deep copy
+    of it, with torch's random state as a fresh load leaves it; `load.timings` says what the making
+    and the copies took. For gpu-check, which loads its model some 35 times (a ladder rung, a cap
+    trial): a random init of Qwen2-0.5B takes 13-17 s on a core of this machine, a copy 1 s. The
+    kept model stays in host memory (4 bytes a parameter) as long as `load` does."""
 
     name = _resolve(cfg.model)
     if name.endswith(".json"):
@@ -75,13 +83,38 @@ def model_at_hand(cfg: LadderConfig):
             torch.manual_seed(cfg.seed)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-        return config, load, blocks, "random init from the config, random tokens"
+        return config, kept(load, cfg.seed) if keep else load, blocks, "random init from the config, random tokens"
 
     model, tok = load_model(name, spec=cfg.spec())
     blocks, _ = corpus_blocks(tok, target_corpus(), cfg.seq_len)
     if len(blocks) == 0:
         raise ConfigError(f"seq_len {cfg.seq_len} leaves no training block in the target corpus")
     return model.config, (lambda: load_model(name, spec=cfg.spec())[0]), blocks, "target corpus"
+
+
+def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.nn.Module]:
+    """init() (which seeds torch with `seed`, then draws the weights) made once: each call returns a deep
+    copy of that model (tied weights stay tied), and leaves torch's random state as init() leaves it
+    (every generator seeded, the CPU's advanced by the draws), so what a run draws next is the same."""
+    made: dict[str, Any] = {}
+    timings = {"made_s": None, "copies": 0, "copy_s": 0.0}
+
+    def load() -> torch.nn.Module:
+        if not made:
+            t = time.perf_counter()
+            made["model"] = init()
+            made["cpu_rng"] = torch.get_rng_state()
+            timings["made_s"] = round(time.perf_counter() - t, 2)
+        t = time.perf_counter()
+        model = copy.deepcopy(made["model"])
+        torch.manual_seed(seed)  # the CUDA generators, as init() seeds them
+        torch.set_rng_state(made["cpu_rng"])
+        timings["copies"] += 1
+        timings["copy_s"] = round(timings["copy_s"] + time.perf_counter() - t, 2)
+        return model
+
+    load.timings = timings  # (s) made_s: the one init(); copy_s: the copies in all
+    return load
 
 
 def published_table() -> pd.DataFrame:
