@@ -1136,3 +1136,13 @@ def test_a_kept_model_is_made_once_and_each_load_is_a_fresh_loads_equal(tmp_path
             got.model.layers[0].self_attn.q_proj.weight.zero_()
     assert len(made) == 2  # the fresh load's and the kept model's: once, not once a load
     assert load.timings["copies"] == 3 and load.timings["made_s"] >= 0 and load.timings["copy_s"] >= 0
+    assert load.timings["kept"] is True
+    # no room on the host for a copy beside the kept model (a 7B config on a 64 GB host): none is kept
+    monkeypatch.setattr(runner, "past_free_memory", lambda need_mib: f"{need_mib:,.1f} MiB > the 1 MiB free")
+    _, load, _, _ = runner.model_at_hand(cfg, keep=True)
+    made.clear()
+    for _ in range(2):
+        got = load()
+        assert torch.equal(torch.rand(4), drawn_after_fresh)
+        assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())
+    assert len(made) == 2 and load.timings["kept"] is False and load.timings["copies"] == 0

@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from workbench import __version__
-from workbench.core.common import MiB, Sink
+from workbench.core.common import MiB, Sink, past_free_memory
 from workbench.core.config import ConfigError
 from workbench.core.data import corpus_blocks, target_corpus
 from workbench.core.memory.baselines import baseline_table
@@ -69,7 +69,7 @@ def model_at_hand(cfg: LadderConfig, *, keep: bool = False):
     of it, with torch's random state as a fresh load leaves it; `load.timings` says what the making
     and the copies took. For gpu-check, which loads its model some 35 times (a ladder rung, a cap
     trial): a random init of Qwen2-0.5B takes 13-17 s on a core of this machine, a copy 1 s. The
-    kept model stays in host memory (4 bytes a parameter) as long as `load` does."""
+    kept model stays in host memory (4 bytes a parameter) as long as `load` does (see `kept`)."""
 
     name = _resolve(cfg.model)
     if name.endswith(".json"):
@@ -95,16 +95,25 @@ def model_at_hand(cfg: LadderConfig, *, keep: bool = False):
 def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.nn.Module]:
     """init() (which seeds torch with `seed`, then draws the weights) made once: each call returns a deep
     copy of that model (tied weights stay tied), and leaves torch's random state as init() leaves it
-    (every generator seeded, the CPU's advanced by the draws), so what a run draws next is the same."""
+    (every generator seeded, the CPU's advanced by the draws), so what a run draws next is the same.
+    Where the host has no room for a copy and as much again beside the kept model (a 7B config on a
+    64 GB host: 28 GB each), nothing is kept and each call makes the model afresh, as before."""
     made: dict[str, Any] = {}
-    timings = {"made_s": None, "copies": 0, "copy_s": 0.0}
+    timings: dict[str, Any] = {"made_s": None, "copies": 0, "copy_s": 0.0, "kept": None}
 
     def load() -> torch.nn.Module:
         if not made:
             t = time.perf_counter()
-            made["model"] = init()
+            model = init()
             made["cpu_rng"] = torch.get_rng_state()
             timings["made_s"] = round(time.perf_counter() - t, 2)
+            size = sum(x.nbytes for x in {id(x): x for x in [*model.parameters(), *model.buffers()]}.values())
+            timings["kept"] = made["kept"] = not past_free_memory(2 * size / MiB)
+            if not made["kept"]:
+                return model
+            made["model"] = model
+        if not made["kept"]:
+            return init()
         t = time.perf_counter()
         model = copy.deepcopy(made["model"])
         torch.manual_seed(seed)  # the CUDA generators, as init() seeds them
@@ -113,7 +122,7 @@ def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.n
         timings["copy_s"] = round(timings["copy_s"] + time.perf_counter() - t, 2)
         return model
 
-    load.timings = timings  # (s) made_s: the one init(); copy_s: the copies in all
+    load.timings = timings  # (s) made_s: the one init(); copy_s: the copies in all; kept: False where no room
     return load
 
 
