@@ -27,6 +27,8 @@ def _run(args, results_dir, timeout=300):
     (["benchmarks/predict_ladder.py", "--rungs"], "predict_ladder: --rungs needs at least one rung"),
     (["benchmarks/predict_ladder.py", "--rungs", "fp32", "nosuch"], "predict_ladder: unknown rung(s) nosuch; known: fp32"),
     (["benchmarks/sweep_overhead.py", "--runs", "0"], "sweep_overhead: --runs and --workers must be at least 1"),
+    (["benchmarks/model_copy.py", "--rounds", "0"], "model_copy: --rounds and --threads must be at least 1"),
+    (["benchmarks/model_copy.py", "--model", "embedded"], "model_copy: --model must be a model config file (.json)"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(args, said, tmp_path):
     out = _run(args, tmp_path, timeout=120)
@@ -50,3 +52,19 @@ def test_cpu_adam_measures_its_headline_pair_in_alternating_rounds_and_writes_it
     assert float(row["memory_bytes_per_s"]) / 1e9 == pytest.approx(max(map(float, rounds)), abs=0.051)
     assert json.loads(row["details"])["torch_fused"]["bytes_per_s"] / 1e9 == pytest.approx(max(map(float, fused)),
                                                                                            abs=0.051)
+
+
+def test_model_copy_times_fresh_loads_and_copies_in_alternating_rounds_and_writes_its_row(tmp_path):
+    from conftest import tiny_config
+
+    config = tmp_path / "config.json"
+    tiny_config("qwen2").to_json_file(config)
+    out = _run(["benchmarks/model_copy.py", "--model", str(config), "--rounds", "2", "--threads", "1"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    row = pd.read_csv(tmp_path / "benchmarks.csv").iloc[-1]
+    assert last == f"model_copy: {row['value']:.3f}" and row["version"] == 1 and row["rounds"] == 2
+    assert row["value"] == pytest.approx(row["copy_s"] / row["fresh_s"])
+    assert any(line.startswith("  measured in the order: fresh, copy, copy, fresh;") for line in out.stdout.splitlines())
+    fresh = next(line for line in out.stdout.splitlines() if line.startswith("  fresh loads (s): "))
+    assert len(fresh.split(": ")[1].split(";")[0].split(", ")) == 2  # each side once a round

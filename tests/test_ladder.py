@@ -1109,7 +1109,7 @@ def test_a_qlora_rung_without_bitsandbytes_is_a_skipped_row_not_a_traceback(env,
 
 def test_a_kept_model_is_made_once_and_each_load_is_a_fresh_loads_equal(tmp_path, monkeypatch):
     """gpu-check loads its model some 35 times (a rung, a cap trial), and a random init of Qwen2-0.5B takes
-    13-17 s on a core here: kept (model_at_hand(keep=True)), it is made once and each load is a copy. A copy
+    11 s here: kept (model_at_hand(keep=True)), it is made once and each load is a copy. A copy
     must be what a fresh load is: the same weights, tied weights still tied, a model of its own (a rung
     that changes it changes no later rung's), and torch's random state left as a fresh load leaves it."""
     import transformers

@@ -68,7 +68,7 @@ def model_at_hand(cfg: LadderConfig, *, keep: bool = False):
     keep (a config's random init only): the model is made once, and each load() returns a deep copy
     of it, with torch's random state as a fresh load leaves it; `load.timings` says what the making
     and the copies took. For gpu-check, which loads its model some 35 times (a ladder rung, a cap
-    trial): a random init of Qwen2-0.5B takes 13-17 s on a core of this machine, a copy 1 s. The
+    trial): a random init of Qwen2-0.5B took 11.3 s here, a copy 1.15 s (benchmarks/model_copy.py). The
     kept model stays in host memory (4 bytes a parameter) as long as `load` does (see `kept`)."""
 
     name = _resolve(cfg.model)
