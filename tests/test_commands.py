@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from workbench import cli
 from workbench.cli import main
@@ -274,12 +275,14 @@ def test_long_text_leaves_the_shell_table_and_follows_it_once_per_row_key():
     assert lines == ["reason (by #):", f"  1: {runs['reason'][0]}", f"  3: {runs['reason'][2]}"]
 
 
-def test_three_library_messages_no_user_can_act_on_are_dropped_and_no_other():
+def test_library_messages_no_user_can_act_on_are_dropped_and_no_other():
     """bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community ... pip install
     kernels" and peft's use of a deprecated transformers name opened every `workbench estimate`;
-    transformers' "`loss_type=None` was set in the config but it is unrecognized" every GPT-2 one."""
+    transformers' "`loss_type=None` was set in the config but it is unrecognized" every GPT-2 one;
+    DeepSpeed's "Setting accelerator to CPU. If you have GPU ..." every command on a CPU machine."""
     probe = ("import logging, sys, warnings\n{first}"
-             "import bitsandbytes, torch, transformers\n"
+             "import bitsandbytes, deepspeed, torch, transformers\n"
+             "logging.getLogger('DeepSpeed').warning('another DeepSpeed message')\n"
              "gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))\n"
              "ids = torch.zeros(1, 4, dtype=torch.long)\n"
              "gpt2(input_ids=ids, labels=ids)\n"
@@ -301,6 +304,9 @@ def test_three_library_messages_no_user_can_act_on_are_dropped_and_no_other():
     assert "is_gradient_checkpointing" in plain.stderr  # the probe would see them without the workbench
     assert "loss_type=None" in plain.stderr
     assert "kernels-community" in plain.stderr  # (bitsandbytes itself says it only on AVX512-BF16 CPUs)
+    assert "another DeepSpeed message" in quiet.stdout and "Setting accelerator to CPU" not in quiet.stdout
+    if not torch.cuda.is_available():  # (DeepSpeed logs to standard output, and says it only without CUDA)
+        assert "Setting accelerator to CPU" in plain.stdout
 
 
 def test_on_native_windows_the_package_says_in_one_line_to_use_wsl2():

@@ -21,7 +21,7 @@ class _DropMessage(logging.Filter):
         return self.text not in str(record.msg)
 
 
-# Three library messages no user can act on, which opened every `workbench estimate` (the third: of a
+# Library messages no user can act on, which opened every `workbench estimate` (the third: of a
 # GPT-2 model) with what reads like an error; each dropped by its exact text, every other message
 # of those libraries kept:
 # - bitsandbytes (on a CPU with AVX512-BF16, at import) failed to load its 4-bit inference kernel
@@ -32,5 +32,10 @@ class _DropMessage(logging.Filter):
 #   model whose class name is not in its loss table (GPT2LMHeadModel): no config sets it, and the
 #   loss it falls back to, ForCausalLMLoss, is the one a causal LM takes.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessage("kernels-community"))
+# And DeepSpeed's, at import on a machine without CUDA (on standard output, before a command's own first
+# line): "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+# Where a GPU is wanted and CUDA cannot be reached, the workbench says so itself (`fallback.driver_too_old`,
+# gpu-check's one line); on a CPU machine it is what every run intends.
+logging.getLogger("DeepSpeed").addFilter(_DropMessage("Setting accelerator to CPU."))
 logging.getLogger("transformers.modeling_utils").addFilter(_DropMessage("`loss_type=None` was set in the config"))
 warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
