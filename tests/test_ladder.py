@@ -1137,6 +1137,12 @@ def test_a_kept_model_is_made_once_and_each_load_is_a_fresh_loads_equal(tmp_path
     assert len(made) == 2  # the fresh load's and the kept model's: once, not once a load
     assert load.timings["copies"] == 3 and load.timings["made_s"] >= 0 and load.timings["copy_s"] >= 0
     assert load.timings["kept"] is True
+    # and a rung trained on a copy is the rung trained on a fresh load: LoRA's adapters drawn alike, the same
+    # loss and the same peak (the copy was changed in place above: each load is made from the kept model)
+    _, _, blocks, _ = runner.model_at_hand(cfg)
+    a, b = (ladder.measure("lora", f, blocks, batch=2, steps=2) for f in (fresh, load))
+    assert a["status"] == b["status"] == "ok" and a["loss_after"] == b["loss_after"]
+    assert a["measured_peak_bytes"] == b["measured_peak_bytes"]
     # no room on the host for a copy beside the kept model (a 7B config on a 64 GB host): none is kept
     monkeypatch.setattr(runner, "past_free_memory", lambda need_mib: f"{need_mib:,.1f} MiB > the 1 MiB free")
     _, load, _, _ = runner.model_at_hand(cfg, keep=True)
