@@ -135,7 +135,7 @@ def test_the_card_search_predicts_the_step_its_tries_run_for_that_card(env, monk
 def test_a_card_try_past_the_hosts_free_memory_is_not_run(env, played_card, monkeypatch):
     """An offloaded setup keeps its share in host memory: past what this machine has free, the try is an
     out-of-memory row that steps down, never run (the OOM killer would take the study)."""
-    monkeypatch.setattr(fit_run, "past_free_memory", lambda mib: "9,000.0 MiB > the 10 MiB this machine has free"
+    monkeypatch.setattr(fit_run, "past_free_memory", lambda mib, **kw: "9,000.0 MiB > the 10 MiB this machine has free"
                         if mib > 1 else None)
     cfg = LadderConfig(base_size="tiny", micro_batch=4, seq_len=64)
     config, load, blocks, _ = model_at_hand(cfg)

@@ -310,6 +310,22 @@ def test_an_offload_rung_whose_host_state_is_past_the_free_memory_is_a_skipped_r
     assert row["status"] == "skipped" and row["reason"] == ("its predicted host memory 7,600.0 MiB > the 6,000 MiB "
                                                             "this machine has free")
     assert out["status"] == "fail" and out["failures"] == [f"zero_offload: skipped: {row['reason']}"]
+    # where the check's kept model (made once, a copy for each rung) is what stands in the way, it is given
+    # back and the rung runs; the rungs after it make the model afresh
+    free, dropped = {"mib": 6_000.0}, []
+
+    def drop():
+        dropped.append(free.update(mib=9_000.0))
+        return True
+
+    load = lambda: None  # noqa: E731
+    load.drop = drop
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg, **kw: (None, load, torch.zeros(4, 8), None))
+    monkeypatch.setattr(common, "host_free_mib", lambda: free["mib"])
+    calls.clear()
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "zero_offload")))
+    assert [c[1] for c in calls if c[0] == "measure"] == ["bf16", "zero_offload"] and len(dropped) == 1
+    assert [r["status"] for r in out["rows"]] == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("counted", [False, True])
@@ -1136,7 +1152,7 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     # OOM killer would end gpu-check, as the ladder's check says): a row that says why
     runs.clear()
     free_check = gpu_cap.past_free_memory
-    monkeypatch.setattr(gpu_cap, "past_free_memory", lambda mib: "5,000.0 MiB > the 4,000 MiB this machine has free"
+    monkeypatch.setattr(gpu_cap, "past_free_memory", lambda mib, **kw: "5,000.0 MiB > the 4,000 MiB this machine has free"
                         if mib > 0 else None)
     rows = {r["rung"]: r for r in gpu_cap.check_cap(opts)["rows"]}
     assert rows["zero_offload"]["status"] == "skipped" and rows["zero_offload"]["reason"] == (

@@ -169,10 +169,14 @@ def host_free_mib() -> float:
     return psutil.virtual_memory().available / MiB
 
 
-def past_free_memory(need_mib: float) -> str | None:
+def past_free_memory(need_mib: float, *, drop: Callable[[], bool] | None = None) -> str | None:
     """"N MiB > the M MiB this machine has free" when a step needing `need_mib` would not fit in the
-    memory free now; None when it would (a study's reason for not running it says the rest)."""
+    memory free now; None when it would (a study's reason for not running it says the rest).
+    drop: where it would not fit, what gives memory back first (a kept model's `load.drop`: True where
+    it gave any), and then the memory free is read again."""
     free = host_free_mib()
+    if need_mib > free and drop is not None and drop():
+        free = host_free_mib()
     return None if need_mib <= free else f"{need_mib:,.1f} MiB > the {free:,.0f} MiB this machine has free"
 
 

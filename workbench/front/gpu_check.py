@@ -219,7 +219,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         release_held(opts.device)
         # an offload rung's host state (ZeRO: 16 bytes a parameter) past this machine's free memory
         # would have the OOM killer end gpu-check (a laptop, a WSL2 VM with half the host's memory)
-        if short := past_free_memory(p.get("host_bytes", 0) / MiB):
+        if short := past_free_memory(p.get("host_bytes", 0) / MiB, drop=getattr(load, "drop", None)):
             rows.append(rung_row(name, p, {"status": "skipped", "reason": f"its predicted host memory {short}"}, {}))
             continue
         nvml = {}

@@ -78,11 +78,11 @@ ok...), as the study's event rows did before."""
         name = f"auto-fit {plan.name}"
         if on.type == "cuda":
             # the card's step keeps only an offloaded setup's share in host memory (the search predicted it)
-            short = past_free_memory(host_mib.get(plan.name, 0.0))
+            short = past_free_memory(host_mib.get(plan.name, 0.0), drop=getattr(load, "drop", None))
             too_big = f"its predicted host memory {short}: not run" if short else None
         else:  # the step as the live-bytes count runs it: all of it host memory here
             too_big = past_free(predict(config, plan, batch=batch, seq=int(blocks.shape[1]), n_blocks=len(blocks),
-                                        instrumented=True))
+                                        instrumented=True), drop=getattr(load, "drop", None))
         if too_big:
             on_event(rung=plan.name, attempt=name, result="skipped")
             raise torch.OutOfMemoryError(too_big)
@@ -128,10 +128,11 @@ class TryFailed(RuntimeError):
         self.status = status
 
 
-def past_free(p) -> str | None:
+def past_free(p, drop: Callable[[], bool] | None = None) -> str | None:
     """Why a CPU step predicted as `p` is not measured here (None: it may be). A CPU step past the
-    free memory raises no OutOfMemoryError: the OOM killer takes the study with it."""
-    short = past_free_memory(max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB)
+    free memory raises no OutOfMemoryError: the OOM killer takes the study with it. `drop`: as
+    `past_free_memory`'s (a kept model given back first)."""
+    short = past_free_memory(max(p.peak_bytes, p.first_step_peak_bytes, p.host_bytes) / MiB, drop=drop)
     return f"predicted peak {short}: not measured" if short else None
 
 

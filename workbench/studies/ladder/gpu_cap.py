@@ -148,7 +148,8 @@ def check_cap(opts) -> dict[str, Any]:
             rows.append({"rung": name, "status": "not measured", "reason": p["error"], "trials": [], "passed": False})
             continue
         needed = p["needed"]
-        if short := past_free_memory(p["host"] / MiB):  # ZeRO-Offload's host state: the OOM killer, as in the ladder
+        # ZeRO-Offload's host state: the OOM killer, as in the ladder (the kept model given back first)
+        if short := past_free_memory(p["host"] / MiB, drop=getattr(load, "drop", None)):
             rows.append({"rung": name, "status": "skipped", "reason": f"its predicted host memory {short}",
                          "trials": [], "passed": None})
             continue

@@ -36,6 +36,7 @@ workbench.studies.ladder.figures; the widget app: workbench.front.apps.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import sys
 import time
@@ -97,7 +98,10 @@ def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.n
     copy of that model (tied weights stay tied), and leaves torch's random state as init() leaves it
     (every generator seeded, the CPU's advanced by the draws), so what a run draws next is the same.
     Where the host has no room for a copy and as much again beside the kept model (a 7B config on a
-    64 GB host: 28 GB each), nothing is kept and each call makes the model afresh, as before."""
+    64 GB host: 28 GB each), nothing is kept and each call makes the model afresh, as before; and
+    `load.drop()` gives the kept model back for good (a run whose host memory it would stand in the
+    way of: `past_free_memory(..., drop=load.drop)`). A copy has a config of its own: a fresh load
+    shared the caller's, so a change one run made to it (a ZeRO rung's use_cache) outlived that run."""
     made: dict[str, Any] = {}
     timings: dict[str, Any] = {"made_s": None, "copies": 0, "copy_s": 0.0, "kept": None}
 
@@ -122,7 +126,17 @@ def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.n
         timings["copy_s"] = round(timings["copy_s"] + time.perf_counter() - t, 2)
         return model
 
+    def drop() -> bool:
+        """Give the kept model back (each load from now on makes the model afresh); True where one was kept."""
+        if not made.get("kept"):
+            return False
+        made["kept"], timings["kept"] = False, "dropped"
+        del made["model"]
+        gc.collect()
+        return True
+
     load.timings = timings  # (s) made_s: the one init(); copy_s: the copies in all; kept: False where no room
+    load.drop = drop
     return load
 
 
