@@ -326,6 +326,9 @@ def test_an_offload_rung_whose_host_state_is_past_the_free_memory_is_a_skipped_r
     out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16", "zero_offload")))
     assert [c[1] for c in calls if c[0] == "measure"] == ["bf16", "zero_offload"] and len(dropped) == 1
     assert [r["status"] for r in out["rows"]] == ["ok", "ok"]
+    assert out["options"]["loads"] == {}  # a load that keeps nothing has no timings
+    load.timings = {"made_s": 9.1, "copies": 2, "copy_s": 2.4, "kept": "dropped"}  # as a kept model's says them
+    assert gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16",)))["options"]["loads"] == load.timings
 
 
 @pytest.mark.parametrize("counted", [False, True])
@@ -1070,10 +1073,13 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
         monkeypatch.setattr(torch.cuda, attr, fn)
     monkeypatch.setattr(gpu_cap, "measure", measure)
     blocks = torch.zeros((4, 32), dtype=torch.long)
-    monkeypatch.setattr(gpu_cap, "model_at_hand", lambda cfg, **kw: (tiny_config("qwen2"), lambda: None, blocks, ""))
+    load = lambda: None  # noqa: E731
+    load.timings = {"made_s": 9.1, "copies": 16, "copy_s": 19.2, "kept": True}  # a kept model's, as it says them
+    monkeypatch.setattr(gpu_cap, "model_at_hand", lambda cfg, **kw: (tiny_config("qwen2"), load, blocks, ""))
     opts = types.SimpleNamespace(model="x", tiny=True, batch=1, seq=32, device="cuda", extra={},
                                  out_of_time=lambda: False)
     result = gpu_cap.check_cap(opts)
+    assert result["loads"] == load.timings  # what making the model and its copies took, in the check's result
     rows = {r["rung"]: r for r in result["rows"]}
     assert set(rows) == set(gpu_cap.CAP_RUNGS) and all(r["status"] == "ok" for r in rows.values()), result
     for name, r in rows.items():
