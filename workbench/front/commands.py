@@ -123,7 +123,7 @@ def main(args) -> int:
         return 0
     given = parse_assignments(args.assignments)
     cfg = nb.config.from_dict(nb.quick_under(given) if args.quick else given)
-    with stdout_to_stderr():  # what is printed while it runs (DeepSpeed's accelerator warning, progress)
+    with stdout_to_stderr():  # what is printed while it runs (a library's warning, progress)
         result = nb.run(cfg)  # goes to stderr: stdout carries the runs table and findings alone
     if args.json:  # the runs, with the labels the printed table adds (study 1's peak_is: what a peak counts)
         shown = nb.figures.runs_table(result)

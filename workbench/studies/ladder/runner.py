@@ -66,11 +66,8 @@ from workbench.studies.ladder.rungs import measure
 def model_at_hand(cfg: LadderConfig, *, keep: bool = False):
     """(config, load() -> fresh model, train blocks) for the model at hand.
 
-    keep (a config's random init only): the model is made once, and each load() returns a deep copy
-    of it, with torch's random state as a fresh load leaves it; `load.timings` says what the making
-    and the copies took. For gpu-check, which loads its model some 35 times (a ladder rung, a cap
-    trial): a random init of Qwen2-0.5B took 11.3 s here, a copy 1.15 s (benchmarks/model_copy.py). The
-    kept model stays in host memory (4 bytes a parameter) as long as `load` does (see `kept`)."""
+    keep (a config's random init only; see `kept`): made once, each load() a deep copy. For gpu-check,
+    which loads its model some 35 times: a random init of Qwen2-0.5B took 11.3 s here, a copy 1.15 s."""
 
     name = _resolve(cfg.model)
     if name.endswith(".json"):
@@ -94,14 +91,11 @@ def model_at_hand(cfg: LadderConfig, *, keep: bool = False):
 
 
 def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.nn.Module]:
-    """init() (which seeds torch with `seed`, then draws the weights) made once: each call returns a deep
-    copy of that model (tied weights stay tied), and leaves torch's random state as init() leaves it
-    (every generator seeded, the CPU's advanced by the draws), so what a run draws next is the same.
-    Where the host has no room for a copy and as much again beside the kept model (a 7B config on a
-    64 GB host: 28 GB each), nothing is kept and each call makes the model afresh, as before; and
-    `load.drop()` gives the kept model back for good (a run whose host memory it would stand in the
-    way of: `past_free_memory(..., drop=load.drop)`). A copy has a config of its own: a fresh load
-    shared the caller's, so a change one run made to it (a ZeRO rung's use_cache) outlived that run."""
+    """init() (it seeds torch with `seed`, then draws the weights) made once: each call returns a deep copy
+    (ties kept, a config of its own) and leaves torch's random state as init() leaves it. Kept in host
+    memory (4 bytes a parameter) only with room for a copy and as much again (else each call makes it
+    afresh); `load.drop()` gives it back for good (`past_free_memory(..., drop=load.drop)`: a run whose
+    host memory it would stand in the way of); `load.timings`: what the making and the copies took."""
     made: dict[str, Any] = {}
     timings: dict[str, Any] = {"made_s": None, "copies": 0, "copy_s": 0.0, "kept": None}
 
@@ -128,12 +122,10 @@ def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.n
 
     def drop() -> bool:
         """Give the kept model back (each load from now on makes the model afresh); True where one was kept."""
-        if not made.get("kept"):
-            return False
-        made["kept"], timings["kept"] = False, "dropped"
-        del made["model"]
-        gc.collect()
-        return True
+        if had := made.pop("model", None) is not None:
+            made["kept"], timings["kept"] = False, "dropped"
+            gc.collect()
+        return had
 
     load.timings = timings  # (s) made_s: the one init(); copy_s: the copies in all; kept: False where no room
     load.drop = drop
