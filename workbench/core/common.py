@@ -189,8 +189,9 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 @contextlib.contextmanager
 def stdout_to_stderr(enabled: bool = True) -> Iterator[None]:
     """While it lasts, what is written to standard output goes to standard error: Python's `print`,
-    a library's log handler bound to `sys.stdout` at import (DeepSpeed's logger is one) and C code writing to file descriptor 1. A `--json` command does its work
-    inside it and prints the JSON after, so `... --json | jq` reads JSON only."""
+    a library's log handler bound to `sys.stdout` at import (DeepSpeed's logger is one) and C code
+    writing to file descriptor 1. A `--json` command does its work inside it and prints the JSON
+    after, so `... --json | jq` reads JSON only."""
     if not enabled:
         yield
         return
