@@ -100,17 +100,17 @@ def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.n
     timings: dict[str, Any] = {"made_s": None, "copies": 0, "copy_s": 0.0, "kept": None}
 
     def load() -> torch.nn.Module:
-        if not made:
+        if "cpu_rng" not in made:  # the first call
             t = time.perf_counter()
             model = init()
             made["cpu_rng"] = torch.get_rng_state()
             timings["made_s"] = round(time.perf_counter() - t, 2)
             size = sum(x.nbytes for x in {id(x): x for x in [*model.parameters(), *model.buffers()]}.values())
-            timings["kept"] = made["kept"] = not past_free_memory(2 * size / MiB)
-            if not made["kept"]:
+            timings["kept"] = not past_free_memory(2 * size / MiB)
+            if not timings["kept"]:
                 return model
             made["model"] = model
-        if not made["kept"]:
+        if "model" not in made:  # none kept, or given back
             return init()
         t = time.perf_counter()
         model = copy.deepcopy(made["model"])
@@ -123,7 +123,7 @@ def kept(init: Callable[[], torch.nn.Module], seed: int) -> Callable[[], torch.n
     def drop() -> bool:
         """Give the kept model back (each load from now on makes the model afresh); True where one was kept."""
         if had := made.pop("model", None) is not None:
-            made["kept"], timings["kept"] = False, "dropped"
+            timings["kept"] = "dropped"
             gc.collect()
         return had
 
