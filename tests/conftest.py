@@ -25,7 +25,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+from workbench.core.parallel import threads_per_worker  # noqa: E402
+
+# Each of pytest-xdist's workers takes its share of the cores (at most 2 threads). Two workers of 2
+# threads each on 2 cores built the tiny base in 353 s, not 18 s (1 thread each): OpenMP's threads
+# spin waiting for cores the other worker holds (parallel.py measured 14x for Dask workers so).
+# The kernels and commands a test starts keep torch's default (their environment is left as it
+# was: a run of the suite with it set to the share hung once in the study-notebook sweep, cause
+# not found).
+torch.set_num_threads(min(2, threads_per_worker(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def pytest_sessionfinish(session, exitstatus):
