@@ -25,15 +25,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from workbench.core.parallel import threads_per_worker  # noqa: E402
+from workbench.core.parallel import thread_env, threads_per_worker  # noqa: E402
 
 # Each of pytest-xdist's workers takes its share of the cores (at most 2 threads). Two workers of 2
 # threads each on 2 cores built the tiny base in 353 s, not 18 s (1 thread each): OpenMP's threads
 # spin waiting for cores the other worker holds (parallel.py measured 14x for Dask workers so).
-# The kernels and commands a test starts keep torch's default (their environment is left as it
-# was: a run of the suite with it set to the share hung once in the study-notebook sweep, cause
-# not found).
-torch.set_num_threads(min(2, threads_per_worker(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+# The `python -c` children of subprocess_env take the share too; notebook kernels keep torch's
+# default (their environment is left as it was: a run of the suite with it set to the share hung
+# once in the study-notebook sweep, cause not found).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SHARE = min(2, threads_per_worker(_WORKERS))
+torch.set_num_threads(_SHARE)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -71,8 +73,21 @@ def played_uname(release: str):
 
 def subprocess_env(root: Path) -> dict[str, str]:
     """This environment for a `python -c` child that imports the project from `root`, with any
-    PYTHONPATH already set kept after it (packages on PYTHONPATH, as a lent card's bundle puts them)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    PYTHONPATH already set kept after it (packages on PYTHONPATH, as a lent card's bundle puts them);
+    beside other test workers, with this worker's share of the cores (DeepSpeed's CPU Adam, for one,
+    reads OMP_NUM_THREADS: its test took 126 s with the child's default of 2 threads, 19 s with 1)."""
+    return {**os.environ, **(thread_env(_SHARE) if _WORKERS > 1 else {}),
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+
+
+def play_cores(monkeypatch, n: int) -> None:
+    """workbench.core.parallel counts `n` cores, as on a larger machine (how many workers to start),
+    while the worker processes it starts take one thread each: they run on this machine's cores beside
+    the other test worker, where 2 threads each spin (see the top of this file)."""
+    from workbench.core import parallel
+
+    monkeypatch.setattr(parallel, "cores", lambda: n)
+    monkeypatch.setattr(parallel, "threads_per_worker", lambda workers: 1)
 
 
 class OomDeepSpeedEngine:

@@ -187,8 +187,7 @@ def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(
     """Where the machine has the cores (the H200's 16), gpu-check makes every rung's prediction side by
     side on Dask workers before it measures any: one after another they were 4/5 of the ladder check's
     315 s there (2026-11-26). The rows must be those made in process, rung by rung."""
-    from conftest import tiny_config
-    from workbench.core import parallel
+    from conftest import play_cores, tiny_config
 
     calls = []
     _fake_card(monkeypatch, calls)
@@ -197,7 +196,7 @@ def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(
                                                           torch.zeros(4, 32, dtype=torch.long), None))
     opts = gc.Options(out=tmp_path, rungs=("bf16", "zero_offload"), seq=32, steps=2)
     here = gc.check_ladder(opts)
-    monkeypatch.setattr(parallel, "cores", lambda: 4)
+    play_cores(monkeypatch, 4)
     calls.clear()
     ahead = gc.check_ladder(opts)
     assert (here["options"]["predicted"], ahead["options"]["predicted"]) == ("in this process",
@@ -1023,6 +1022,21 @@ def test_the_monitor_workload_is_lengthened_to_last_long_enough_to_time(monkeypa
     assert gp.workload_lasting("cpu", 15, 0)[1] == 15
 
 
+def _predict_once(monkeypatch) -> None:
+    """gpu_cap.predict made once for each (config, rung, keywords) and read again after: the cap check's
+    test runs check_cap eight times over the same two rungs, and replaying each prediction anew took
+    most of its 113 s (2026-12-01, one thread)."""
+    real, made = gpu_cap.predict, {}
+
+    def once(config, name, **kw):
+        key = (config.to_json_string(), name, repr(sorted(kw.items())))
+        if key not in made:
+            made[key] = real(config, name, **kw)
+        return made[key]
+
+    monkeypatch.setattr(gpu_cap, "predict", once)
+
+
 @pytest.mark.parametrize("released", [True, False])
 def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monkeypatch, released):
     """check_cap's CUDA layer, played on the CPU: torch.cuda's calls and the rung's run are stand-ins
@@ -1072,6 +1086,7 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
             mem_get_info=lambda d=None: (state.get("card_free", total - state["held"]), total)).items():
         monkeypatch.setattr(torch.cuda, attr, fn)
     monkeypatch.setattr(gpu_cap, "measure", measure)
+    _predict_once(monkeypatch)
     blocks = torch.zeros((4, 32), dtype=torch.long)
     load = lambda: None  # noqa: E731
     load.timings = {"made_s": 9.1, "copies": 16, "copy_s": 19.2, "kept": True}  # a kept model's, as it says them
@@ -1106,16 +1121,17 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     assert "### Reserved needed" in result["report"]
     # made ahead, side by side on Dask workers where there are cores (the card's 16), the predictions
     # are those made here, and none is made here
+    from conftest import play_cores
     from workbench.core import parallel
 
     real_predict, real_cores = gpu_cap.predict, parallel.cores
     monkeypatch.setattr(gpu_cap, "predict", lambda *a, **kw: pytest.fail("predicted in process"))
-    monkeypatch.setattr(parallel, "cores", lambda: 4)
+    play_cores(monkeypatch, 4)
     ahead = gpu_cap.check_cap(opts)
     assert (result["predicted"], ahead["predicted"]) == ("in this process", "ahead, on 2 Dask workers")
     assert ahead["rows"] == result["rows"]
     monkeypatch.setattr(gpu_cap, "predict", real_predict)
-    monkeypatch.setattr(parallel, "cores", real_cores)
+    monkeypatch.setattr(parallel, "cores", real_cores)  # (its workers' threads stay 1: no more workers start)
     # under --time-budget no trial begins past it: the rung in its bisection keeps the trials it had
     # and says why it ended; the next rung does not begin; the check fails (never a pass)
     runs.clear()
