@@ -32,7 +32,9 @@ from workbench.core.parallel import thread_env, threads_per_worker  # noqa: E402
 # spin waiting for cores the other worker holds (parallel.py measured 14x for Dask workers so).
 # The `python -c` children of subprocess_env take the share too; notebook kernels keep torch's
 # default (their environment is left as it was: a run of the suite with it set to the share hung
-# once in the study-notebook sweep, cause not found).
+# once in the study-notebook sweep). That hang is not the share's: the sweep's kernels take their
+# own (1 thread here) either way, and it came back once in 30 runs of that test alone beside a
+# 1-thread load, in the study's cell after its results were written (cause not found yet).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _SHARE = min(2, threads_per_worker(_WORKERS))
 torch.set_num_threads(_SHARE)
@@ -75,7 +77,7 @@ def subprocess_env(root: Path) -> dict[str, str]:
     """This environment for a `python -c` child that imports the project from `root`, with any
     PYTHONPATH already set kept after it (packages on PYTHONPATH, as a lent card's bundle puts them);
     beside other test workers, with this worker's share of the cores (DeepSpeed's CPU Adam, for one,
-    reads OMP_NUM_THREADS: its test took 126 s with the child's default of 2 threads, 19 s with 1)."""
+    reads OMP_NUM_THREADS: its test took 126 s with the child's default of 2 threads, 15 s with 1)."""
     return {**os.environ, **(thread_env(_SHARE) if _WORKERS > 1 else {}),
             "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
 

@@ -1121,7 +1121,7 @@ def test_the_cap_check_runs_its_trials_under_a_fraction_and_always_lifts_it(monk
     assert "### Reserved needed" in result["report"]
     # made ahead, side by side on Dask workers where there are cores (the card's 16), the predictions
     # are those made here, and none is made here
-    from conftest import play_cores
+    from tests.conftest import play_cores
     from workbench.core import parallel
 
     real_predict, real_cores = gpu_cap.predict, parallel.cores
