@@ -77,7 +77,9 @@ def subprocess_env(root: Path) -> dict[str, str]:
     """This environment for a `python -c` child that imports the project from `root`, with any
     PYTHONPATH already set kept after it (packages on PYTHONPATH, as a lent card's bundle puts them);
     beside other test workers, with this worker's share of the cores (DeepSpeed's CPU Adam, for one,
-    reads OMP_NUM_THREADS: its test took 126 s with the child's default of 2 threads, 15 s with 1)."""
+    reads OMP_NUM_THREADS). Alone it did not make the ZeRO-Offload parity test fast in the whole
+    suite (115 s at 9e090d9, 126 s before; 12 s by itself): the other worker's kernels still take 2
+    threads each."""
     return {**os.environ, **(thread_env(_SHARE) if _WORKERS > 1 else {}),
             "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
 
