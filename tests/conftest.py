@@ -31,10 +31,12 @@ from workbench.core.parallel import thread_env, threads_per_worker  # noqa: E402
 # threads each on 2 cores built the tiny base in 353 s, not 18 s (1 thread each): OpenMP's threads
 # spin waiting for cores the other worker holds (parallel.py measured 14x for Dask workers so).
 # The `python -c` children of subprocess_env take the share too; notebook kernels keep torch's
-# default (their environment is left as it was: a run of the suite with it set to the share hung
-# once in the study-notebook sweep). That hang is not the share's: the sweep's kernels take their
-# own (1 thread here) either way, and it came back once in 30 runs of that test alone beside a
-# 1-thread load, in the study's cell after its results were written (cause not found yet).
+# default. Two runs of the suite with the share in the environment of everything a test starts
+# gained nothing measurable (the ZeRO-Offload test's minutes are DeepSpeed's builds, see
+# subprocess_env) and each failed: the study-notebook sweep hung in one, the Voila page's widgets
+# never drew in the other. The sweep's hang is not the share's (its kernels take their own,
+# 1 thread here, either way; it came back once in 30 runs of that test alone beside a 1-thread load,
+# in the study's cell after its results were written; cause not found yet).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _SHARE = min(2, threads_per_worker(_WORKERS))
 torch.set_num_threads(_SHARE)
@@ -77,9 +79,10 @@ def subprocess_env(root: Path) -> dict[str, str]:
     """This environment for a `python -c` child that imports the project from `root`, with any
     PYTHONPATH already set kept after it (packages on PYTHONPATH, as a lent card's bundle puts them);
     beside other test workers, with this worker's share of the cores (DeepSpeed's CPU Adam, for one,
-    reads OMP_NUM_THREADS). Alone it did not make the ZeRO-Offload parity test fast in the whole
-    suite (115 s at 9e090d9, 126 s before; 12 s by itself): the other worker's kernels still take 2
-    threads each."""
+    reads OMP_NUM_THREADS). The ZeRO-Offload parity test's 115-126 s in a fresh clone's suite is not
+    threads: a new virtual environment makes DeepSpeed build its cpu_adam and shm_comm ops again
+    (about 100 s each, two compile jobs; the test took 202 s alone with an empty TORCH_EXTENSIONS_DIR,
+    29 s with the ops built), and the first test to use them pays."""
     return {**os.environ, **(thread_env(_SHARE) if _WORKERS > 1 else {}),
             "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
 
