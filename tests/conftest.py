@@ -6,6 +6,7 @@ set before any workbench import, so notebook kernels started by papermill inheri
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -36,7 +37,9 @@ from workbench.core.parallel import thread_env, threads_per_worker  # noqa: E402
 # subprocess_env) and each failed: the study-notebook sweep hung in one, the Voila page's widgets
 # never drew in the other. The sweep's hang is not the share's (its kernels take their own,
 # 1 thread here, either way; it came back once in 78 runs of that test alone beside a 1-thread load,
-# 30 then 48, in the study's cell after its results were written; cause not found yet).
+# 30 then 48, in the study's cell after its results were written; cause not found yet: the test now
+# aborts its kernels past 600 s so that they print their stacks, and the Voila test loads a page
+# whose widgets never drew once more, keeping what the first showed).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _SHARE = min(2, threads_per_worker(_WORKERS))
 torch.set_num_threads(_SHARE)
@@ -196,3 +199,20 @@ def connection_info_notebook(path: Path) -> Path:
                     "open(out, 'w').write(json.dumps(info, default=str))")]
     nbformat.write(nb, path)
     return path
+
+
+def abort_kernels_with_their_stacks() -> int:
+    """SIGABRT every notebook kernel this process started (at any depth); returns how many. Started with
+    PYTHONFAULTHANDLER=1, each writes all its threads' stacks to its stderr as it dies: a hung test's
+    kernels say where they were (pytest-timeout shows only the test's own process)."""
+    import psutil
+
+    aborted = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("ipykernel" in part for part in child.cmdline()):
+                child.send_signal(signal.SIGABRT)
+                aborted += 1
+        except psutil.Error:
+            pass
+    return aborted

@@ -217,17 +217,30 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
         with pw.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            said = []  # the browser's console: a widget manager's error shows there
+            page.on("console", lambda m: said.append(f"{m.type}: {m.text}"))
             try:
-                # a page is a fresh kernel: in one CI run (2026-11-27, the other worker busy) the page's kernel
-                # started and the page never loaded (cause not found); a second page gets a kernel of its own
+                # A page is a fresh kernel. Twice in CI, with the other worker busy, a first page failed
+                # where a person would load it again: on 2026-11-27 its kernel started and the page never
+                # loaded; on 2026-12-01 it loaded, its kernel's websocket closed ("Starting buffering" in
+                # Voila's log) and its widgets never drew (alone the whole test takes 48 s). Causes not
+                # found: a second page, a kernel of its own, is tried once; what the first showed is kept.
                 for attempt in (1, 2):
                     try:
                         page.goto(f"http://127.0.0.1:{port}/voila/render/study1.ipynb?token={token}", timeout=150_000)
+                        page.locator("button.widget-button", has_text="Run").wait_for(
+                            timeout=(150_000, 300_000)[attempt - 1])
                         break
                     except pw.TimeoutError:
                         if attempt == 2:
                             raise
-                page.locator("button.widget-button", has_text="Run").wait_for(timeout=300_000)
+                        page.screenshot(path=str(tmp_path / "first_page.png"))
+                        (tmp_path / "first_page_console.txt").write_text("\n".join(said))
+                        log.flush()
+                        errors = [m for m in said if m.startswith("error") and "ERR_NAME_NOT_RESOLVED" not in m]
+                        print(f"the first page's widgets did not draw (screenshot, console and voila.log in {tmp_path});"
+                              f" its console's errors (the CDN's Font Awesome aside, offline): {errors[-10:]}",
+                              file=sys.stderr)
                 page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=60_000)
                 assert page.locator(".js-plotly-plot").count() >= 3
                 assert page.get_by_text("from_namespace").count() == 0  # an app shows outputs, not code
