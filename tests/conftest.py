@@ -36,8 +36,8 @@ from workbench.core.parallel import thread_env, threads_per_worker  # noqa: E402
 # gained nothing measurable (the ZeRO-Offload test's minutes are DeepSpeed's builds, see
 # subprocess_env) and each failed: the study-notebook sweep hung in one, the Voila page's widgets
 # never drew in the other. The sweep's hang is not the share's (its kernels take their own,
-# 1 thread here, either way; it came back once in 78 runs of that test alone beside a 1-thread load,
-# 30 then 48, in the study's cell after its results were written; cause not found yet: the test now
+# 1 thread here, either way; it came back once in 113 runs of that test alone beside a load, 30, 48
+# and 35, in the study's cell after its results were written; cause not found yet: the test now
 # aborts its kernels past 600 s so that they print their stacks, and the Voila test loads a page
 # whose widgets never drew once more, keeping what the first showed).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

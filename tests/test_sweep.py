@@ -498,8 +498,8 @@ def test_sweep_over_study_notebook(tmp_path, tiny_base, monkeypatch):
             "budget_mib": 13.0, "eval_blocks": 4}
     points = [{**tiny, "seeds": [0]}, {**tiny, "seeds": [1]}]
     out = tmp_path / "sweep"
-    # Once in 78 runs (CI, the other worker busy) this sweep hung in the study's cell after its results
-    # were written, and pytest-timeout's stacks were only this process's. Past 600 s (it takes 50-90 s)
+    # This sweep hung in a whole run of the suite and once in 113 runs of it alone beside a load, in the
+    # study's cell after its results were written; pytest-timeout's stacks were only this process's. Past 600 s (it takes 50-90 s)
     # the kernels are aborted: started with faulthandler on, each writes its threads' stacks into its
     # point's stderr.log, which the failure shows.
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
