@@ -499,9 +499,9 @@ def test_sweep_over_study_notebook(tmp_path, tiny_base, monkeypatch):
     points = [{**tiny, "seeds": [0]}, {**tiny, "seeds": [1]}]
     out = tmp_path / "sweep"
     # This sweep hung in a whole run of the suite and once in 113 runs of it alone beside a load, in the
-    # study's cell after its results were written; pytest-timeout's stacks were only this process's. Past 600 s (it takes 50-90 s)
-    # the kernels are aborted: started with faulthandler on, each writes its threads' stacks into its
-    # point's stderr.log, which the failure shows.
+    # study's cell after its results were written; pytest-timeout's stacks were only this process's.
+    # Past 600 s (it takes 50-90 s) the kernels are aborted: started with faulthandler on, each writes
+    # its threads' stacks into its point's stderr.log, which the failure shows.
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     watchdog = threading.Timer(600, abort_kernels_with_their_stacks)
     watchdog.start()
