@@ -219,6 +219,8 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             said = []  # the browser's console: a widget manager's error shows there
             page.on("console", lambda m: said.append(f"{m.type}: {m.text}"))
+            asked = []  # every address the pages ask for: the server's alone (an offline classroom)
+            page.on("request", lambda r: asked.append(r.url))
             try:
                 # A page is a fresh kernel. Twice in CI, with the other worker busy, a first page failed
                 # where a person would load it again: on 2026-11-27 its kernel started and the page never
@@ -237,10 +239,9 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
                         page.screenshot(path=str(tmp_path / "first_page.png"))
                         (tmp_path / "first_page_console.txt").write_text("\n".join(said))
                         log.flush()
-                        errors = [m for m in said if m.startswith("error") and "ERR_NAME_NOT_RESOLVED" not in m]
+                        errors = [m for m in said if m.startswith("error")]
                         print(f"the first page's widgets did not draw (screenshot, console and voila.log in {tmp_path});"
-                              f" its console's errors (the CDN's Font Awesome aside, offline): {errors[-10:]}",
-                              file=sys.stderr)
+                              f" its console's errors: {errors[-10:]}", file=sys.stderr)
                 page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=60_000)
                 assert page.locator(".js-plotly-plot").count() >= 3
                 assert page.get_by_text("from_namespace").count() == 0  # an app shows outputs, not code
@@ -264,6 +265,16 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
                 page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=120_000)
                 assert page.locator("table.wb-table").count() >= 1
                 page.screenshot(path=str(SHOTS / "voila_ladder_run.png"), full_page=True)
+                # the Run button's icon draws from Voila's own Font Awesome (its lab page linked a CDN's too)
+                assert page.evaluate("document.fonts.check('900 14px \"Font Awesome 5 Free\"')")
+                assert page.evaluate("getComputedStyle(document.querySelector('button.widget-button i.fa-play'),"
+                                     " '::before').content") == '"\uf04b"'
+                page.goto(f"http://127.0.0.1:{port}/?token={token}")  # the address the dashboard prints
+                page.get_by_text("knobs.ipynb").wait_for(timeout=60_000)
+                page.goto(f"http://127.0.0.1:{port}/voila/render/absent.ipynb?token={token}")
+                page.get_by_text("404").first.wait_for(timeout=60_000)
+                assert [u for u in asked if not u.startswith((f"http://127.0.0.1:{port}/", f"ws://127.0.0.1:{port}/",
+                                                                "data:", "blob:"))] == []
             finally:
                 browser.close()
     finally:

@@ -170,3 +170,14 @@ def test_no_module_is_over_400_lines_without_a_reason_in_its_docstring():
         if n > 400 and "over 400 lines" not in doc:
             long.append(f"{module}: {n} lines")
     assert long == []
+
+
+def test_every_file_beside_the_modules_is_named_for_a_wheel():
+    """A built wheel carries a package's .py files and only the others pyproject names: study 3's
+    GPU profiles had been left out of one, as the dashboard's Voila template would be."""
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["workbench"]
+    named = {p for pattern in patterns for p in PACKAGE.glob(pattern) if p.is_file()}
+    others = {p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".py"}
+    assert sorted(str(p.relative_to(PACKAGE)) for p in others - named) == []

@@ -16,7 +16,8 @@ a request's token `[secret]`. Voila is told not to move to another port: a busy 
 error before anything starts, so the printed address is always the server's (a browser sent to a
 moved server's old port would hand the token to whatever listens there). The apps' kernels talk to
 Voila over Unix sockets in its connection folder (mode 0700), not TCP ports on 127.0.0.1, whose
-output stream any user of a shared machine could read.
+output stream any user of a shared machine could read. The pages ask nothing of any other host:
+Voila is given its lab template less the links to Font Awesome on jsdelivr (see TEMPLATES).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ from urllib.parse import quote
 from workbench.core.config import ConfigError
 from workbench.core.results import results_root
 from workbench.front.notebooks import available, kernel_transport
+
+# a Jupyter data folder holding the apps' Voila template, `workbench`: Voila's lab page less its links
+# to Font Awesome on a CDN (an offline classroom's page waited on them; Voila's bundle carries the font)
+TEMPLATES = Path(__file__).with_name("jupyter")
 
 
 def register(sub) -> None:
@@ -89,7 +94,7 @@ def voila_command(folder: Path, port: int) -> list[str]:
     # -P: the working directory (the private config folder, with its voila.py) is not on sys.path,
     # where `-m voila` would import that file as the package
     return [sys.executable, "-P", "-m", "voila", str(Path(folder).resolve()), "--no-browser", "--Voila.ip=127.0.0.1",
-            f"--port={port}", "--Voila.port_retries=0", "--theme=light"]
+            f"--port={port}", "--Voila.port_retries=0", "--theme=light", "--template=workbench"]
 
 
 def private_config(token: str) -> Path:
@@ -117,6 +122,7 @@ def start_voila(folder: Path, port: int, token: str, **popen_kw) -> subprocess.P
     report read as the study's latest result)."""
     config = private_config(token)
     env = {**(popen_kw.pop("env", None) or os.environ), "WORKBENCH_RESULTS": str(Path(folder).absolute() / "results")}
+    env["JUPYTER_PATH"] = os.pathsep.join(filter(None, (str(TEMPLATES), env.get("JUPYTER_PATH"))))
     try:
         proc = subprocess.Popen(voila_command(folder, port), cwd=config, env=env, **popen_kw)
     except BaseException:
