@@ -480,6 +480,16 @@ def test_with_lora_allowed_a_setup_that_keeps_what_trains_comes_first(config):
                     allow_lora=True)
     assert choice.plan.trainable == "full" and any(r["changes_what_trains"] for r in choice.table) is False
     assert autofit.cost(choice.plan.compose("x", "", trainable="lora")) < autofit.cost(choice.plan)
+    # where only LoRA fits (of the setups let run: the one given and LoRA's), it is chosen after the full
+    # fine-tune was predicted and did not fit, and the table says it changes what trains
+    given = choice.given_name  # the setup searched from, at micro-batch 2
+    alone = search(config, _setup(), batch=2, seq=16, budget_mib=10_000, device="cpu", keep=1, margin=0.0,
+                   runnable=lambda p: p.name == given)
+    need = alone.table[0]["need_mib"]
+    lora = search(config, _setup(), batch=2, seq=16, budget_mib=need * 0.98, device="cpu", keep=1, margin=0.0,
+                  allow_lora=True, runnable=lambda p: p.name == given or p.trainable == "lora")
+    assert (lora.table[0]["setup"], lora.table[0]["fits"], lora.table[0]["changes_what_trains"]) == (given, False, False)
+    assert lora.plan.trainable == "lora" and lora.table[-1]["fits"] and lora.table[-1]["changes_what_trains"]
 
 
 def test_a_search_on_the_cpu_offers_no_offload(config):

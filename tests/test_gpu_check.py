@@ -198,6 +198,9 @@ def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(
     here = gc.check_ladder(opts)
     play_cores(monkeypatch, 4)
     calls.clear()
+    # the workers (processes of their own) predict with the real one; here, a prediction is a failure
+    # (a lost or mis-keyed result would be predicted again in process, and the rows still agree)
+    monkeypatch.setattr(gc, "predict", lambda *a, **kw: pytest.fail("a rung was predicted in process"))
     ahead = gc.check_ladder(opts)
     assert (here["options"]["predicted"], ahead["options"]["predicted"]) == ("in this process",
                                                                               "ahead, on 2 Dask workers")
@@ -753,8 +756,8 @@ def test_cap_rows_compare_the_need_less_the_workspaces_and_judge_it_by_the_targe
 def test_gpu_check_on_this_card(tmp_path):
     summary = gc.run_checks(gc.Options(out=tmp_path, model="embedded", tiny=True, seq=64, steps=3))
     assert (tmp_path / "summary.json").exists() and (tmp_path / "trace.json").exists()
-    assert summary["checks"]["strategies"] == "pass", summary["results"]["strategies"]
-    assert summary["checks"]["ladder"] == "pass", summary["results"]["ladder"]["failures"]
+    # every check, not two of them: the split's, the auto-fit's, the cap's and the notebooks' too
+    assert summary["status"] == "pass", {n: summary["results"][n] for n, s in summary["checks"].items() if s != "pass"}
 
 
 def test_study_runs_of_the_check_go_under_its_folder_and_always_rerun(tmp_path, monkeypatch):

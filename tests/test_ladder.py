@@ -1143,9 +1143,14 @@ def test_a_kept_model_is_made_once_and_each_load_is_a_fresh_loads_equal(tmp_path
     assert torch.equal(torch.rand(4), drawn_after_fresh) and len(made) == 1 and load.timings["copies"] == 3
     assert all(torch.equal(got.state_dict()[k], v) for k, v in want.state_dict().items())
     # and a rung trained on a copy is the rung trained on a fresh load: LoRA's adapters drawn alike, the same
-    # loss and the same peak (the copy was changed in place above: each load is made from the kept model)
+    # loss and the same peak (a kept loader of its own: `load` above, dropped, makes each model afresh; its
+    # first copy is changed in place, so the rung's copy is made from the kept model, not from another copy)
     _, _, blocks, _ = runner.model_at_hand(cfg)
-    a, b = (ladder.measure("lora", f, blocks, batch=2, steps=2) for f in (fresh, load))
+    _, copies, _, _ = runner.model_at_hand(cfg, keep=True)
+    with torch.no_grad():
+        copies().model.embed_tokens.weight.mul_(0.5)
+    a, b = (ladder.measure("lora", f, blocks, batch=2, steps=2) for f in (fresh, copies))
+    assert copies.timings["kept"] is True and copies.timings["copies"] == 2  # the rung trained a copy
     assert a["status"] == b["status"] == "ok" and a["loss_after"] == b["loss_after"]
     assert a["measured_peak_bytes"] == b["measured_peak_bytes"]
     # no room on the host for a copy beside the kept model (a 7B config on a 64 GB host): none is kept

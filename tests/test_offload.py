@@ -879,7 +879,7 @@ def test_validation_is_computed_from_inputs_not_copied():
     assert slow["torchao-ao-offload"]["modelled"] > rows["torchao-ao-offload"]["modelled"]
 
 
-def test_plain_adamw_row_measures_k_and_idle():
+def test_plain_adamw_row_reads_k_and_measures_idle():
     """The reference row's idle share is measured (busy spans against the iteration's period). Its k
     is read from where AdamW's state lives, which for this reference is always the accelerator: the
     assertion below checks the reading, and cannot tell it from a k written in."""
@@ -1758,7 +1758,8 @@ def wide_qwen() -> torch.nn.Module:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_pinned_memory_is_the_staging_rings_whatever_the_model(monkeypatch, precision):
     """What the engine would pin on CUDA (counted here with pinning asked for on the CPU): the two
-    staging rings, the same bytes for a 0.1M- and a 6M-parameter model, and for a 7B plan."""
+    staging rings, the same bytes for a 0.1M- and a 6M-parameter model (no engine is built for a 7B
+    model here: its figures below are the old design's per-parameter pinning against the rings' default)."""
 
     pinned = _record_pinned(monkeypatch)
     seen = {}

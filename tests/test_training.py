@@ -120,11 +120,24 @@ def test_labels_are_shifted_once():
     assert math.log(ppl) == pytest.approx(float(manual), rel=1e-5)
 
 
-def test_checkpointing_and_bf16_run():
-    m, blocks = model_and_blocks()
-    r = train(m, blocks, TrainSettings(steps=2, micro_batch=4, grad_checkpointing=True, precision="bf16"))
-    assert math.isfinite(r.final_loss)
-    assert not m.is_activation_checkpointing and m.config.use_cache is True  # put back as it was
+def test_checkpointing_and_bf16_run_as_asked():
+    """Checkpointing runs each layer's forward again in backward, and bf16 autocast makes the
+    projections' outputs bf16: counted from a layer's own calls (a loop that ignored either setting had
+    passed on a finite loss, and the memory tests' predictions run this same loop)."""
+    seen = {}
+    for ckpt, precision in ((False, "fp32"), (True, "bf16"), (False, "bf16")):
+        m, blocks = model_and_blocks()
+        calls, proj = [], m.model.layers[0].mlp.gate_proj
+        # the forward itself, not a forward hook (torch's recomputation in backward calls no module hooks),
+        # of the MLP's first projection (it stops once what backward needs is made again: the last is not)
+        proj.forward = lambda x, forward=proj.forward: calls.append((out := forward(x)).dtype) or out
+        r = train(m, blocks, TrainSettings(steps=2, micro_batch=4, grad_checkpointing=ckpt, precision=precision))
+        assert math.isfinite(r.final_loss)
+        assert not m.is_activation_checkpointing and m.config.use_cache is True  # put back as it was
+        seen[ckpt, precision] = calls
+    forwards = len(seen[False, "fp32"])
+    assert forwards >= 2 and len(seen[True, "bf16"]) == 2 * forwards == 2 * len(seen[False, "bf16"])
+    assert set(seen[False, "fp32"]) == {torch.float32} and set(seen[True, "bf16"]) == {torch.bfloat16}
 
 
 def test_bf16_on_a_card_before_ampere_says_it_is_emulated(monkeypatch):
