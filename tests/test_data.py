@@ -181,7 +181,7 @@ def test_a_user_corpus_holds_out_nothing_the_embedded_base_was_pretrained_on(tmp
     plain = target_corpus(str(folder))
     seen = seen_windows("embedded", str(folder), TINY_SPEC)
     assert [f.name for f in (tmp_path / "cache").iterdir()] == [f"pretraining-windows-{TINY_SPEC.key()}.npy"]
-    assert seen_windows("embedded", None, TINY_SPEC) is None and seen_windows("org/model", str(folder)) is None
+    assert seen_windows("org/model", str(folder)) is None  # a hub model's pretraining text: not at hand
 
     def shares(corpus):
         return sum(bool(_contains(seen, text_windows(d)).any()) for d in corpus.heldout)
@@ -192,6 +192,31 @@ def test_a_user_corpus_holds_out_nothing_the_embedded_base_was_pretrained_on(tmp
     assert shares(held) == 0 and held.overlap.seen_by_model_paragraphs == len(plain.heldout)
     assert np.array_equal(seen_windows("embedded", str(folder), TINY_SPEC), seen)  # read back from the cache
     assert all(d.startswith("file") or d[0].isdigit() for d in held.heldout)  # its own text stays
+
+
+def test_the_default_corpus_is_checked_against_the_bases_pretraining_text_too(tmp_path, monkeypatch):
+    """Study 1's overlap table said the default corpus's held-out text was checked against the embedded
+    base's pretraining text; it was not (only a user's corpus was). It is now, with the window set the
+    base's build writes: a held-out topic planted in that set leaves the held-out text."""
+    import numpy as np
+
+    from workbench.core.data import _contains, text_windows, window_set
+    from workbench.core.models import TINY_SPEC, corpus_for, seen_windows
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    seen = seen_windows("embedded", None, TINY_SPEC)
+    assert len(seen) > 100_000 and (tmp_path / "cache" / f"pretraining-windows-{TINY_SPEC.key()}.npy").exists()
+    ours = corpus_for("embedded", None, TINY_SPEC)
+    assert not any(_contains(seen, text_windows(d)).any() for d in ours.heldout)
+    plain = target_corpus()
+    assert ours.heldout == plain.heldout and ours.train == plain.train  # none shared today: nothing left out
+    # as if the base had been pretrained on one held-out topic: its text leaves the held-out side
+    np.save(tmp_path / "cache" / f"pretraining-windows-{TINY_SPEC.key()}.npy",
+            np.union1d(seen, window_set([plain.heldout[0]])))
+    with pytest.warns(UserWarning, match="share text with what the model was pretrained on"):
+        planted = corpus_for("embedded", None, TINY_SPEC)
+    assert planted.overlap.seen_by_model_paragraphs > 0 and plain.heldout[0] not in planted.heldout
+    assert planted.train == plain.train
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "blank_file", "one_paragraph", "folder_of_one"])

@@ -68,6 +68,8 @@ def test_cache_is_reused_and_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "_build_embedded", lambda *a, **k: (builds.append(1), real_build(*a, **k)))
     path = ensure_embedded_base(spec, progress=False)
     assert cache_is_valid(path) and len(builds) == 1
+    # the build leaves the window set of its pretraining text, which study 1's held-out text is checked against
+    assert (tmp_path / f"pretraining-windows-{spec.key()}.npy").stat().st_size > 1000
     assert ensure_embedded_base(spec, progress=False) == path and len(builds) == 1  # reused
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # a partial write

@@ -141,18 +141,20 @@ def cache_is_valid(path: Path) -> bool:
         return False
 
 
-def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSpec()):
-    """For a user's corpus fine-tuning the embedded base, the window set (data.window_set) of the base's
-    pretraining text, cached beside it (made once: ~20 s); else None (the default corpus is checked at
-    the base's build; a hub model's pretraining text is not known)."""
-    if model != EMBEDDED or not corpus or corpus == EMBEDDED:
+def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSpec(), *, source=None):
+    """For a corpus fine-tuning the embedded base (the default one too), the window set (data.window_set)
+    of the base's pretraining text, cached beside it: the base's build writes it (`source`: its source
+    corpus, at hand there), else it is made once (~45 s for the default base). None for a hub model,
+    whose pretraining text is not known. Until 2026-12-02 the default corpus was not checked, though its
+    overlap table said so (0 of its held-out paragraphs share a window with the base's text)."""
+    if model != EMBEDDED:
         return None
     path = cache_root() / f"pretraining-windows-{spec.key()}.npy"
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError):
         pass
-    windows = window_set(source_corpus(spec.source_mib).train)
+    windows = window_set((source or source_corpus(spec.source_mib)).train)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{os.getpid()}.{path.name}")  # ends in .npy: np.save adds nothing
     np.save(tmp, windows)
@@ -278,7 +280,8 @@ def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
 
     t0 = time.perf_counter()
     source = source_corpus(spec.source_mib)
-    target = target_corpus()
+    target = target_corpus()  # its training text (the tokenizer's): not changed by the check below
+    seen_windows(EMBEDDED, None, spec, source=source)  # what study 1's held-out text is checked against
     # The tokenizer sees both domains' training text (never held-out text).
     tokenizer = train_tokenizer(list(source.train) + list(target.train), spec.vocab_size)
     train_blocks, held_blocks = corpus_blocks(tokenizer, source, spec.seq_len)
