@@ -891,6 +891,24 @@ def test_plain_adamw_row_reads_k_and_measures_idle():
         assert r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["accel_update_ms"] > 0
 
 
+def test_the_reference_trains_at_the_studys_precision():
+    """The reference AdamW had trained in fp32 whatever the study's precision, under the study's label:
+    a bf16 study's all-accelerator speed was an fp32 one. It is mixed precision now: fp32 weights, the
+    forward under autocast (projections' outputs in bf16), counted from a layer's own calls."""
+    base, seen = tiny_qwen(), {}
+    for precision in ("fp32", "bf16"):
+        model, calls = copy.deepcopy(base), []
+        proj = model.model.layers[0].mlp.gate_proj
+        proj.forward = lambda x, forward=proj.forward: calls.append((out := forward(x)).dtype) or out
+        rows = plain_adamw(model, batches(512, 2), HP, precision=precision)
+        assert len(rows) == 2 and {p.dtype for p in model.parameters()} == {torch.float32}
+        seen[precision] = (set(calls), rows[-1]["loss"])
+    assert seen["fp32"][0] == {torch.float32} and seen["bf16"][0] == {torch.bfloat16}
+    assert seen["fp32"][1] != seen["bf16"][1]
+    with pytest.raises(ConfigError, match="fp16 autocast needs a CUDA device"):
+        plain_adamw(copy.deepcopy(base), batches(512, 1), HP, precision="fp16")
+
+
 def test_simulated_schedule_accounts_for_all_work():
     shape = model_shape("qwen2-0.5b", 256)
     m = machine("H100-PCIe", host="AMD-EPYC-7763", host_share=0.8)
@@ -1021,15 +1039,21 @@ def test_a_cards_memory_is_binary():
 def test_the_modelled_card_memory_counts_each_state_once():
     """The regex above takes 149 GiB as well as 168: the figure itself. All on the card: bf16 weights and
     gradients, the fp32 master and Adam's two moments (2 + 2 + 4 + 8 bytes a parameter). Split: the bf16
-    weights, two of the largest layer's bf16 gradients in flight, and 16 bytes (master, fp32 gradient,
-    moments) for the card's share k. Both beside the activations, the loss's logits and the context."""
+    weights, two of the largest layer's bf16 gradients in flight, and for the card's share k what the
+    engine keeps there: master, moments and the bf16 gradient until the update (14 bytes), with one fp32
+    gradient at a time (the largest layer's). Both beside the activations, the loss's logits and the
+    context. The share had been 16 bytes (an fp32 gradient each), 2 more at k = 1 than the same run all
+    on the card."""
     shape = model_shape("llama2-10b", 128)
     n, largest = shape.n_params, max(shape.sizes.values())
     rest = pm.activation_bytes(shape, 8, False) + pm.logits_bytes(shape, 8) + pm.CONTEXT_BYTES
     assert pm.accel_memory_bytes(shape, 8, 1.0, "all-accelerator") == pytest.approx(16 * n + rest, rel=1e-12)
     for k in (0.0, 0.25, 1.0):
-        assert pm.accel_memory_bytes(shape, 8, k, "split") == pytest.approx(2 * n + 4 * largest + 16 * k * n + rest,
-                                                                             rel=1e-12)
+        assert pm.accel_memory_bytes(shape, 8, k, "split") == pytest.approx(
+            2 * n + 4 * largest + 14 * k * n + (4 * largest if k else 0) + rest, rel=1e-12)
+    # at k = 1 the split holds what the all-accelerator run does, and the largest layer's gradients besides
+    assert (pm.accel_memory_bytes(shape, 8, 1.0, "split") - pm.accel_memory_bytes(shape, 8, 1.0, "all-accelerator")
+            == pytest.approx(8 * largest, rel=1e-9))
 
 
 def test_a_modelled_row_says_where_its_host_rate_came_from():
@@ -1322,8 +1346,8 @@ def test_a_run_whose_loss_diverges_is_an_error_row_not_an_ok_one(tmp_path, monke
 
 
 def test_the_reference_and_the_engine_are_held_to_their_own_precision(tmp_path, monkeypatch, tiny_base):
-    """In bf16 the engine's floor is a pure bf16 step, below the fp32 reference's predicted peak:
-    with free memory between the two, only the reference is held back."""
+    """In bf16 the engine's floor is a pure bf16 step, below the reference's predicted peak (AdamW over
+    fp32 weights, bf16 autocast): with free memory between the two, only the reference is held back."""
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     cfg = SplitConfig.from_dict({**TINY, "precision": "bf16", "k_sweep": [0.0, 1.0], "adaptive": False,
                                  "steps": 2, "write_results": False})
@@ -1332,6 +1356,7 @@ def test_the_reference_and_the_engine_are_held_to_their_own_precision(tmp_path, 
     assert 0 < floor < ref
     monkeypatch.setattr(common, "host_free_mib", lambda: (floor + ref) / 2)
     runs = {r["run"]: r for r in measured_runs(cfg)[0]}
+    assert (runs["plain AdamW"]["precision"], runs["plain AdamW"]["backend"]) == ("bf16", "torch")  # fused AdamW
     assert runs["plain AdamW"]["status"] == "skipped" and runs["plain AdamW"]["reason"].startswith(
         f"predicted peak {ref:,.1f} MiB > the {(floor + ref) / 2:,.0f} MiB this machine has free")
     assert runs["k=0"]["status"] == runs["k=1"]["status"] == "ok" and "max_abs_diff_vs_adamw" not in runs["k=0"]

@@ -274,10 +274,11 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         if precision == "fp32":
             out.append((f"The engine trains the same weights as AdamW at every k (largest difference {worst:.2g}), "
                         f"measured on {where}.", ""))
-        else:  # the reference trains in fp32: a 16-bit forward and backward differ from it by themselves
-            out.append((f"In {precision}, the engine's weights differ from plain fp32 AdamW's by at most {worst:.2g} "
-                        f"at every k, measured on {where}. The engine computes in {precision} and the reference in "
-                        "fp32, so this is not a parity check; precision=fp32 is.", ""))
+        else:  # the reference is mixed precision: fp32 weights under autocast, the engine a 16-bit copy
+            out.append((f"In {precision}, the engine's weights differ from plain AdamW's ({precision} autocast over "
+                        f"fp32 weights) by at most {worst:.2g} at every k, measured on {where}. The engine trains a "
+                        f"{precision} copy of its fp32 masters (its gradients {precision} too), so this is not a "
+                        "parity check; precision=fp32 is.", ""))
     verdict = verdict_text(result)
     if verdict:
         out.append((verdict, _seed_band(with_setup=True)))

@@ -296,26 +296,36 @@ def logits_bytes(shape: Shape, batch: int) -> float:
     return 10.0 * batch * shape.seq_len * shape.vocab
 
 
+# a card-side parameter's bytes in the split (engine.SplitEngine on a card): its fp32 master and Adam's
+# two moments, and its bf16 gradient, kept from its backward to the update after backward. Its fp32
+# gradient is made one parameter at a time there (the largest's: 4 bytes a parameter of it, once).
+# Until 2026-12-02 the share was 16 (an fp32 gradient for each): 2 bytes a parameter of k too many,
+# and at k = 1 two more than the all-accelerator run (2 + 2 + 4 + 8) that holds the same.
+ACCEL_SHARE_BYTES = 4 + 8 + 2
+
+
 def accel_memory_bytes(shape: Shape, batch: int, k_actual: float, mode: str, recompute: bool = False) -> float:
-    """Accelerator memory: bf16 weights, the largest layer's gradients in flight, master
-    (fp32) + Adam moments + fp32 gradient for its own share, activations, the loss's logits and the
-    CUDA context (workbench.core.memory.cuda_model's modelled constant)."""
+    """Accelerator memory: bf16 weights, the largest layer's gradients in flight to the host, for the
+    card's own share k its master, Adam moments and bf16 gradient (ACCEL_SHARE_BYTES) and one fp32
+    gradient of the largest layer, activations, the loss's logits and the CUDA context
+    (workbench.core.memory.cuda_model's modelled constant)."""
     n = shape.n_params
     rest = activation_bytes(shape, batch, recompute) + logits_bytes(shape, batch) + CONTEXT_BYTES
     if mode == "all-accelerator":
         return n * (2 + 2 + 4 + 8) + rest
     largest = max(shape.sizes.values())
-    return n * 2 + 2 * largest * 2 + k_actual * n * (4 + 8 + 4) + rest
+    share = k_actual * n * ACCEL_SHARE_BYTES + (4 * largest if k_actual > 0 else 0)
+    return n * 2 + 2 * largest * 2 + share + rest
 
 
 def k_max_for_memory(shape: Shape, batch: int, memory_bytes: float, recompute: bool = False) -> float:
-    """The largest accelerator share whose fp32 master, gradient and Adam state (16 B/param) still
-    fit beside the rest, in whole layers: those `simulate` places there (the last to arrive), so a
-    run at this k fits. 0.0 where even k = 0 does not fit (simulate then says so)."""
-    free = memory_bytes - accel_memory_bytes(shape, batch, 0.0, "split", recompute)
+    """The largest accelerator share whose fp32 master, Adam state and bf16 gradient (ACCEL_SHARE_BYTES)
+    still fit beside the rest and one fp32 gradient, in whole layers: those `simulate` places there (the
+    last to arrive), so a run at this k fits. 0.0 where even k = 0 does not fit (simulate then says so)."""
+    free = memory_bytes - accel_memory_bytes(shape, batch, 0.0, "split", recompute) - 4 * max(shape.sizes.values())
     held = 0
     for name in reversed(shape.arrival_order):  # last_arriving's order
-        if (held + shape.sizes[name]) * 16.0 > free:
+        if (held + shape.sizes[name]) * ACCEL_SHARE_BYTES > free:
             break
         held += shape.sizes[name]
     return held / shape.n_params

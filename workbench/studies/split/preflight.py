@@ -9,7 +9,7 @@ free memory raises no OutOfMemoryError; the OOM killer takes the process).
 
 What is predicted is the plain training step (fused AdamW, everything on one device), simulated
 on fake tensors as study 2 does (workbench.core.memory.predict.simulate): exact for the reference
-run, which is that step in fp32. The engine has no prediction of its own (its threads and staging
+run, which is that step at the study's precision (fp32, or autocast over fp32 weights). The engine has no prediction of its own (its threads and staging
 rings do not run on fake tensors), so it is held to a floor: the plain step at the engine's
 precision, in 16 bits a pure half-precision step (bf16-true). The engine holds at least that much:
 the same batch's activations, its training copy, and an fp32 master, an fp32 gradient buffer and
@@ -72,7 +72,8 @@ class MemoryHold:
         (`k`, `compared`: an engine run's share and whether its masters are compared, on a card)."""
         if self.device.type != "cpu":
             return card_host_floor(kind, k, compared)[0] * self.n_params / MiB
-        precision = "fp32" if kind == "reference" else PLAIN[self.cfg.precision]
+        # the reference: AdamW over fp32 weights, the forward under autocast at the study's precision
+        precision = self.cfg.precision if kind == "reference" else PLAIN[self.cfg.precision]
         if precision not in self._mib:
             plan = rung("fp32").compose(f"split-{precision}", "the plain step", precision=precision)
             report = simulate(self.config, plan, batch=self.cfg.micro_batch, seq=self.cfg.seq_len)

@@ -153,14 +153,15 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     # past the host's free memory a run is killed, not an OutOfMemoryError: held to a prediction (CPU) or floor (card)
     hold = MemoryHold(cfg, base.config, device, shape.n_params)
     ref_w = None
+    # torch's fused AdamW whatever the engine's backend, at the study's precision (mixed: fp32 weights)
+    ref_head = {**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "backend": "torch"}
     if cfg.reference and (why := hold.reason("reference")):
-        runs.append({**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0, "status": "skipped",
-                     "reason": why})
+        runs.append({**ref_head, "status": "skipped", "reason": why})
     elif cfg.reference:
-        head = {**common, "run": "plain AdamW", "mode": "plain AdamW", "k_target": 1.0}
+        head = ref_head
         try:  # on a card too small for the plain step (study 3's case): out of memory, a row
             model = copy.deepcopy(base).to(device)
-            rows = _finite(plain_adamw(model, batches, hp, cfg.max_grad_norm), cfg.lr)
+            rows = _finite(plain_adamw(model, batches, hp, cfg.max_grad_norm, cfg.precision), cfg.lr)
         except Exception as e:
             runs.append({**head, **failure(e)})
         else:
