@@ -988,6 +988,22 @@ def test_bad_config_values_are_refused(bad):
         SplitConfig.from_dict(bad)
 
 
+def test_the_host_update_time_is_the_wall_time_of_its_workers_updates():
+    """With host_workers > 1 the host's updates run side by side: host_update_ms summed their spans,
+    up to that many times the host's time, and the rate k is balanced with (t_update_host) with it."""
+    eng = SplitEngine(tiny_qwen(), hp=HP, k=0.0, host_workers=3)
+    for b in batches(512, 4):
+        eng.step(b)
+    eng.close()
+    sums = []
+    for row in eng.rows:
+        spans = [(e["start_ms"], e["end_ms"]) for e in eng.events
+                 if e["iteration"] == row["iteration"] and e["activity"] == "host update"]
+        assert row["host_update_ms"] == pytest.approx(engine_mod.busy_ms(spans), rel=1e-9, abs=1e-9)
+        sums.append(sum(b - a for a, b in spans) - row["host_update_ms"])
+    assert max(sums) > 0  # three workers' updates did overlap: the sum is more than the wall time
+
+
 def test_threads_0_leaves_torchs_threads_as_the_setting_says(monkeypatch):
     """threads' help (the shared vocabulary) says 0 leaves them as set; study 3 refused 0."""
     from workbench.studies.split import runner

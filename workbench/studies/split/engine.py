@@ -51,9 +51,10 @@ updates as if the step were clean and unclipped. After backward the main thread 
   weights are sent back; layers not yet updated skip; no layer's weights change;
 - clip (global norm > max_grad_norm): every speculated layer is restored and updated again with
   its gradient times the clip coefficient; later layers use the coefficient directly.
-The result is exact: the same bits as `clip_grad_norm_` + `torch.optim.AdamW` in fp32 (the
-norm is computed as `clip_grad_norm_` computes it: per-tensor norms, stacked in
-`model.parameters()` order). The trade-off: a clipped step redoes the host's speculated updates
+The result is exact on the CPU: the same bits as `clip_grad_norm_` + `torch.optim.AdamW` in fp32
+(the norm is computed as `clip_grad_norm_` computes it: per-tensor norms, stacked in
+`model.parameters()` order; on CUDA `clip_grad_norm_` takes them with one fused `_foreach_norm`,
+summed in another order, so there the norm may differ in its last bits). The trade-off: a clipped step redoes the host's speculated updates
 after backward (serial: a clipped step is about as slow as no overlap at all), and every step
 copies 12 bytes per speculated parameter. With clipping off and bf16/fp32, nothing is speculated.
 
@@ -700,7 +701,9 @@ class SplitEngine:
         for e, (*_, redo) in zip(ev, it.host_events):
             if e[0] == "host update":
                 (upd if redo or e[1] not in redo_ends else undone).append(e)
-        host_upd_s = sum(e[3] - e[2] for e in upd) / 1e3
+        # their wall time: with host_workers > 1 updates run side by side, and a sum of their spans had
+        # counted the host's time up to that many times over (a slower host, k pushed up)
+        host_upd_s = busy_ms([(e[2], e[3]) for e in upd]) / 1e3
         # done when backward ended: the update that was kept (an undone speculation is not done; its redo is)
         done_before = (sum(e[4] for e in upd if e[1] not in redo_ends and e[3] <= bwd_end)
                        + sum(n for b, n in redo_ends.values() if b <= bwd_end))
