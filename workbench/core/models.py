@@ -142,11 +142,9 @@ def cache_is_valid(path: Path) -> bool:
 
 
 def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSpec(), *, source=None):
-    """For a corpus fine-tuning the embedded base (the default one too), the window set (data.window_set)
-    of the base's pretraining text, cached beside it: the base's build writes it (`source`: its source
-    corpus, at hand there), else it is made once (~45 s for the default base). None for a hub model,
-    whose pretraining text is not known. Until 2026-12-02 the default corpus was not checked, though its
-    overlap table said so (0 of its held-out paragraphs share a window with the base's text)."""
+    """For a corpus fine-tuning the embedded base (the default one too: until 2026-12-02 only a user's),
+    the window set (data.window_set) of the base's pretraining text, cached beside it: written by the
+    base's build (`source`: its corpus), else made once (~45 s). None for a hub model (text not known)."""
     if model != EMBEDDED:
         return None
     path = cache_root() / f"pretraining-windows-{spec.key()}.npy"
@@ -276,7 +274,6 @@ def embedded_config(spec: EmbeddedSpec = EmbeddedSpec(), vocab_size: int | None 
 def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
     from tqdm.auto import tqdm
     from transformers import Qwen2ForCausalLM
-
 
     t0 = time.perf_counter()
     source = source_corpus(spec.source_mib)

@@ -158,17 +158,16 @@ def measured_runs(cfg: SplitConfig, sinks: Iterable[Sink] = (),
     if cfg.reference and (why := hold.reason("reference")):
         runs.append({**ref_head, "status": "skipped", "reason": why})
     elif cfg.reference:
-        head = ref_head
         try:  # on a card too small for the plain step (study 3's case): out of memory, a row
             model = copy.deepcopy(base).to(device)
             rows = _finite(plain_adamw(model, batches, hp, cfg.max_grad_norm, cfg.precision), cfg.lr)
         except Exception as e:
-            runs.append({**head, **failure(e)})
+            runs.append({**ref_head, **failure(e)})
         else:
             ref_w = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
             for r in rows:
                 steps.append({**r, "run": "plain AdamW", "mode": "plain AdamW", "source": "measured"})
-            runs.append({**head, "status": "ok", **_summary(rows, cfg.untimed_steps),
+            runs.append({**ref_head, "status": "ok", **_summary(rows, cfg.untimed_steps),
                          "ppl_after": heldout_ppl(model, held)})
         model = None  # the card's memory for the runs after it
         release(device)
