@@ -246,9 +246,14 @@ def test_the_shown_summary_gives_the_improvement_in_percent():
     # the trainable share's denominator beside it: LoRA's is the model with its adapters (the others', the base)
     lora = runs.assign(trainable_params=32_768, total_params=214_080, trainable_share=32_768 / 214_080)
     shown = summary_table(StudyResult("strategies", runs=lora, tables={"summary": summarize(lora)}))
-    assert list(shown.columns[3:6]) == ["trainable_params", "total_params", "trainable (%)"], list(shown.columns)
+    assert list(shown.columns[4:7]) == ["trainable_params", "total_params", "trainable (%)"], list(shown.columns)
     assert shown.loc[0, "total_params"] == 214_080
     assert not [c for c in shown.columns if c.startswith("improvement") and "(%)" not in c]
+    # seeds that finished apart: the means mix a card's and the CPU's figures, and the table says where each
+    # finished (device_history is the first seed's alone)
+    apart = runs.assign(device=["cuda@2", "cpu"])
+    shown = summary_table(StudyResult("strategies", runs=apart, tables={"summary": summarize(apart)}))
+    assert shown.loc[0, "devices"] == "cpu, cuda@2" and shown.loc[0, "device_history"] == "cpu: ok"
 
 
 def test_the_summary_aggregates_each_column_over_the_seeds_that_finished():

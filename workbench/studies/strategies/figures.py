@@ -65,8 +65,10 @@ def overlap_table(result: StudyResult) -> pd.DataFrame:
     return rounded(ov[[c for c in cols if c in ov]])
 
 
-SUMMARY_COLUMNS = ["strategy", "statuses", "device_history", "trainable_params", "total_params", "trainable_share",
-                   "ppl_before", "ppl_after_mean", "ppl_after_std", "improvement_mean_pct", "improvement_std_pct",
+# devices: where each seed's run finished (the means below mix them where they differ; device_history is
+# the first seed's path there)
+SUMMARY_COLUMNS = ["strategy", "statuses", "devices", "device_history", "trainable_params", "total_params",
+                   "trainable_share", "ppl_before", "ppl_after_mean", "ppl_after_std", "improvement_mean_pct", "improvement_std_pct",
                    "train_seconds", "tokens_per_s", "peak_mem_mib", "peak_is", "seeds"]
 
 
@@ -153,7 +155,9 @@ def peaks_tag(runs: pd.DataFrame) -> str:
     where = "GPU" if devices.str.startswith("cuda").any() else "CPU"
     tag = (f'<span class="tag measured">measured</span> on this machine ({where}); budgets on the CPU are played, '
            "not a real GPU. A CUDA budget caps the allocator's reserved memory (fragmentation included); a CPU budget "
-           "counts live tensor bytes, a played card's (cpu@N:cuda) its modelled allocator's reserved bytes")
+           "counts live tensor bytes, a played card's (cpu@N:cuda) its modelled allocator's reserved bytes. A CPU run's "
+           "speed is taken with that count running (how its peak is measured; about 1.3x slower than the bare loop, "
+           "benchmarks/loop_overhead.py's live_bytes_hook_overhead)")
     said = []
     for device in sorted(set(devices)):
         kind, _, what = peak_is(device).partition(": ")
