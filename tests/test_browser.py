@@ -341,7 +341,12 @@ def test_the_dashboards_apps_write_apart_and_its_address_carries_any_token(tmp_p
     monkeypatch.setattr(dashboard.subprocess, "Popen", Server)
     proc = start_voila(tmp_path / "apps", 8866, "t-0123", env={"PATH": "/bin"})
     shutil.rmtree(proc.config_dir)
-    assert seen["env"] == {"PATH": "/bin", "WORKBENCH_RESULTS": str(tmp_path / "apps" / "results")}
+    # JUPYTER_PATH: where Voila finds the apps' template (its lab page less the CDN's links), before any of yours
+    assert seen["env"] == {"PATH": "/bin", "WORKBENCH_RESULTS": str(tmp_path / "apps" / "results"),
+                           "JUPYTER_PATH": str(dashboard.TEMPLATES)}
+    proc = start_voila(tmp_path / "apps", 8866, "t-0123", env={"PATH": "/bin", "JUPYTER_PATH": "/mine"})
+    shutil.rmtree(proc.config_dir)
+    assert seen["env"]["JUPYTER_PATH"] == f"{dashboard.TEMPLATES}{os.pathsep}/mine"
     monkeypatch.setattr(dashboard, "prepare", lambda quick: tmp_path / "apps")
     monkeypatch.setenv("WORKBENCH_TOKEN", "my tok&en#1")
     assert dashboard.main(argparse.Namespace(port=free_port(), prepare_only=False, quick=True)) == 0
