@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import subprocess_env
+from tests.conftest import subprocess_env, unavailable_here
 from workbench.cli import main
 from workbench.core import common
 from workbench.core.common import dist_backend, single_process_env
@@ -313,9 +313,10 @@ def test_fp16_scale_doubles_after_2000_good_steps():
     eng.close()
 
 
-@pytest.mark.skipif(backend_status("deepspeed") != "ok", reason=backend_status("deepspeed"))
 def test_deepspeed_cpu_adam_backend_close_to_adamw():
     """DeepSpeedCPUAdam is another kernel (SIMD, its own op order): 1% of one step, as above."""
+    if backend_status("deepspeed") != "ok":
+        unavailable_here("deepspeed", backend_status("deepspeed"))
     base, data = tiny_gpt2(), batches(100)
     ref_w, _ = reference(copy.deepcopy(base), data)
     eng, _ = run_engine(copy.deepcopy(base), data, k=0.5, backend="deepspeed")
@@ -332,7 +333,7 @@ def test_adam_state_moved_between_backends_keeps_its_step(backend):
     from workbench.studies.split.adam import ParamAdam
 
     if backend_status(backend) != "ok":
-        pytest.skip(backend_status(backend))
+        unavailable_here(backend, backend_status(backend))
     state = {"step": 3, "exp_avg": torch.full((4,), 0.5), "exp_avg_sq": torch.full((4,), 2.0)}
     adam = ParamAdam(torch.zeros(4), HP, backend)
     adam.import_state(state)

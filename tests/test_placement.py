@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import subprocess_env, tiny_config
+from tests.conftest import subprocess_env, tiny_config, unavailable_here
 from workbench.core.memory import allocator
 from workbench.core.memory.accounting import EMPTY_CACHE
 from workbench.core.memory.meta import build_meta_model
@@ -279,7 +279,7 @@ def test_zero2_replay_holds_the_buffers_deepspeed_allocates(llama, precision, si
     assert proc.returncode == 0, proc.stderr[-2000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
     if "unavailable" in ds:
-        pytest.skip(f"DeepSpeed cannot initialise here: {ds['unavailable']}")
+        unavailable_here("deepspeed", f"DeepSpeed cannot initialise here: {ds['unavailable']}")
     meta = build_meta_model(llama)
     n = sum(p.numel() for p in meta.parameters())
     largest = max(p.numel() for p in meta.parameters())

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import transformers as T
 
-from tests.conftest import subprocess_env, tiny_config
+from tests.conftest import subprocess_env, tiny_config, unavailable_here
 from tests.zero3_trace import recording
 from workbench.core.memory import allocator
 from workbench.core.memory import zero3
@@ -79,7 +79,7 @@ def _real_zero3(accum: int) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = json.loads(proc.stdout.strip().splitlines()[-1])
     if "unavailable" in ds:
-        pytest.skip(f"DeepSpeed cannot initialise here: {ds['unavailable']}")
+        unavailable_here("deepspeed", f"DeepSpeed cannot initialise here: {ds['unavailable']}")
     return ds
 
 
@@ -275,7 +275,7 @@ def test_zero3s_model_is_partitioned_on_the_host_before_the_engine_and_trains_as
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[on_host] = json.loads(proc.stdout.strip().splitlines()[-1])
         if "unavailable" in runs[on_host]:
-            pytest.skip(f"DeepSpeed cannot initialise here: {runs[on_host]['unavailable']}")
+            unavailable_here("deepspeed", f"DeepSpeed cannot initialise here: {runs[on_host]['unavailable']}")
     new, old = runs["1"], runs["0"]
     assert old["moved"] and not old["before"][0][0]  # the engine moves a model it partitions itself
     assert new["moved"] == []  # and leaves one partitioned before it where it is
