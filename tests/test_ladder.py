@@ -901,6 +901,10 @@ def test_a_rung_that_measured_nothing_runs_again_as_the_machine_is_now(tmp_path,
             m.setattr(runner, "measure", lambda name, *a, **kw: {"status": status, "reason": "played"})
         busy = run_ladder(cfg).runs.set_index("rung")
     assert busy.loc["fp32", "status"] == status
+    # runs.csv's row (a sweep stacks these) says error where every rung did, as summary.json does; it said ok
+    row = pd.read_csv(tmp_path / "ladder" / "runs.csv").set_index("run_id").loc[cfg.run_id()]
+    summary = json.loads((tmp_path / "ladder" / cfg.run_id() / "summary.json").read_text())
+    assert row["status"] == summary["status"] == ("error" if status == "error" else "ok")
     free = run_ladder(cfg).runs.set_index("rung")
     assert free.loc["fp32", "status"] == "ok" and "reused" not in free  # measured, not read back
     assert run_ladder(cfg).runs.set_index("rung").loc["fp32", "reused"]  # a rung that measured is reused

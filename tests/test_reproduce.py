@@ -98,6 +98,34 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     assert log["notebooks"][2] == third
 
 
+def test_a_notebook_whose_every_run_was_skipped_is_an_error_not_ok(tiny_base, results_dir, monkeypatch, capsys):
+    """A study notebook runs to its end where every run is skipped or fails (each a row saying why):
+    reproduce had called it ok and exited 0, where `workbench strategies` exits 1. Played: the notebook's
+    cell is the study run in process, first on a device this machine lacks (every run skipped), then here."""
+    from workbench.front import reproduce
+    from workbench.studies.strategies.config import StrategiesConfig
+    from workbench.studies.strategies.runner import run_strategies
+
+    devices = ["cuda"]
+
+    def run(path, params, out, progress=None):
+        run_strategies(StrategiesConfig(base_size="tiny", strategies=("bitfit",), seeds=(0,), seq_len=32,
+                                        token_budget=512, eval_blocks=2, devices=tuple(devices)))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("{}")
+
+    monkeypatch.setattr(reproduce, "run_notebook", run)
+    assert main(["reproduce", "--quick", "--only", "01_strategies", "--no-report"]) == 1
+    (row,) = json.loads((results_dir / "reproduce.json").read_text())["notebooks"]
+    assert row["status"] == "error" and row["error"].startswith("no run finished: every run was skipped or failed")
+    assert row["output"] == str(results_dir / "notebooks" / "01_strategies.ipynb")  # kept: its table says why
+    assert "[01_strategies] no run finished" in capsys.readouterr().err
+    devices[:] = ["cpu"]
+    assert main(["reproduce", "--quick", "--only", "01_strategies", "--no-report"]) == 0
+    (row,) = json.loads((results_dir / "reproduce.json").read_text())["notebooks"]
+    assert row["status"] == "ok" and row["error"] is None
+
+
 def test_quick_runs_each_notebook_on_its_quick_parameters(results_dir, monkeypatch):
     """Nothing but the slow headless run held --quick to the notebooks' quick parameters (a fault audit:
     with them ignored, `reproduce --quick` would run the full study, about 25 minutes)."""

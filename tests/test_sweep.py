@@ -378,6 +378,32 @@ def test_a_notebook_records_without_importing_torch_or_pandas():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_a_point_whose_every_run_was_skipped_is_an_error_not_ok(tmp_path, monkeypatch, tiny_base):
+    """A study notebook runs to its end where every run is skipped or fails: its point had read ok (and
+    was never run again). Read from the point's own results. Played: the notebook's cell is the study
+    run in process, first on a device this machine lacks (every run skipped), then here."""
+    from workbench.studies.strategies.config import StrategiesConfig
+    from workbench.studies.strategies.runner import run_strategies
+
+    def run(path, params, out, **kw):
+        run_strategies(StrategiesConfig(base_size="tiny", strategies=("bitfit",), seeds=(0,), seq_len=32,
+                                        token_budget=512, eval_blocks=2, devices=tuple(params["devices"])))
+        Path(out).write_text("{}")
+
+    monkeypatch.setattr(sweep, "run_notebook", run)
+    for devices, want in ((["cuda"], "error"), (["cpu"], "ok")):
+        point = tmp_path / devices[0]
+        point.mkdir()
+        (point / "point.json").write_text(json.dumps({"notebook": str(ROOT / "notebooks" / "01_strategies.ipynb"),
+                                                      "parameters": {"devices": devices}}))
+        status = sweep.run_point(point)
+        assert status["status"] == want, status
+        assert (point / "results" / "strategies" / "runs.csv").exists()  # the point's own results were read
+    assert status["error"] is None
+    assert json.loads((tmp_path / "cuda" / "status.json").read_text())["error"].startswith(
+        "no run finished: every run was skipped or failed")
+
+
 def test_timeout_counts_the_whole_run(tmp_path, monkeypatch):
     """papermill's timeout is per cell: a run of short cells that passes --timeout is stopped too
     (its kernel killed), and is an error row."""

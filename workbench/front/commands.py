@@ -25,7 +25,7 @@ from workbench.core.charts import Table
 from workbench.core.common import stdout_to_stderr
 from workbench.core.config import ConfigError
 from workbench.core.results import results_root
-from workbench.front.notebooks import STUDIES, StudyNotebook
+from workbench.front.notebooks import STUDIES, StudyNotebook, nothing_ran
 from workbench.front.sweep_points import parse_value
 from workbench.studies.split.figures import operating_point_table
 from workbench.studies.split.perf_model import measure_here, published_operating_point, seed_verdict
@@ -140,16 +140,3 @@ def main(args) -> int:
         run_dir = f"; this run's files in {result.paths['run_dir']}" if "run_dir" in result.paths else ""
         print(f"workbench {args.command}: results in {results_root() / result.study}{run_dir}", file=sys.stderr)
     return 1 if nothing_ran(result.runs, measure=getattr(cfg, "measure", True)) else 0
-
-
-def nothing_ran(runs, measure: bool = True) -> bool:
-    """Whether a study asked to run found no run that finished (ok, or fallback to another device), of those it
-    ran here (study 3's measured rows: its modelled ones are no run; the ladder: every rung failed). A study
-    whose every run was skipped (`devices=[cuda]` without one) had exited 0 after "No strategy finished a run"."""
-    if "status" not in runs or not measure:  # a ladder of predictions alone (measure=False) runs nothing
-        return False
-    if "role" in runs:  # the ladder predicts first: a rung too big to measure here (a 7B config's) is skipped,
-        hand = runs[runs["role"] == "at hand"]["status"]  # no failure; it fails where every rung at hand failed
-        return len(hand) > 0 and bool((hand == "error").all())
-    runs = runs[runs["source"] == "measured"] if "source" in runs else runs
-    return len(runs) > 0 and not runs["status"].isin(["ok", "fallback"]).any()

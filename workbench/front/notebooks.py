@@ -321,6 +321,31 @@ def failure(e: BaseException) -> tuple[str, str | None]:
     return one_line(e), (f"{type(e).__name__}: {text}" if "\n" in text else None)
 
 
+def nothing_ran(runs, measure: bool = True) -> bool:
+    """Whether a study asked to run found no run that finished (ok, or fallback to another device), of those it
+    ran here (study 3's measured rows: its modelled ones are no run; the ladder: every rung failed). A study
+    whose every run was skipped (`devices=[cuda]` without one) had exited 0 after "No strategy finished a run"."""
+    if "status" not in runs or not measure:  # a ladder of predictions alone (measure=False) runs nothing
+        return False
+    if "role" in runs:  # the ladder predicts first: a rung too big to measure here (a 7B config's) is skipped,
+        hand = runs[runs["role"] == "at hand"]["status"]  # no failure; it fails where every rung at hand failed
+        return len(hand) > 0 and bool((hand == "error").all())
+    runs = runs[runs["source"] == "measured"] if "source" in runs else runs
+    return len(runs) > 0 and not runs["status"].isin(["ok", "fallback"]).any()
+
+
+def no_run_finished(name: str, params: dict[str, Any]) -> str | None:
+    """For the notebook `name` just run with `params`: why none of its study's runs finished, read from the
+    results it wrote (under results_root()); None where one did, or for a notebook of no study. A notebook
+    whose every run was skipped or failed runs to its end (each is a row, with why): `reproduce` and
+    `sweep` had called it ok, where `workbench STUDY` exits 1 (`nothing_ran`)."""
+    nb = STUDIES.get(name)
+    result = nb.load() if nb is not None else None
+    if result is None or not nothing_ran(result.runs, measure=params.get("measure", True)):
+        return None
+    return "no run finished: every run was skipped or failed (the executed notebook's runs table says why)"
+
+
 if __name__ == "__main__":  # python -m workbench.front.notebooks: regenerate notebooks/
     for written in write_notebooks():
         print("wrote", written)

@@ -23,7 +23,7 @@ from pathlib import Path
 from workbench.core.config import ConfigError
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, embedded_metrics, ensure_embedded_base
 from workbench.core.results import atomic_write_json, check_folder, environment, now, results_root
-from workbench.front.notebooks import available, failure, find, run_notebook
+from workbench.front.notebooks import available, failure, find, no_run_finished, run_notebook
 from workbench.front.report import write_report
 
 
@@ -99,6 +99,10 @@ def main(args) -> int:
             run_notebook(nb.path, params, partial, progress=f"[{nb.name}] cells")
             os.replace(partial, out)
             out.with_name(f"{nb.name}.failed.ipynb").unlink(missing_ok=True)  # an earlier failure's
+            if error := no_run_finished(nb.name, params):  # it ran to its end, each run a row saying why
+                failed += 1
+                status = "error"
+                print(f"[{nb.name}] {error}", file=sys.stderr, flush=True)
         except Exception as e:  # a failing notebook is reported; the others still run
             failed += 1
             status, (error, trace) = "error", failure(e)

@@ -88,11 +88,10 @@ from workbench.core.common import environ
 from workbench.core.config import ConfigError, check_scheduler
 from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, now, results_root
-from workbench.front.notebooks import STUDIES, failure, run_notebook
+from workbench.front.notebooks import STUDIES, failure, no_run_finished, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
-from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, load_grid,
-                                          plan, points_from_options, read_status, resolve_notebook, set_aside, study_of,
-                                          write_tables)
+from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, load_grid, plan,
+                                          points_from_options, read_status, resolve_notebook, set_aside, study_of, write_tables)
 
 SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
 SWEEP_CALL_ENV = "WORKBENCH_SWEEP_CALL"  # and the sweep call's id (what a stop abandons)
@@ -180,6 +179,7 @@ def _run(point_dir: Path, env: dict[str, str] | None, call: str | None) -> dict[
         watchdog.start()
         try:
             run_notebook(spec["notebook"], spec["parameters"], partial, cwd=point_dir, timeout_s=timeout_s)
+            error = no_run_finished(stem, spec["parameters"])  # read from the point's results
         except Exception as e:  # a cell's error, a dead kernel, a cell timeout: this run failed
             error, trace = failure(e)
         finally:

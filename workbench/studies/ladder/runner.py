@@ -315,13 +315,14 @@ def _run_ladder(cfg: LadderConfig, sinks: list[Sink], progress: bool, device, re
     autofit_ran = fit_rows[-1]["ran"] if fit_rows else None
     # where auto-fit's run trained (study 1's `device` is where its run finished): the setting where none did
     ran_on = fit_rows[-1].get("device") if autofit_ran else cfg.device
-    run.write_summary({"status": "error" if statuses == {"error"} else "ok", "rungs": len(cfg.rungs),
+    status = "error" if statuses == {"error"} else "ok"  # runs.csv's too (it had said ok whatever summary.json said)
+    run.write_summary({"status": status, "rungs": len(cfg.rungs),
                        "measured_ok": measured_ok, "autofit_ran": autofit_ran,
                        "autofit_device": device})
     # runs.csv: one row per ladder run, with its figures (a sweep stacks these rows, one per point);
     # a run with the same settings replaces its earlier row. Its `device` is where auto-fit's run trained.
     writer.update_runs([{**{k: json.dumps(v) if isinstance(v, list) else v for k, v in cfg.to_dict().items()},
-                         "device": ran_on, "run_id": cfg.run_id(), "status": "ok", "measured_ok": measured_ok,
+                         "device": ran_on, "run_id": cfg.run_id(), "status": status, "measured_ok": measured_ok,
                          "autofit_ran": autofit_ran, **_figures_of(df)}])
     steps = read_steps(run.path / "steps.jsonl") if (run.path / "steps.jsonl").exists() else pd.DataFrame()
     return StudyResult(STUDY, runs=df, steps=steps, tables={k: v for k, v in tables.items() if k != "ladder"},
