@@ -173,10 +173,11 @@ def test_the_committed_card_records_give_every_simulated_placement_its_reserved_
     assert {r["placement"] for r in rows} >= {"device", "zero_offload", "device_map", "zero_offload_params"}
     post_hoc = [r for r in rows if "re-predicted" in r["record"]]
     day = [r for r in rows if r["record"] == "h200-2026-11-30, predicted before the card ran it"]
-    assert len(post_hoc) + len(day) == len(rows) and len(day) == 14
+    # 13: bf16_ckpt_accum, run at --batch 1 (one micro-batch: bf16_ckpt's step), is not evidence of its own
+    assert len(post_hoc) + len(day) == len(rows) and len(day) == 13 and "bf16_ckpt_accum" not in {r["rung"] for r in rows}
     for placement in ("device", "zero_offload", "device_map", "zero_offload_params"):
         assert reserved_shortfall(placement, post_hoc)[0] < 5 and reserved_shortfall(placement, day)[0] < 5
-    assert reserved_shortfall("device", day)[0] < 0.1  # thirteen of fourteen within 0.1%, before the card ran them
+    assert reserved_shortfall("device", day)[0] < 0.1  # no device rung under by 0.1%, before the card ran them
     pct, why = reserved_shortfall("zero_offload", day)
     assert pct == pytest.approx(3.23, abs=0.01) and "predicted before the card ran it" in why
     assert reserved_shortfall("zero_offload_params", day) == (0.0, "reserved peak never below the card's "

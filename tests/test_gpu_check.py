@@ -211,6 +211,29 @@ def test_the_ladder_predictions_made_ahead_on_workers_are_those_made_in_process(
     assert calls == [("measure", "bf16", False), ("measure", "zero_offload", False)]  # none predicted here
 
 
+def test_a_rung_that_accumulates_runs_at_a_batch_it_splits(monkeypatch, tmp_path):
+    """At gpu-check's --batch 1, bf16_ckpt_accum had run one micro-batch of 1: bf16_ckpt's step, its
+    figures to the MiB in every card record, shown as a rung of its own. It runs at its accumulation's
+    batch now (4 micro-batches of 1), predicted at that batch too; each row says its batch."""
+    from conftest import tiny_config
+
+    calls, seen = [], []
+    _fake_card(monkeypatch, calls)
+    fake = gc.measure
+    monkeypatch.setattr(gc, "measure", lambda name, load, blocks, **kw: seen.append((name, kw["batch"])) or fake(
+        name, load, blocks, **kw))
+    predicted = []
+    monkeypatch.setattr(gc, "predict", lambda config, name, **kw: predicted.append((name, kw["batch"])) or
+                        gpu_cap.predict(config, name, **kw))
+    monkeypatch.setattr(gc, "model_at_hand", lambda cfg, **kw: (tiny_config("qwen2"), lambda: None,
+                                                          torch.zeros(8, 32, dtype=torch.long), None))
+    out = gc.check_ladder(gc.Options(out=tmp_path, rungs=("bf16_ckpt", "bf16_ckpt_accum"), seq=32, steps=2, batch=1))
+    assert seen == predicted == [("bf16_ckpt", 1), ("bf16_ckpt_accum", 4)]
+    rows = {r["rung"]: r for r in out["rows"]}
+    assert (rows["bf16_ckpt"]["batch"], rows["bf16_ckpt"]["micro_batches"]) == (1, 1)
+    assert (rows["bf16_ckpt_accum"]["batch"], rows["bf16_ckpt_accum"]["micro_batches"]) == (4, 4)
+
+
 def test_the_card_s_attention_kernels_are_counted_beside_the_prediction_s_and_a_difference_fails(monkeypatch,
                                                                                                   tmp_path):
     """The model claims the kernel torch picks on the card (cuDNN's, flash, memory-efficient or math: each

@@ -19,12 +19,10 @@ Without CUDA it says so in one line and exits 0. On a CUDA machine it runs, in m
   `studies/ladder/gpu_autofit.py`; study 3's engine: `studies/split/gpu_check.py`; the notebooks and
   the memory monitor's cost: `front/gpu_programs.py`); versions and the card.
 Results: results/gpu_check/{summary.json, report.md (rewritten after every check), trace.json,
-memory_snapshot.pickle, notebooks/, runs/ (runs/notebooks/<notebook>/: the notebooks check's)}.
-Two H200 runs: data/measured/h200-2026-11-22/, -11-26/.
-
-The logic (rows, errors, thresholds, verdicts, the summary and the report) is pure functions in
-front/gpu_report.py, tested on the CPU with fabricated measurements (tests/test_gpu_check.py);
-the functions here marked "CUDA" are the thin layer that measures.
+memory_snapshot.pickle, notebooks/, runs/ (runs/notebooks/<notebook>/: the notebooks check's)}. Three H200
+runs: data/measured/h200-2026-11-22/, -11-26/, -11-30/. The logic (rows, errors, thresholds, verdicts, the
+summary and the report) is pure functions in front/gpu_report.py, tested on the CPU with fabricated
+measurements (tests/test_gpu_check.py); the functions here marked "CUDA" are the thin layer that measures.
 """
 
 from __future__ import annotations
@@ -199,8 +197,10 @@ def check_ladder(opts: Options) -> dict[str, Any]:
     fresh = can_release_workspaces()  # release_held below, before each rung's measurement
     names = opts.rungs or gpu_rungs(RUNGS)
     first = names[0] if RUNGS[names[0]].placement == "device" else None  # else each held rung after itself
+    # a rung that accumulates at a batch it splits: at --batch 1 bf16_ckpt_accum ran bf16_ckpt's step (1 micro-batch)
+    batch = {name: max(opts.batch, RUNGS[name].accum) for name in names}
     # beside the prediction of the step it runs: plain unless --counted (the live-bytes count); loaded as measure() loads
-    items = {name: (config, name, dict(batch=opts.batch, seq=opts.seq, n_blocks=len(blocks), device="cuda", card=here,
+    items = {name: (config, name, dict(batch=batch[name], seq=opts.seq, n_blocks=len(blocks), device="cuda", card=here,
                                        instrumented=opts.counted and name not in OFFLOADED, replay_steps=opts.steps,
                                        load="host", **({"workspaces": "fresh"} if fresh or name == names[0] else
                                                        {"workspaces": "held", "after": first})))
@@ -228,7 +228,7 @@ def check_ladder(opts: Options) -> dict[str, Any]:
                 before, held = mon.sample().get("nvml_used_mib"), torch.cuda.memory_reserved(opts.device)
                 # what it may take: others' use, the context and what this process holds live out
                 room = card_free_now(opts.device).usable_bytes - torch.cuda.memory_allocated(opts.device)
-                m = {**measure(name, load, blocks, batch=opts.batch, steps=opts.steps, device=opts.device,
+                m = {**measure(name, load, blocks, batch=batch[name], steps=opts.steps, device=opts.device,
                                counted=opts.counted), "free_before_bytes": room, "reserved_before_bytes": held,
                      "attention_kernels": kernels}  # the kernel torch picked for each attention call
             if before is not None:
@@ -237,12 +237,11 @@ def check_ladder(opts: Options) -> dict[str, Any]:
         except Exception as e:
             m, tracebacks[f"{name} measurement"] = {"status": "error", "reason": one_line(e)}, traceback.format_exc(limit=-12)
         rows.append(rung_row(name, p, m, nvml))
+    rows = [{**r, "batch": batch[r["rung"]], "micro_batches": RUNGS[r["rung"]].split(batch[r["rung"]])[1]} for r in rows]
     torch.cuda.synchronize(opts.device)
-    before_gc = torch.cuda.memory_allocated(opts.device)
-    gc.collect()
+    before_gc, _ = torch.cuda.memory_allocated(opts.device), gc.collect()
     # what the rungs left on the card: held by cycles until a collection, or still referenced
-    left = {"left_allocated_before_gc_bytes": before_gc,
-            "left_allocated_after_gc_bytes": torch.cuda.memory_allocated(opts.device)}
+    left = {"left_allocated_before_gc_bytes": before_gc, "left_allocated_after_gc_bytes": torch.cuda.memory_allocated(opts.device)}
     options = {"model": opts.model, "batch": opts.batch, "seq": opts.seq, "steps": opts.steps, "counted": opts.counted,
                "predicted": how, "predicted_s": round(predicted_s, 1), "loads": dict(getattr(load, "timings", {})),
                "workspaces": "released before each rung" if fresh else "held from the first rung on"}
