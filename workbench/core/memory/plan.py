@@ -163,7 +163,8 @@ def _ladder() -> dict[str, Plan]:
                           placement="zero_offload_params", tier=2, speed_rank=11)
     pure = fp32.compose("bf16_true", "pure bf16 weights, grads and AdamW state (torchtune / LitGPT bf16-true)",
                         precision="bf16_true", speed_rank=0.9)
-    pure_lora = pure.compose("bf16_true_lora", "pure bf16 + LoRA r=8 on every decoder linear (peft)",
+    pure_lora = pure.compose("bf16_true_lora", "pure bf16 base + LoRA r=8 on every decoder linear (peft; its "
+                             "adapters, their grads and AdamW state fp32, peft's default)",
                              trainable="lora", tier=2, speed_rank=6.8)
     cpu = fp32.compose("cpu", "CPU only: everything in host memory, nothing on the device",
                        placement="cpu", tier=3, speed_rank=20)
