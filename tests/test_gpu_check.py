@@ -676,6 +676,9 @@ def test_past_the_time_budget_no_check_and_no_rung_begins_and_each_says_so(monke
     assert summary["status"] == "incomplete"
     assert ("- ladder: incomplete (the time budget (--time-budget) was spent before parts of it began or while "
             "they ran; what ran passed)") in gr.report_markdown(summary)
+    # before the environment is read (the report written as the run starts), the card's memory is not "0 MiB"
+    unread = gr.report_markdown(gr.summarize({"environment": {"status": "running"}}, {}, 0.0))
+    assert "Card: ? (memory not read yet)" in unread and "0 MiB" not in unread
     # and the shell's line says so too (2026-11-30's card printed "notebooks: fail" for a notebook the budget cut)
     said = []
     cut = {"environment": found["environment"], "ladder": lambda o: out}

@@ -120,6 +120,10 @@ def test_knobs_validate_like_the_parameters_cell_and_run():
     panel.controls["seeds"].value = "[oops"
     panel.button.click()
     assert len(seen) == 1 and "seeds" in panel.message.value
+    # the error quotes what was typed, shown as text: markup in it is not the page's (an HTML widget)
+    panel.controls["seeds"].value = "[<b>1</b>]"
+    panel.button.click()
+    assert "<b>" not in panel.message.value and "&lt;b&gt;" in panel.message.value
 
 
 def test_a_default_resolved_from_other_fields_follows_them_on_the_panel():

@@ -234,10 +234,11 @@ def test_the_report_names_a_study_on_its_first_finding_inlines_plotly_once_and_l
     monkeypatch.setattr(report, "STUDIES", fake)
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "reproduce.json").write_text(json.dumps({"notebooks": [
-        {"name": "01_strategies", "status": "ok", "started": "2026-11-30T10:00:00+00:00", "seconds": 3.0}]}))
+        {"name": "01_strategies", "status": "ok", "quick": True, "started": "2026-11-30T10:00:00+00:00", "seconds": 3.0}]}))
     page = report.write_report().read_text()
     assert "<tr><td>Study a</td><td>first finding</td><td>claim one</td></tr>" in page
     assert "<tr><td></td><td>second finding</td><td></td></tr>" in page
     assert page.count("* plotly.js v") == 1 and page.count('class="plotly-graph-div"') == 4
     notebooks = page[page.index("<h3>Notebooks executed</h3>"):]
     assert "01_strategies" in notebooks[:2000] and "ok" in notebooks[:2000]
+    assert ">quick</th>" in notebooks[:2000]  # a run on the tiny parameters says so

@@ -247,7 +247,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
     """The report section: the verdicts, the ladder table (prediction beside the card), study 1."""
     env = summary["environment"]
     lines = [f"## GPU check: {summary['status']}", "",
-             f"Card: {env.get('gpu', '?')} ({env.get('gpu_total_mib', 0):.0f} MiB), torch {env.get('torch')}, "
+             f"Card: {env.get('gpu', '?')} ("
+             + (f"{env['gpu_total_mib']:.0f} MiB" if env.get("gpu_total_mib") else "memory not read yet") + f"), torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, {summary['seconds']:.0f} s"
              + ("" if summary["within_time_limit"] else f" (over the {TIME_LIMIT_S} s limit)") + ".", ""]
     lines += [f"- {name}: {status_words(status, summary['results'].get(name, {}))}"

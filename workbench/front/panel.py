@@ -12,6 +12,7 @@ inside the panel's output area, where its live charts and tables appear.
 
 from __future__ import annotations
 
+import html
 import traceback
 import typing
 from typing import Any, Callable, get_args, get_origin, get_type_hints
@@ -121,7 +122,7 @@ class Knobs(W.VBox):
         try:
             cfg = self.config()
         except ConfigError as e:
-            self.message.value = f'<span style="color:#c00">{e}</span>'
+            self.message.value = f'<span style="color:#c00">{html.escape(str(e))}</span>'
             return None
         self.message.value = "running…"
         self.button.disabled = True
@@ -132,10 +133,10 @@ class Knobs(W.VBox):
             self.message.value = '<span style="color:#080">done</span>'
             return result
         except ConfigError as e:  # a setting found wrong as the run began: its one line, as above
-            self.message.value = f'<span style="color:#c00">{e}</span>'
+            self.message.value = f'<span style="color:#c00">{html.escape(str(e))}</span>'
             return None
         except Exception as e:  # shown in the panel, with the traceback in the output area
-            self.message.value = f'<span style="color:#c00">{type(e).__name__}: {e}</span>'
+            self.message.value = f'<span style="color:#c00">{type(e).__name__}: {html.escape(str(e))}</span>'
             self.output.append_stderr(traceback.format_exc())
             return None
         finally:

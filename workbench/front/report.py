@@ -72,7 +72,9 @@ def write_report(path: str | Path | None = None) -> Path:
     reproduce = results_root() / "reproduce.json"
     runs = json.loads(reproduce.read_text()).get("notebooks", []) if reproduce.exists() else []
     runs = pd.DataFrame(runs)  # each notebook's latest run (an earlier call's where this one ran others)
-    runs_html = table_html(runs[[c for c in ("name", "status", "started", "seconds", "output") if c in runs]]) \
+    # quick: a run on the tiny parameters (--quick), whose study's section is that run's (a call of some
+    # notebooks keeps the others' rows: a quick one's study read as the full one's)
+    runs_html = table_html(runs[[c for c in ("name", "status", "quick", "started", "seconds", "output") if c in runs]]) \
         if len(runs) else ""
     gpu = "no GPU" if env.get("gpu") in (None, "none") else f"GPU {html.escape(str(env['gpu']))}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Workbench report</title>
