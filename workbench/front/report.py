@@ -81,10 +81,12 @@ def write_report(path: str | Path | None = None) -> Path:
 <style>{_CSS}</style></head><body>
 <h1>Memory-constrained training workbench: report</h1>
 <h2>What we found</h2>{found}
-<p>Written {now()}. Figures tagged <span class="tag measured">measured</span> were measured on this
-machine ({gpu}; CPU {html.escape(str(env.get('cpu')))} with
-{env.get('cpu_count')} cores); <span class="tag modelled">modelled</span> figures come from a
-performance model and were not measured on the hardware they describe.</p>
+<p>Written {now()} on this machine ({gpu}; CPU {html.escape(str(env.get('cpu')))} with
+{env.get('cpu_count')} cores). Figures tagged <span class="tag measured">measured</span> were measured
+where their study ran: each run's machine is in its row of <code>results/&lt;study&gt;/runs.csv</code>
+(<code>env_gpu</code>, <code>env_cpu</code>), which is this one unless the results were brought from
+another; <span class="tag modelled">modelled</span> figures come from a performance model and were not
+measured on the hardware they describe.</p>
 <h3>Environment</h3><pre>{html.escape(json.dumps(env, indent=1))}</pre>
 {('<h3>Notebooks executed</h3>' + runs_html) if runs_html else ''}
 {''.join(body)}
