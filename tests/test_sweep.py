@@ -12,6 +12,7 @@ with it torch, transformers and peft (about 10 s each on 2 cores).
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,30 @@ def test_quick_starts_each_point_from_the_studys_tiny_settings(tmp_path, capsys)
     assert capsys.readouterr().err.strip() == (
         f"workbench sweep: --quick starts from a study notebook's tiny settings; {NOTEBOOK} is not one "
         f"({', '.join(STUDIES)})")
+
+
+def test_a_finished_point_is_reused_only_under_the_code_libraries_and_notebook_that_made_it(tmp_path, capsys):
+    """A point's key is its parameters: after a pull, an upgrade or an edit of the notebook, a sweep
+    read the old run back as finished (the studies' own reuse asks for the code and the libraries too).
+    Its status.json says what made it now; a point made by others runs again."""
+    from workbench.front.sweep_points import plan
+
+    nb = tmp_path / "point.ipynb"
+    shutil.copy(NOTEBOOK, nb)
+    out = tmp_path / "sweep"
+    _, planned = plan(str(nb), [{"x": 1}, {"x": 2}])
+    (out / planned[0].key).mkdir(parents=True)
+
+    def finished(**other):
+        (out / planned[0].key / "status.json").write_text(json.dumps({"status": "ok", **results.made_by(nb), **other}))
+        assert main(["sweep", str(nb), "x=1", "x=2", "--dry-run", "--out", str(out)]) == 0
+        return int(re.search(r"(\d+) of them finished", capsys.readouterr().out)[1])
+
+    assert finished() == 1
+    assert finished(code="an older checkout's") == finished(libraries="torch 2.12.0, ...") == 0
+    made = results.made_by(nb)
+    nb.write_text(nb.read_text().replace("# the swept value", "# the swept value (edited)"))
+    assert results.made_by(nb)["notebook"] != made["notebook"] and finished(notebook=made["notebook"]) == 0
 
 
 def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(capsys):

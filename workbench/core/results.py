@@ -205,6 +205,14 @@ def check_folder(path: Path, name: str) -> None:
     raise ConfigError(f"{name} {path}: {why}; name a folder you can write")
 
 
+def made_by(notebook: str | Path) -> dict[str, str]:
+    """What a notebook's run depends on beyond its parameters: this package's code, the key libraries'
+    versions and the notebook's own text. A sweep reads a finished point back only when all match (a
+    pull, an upgrade or an edited notebook had had the old run's figures reused under its parameters)."""
+    return {"code": code_fingerprint(), "libraries": library_versions(),
+            "notebook": hashlib.sha256(Path(notebook).read_bytes()).hexdigest()[:12]}
+
+
 def code_fingerprint(package: Path = PROJECT_ROOT / "workbench") -> str:
     """A key of the code that made a result: every module of the package, by path and content.
 

@@ -46,8 +46,8 @@ dask-jobqueue's SLURMCluster or PBSCluster) run the points: they need this packa
 notebook at the same paths (a shared filesystem). A failed run is a row (status error, the error's one line); so is a
 run whose worker died, or one that took longer than --timeout (its kernel is killed).
 
-Resuming: a point whose status.json says ok is not run again (a failed point is retried; --rerun redoes every point,
-e.g. after the notebook changed, since the key is the parameters only; a finished point's files are kept aside until
+Resuming: a point whose status.json says ok, made by this code, libraries and notebook text, is not run again (others
+and a failed point are run; --rerun redoes every point; a finished point's files are kept aside until
 its new run finishes, and a rerun stopped any way gives them back, by itself or at the next call). An `<out>` holding
 another notebook's points (one of the same file name elsewhere) is refused, unless --rerun; so is a point a live run
 still holds (its `.running.lock`: a stopped sweep's run on a scheduler's worker; a dead holder's lock is taken over).
@@ -87,7 +87,7 @@ from workbench.core import parallel
 from workbench.core.common import environ
 from workbench.core.config import ConfigError, check_scheduler
 from workbench.core.parallel import threads_per_worker
-from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, now, results_root
+from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, made_by, now, results_root
 from workbench.front.notebooks import STUDIES, failure, no_run_finished, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
 from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, load_grid, plan,
@@ -199,7 +199,7 @@ def _run(point_dir: Path, env: dict[str, str] | None, call: str | None) -> dict[
     status = {"status": "error" if error else "ok", "error": error, "seconds": round(seconds, 3),
               "started": started, "finished": now(), "notebook": final.name if final.exists() else None,
               "threads": os.environ.get("OMP_NUM_THREADS"), "results": results, "traceback": trace,
-              "worker": worker.address if worker is not None else None}
+              "worker": worker.address if worker is not None else None, **made_by(spec["notebook"])}
     atomic_write_json(point_dir / "status.json", status)  # last: a status here means finished
     shutil.rmtree(point_dir / PREVIOUS, ignore_errors=True)  # the run it replaces
     return status
@@ -249,9 +249,8 @@ def _outcome(future, point_dir: Path, call: str) -> str:
         return "ok"
     if not began(point_dir, call):
         return "pending"
-    atomic_write_json(point_dir / "status.json", {"status": "error", "error": parallel.failure(future),
-                                                   "seconds": None, "finished": now(), "notebook": None,
-                                                   "results": {}})
+    atomic_write_json(point_dir / "status.json", {"status": "error", "error": parallel.failure(future), "seconds": None,
+                                                   "finished": now(), "notebook": None, "results": {}})
     return "error"
 
 
@@ -286,7 +285,8 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     for p in planned:  # a rerun killed before it could give a finished run back (SIGKILL): given back now
         if not (out / p.key / "status.json").exists():
             give_back(out / p.key)
-    reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).get("status") == "ok"}
+    made = {"status": "ok", **made_by(path)}  # a point finished by other code, libraries or notebook text runs again
+    reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).items() >= made.items()}
     todo = [p for p in planned if p.key not in reused]
     workers = max(1, min(workers, len(todo) or 1))
     call = uuid.uuid4().hex
@@ -379,8 +379,8 @@ def main(args) -> int:
         points = [study.quick_under(point) for point in points]
     if args.dry_run:
         path, planned = plan(args.notebook, points)
-        out = sweep_folder(path, args.out)  # what a run would reuse (none with --rerun)
-        done = {p.key for p in planned if not args.rerun and (read_status(out / p.key) or {}).get("status") == "ok"}
+        out, made = sweep_folder(path, args.out), {"status": "ok", **made_by(path)}  # what a run would reuse
+        done = {p.key for p in planned if not args.rerun and (read_status(out / p.key) or {}).items() >= made.items()}
         said = "all run again (--rerun)" if args.rerun else f"{len(done)} of them finished"
         print(*(" ".join([p.key, json.dumps(p.parameters)] + ["(finished: a run reuses it)"] * (p.key in done))
                 for p in planned), f"{len(planned)} point(s) of {path.name}, {said} in {out}", sep="\n")
