@@ -461,7 +461,9 @@ def test_the_report_opens_in_a_browser_with_what_we_found_first(results_dir, tin
             assert page.get_by_text("Predicted peaks of 2 rung(s) measured here").count() == 1
             page.locator(".js-plotly-plot .trace").first.wait_for(timeout=30_000)  # plotly.js inlined: offline
             page.screenshot(path=str(SHOTS / "report.png"), full_page=True)
-            assert page.get_by_text("measured on this machine (no GPU; CPU").count() == 1
+            # where it was written, and where its measured figures were (each run's row): not one for the other
+            assert page.get_by_text("on this machine (no GPU; CPU").count() == 1
+            assert page.get_by_text("were measured where their study ran").count() == 1
             # narrower than the ladder's table: it scrolls in its own box, the page does not spill over
             page.set_viewport_size({"width": 700, "height": 1000})
             page.wait_for_timeout(1500)  # plotly's charts follow a resize after a short delay

@@ -161,7 +161,7 @@ def test_a_finished_point_is_reused_only_under_the_code_libraries_and_notebook_t
     assert finished(code="an older checkout's") == finished(libraries="torch 2.12.0, ...") == 0
     made = results.made_by(nb)
     nb.write_text(nb.read_text().replace("# the swept value", "# the swept value (edited)"))
-    assert results.made_by(nb)["notebook"] != made["notebook"] and finished(notebook=made["notebook"]) == 0
+    assert results.made_by(nb)["notebook_text"] != made["notebook_text"] and finished(notebook_text=made["notebook_text"]) == 0
 
 
 def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(capsys):

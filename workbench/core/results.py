@@ -210,7 +210,7 @@ def made_by(notebook: str | Path) -> dict[str, str]:
     versions and the notebook's own text. A sweep reads a finished point back only when all match (a
     pull, an upgrade or an edited notebook had had the old run's figures reused under its parameters)."""
     return {"code": code_fingerprint(), "libraries": library_versions(),
-            "notebook": hashlib.sha256(Path(notebook).read_bytes()).hexdigest()[:12]}
+            "notebook_text": hashlib.sha256(Path(notebook).read_bytes()).hexdigest()[:12]}
 
 
 def code_fingerprint(package: Path = PROJECT_ROOT / "workbench") -> str:

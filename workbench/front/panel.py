@@ -122,7 +122,7 @@ class Knobs(W.VBox):
         try:
             cfg = self.config()
         except ConfigError as e:
-            self.message.value = f'<span style="color:#c00">{html.escape(str(e))}</span>'
+            self.message.value = f'<span style="color:#c00">{html.escape(str(e), quote=False)}</span>'
             return None
         self.message.value = "running…"
         self.button.disabled = True
@@ -133,10 +133,10 @@ class Knobs(W.VBox):
             self.message.value = '<span style="color:#080">done</span>'
             return result
         except ConfigError as e:  # a setting found wrong as the run began: its one line, as above
-            self.message.value = f'<span style="color:#c00">{html.escape(str(e))}</span>'
+            self.message.value = f'<span style="color:#c00">{html.escape(str(e), quote=False)}</span>'
             return None
         except Exception as e:  # shown in the panel, with the traceback in the output area
-            self.message.value = f'<span style="color:#c00">{type(e).__name__}: {html.escape(str(e))}</span>'
+            self.message.value = f'<span style="color:#c00">{type(e).__name__}: {html.escape(str(e), quote=False)}</span>'
             self.output.append_stderr(traceback.format_exc())
             return None
         finally:
