@@ -746,7 +746,7 @@ def test_a_folder_of_another_notebook_of_the_same_name_is_not_reused(tmp_path, r
     point = results_dir / "sweeps" / NOTEBOOK.stem / sweep.plan(theirs, [{"x": 2}])[1][0].key
     point.mkdir(parents=True)  # their finished run, as a sweep leaves it
     (point / "point.json").write_text(json.dumps({"notebook": str(theirs.resolve()), "parameters": {"x": 2}}))
-    (point / "status.json").write_text(json.dumps({"status": "ok", "results": {"x_squared": 4}}))
+    (point / "status.json").write_text(json.dumps({"status": "ok", "results": {"x_squared": 4}, **results.made_by(theirs)}))
     monkeypatch.setattr(sweep.parallel, "cluster", None)  # nothing may run: each call reuses or is refused
     assert list(run_sweep(theirs, [{"x": 2}], progress=False).reused) == [True]
     with pytest.raises(ConfigError, match=rf"holds runs of another notebook, {theirs.resolve()} "
