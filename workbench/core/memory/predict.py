@@ -126,7 +126,7 @@ class Prediction:
         """What must fit in the device budget (paged optimizer state can be evicted). On CUDA the allocator's
         reserved peak, which a budget caps (a card's memory or set_per_process_memory_fraction; paged state is
         managed memory, outside it); on the CPU the live bytes. Not `needed_reserved_bytes`: on the H200
-        (2026-11-26) the least cap a step trained under was 5.4% and 18.7% above it (docs/card-records.md)."""
+        (2026-11-26) the least cap a step trained under was 5.7% and 23% above it (docs/card-records.md)."""
         paged = 0 if self.pages_out else self.pageable_bytes  # what of the paged state must fit anyway
         if self.device == "cuda" and self.reserved_peak_bytes:
             # paged state is outside the allocator's figures already
