@@ -150,6 +150,29 @@ def test_re_predicting_a_card_record_predicts_each_measured_rung_as_it_ran(tmp_p
         repredict_card_record(tmp_path / "bad")
 
 
+def test_a_rung_run_at_a_batch_of_its_own_is_re_predicted_at_that_batch_and_its_error_kept(tmp_path, monkeypatch):
+    """gpu-check runs the accumulation rung at 4 micro-batches of 1 while its options say batch 1: the
+    re-prediction predicts it at 4 and says so, and the margin keeps that row (at batch 1 it would be
+    bf16_ckpt's step, which the margin leaves out)."""
+    config = tmp_path / "config.json"
+    config.write_text(tiny_config("qwen2").to_json_string())
+    measured = {"status": "ok", "cuda_max_allocated_mib": 10.0, "cuda_max_reserved_mib": 20.0}
+    root = tmp_path / "records"
+    (root / "card-2026-12-01").mkdir(parents=True)
+    (root / "card-2026-12-01" / "summary.json").write_text(json.dumps(
+        {"environment": {"gpu": "NVIDIA H200", "gpu_total_mib": 143156.0},
+         "results": {"ladder": {"sm": 90, "options": {"model": str(config), "batch": 1, "seq": 32, "steps": 3,
+                                                      "workspaces": "released before each rung"},
+                                "rows": [{"rung": "bf16_ckpt_accum", "batch": 4, **measured}]}}}))
+    batches = []
+    monkeypatch.setattr(card_records, "predict", lambda *a, **k: batches.append(k["batch"]) or predict(*a, **k))
+    out = json.loads(repredict_card_record(root / "card-2026-12-01", log=lambda *_: None).read_text())
+    assert batches == [4] and out["rows"][0]["batch"] == 4
+    kept = [r for r in card_reserved_errors(root) if "re-predicted" in r["record"]]
+    assert [r["rung"] for r in kept] == ["bf16_ckpt_accum"]
+    assert kept[0]["error_pct"] == out["rows"][0]["error_vs_reserved_pct"]
+
+
 def test_which_rungs_of_a_record_ran_with_the_workspaces_held_and_how_a_small_shortfall_is_said():
     """The first rung of a process makes the cuBLAS workspaces inside its step, the later ones find them made
     (unless gpu-check released them before each rung); and a shortfall under 0.1% keeps its two decimals

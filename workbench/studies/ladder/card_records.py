@@ -121,7 +121,8 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
         # held: the workspaces where the record's first rung made them (its run came first in the process)
         first = ladder["rows"][0]["rung"] if ws == "held" else None
         first_counted = ladder["rows"][0].get("accounted_peak_mib") is not None  # it ran under the count or not
-        p = predict(model, r["rung"], batch=opts["batch"], seq=opts["seq"], device="cuda", card=card,
+        batch = r.get("batch") or opts["batch"]  # the batch the rung ran at (gpu-check's accumulation rung: 4)
+        p = predict(model, r["rung"], batch=batch, seq=opts["seq"], device="cuda", card=card,
                     instrumented=counted, replay_steps=opts["steps"],  # the allocator replays the steps the card ran
                     # how measure() loaded the weights: a record from before it converted them on the host
                     # moved the fp32 model to the card and converted it there
@@ -131,7 +132,7 @@ def repredict_card_record(record_dir: str | Path, log=print) -> Path:
                     zero3_from=r.get("zero3_partitioned_from") or "card")
         # an estimated rung has no allocator replay: its one figure stands for allocated, none for reserved
         alloc, res = (p.allocated_peak_bytes or p.peak_bytes) / MiB, p.reserved_peak_bytes / MiB
-        row = {"rung": r["rung"], "method": p.method, "counted": counted, "workspaces": ws, "after": first,
+        row = {"rung": r["rung"], "batch": batch, "method": p.method, "counted": counted, "workspaces": ws, "after": first,
                "predicted_allocated_mib": round(alloc, 1), "cuda_max_allocated_mib": measured_alloc,
                "error_vs_allocated_pct": round(100 * (alloc / measured_alloc - 1), 2),
                "predicted_reserved_mib": round(res, 1) if res else None, "cuda_max_reserved_mib": measured_res,
