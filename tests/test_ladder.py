@@ -743,6 +743,25 @@ def test_the_monitor_samples_the_card_it_was_given_from_its_own_thread(monkeypat
     assert {r["cuda_allocated_mib"] for r in mon.rows} == {1090.0} and {r["nvml_used_mib"] for r in mon.rows} == {501.0}
 
 
+def test_the_monitors_cost_is_read_with_the_peak_counters_of_its_own_runs(monkeypatch):
+    """On a card the peak counters are the process's: gpu-check's monitor check came after the split
+    check's peers, and its rows read their 1,236.7 MiB beside a workload that reserved 398. Played: the
+    counter holds an earlier check's 1,000 MiB, and the workload's own peak is 100."""
+    from workbench.core.memory.monitor import overhead
+
+    _fake_cuda_memory(monkeypatch)
+    peak = [1000 * 2**20]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peak.__setitem__(0, 90 * 2**20))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def run():
+        peak[0] = max(peak[0], 100 * 2**20)
+
+    r = overhead(run, "cuda", rounds=1, interval_s=0.005)
+    assert r["rows"] and {row["cuda_max_allocated_mib"] for row in r["rows"]} == {100.0}
+
+
 def test_training_rows_carry_the_gpu_columns_only_where_there_is_a_gpu(monkeypatch):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

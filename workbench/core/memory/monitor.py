@@ -290,6 +290,8 @@ def overhead(run: Callable[[], Any], device: str | torch.device = "cpu", *, roun
         return clock() - t0, rows
 
     timed(False), timed(True)  # warm-up: allocation, kernel selection, psutil, NVML
+    if device.type == "cuda":  # the rows' peak counters are this workload's, not an earlier check's
+        torch.cuda.reset_peak_memory_stats(device)
     off = on = 0.0
     ratios, rows = [], []
     for i in range(rounds):
