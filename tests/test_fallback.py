@@ -327,6 +327,19 @@ def test_cudas_own_out_of_memory_errors_fall_back_too(message):
     assert failure(RuntimeError(message))["status"] == "oom" and failure(RuntimeError("shape"))["status"] == "error"
 
 
+def test_a_cpu_allocation_the_system_refuses_is_an_out_of_memory_row():
+    """A CPU allocation past what the system will commit (one 4 EiB tensor here; on a machine with a
+    ulimit -v, far less) is a RuntimeError from c10's CPU allocator, not an OutOfMemoryError: it had
+    ended the study with a traceback instead of an `oom` row. Allocated for real."""
+    def job(attempt, budget, phase):
+        phase("forward")
+        return torch.empty(2**62, dtype=torch.uint8)
+
+    out = run_with_fallback((Attempt.parse("cpu"),), job)
+    assert out.status == "oom" and out.history[0]["result"] == "oom" and out.history[0]["phase"] == "forward"
+    assert "can't allocate memory" in out.history[0]["reason"]
+
+
 def test_attempt_parsing():
     assert Attempt.parse("cuda:1@512") == Attempt("cuda:1", 512.0)
     assert str(Attempt.parse("cpu@48")) == "cpu@48"

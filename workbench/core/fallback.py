@@ -99,11 +99,16 @@ class Attempt:
 # a plain cudaMalloc (a library's, the context's) as "CUDA error: out of memory". Both RuntimeErrors.
 # Left out: "CUBLAS_STATUS_NOT_INITIALIZED", which a full card gives too, but so does a device-side
 # assert (an embedding index out of range): a bug is not to be fallen back from.
-OUT_OF_MEMORY_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
+# CUDA's own failures outside torch's allocator (a cuBLAS handle), and the CPU allocator's: a CPU
+# allocation the system refuses (one tensor larger than it will commit, a ulimit -v or a batch job's
+# memory limit) is a RuntimeError from c10's alloc_cpu, not an OutOfMemoryError
+OUT_OF_MEMORY_MESSAGES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory",
+                          "DefaultCPUAllocator: can't allocate memory")
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is the device running out of memory (torch's OutOfMemoryError, or CUDA's own)."""
+    """Whether `e` is the device running out of memory (torch's OutOfMemoryError, CUDA's own, or the
+    CPU allocator refusing an allocation)."""
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and any(m in str(e) for m in OUT_OF_MEMORY_MESSAGES))
 
