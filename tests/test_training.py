@@ -110,6 +110,26 @@ def test_a_loss_that_is_not_a_number_stops_the_run_naming_the_step_and_the_learn
                             "lower the learning rate")
 
 
+def test_a_held_out_loss_past_what_a_perplexity_can_say_is_a_diverged_run_not_a_figure():
+    """The evaluation after training: weights turned NaN by the last update (whose own loss was finite)
+    had given a NaN perplexity stored as a finished run, and a mean loss past 709.78 nats an
+    OverflowError that ended the study. Both are LossDiverged (study 1's row for a diverged run)."""
+    class Fixed(torch.nn.Module):
+        def __init__(self, loss):
+            super().__init__()
+            self.w, self.loss = torch.nn.Parameter(torch.zeros(1)), loss
+
+        def forward(self, input_ids, labels):
+            return type("Out", (), {"loss": torch.tensor(self.loss)})()
+
+    blocks = torch.zeros((4, 8), dtype=torch.long)
+    assert evaluate_perplexity(Fixed(2.0), blocks, batch_size=2) == pytest.approx(math.exp(2.0))
+    assert evaluate_perplexity(Fixed(709.0), blocks, batch_size=2) == pytest.approx(math.exp(709.0))
+    for loss, says in ((float("nan"), "is not a number"), (1000.0, "past any float")):
+        with pytest.raises(LossDiverged, match=says):
+            evaluate_perplexity(Fixed(loss), blocks, batch_size=2)
+
+
 def test_labels_are_shifted_once():
     m, blocks = model_and_blocks()
     m.eval()

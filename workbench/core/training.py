@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -271,7 +272,9 @@ def evaluate_perplexity(
     precision: str = "fp32",
     max_blocks: int | None = None,
 ) -> float:
-    """Token-weighted held-out perplexity: exp(total NLL / predicted tokens)."""
+    """Token-weighted held-out perplexity: exp(total NLL / predicted tokens). A mean loss that is not
+    finite (weights turned NaN by the last update, whose own loss was still finite) or whose exp
+    overflows a float (past 709.78 nats) raises LossDiverged: the run's figures would mean nothing."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     if max_blocks is not None:
@@ -289,7 +292,15 @@ def evaluate_perplexity(
             del out
     finally:
         model.train(was_training)
-    return math.exp(total / count)
+    nll = total / count
+    if not math.isfinite(nll) or nll > _EXP_MAX:
+        raise LossDiverged(f"the held-out loss is {nll:.4g} nats a token: perplexity "
+                           f"{'is not a number' if not math.isfinite(nll) else 'past any float'}; the weights have "
+                           "diverged (lower the learning rate)")
+    return math.exp(nll)
+
+
+_EXP_MAX = math.log(sys.float_info.max)  # 709.78: math.exp overflows past it
 
 
 def _memory_columns(probe: Callable[[], float | dict | None] | None) -> dict[str, Any]:
