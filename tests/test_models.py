@@ -109,6 +109,19 @@ def test_local_directory_and_config_file(tiny_base, tmp_path):
         load_config(str(bad))
 
 
+def test_a_path_from_the_home_folder_loads(tiny_base, tmp_path, monkeypatch):
+    """"~/models/x" in a notebook's parameters or --model=~/x (no shell expands it there): the checks
+    expanded "~", transformers was handed the name unexpanded and read it as a bad hub id."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_base, tmp_path / "m")
+    assert load_config("~/m").hidden_size == TINY_SPEC.hidden_size
+    assert load_config("~/m/config.json").model_type == "qwen2"
+    model, _ = load_model("~/m")
+    assert model.config.hidden_size == TINY_SPEC.hidden_size
+
+
 @pytest.mark.parametrize("name", ["nope.json", "./nope", "data/configs/nope-0.5b", "~/no-such-model-here"])
 def test_a_missing_path_is_said_at_once_without_asking_the_hub(name, monkeypatch):
     import transformers

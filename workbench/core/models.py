@@ -328,7 +328,10 @@ def resolve_model_path(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
         raise ModelNotFoundError("model must be 'embedded', a Hugging Face model id or a local directory")
     if name == EMBEDDED:
         return str(ensure_embedded_base(spec))
-    if not Path(name).expanduser().exists() and names_a_path(name):
+    local = Path(name).expanduser()  # transformers does not expand "~" (a notebook's or --model=~/x's path)
+    if local.exists():
+        return str(local)
+    if names_a_path(name):
         raise ModelNotFoundError(
             f"model {name!r}: no such file or directory, and not a Hugging Face model id. Fix: check the "
             f"path (a config.json, or a folder with config.json and *.safetensors), or pass a hub id such "
@@ -374,9 +377,9 @@ def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpe
     """A model's config without its weights: an id, a model dir, a config.json, the embedded base (unbuilt too)."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
-    if name.endswith(".json") and Path(name).is_file():
+    if name.endswith(".json") and Path(name).expanduser().is_file():
         try:
-            data = json.loads(Path(name).read_text())
+            data = json.loads(Path(name).expanduser().read_text())
         except ValueError as e:
             raise ModelNotFoundError(f"{name} is not valid JSON: {e}") from e
         if not isinstance(data, dict) or "model_type" not in data:
