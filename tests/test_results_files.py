@@ -107,6 +107,23 @@ def test_a_key_of_digits_is_text_and_its_row_is_replaced(tmp_path, monkeypatch, 
     assert list(latest(runs, "study_key")["x"]) == [2]
 
 
+def test_hashes_commits_and_versions_are_read_back_as_written(tmp_path, monkeypatch):
+    """A row's commit, code fingerprint, config hash and trainable-set hash look like numbers one time
+    in fifty or so (1e23456 is inf, 0123 is 123); runs.csv is read and written back at every update,
+    so the first update after such a row had corrupted it for good."""
+    monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
+    writer = ResultsWriter("split")
+    row = {"study_key": "a", "env_git_commit": "1e23456", "env_workbench_code": "012345678901",
+           "config_hash": "123456e78901", "trainable_set": "0000ff", "env_python": "3.10", "x": 1}
+    writer.update_runs([row], key="study_key")
+    writer.update_runs([{"study_key": "b", "x": 2}], key="study_key")  # read back, written again
+    runs = read_table(tmp_path / "split" / "runs.csv")
+    first = runs[runs["study_key"] == "a"].iloc[0]
+    assert {k: first[k] for k in row if k not in ("study_key", "x")} == {k: v for k, v in row.items()
+                                                                         if k not in ("study_key", "x")}
+    assert runs["x"].tolist() == [1, 2] and runs["env_cpu_count"].dtype.kind == "i"  # numbers stay numbers
+
+
 @pytest.mark.parametrize("same_second", [False, True])
 def test_latest_is_the_most_recent_calls_rows(tmp_path, monkeypatch, same_second):
     """The report shows study 3's latest settings (`latest`): every test had written one key only."""

@@ -351,11 +351,19 @@ def latest(runs: pd.DataFrame, key: str) -> pd.DataFrame:
     return runs[runs[key] == last.iloc[-1]] if len(last) else runs
 
 
+TEXT_COLUMNS = ("config_hash", "trainable_set")  # hashes: "1e23456" read as a number is inf, "0123" is 123
+ENV_NUMBERS = ("env_cpu_count", "env_torch_threads")  # every other env_* is text (commits, versions, names)
+
+
 def read_table(path: str | Path, keys: Iterable[str] = ()) -> pd.DataFrame:
-    """A results CSV, its key columns (KEY_COLUMNS and `keys`) as text; a missing or empty file (a
-    table with no rows) is an empty DataFrame."""
+    """A results CSV, its key columns (KEY_COLUMNS and `keys`), hashes and environment's text columns as
+    text (a commit such as 1e23456 read as a number had become inf, and was written back so by the
+    next update); a missing or empty file (a table with no rows) is an empty DataFrame."""
     try:
-        return pd.read_csv(path, dtype={k: str for k in (*KEY_COLUMNS, *keys)})
+        header = pd.read_csv(path, nrows=0).columns
+        text = {*KEY_COLUMNS, *keys, *TEXT_COLUMNS}
+        return pd.read_csv(path, dtype={c: str for c in header
+                                        if c in text or (c.startswith("env_") and c not in ENV_NUMBERS)})
     except (FileNotFoundError, pd.errors.EmptyDataError):
         return pd.DataFrame()
 
