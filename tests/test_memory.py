@@ -61,6 +61,57 @@ def test_prediction_equals_real_step_within_1pct(tiny, name):
     assert abs(got / want - 1) <= 0.01, (name, got, want)
 
 
+def test_what_bitsandbytes_cpu_kernels_make_inside_is_measured_and_predicted(tmp_path):
+    """bitsandbytes' CPU 8-bit AdamW dequantizes both states and the gradient to fp32 inside one op
+    (about 20 bytes an element of the parameter), and its 4-bit matmul dequantizes the whole weight
+    before its linear. A dispatch mode saw those ops' outputs alone: the CPU ladder's measured adamw8bit
+    and qlora peaks and their predictions left the same bytes out, and agreed."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from workbench.core.memory.live_bytes import LiveBytes
+
+    p = torch.nn.Parameter(torch.randn(512, 512))
+    opt = bnb.optim.AdamW8bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()  # the state exists
+    with LiveBytes("cpu") as lb:
+        lb.track([p, p.grad, *(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))])
+        before = lb.current_bytes
+        opt.step()
+    assert lb.peak_bytes - before >= 16 * p.numel()  # the fp32 states, gradient and update, inside the op
+
+    layer = bnb.nn.Linear4bit(256, 2048, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(2048, 256), requires_grad=False, quant_type="nf4")
+    layer = layer.to("cpu")
+    x = torch.randn(2, 16, 256, requires_grad=True)
+    with LiveBytes("cpu") as lb:
+        before = lb.current_bytes
+        y = layer(x)
+    assert lb.peak_bytes - before >= 2048 * 256 * 4 + y.nbytes  # the fp32 weight, dequantized, and the output
+
+    # a step whose peak is inside the 8-bit update (its largest parameter a 16,384-word embedding):
+    # predicted (fake tensors) as measured, at the same op
+    config = Qwen2Config(vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(config.to_json_string())
+
+    def load():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config)
+
+    blocks = torch.randint(0, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    real = measure("adamw8bit", load, blocks, batch=2, steps=2)
+    assert real["status"] == "ok", real
+    pred = predict(str(tmp_path / "config.json"), "adamw8bit", batch=2, seq=16, n_blocks=4, instrumented=True)
+    assert pred.peak_bytes == real["measured_peak_bytes"] and pred.where == real["measured_where"]
+    assert pred.where == "step 2, optimizer (div.Tensor)"  # bitsandbytes' update: its denominator
+    # a card's step runs the CUDA kernel, which updates in place: its prediction (fake CPU tensors too)
+    # keeps bitsandbytes' CPU kernel closed
+    card = predict(str(tmp_path / "config.json"), "adamw8bit", batch=2, seq=16, n_blocks=4, device="cuda")
+    assert "div.Tensor" not in card.where, card.where
+
+
 def test_categories_add_up_and_match_what_trains(tiny):
     config, _ = tiny
     p = predict(config, "fp32", batch=BATCH, seq=SEQ)

@@ -150,9 +150,9 @@ class MemoryAccounting(LiveBytes):
         *,
         stub_scalars: bool = False,
         timeline: bool = False,
-        plain_engine: bool = False,
+        plain_engine: bool = False, cpu_kernels: bool | None = None,  # LiveBytes': bitsandbytes' CPU kernels opened
     ):
-        super().__init__(device, budget_bytes)
+        super().__init__(device, budget_bytes, cpu_kernels=cpu_kernels)
         self.stub_scalars = stub_scalars
         self.plain_engine = plain_engine
         self.sums: list[tuple[bool, tuple[int, ...]]] = []  # autograd's gradient sums: (in place, shape)

@@ -119,19 +119,40 @@ class BooksLock:
             self._lock.release()
 
 
+# bitsandbytes ops whose CPU kernel is Python over torch's own ops (bitsandbytes 0.50's backends/cpu and
+# backends/default): the 8-bit optimizer update dequantizes both states to fp32 and makes an fp32 gradient and
+# more (about 20 bytes an element of the parameter it updates), the 32-bit one an fp32 gradient, and the 4-bit
+# matmul dequantizes the whole weight before its linear. A dispatch mode sees an op, not what its kernel does
+# inside, so these are run under the mode (`opened`). Their leaves, the (de)quantize ops, call C code that
+# makes only their outputs, and stay closed: their fake kernels are exact, and fake tensors have no data for C.
+OPENED_ON_CPU = frozenset({"optimizer_update_8bit_blockwise", "optimizer_update_32bit", "gemm_4bit"})
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _on_the_cpu(args: tuple, kwargs: dict) -> bool:
+    return all(t.device.type == "cpu" for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+
+
 class LiveBytes(TorchDispatchMode):
-    """Counts live tensor-storage bytes on one device type; optional budget raises OOM."""
+    """Counts live tensor-storage bytes on one device type; optional budget raises OOM.
+
+    `cpu_kernels` (default: when counting the CPU): the step runs bitsandbytes' CPU kernels, so what
+    they make inside is counted (OPENED_ON_CPU). A prediction of a CUDA step, whose fake tensors are
+    CPU tensors too, turns it off: the CUDA kernels update in place."""
 
     def __init__(
         self,
         device: str | torch.device = "cpu",
         budget_bytes: int | None = None,
         on_change: Callable[[int], None] | None = None,
+        *,
+        cpu_kernels: bool | None = None,
     ):
         super().__init__()
         if budget_bytes is not None and budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.device_type = torch.device(device).type
+        self.cpu_kernels = self.device_type == "cpu" if cpu_kernels is None else cpu_kernels
         self.budget_bytes = budget_bytes
         self.on_change = on_change
         self.current_bytes = 0
@@ -224,10 +245,24 @@ class LiveBytes(TorchDispatchMode):
     # -- dispatch ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = fake_parameters(args, kwargs or {})
-        out = func(*args, **kwargs)
+        if (self.cpu_kernels and getattr(func, "namespace", None) == "bitsandbytes"
+                and func._opname in OPENED_ON_CPU and _on_the_cpu(args, kwargs)):
+            out = self.opened(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if not _aliases_inputs(func):
             self.track(leaves(out))
         return out
+
+    def opened(self, func, args: tuple, kwargs: dict):
+        """`func`'s CPU kernel run with this mode on again (torch takes a mode off while it handles an
+        op), so every op inside it is counted. Pushed as a plain dispatch mode: a subclass's own
+        __enter__ (MemoryAccounting's hooks) is not entered twice."""
+        TorchDispatchMode.__enter__(self)
+        try:
+            return func.redispatch(_CPU_KEYS, *args, **kwargs)
+        finally:
+            TorchDispatchMode.__exit__(self, None, None, None)
 
 
 def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

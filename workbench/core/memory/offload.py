@@ -337,7 +337,8 @@ def simulate_placed(config, plan: Plan, *, batch: int, seq: int, steps: int = 2,
         # where params span the card and the host, torch.optim.AdamW() picks the single-tensor loop
         optimizer = make_plan_optimizer(model, plan, settings, cpu, target=cpu if plan.optimizer == "adamw_torch" else target)
     with (unpacked_for_fake_inputs(), step.fake_mode, contextlib.ExitStack() as stack,
-          PlacedAccounting(cpu, stub_scalars=True, timeline=True, plain_engine=not instrumented) as acc):
+          PlacedAccounting(cpu, stub_scalars=True, timeline=True, plain_engine=not instrumented,
+                           cpu_kernels=not step.cuda) as acc):
         if dmap is not None:
             handles = dispatch_like_accelerate(model, dmap, acc)
         elif zero3 and zero3_from == "host":  # (rungs.partition_on_host) the weights there, the buffers on the card

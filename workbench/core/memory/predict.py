@@ -187,7 +187,7 @@ def simulate(config, plan: Plan, *, batch: int, seq: int, steps: int = 2, n_bloc
     optimizer = make_plan_optimizer(model, plan, settings, device, target=target)  # outside fake mode (bnb reads values)
     with (unpacked_for_fake_inputs(), step.fake_mode,
           MemoryAccounting(device, stub_scalars=True, timeline=step.cuda or timeline,
-                           plain_engine=not instrumented) as acc):
+                           plain_engine=not instrumented, cpu_kernels=not step.cuda) as acc):
         acc.watch(model)
         acc.alias(step.twins)
         # a pure-half plan casts the weights to 16 bits, QLoRA quantizes them (apply_trainable): a loader that
