@@ -220,6 +220,16 @@ def test_check_split_dry_run_on_the_cpu(monkeypatch, tmp_path):
     assert len(adaptive["k_path"]) == 5 and "- adaptive: k by iteration" in r["report"]
     assert [p["k"] for p in adaptive["balance_path"]] == adaptive["k_path"] and "| host_busy_ms |" in r["report"]
     assert "settled_k" in adaptive and all(len(x["k_path"]) == 3 for x in r["runs"] if x["run"] != "adaptive")
+    # the study's reference at 16 bits (study 3 compares a bf16/fp16 engine with it): bf16 trains here, fp16
+    # needs CUDA's autocast (unavailable, not failed); on a card both must train
+    bf16, fp16 = r["references"]
+    assert bf16["run"] == "AdamW all on cpu, bf16 mixed (the reference)" and bf16["status"] == "ok"
+    assert bf16["iterations"] == 3 and bf16["tokens_per_s"] > 0 and bf16["k_actual"] == 1.0
+    assert fp16["status"] == "unavailable" and "fp16 autocast needs a CUDA device" in fp16["reason"]
+    assert "| AdamW all on cpu, bf16 mixed (the reference) | ok |" in r["report"]
+    broken = {**bf16, "status": "error", "reason": "CUDA out of memory"}
+    assert sg.split_verdict([], [], [], LIMIT, [broken])["failures"] == [
+        "AdamW all on cpu, bf16 mixed (the reference): error: CUDA out of memory"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the split check measures the card")
@@ -227,3 +237,4 @@ def test_check_split_on_the_card(tmp_path):
     r = sg.check_split(Options(out=tmp_path, tiny=True))
     assert r["status"] == "pass", r["failures"]
     assert {b["run"] for b in r["baselines"]} == {"DeepSpeed ZeRO-Offload", "torchao CPUOffloadOptimizer"}
+    assert [x["status"] for x in r["references"]] == ["ok", "ok"]  # bf16 and fp16 (a GradScaler) on the card

@@ -302,16 +302,14 @@ def _build_embedded(spec: EmbeddedSpec, out: Path, *, progress: bool) -> None:
     metrics = {
         "params": sum(p.numel() for p in model.parameters()),
         "source_train_tokens": int(train_blocks.numel()),
-        "pretrain_tokens": result.tokens,
-        "pretrain_seconds": round(result.seconds, 1),
+        "pretrain_tokens": result.tokens, "pretrain_seconds": round(result.seconds, 1),
         "build_seconds": round(time.perf_counter() - t0, 1),
         "final_train_loss": result.final_loss,
         "heldout_perplexity": held_ppl,
         "unigram_perplexity": unigram,
         # held-out source text seen in training (50-character windows): see workbench.core.data
         "source_corpus": source.name,
-        "source_train_chars": sum(map(len, source.train)),
-        "source_heldout_chars": sum(map(len, source.heldout)),
+        "source_train_chars": sum(map(len, source.train)), "source_heldout_chars": sum(map(len, source.heldout)),
         "source_overlap_share": source.overlap.share,
         "source_overlap_share_by_name": source.overlap.share_by_name,
         "source_heldout_paragraphs_left_out": source.overlap.dropped_paragraphs,
@@ -328,8 +326,7 @@ def resolve_model_path(name: str, spec: EmbeddedSpec = EmbeddedSpec()) -> str:
         raise ModelNotFoundError("model must be 'embedded', a Hugging Face model id or a local directory")
     if name == EMBEDDED:
         return str(ensure_embedded_base(spec))
-    local = Path(name).expanduser()  # transformers does not expand "~" (a notebook's or --model=~/x's path)
-    if local.exists():
+    if (local := Path(name).expanduser()).exists():  # transformers does not expand "~" (--model=~/x, a notebook's)
         return str(local)
     if names_a_path(name):
         raise ModelNotFoundError(

@@ -38,6 +38,7 @@ from workbench.studies.split import _cuda
 from workbench.studies.split.adam import AdamHP
 from workbench.studies.split.balance import settled
 from workbench.studies.split.engine import SplitEngine
+from workbench.studies.split.reference import reference_at
 from workbench.studies.split.zero_baseline import NOT_INSTALLED, run_zero_offload
 
 ITERATIONS, WARMUP = 6, 2  # per run; the first WARMUP iterations are left out of every mean
@@ -142,7 +143,7 @@ def parity_row(name: str, reference: dict, masters: dict, lr: float, atol_lr: fl
 
 
 def split_verdict(parity: list[dict], runs: list[dict], baselines: list[dict],
-                  pinned_limit_bytes: int) -> dict[str, Any]:
+                  pinned_limit_bytes: int, references: list[dict] = ()) -> dict[str, Any]:
     """pass when the engine matches AdamW, every engine run ran, host updates overlapped backward
     in the host-only run, the timeline is on one clock, the pinned bytes are the bounded rings, and
     each library baseline ran. A baseline not installed is recorded, not failed; one installed that
@@ -164,6 +165,8 @@ def split_verdict(parity: list[dict], runs: list[dict], baselines: list[dict],
             failures.append(f"{r['run']}: accelerator idle share {share:.3f} outside [0, 1]")
     failures += [f"baseline {b['run']}: {b['status']}: {b.get('reason', '')}" for b in baselines
                  if b["status"] not in ("ok", NOT_INSTALLED)]
+    # the study's reference at 16 bits (reference.plain_adamw): fp16 is unavailable without CUDA
+    failures += [f"{r['run']}: {r['status']}: {r['reason']}" for r in references if r["status"] == "error"]
     host_only = [r for r in runs if r["status"] == "ok" and r.get("k_target") == 0.0]
     for r in host_only:
         if r["overlapped_iterations"] == 0:
@@ -190,7 +193,7 @@ def split_verdict(parity: list[dict], runs: list[dict], baselines: list[dict],
                 c["speedup"] = best["tokens_per_s"] / b["tokens_per_s"]
         comparisons.append(c)
     return {"status": "fail" if failures else "pass", "failures": failures, "parity": parity, "runs": runs,
-            "baselines": baselines, "comparisons": comparisons}
+            "baselines": baselines, "comparisons": comparisons, "references": list(references)}
 
 
 def _f(v, spec=".1f") -> str:
@@ -210,7 +213,7 @@ def split_markdown(result: dict[str, Any]) -> str:
               for p in result.get("kernel_differences", [])]
     cols = ["run", "status", "k_actual", "tokens_per_s", "backward_ms", "host_busy_ms", "accel_idle_share", "host_done_before_bwd_end_share",
             "overlapped_iterations", "alpha", "d2h_gb_per_s", "h2d_gb_per_s", "pinned_bytes"]
-    rows = result.get("runs", []) + result.get("baselines", [])
+    rows = result.get("runs", []) + result.get("references", []) + result.get("baselines", [])
     if rows:
         lines += ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:
@@ -376,8 +379,10 @@ def check_split(opts) -> dict[str, Any]:
     trows, treason = _torchao_rows(base, batches[:ITERATIONS])
     baselines = [baseline_row("DeepSpeed ZeRO-Offload", zrows, zreason, warmup=WARMUP),
                  baseline_row("torchao CPUOffloadOptimizer", trows, treason, warmup=WARMUP)]
+    hp = AdamHP(lr=LR, weight_decay=WEIGHT_DECAY)
+    references = [reference_at(copy.deepcopy(base).to(device), batches[:ITERATIONS], hp, p, WARMUP) for p in ("bf16", "fp16")]
     limit = _cuda.staging_bytes(4, 8 * 2**20, torch.float32)  # the engine's default rings, fp32
-    result = split_verdict(parity, runs, baselines, limit)
+    result = split_verdict(parity, runs, baselines, limit, references)
     result["kernel_differences"] = kernels
     result.update(model=f"Qwen2-style, {n_params / 1e6:.1f}M parameters, batch {shape['batch']} x {shape['seq']}",
                   n_params=n_params, pinned_bytes=max((r.get("pinned_bytes") or 0) for r in runs),

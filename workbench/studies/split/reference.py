@@ -7,8 +7,12 @@ the engine measures itself.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from workbench.core.common import one_line
+from workbench.core.config import ConfigError
 from workbench.core.training import autocast
 from workbench.studies.split._cuda import Clock
 from workbench.studies.split.adam import AdamHP
@@ -66,3 +70,23 @@ def plain_adamw(model, batches, hp: AdamHP, max_grad_norm: float = 0.0, precisio
                      "accel_update_ms": ms["step_end"] - ms["backward_end"],
                      "accel_idle_share": max(0.0, 1.0 - busy / period)})
     return rows
+
+
+def reference_at(model, batches, hp: AdamHP, precision: str, warmup: int = 1) -> dict:
+    """gpu-check's row of the reference trained at `precision` (on `model`, a copy it may change): ok
+    when every loss is finite, with its tokens/s over the iterations after `warmup`; unavailable where
+    that precision is (fp16 without CUDA), an error with its reason where it failed (out of memory)."""
+    name = f"AdamW all on {next(model.parameters()).device.type}, {precision} mixed (the reference)"
+    try:
+        rows = plain_adamw(model, batches, hp, precision=precision)
+    except ConfigError as e:
+        return {"run": name, "status": "unavailable", "reason": one_line(e, 200), "precision": precision}
+    except Exception as e:  # noqa: BLE001 - the check records it; the engine's runs are measured whatever it does
+        return {"run": name, "status": "error", "reason": one_line(e, 200), "precision": precision}
+    losses = [r["loss"] for r in rows]
+    keep = rows[warmup:] or rows
+    finite = all(math.isfinite(x) for x in losses)
+    return {"run": name, "status": "ok" if finite else "error", "precision": precision, "iterations": len(rows),
+            "reason": "" if finite else f"a loss that is not finite: {losses}", "final_loss": losses[-1],
+            "tokens_per_s": sum(r["tokens"] for r in keep) / (sum(r["iteration_ms"] for r in keep) / 1e3),
+            "k_actual": keep[-1]["k_actual"], "accel_idle_share": keep[-1]["accel_idle_share"]}
