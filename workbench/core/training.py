@@ -104,13 +104,17 @@ class TrainSettings(Config):
 class TrainResult:
     steps: int
     tokens: int
-    seconds: float
+    seconds: float  # every step's own time, the first included
     final_loss: float
     losses: list[float] = field(default_factory=list)
+    first_step_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+        """Tokens a second over the steps after the first (its warm-up: on a card the first matmuls make
+        the cuBLAS handles and load the kernels; study 2 leaves it out too); a run of one step is all there is."""
+        steps, secs = (self.steps - 1, self.seconds - self.first_step_seconds) if self.steps > 1 else (1, self.seconds)
+        return self.tokens * steps / self.steps / secs if secs > 0 else float("nan")
 
 
 def autocast(device: torch.device, precision: str):
@@ -208,6 +212,7 @@ def train(
         tokens_per_step = settings.tokens_per_step(seq_len)
         losses: list[float] = []
         tokens = 0
+        first = 0.0  # the first step's time (its warm-up)
         seconds = 0.0  # the steps' own time: what the sinks take (a live chart's redraw, a file write) is not training
         for step in range(settings.steps):
             t0 = time.perf_counter()
@@ -236,6 +241,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             loss_value = float(loss_sum)  # a device sync point: the step's time includes its work
             dt = time.perf_counter() - t0
+            first = dt if step == 0 else first
             seconds += dt
             tokens += tokens_per_step
             losses.append(loss_value)
@@ -254,7 +260,7 @@ def train(
                 for sink in sinks:
                     sink(row)
             check_loss(loss_value, step + 1, settings.lr)
-        return TrainResult(settings.steps, tokens, seconds, losses[-1], losses)
+        return TrainResult(settings.steps, tokens, seconds, losses[-1], losses, first_step_seconds=first)
     finally:  # as it was, also when a step raises (an error, a notebook cell interrupted)
         if settings.grad_checkpointing and not was_checkpointing:
             model.activation_checkpointing_disable()

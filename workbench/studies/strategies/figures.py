@@ -157,7 +157,8 @@ def peaks_tag(runs: pd.DataFrame) -> str:
            "not a real GPU. A CUDA budget caps the allocator's reserved memory (fragmentation included); a CPU budget "
            "counts live tensor bytes, a played card's (cpu@N:cuda) its modelled allocator's reserved bytes. A CPU run's "
            "speed is taken with that count running (how its peak is measured: 1.31x the time of the loop without it "
-           "on this project's 2-core machine on 2026-11-22, benchmarks/loop_overhead.py's live_bytes_hook_overhead)")
+           "on this project's 2-core machine on 2026-11-22, benchmarks/loop_overhead.py's live_bytes_hook_overhead); "
+           "tokens/s leaves out each run's first step, its warm-up")
     said = []
     for device in sorted(set(devices)):
         kind, _, what = peak_is(device).partition(": ")

@@ -216,7 +216,7 @@ def _run_strategy(cfg: StrategiesConfig, strategy: str, seed: int, train_blocks,
         ppl_after = evaluate_perplexity(model, held_blocks, device=attempt.device, precision=cfg.precision,
                                         max_blocks=cfg.eval_blocks, batch_size=cfg.micro_batch)
         return {**sel.as_row(), "ppl_before": ppl_before, "ppl_after": ppl_after, "train_seconds": wall,
-                "tokens_per_s": result.tokens / result.seconds, "tokens": result.tokens,
+                "tokens_per_s": result.tokens_per_s, "tokens": result.tokens,
                 "final_loss": result.final_loss}
 
     def announce(event):
