@@ -106,12 +106,16 @@ def test_a_cuda_prediction_is_judged_by_its_allocator_figures_not_its_live_bytes
     assert r["predicted_reserved_mib"] == 1150 and r["error_vs_reserved_pct"] == pytest.approx(100 * -50 / 1200)
     # what nvidia-smi would show beside NVML, and what NVML saw outside the allocator (context, kernels)
     assert r["predicted_nvidia_smi_mib"] == 1650 and r["outside_allocator_mib"] == 1400
+    # nvidia-smi's used is NVML's v2: v1's less the driver's reserve (the H200's 615 MiB), and the prediction
+    # is of that figure
+    assert r["nvidia_smi_used_peak_mib"] == 2600.0 - 615.0
     assert r["outside_allocator_rise_mib"] is None  # no reserved figure from before the run
     # the rung's own rise outside the allocator: NVML 2,100 up, the allocator 1,200 - 300 of it, so 1,200
     # (a paged optimizer's state): not the 1,400 above, which holds the context and what earlier rungs left
     r = gr.rung_row("paged_adamw8bit", cuda, _measured(1000, 1200, reserved_before_bytes=300 * MiB),
                     {"nvml_used_peak_mib": 2600.0, "nvml_used_before_mib": 500.0})
     assert r["outside_allocator_rise_mib"] == 2100 - (1200 - 300)
+    assert r["nvidia_smi_used_peak_mib"] is None  # a driver without the v2 query: not guessed
     assert r["predicted_reserved_by_stream_mib"] is None and r["cuda_reserved_by_stream_mib"] is None
     # ZeRO-3: each side stream's cache, predicted beside the card's (memory_snapshot's segments by stream)
     z3 = gr.rung_row("zero_offload_params", {**cuda, "reserved_by_stream_bytes": {"default": 600 * MiB, "reduce": 550 * MiB}},

@@ -69,6 +69,10 @@ def rung_row(name: str, prediction: dict[str, Any], measured: dict[str, Any], nv
                                else mib(measured.get("measured_peak_bytes"))),
         "predicted_nvidia_smi_mib": mib(prediction.get("nvidia_smi_bytes") or None),
         "nvml_used_peak_mib": nvml.get("nvml_used_peak_mib"),
+        # what nvidia-smi shows used (NVML v2): v1's less the driver's reserve, beside predicted_nvidia_smi_mib
+        "nvidia_smi_used_peak_mib": (nvml["nvml_used_peak_mib"] - nvml["nvml_driver_reserved_mib"]
+                                     if nvml.get("nvml_driver_reserved_mib") is not None
+                                     and nvml.get("nvml_used_peak_mib") is not None else None),
         # NVML v1's used includes the driver's reserve; torch's total (gpu_total_mib) leaves it out
         "nvml_total_mib": nvml.get("nvml_total_mib"), "nvml_driver_reserved_mib": nvml.get("nvml_driver_reserved_mib"),
         "outside_allocator_mib": (nvml["nvml_used_peak_mib"] - reserved
@@ -257,7 +261,8 @@ def report_markdown(summary: dict[str, Any]) -> str:
     if ladder.get("rows"):
         cols = ["rung", "status", "method", "predicted_allocated_mib", "cuda_max_allocated_mib", "error_vs_allocated_pct",
                 "predicted_reserved_mib", "cuda_max_reserved_mib", "error_vs_reserved_pct",
-                "predicted_nvidia_smi_mib", "nvml_used_peak_mib", "outside_allocator_mib", "outside_allocator_rise_mib",
+                "predicted_nvidia_smi_mib", "nvidia_smi_used_peak_mib", "nvml_used_peak_mib", "outside_allocator_mib",
+                "outside_allocator_rise_mib",
                 "predicted_fits_card", "predicted_attention_kernels", "cuda_attention_kernels", "passed"]
         lines += ["", "### Ladder: predicted beside measured on the card (MiB; error = (predicted - measured) / measured)",
                   "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -265,7 +270,9 @@ def report_markdown(summary: dict[str, Any]) -> str:
         lines += ["", "The CUDA budget caps the allocator's reserved memory (fragmentation and caching "
                       "included); the CPU budget counts live tensor bytes. predicted_nvidia_smi_mib is shown, "
                       "not judged: it adds a per-card constant for the CUDA context, the H200's taken from "
-                      "its own gpu-check record (on that card it agrees by construction)."]
+                      "its own gpu-check records (on that card it agrees by construction), beside what nvidia-smi "
+                      "shows used (nvidia_smi_used_peak_mib: NVML's v1 used, nvml_used_peak_mib, less the driver's "
+                      "reserve)."]
         lines += [f"- {r['rung']}: {r['segment_difference']}" for r in ladder["rows"] if r.get("segment_difference")]
     s1 = summary["results"].get("strategies", {})
     if s1.get("runs"):

@@ -61,7 +61,7 @@ GiB = 2**30
 # took 723 MiB, of which 2 MiB is the tensor's segment, so 721 MiB of context ("High gpu memory
 # overhead": "~700+MB", "~800mb"). Lazy module loading (CUDA's default on Linux since 12.2) is said
 # to be smaller, by no figure we found; the one card measured here with it (an H200, sm_90, CUDA
-# 13, after a training step: NVML used - reserved) held 1,384 MiB. So 721 MiB on every card without
+# 13, after a training step: NVML used - reserved - the driver's 615 MiB reserve) held 769 MiB. So 721 MiB on every card without
 # a measurement of its own, a stated constant that is likelier low than high. (It was 500 MiB,
 # attributed to those reports, which give no such figure: an audit, 2026-11-28.)
 CONTEXT_BYTES = 721 * MiB
@@ -94,11 +94,15 @@ class Card:
     context_bytes: int = CONTEXT_BYTES
     # where context_bytes comes from; "here" (card_free_now) measures what is in use on the card now
     context_source: str = "modelled (per-card constant)"
+    # what the driver and firmware reserve (NVML's v2 `reserved`): inside nvidia-smi's total, outside torch's
+    # (get_device_properties, mem_get_info) and nvidia-smi's used. Measured on the H200 alone (0.43% of it); 0 on
+    # the other presets, whose usable room is that much too high if theirs is alike (a real card's is out already)
+    driver_reserved_bytes: int = 0
 
     @property
     def usable_bytes(self) -> int:
-        """What the card leaves after the CUDA context: the most its allocator can reserve."""
-        return self.total_bytes - self.context_bytes
+        """What the card leaves after the CUDA context and the driver's reserve: the most its allocator can reserve."""
+        return self.total_bytes - self.context_bytes - self.driver_reserved_bytes
 
     @property
     def cublas_workspace_bytes(self) -> int:
@@ -204,10 +208,14 @@ CARDS = {c.name: c for c in (
     Card("B200 180GB", 183359 * MiB, 100),  # data-centre Blackwell: cuDNN's attention first, as on sm_90
     # measured by `workbench gpu-check` (2026-11-22; torch 2.11, CUDA 13.0, driver 580): NVML's used
     # memory less max_memory_reserved was 1,366-1,384 MiB on every rung before bitsandbytes' paged
-    # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB
-    Card("H200 141GB", 143771 * MiB, 90, context_bytes=1384 * MiB,
-         context_source="modelled (per-card constant, measured on an H200 by gpu-check on 2026-11-22: that "
-                        "card's nvidia-smi figure agrees by construction)"),
+    # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB. NVML's v1 used counts
+    # the driver's reserve, which its v2 query gave as 615 MiB on every rung of 2026-11-30's record
+    # (nvml_driver_reserved_mib) and nvidia-smi's used leaves out: the context is 1,384 - 615 = 769 MiB
+    # (torch's total, 143,156 MiB, is nvidia-smi's less the reserve)
+    Card("H200 141GB", 143771 * MiB, 90, context_bytes=769 * MiB,
+         context_source="modelled (per-card constant, measured on an H200 by gpu-check on 2026-11-22 and "
+                        "2026-11-30: that card's figure agrees by construction)",
+         driver_reserved_bytes=615 * MiB),
 )}
 
 
@@ -245,7 +253,8 @@ def card(spec: str | float | Card | None) -> Card | None:
 
 def card_of(name: str, total_bytes: int, sm: int) -> Card:
     """A real card as torch reports it ("NVIDIA GeForce RTX 4090"): its own memory and compute
-    capability, with the context constant of the preset it is (name and sm), else the default."""
+    capability, with the context constant of the preset it is (name and sm), else the default.
+    torch's total leaves the driver's reserve out already (the H200's 143,156 MiB, nvidia-smi's 143,771)."""
     preset = next((c for c in CARDS.values() if " ".join(c.name.split()[:-1]) in name and c.sm == sm), None)
     return Card(name, total_bytes, sm, preset.context_bytes, preset.context_source) if preset else \
         Card(name, total_bytes, sm)

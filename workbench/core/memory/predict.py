@@ -113,8 +113,8 @@ class Prediction:
 
     @property
     def nvidia_smi_bytes(self) -> int:
-        """What nvidia-smi would show in use for the process (for the whole card with `--card here`,
-        whose context figure is all that is in use there now): reserved + the CUDA context + the paged
+        """What nvidia-smi would show in use for the process (NVML's v2 used: the driver's reserve left out; for
+        the whole card with `--card here`, whose context is all in use there now): reserved + the CUDA context + the paged
         optimizer state resident on the card: all of it while nothing presses it out; on a card, at most
         the room the rest leaves (the driver moves its other pages to the host; under WSL2 it cannot)."""
         used, paged = self.reserved_peak_bytes + self.context_bytes, self.pageable_bytes
@@ -395,6 +395,6 @@ def predict(model: Any, rung_name: str | Plan = "fp32", *, batch: int = 1, seq: 
         first_step_peak_bytes=report.first_step_peak_bytes,
         host_bytes=int(host), host_breakdown=host_breakdown, placement=placement, pageable_bytes=int(pageable),
         pages_out=not in_wsl(), phases=report.rows(), device=device,
-        card=the_card.name if the_card else "", card_bytes=the_card.total_bytes if the_card else 0,
+        card=the_card.name if the_card else "", card_bytes=the_card.total_bytes - the_card.driver_reserved_bytes if the_card else 0,
         kernels=dict(report.kernels or {}), **cuda,
     )
