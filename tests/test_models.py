@@ -109,6 +109,23 @@ def test_local_directory_and_config_file(tiny_base, tmp_path):
         load_config(str(bad))
 
 
+def test_an_architecture_of_a_repositorys_own_code_is_refused_saying_so():
+    """With trust_remote_code a repository's own causal LM (its config's auto_map) loads its config, and was
+    then called "not a causal language model": the studies and the prediction build transformers' own."""
+    from transformers import PretrainedConfig
+
+    from workbench.core.models import NotACausalLMError, check_causal_lm
+
+    class Mine(PretrainedConfig):
+        model_type = "mytiny"
+
+    own = Mine(auto_map={"AutoModelForCausalLM": "modeling_mytiny.MyTinyForCausalLM"}, architectures=["MyTinyForCausalLM"])
+    with pytest.raises(NotACausalLMError, match="a causal LM whose architecture is its repository's own code"):
+        check_causal_lm(own, "someone/mytiny")
+    with pytest.raises(NotACausalLMError, match="'mytiny' model \\(no architectures listed\\), not a causal language model"):
+        check_causal_lm(Mine(), "someone/mytiny")
+
+
 def test_a_path_from_the_home_folder_loads(tiny_base, tmp_path, monkeypatch):
     """"~/models/x" in a notebook's parameters or --model=~/x (no shell expands it there): the checks
     expanded "~", transformers was handed the name unexpanded and read it as a bad hub id."""

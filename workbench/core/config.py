@@ -54,7 +54,8 @@ VOCABULARY: dict[str, tuple[Any, str]] = {
     "device": (Literal["auto", "cpu", "cuda"], "device: auto (cuda if present, else cpu), cpu or cuda"),
     "eval_blocks": (int, "held-out blocks scored for perplexity"),
     "lora_rank": (int, "rank of the LoRA adapters"),
-    "trust_remote_code": (bool, "let transformers run model code from the hub (off: safer)"),
+    "trust_remote_code": (bool, "let transformers run a hub repository's own code, its tokenizer's (off: safer); "
+                                  "an architecture of its own is refused: the studies build transformers' own"),
 }
 
 

@@ -52,13 +52,15 @@ class NotACausalLMError(ModelNotFoundError):
 def check_causal_lm(config, name: str) -> None:
     """Refuse, in one line, a config that is not a causal LM (a ViT, BERT, Whisper, ...)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     kind = getattr(config, "model_type", None)
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         arch = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
-        raise NotACausalLMError(
-            f"model {name!r} is a {kind!r} model ({arch}), not a causal language model: the workbench "
-            f"trains causal LMs (e.g. Qwen2, Llama, GPT-2, OPT, GPT-NeoX); pass one of those")
+        what = ("a causal LM whose architecture is its repository's own code: the workbench builds models (its memory "
+                "prediction too) from transformers' own classes"  # auto_map: trust_remote_code loaded its config
+                if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+                else "not a causal language model: the workbench trains causal LMs")
+        raise NotACausalLMError(f"model {name!r} is a {kind!r} model ({arch}), {what} (e.g. Qwen2, Llama, GPT-2, OPT, "
+                                "GPT-NeoX); pass one of those")
     for attr in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         v = getattr(config, attr, None)  # GPT-2's n_embd and n_layer are read through these names too
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
@@ -76,7 +78,6 @@ def max_positions(config) -> int | None:
 
 def check_seq_len(config, seq_len: int, name: str = "the model") -> None:
     """Refuse a sequence longer than the model's positions (GPT-2: 1024), naming the limit."""
-
     limit = max_positions(config)
     if limit is not None and seq_len > limit:
         # a rotary model has no position table: past its trained context is context extension, which
@@ -263,7 +264,6 @@ def embedded_config(spec: EmbeddedSpec = EmbeddedSpec(), vocab_size: int | None 
     weights): the vocabulary is the trained tokenizer's (`vocab_size`; before it is trained, the spec's,
     which the build reaches on its corpus), EOS its one special token (id 0)."""
     from transformers import Qwen2Config
-
     return Qwen2Config(vocab_size=vocab_size or spec.vocab_size, hidden_size=spec.hidden_size,
                        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
                        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
