@@ -114,7 +114,9 @@ def test_hashes_commits_and_versions_are_read_back_as_written(tmp_path, monkeypa
     monkeypatch.setenv("WORKBENCH_RESULTS", str(tmp_path))
     writer = ResultsWriter("split")
     row = {"study_key": "a", "env_git_commit": "1e23456", "env_workbench_code": "012345678901",
-           "config_hash": "123456e78901", "trainable_set": "0000ff", "env_python": "3.10", "x": 1}
+           "config_hash": "123456e78901", "trainable_set": "0000ff", "env_python": "3.10", "x": 1,
+           # study 1's rows carry its inputs' fingerprints too (job.inputs)
+           "workbench_code": "012345678901", "corpus_fingerprint": "1234567e89012345", "model_fingerprint": "0000000000001234"}
     writer.update_runs([row], key="study_key")
     writer.update_runs([{"study_key": "b", "x": 2}], key="study_key")  # read back, written again
     runs = read_table(tmp_path / "split" / "runs.csv")

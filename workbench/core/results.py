@@ -351,7 +351,8 @@ def latest(runs: pd.DataFrame, key: str) -> pd.DataFrame:
     return runs[runs[key] == last.iloc[-1]] if len(last) else runs
 
 
-TEXT_COLUMNS = ("config_hash", "trainable_set")  # hashes: "1e23456" read as a number is inf, "0123" is 123
+# hashes and commits: "1e23456" read as a number is inf, "0123" is 123 (and any column ending in _hash or _fingerprint)
+TEXT_COLUMNS = ("config_hash", "trainable_set", "workbench_code", "git_commit", "corpus_fingerprint", "model_fingerprint")
 ENV_NUMBERS = ("env_cpu_count", "env_torch_threads")  # every other env_* is text (commits, versions, names)
 
 
@@ -362,8 +363,8 @@ def read_table(path: str | Path, keys: Iterable[str] = ()) -> pd.DataFrame:
     try:
         header = pd.read_csv(path, nrows=0).columns
         text = {*KEY_COLUMNS, *keys, *TEXT_COLUMNS}
-        return pd.read_csv(path, dtype={c: str for c in header
-                                        if c in text or (c.startswith("env_") and c not in ENV_NUMBERS)})
+        return pd.read_csv(path, dtype={c: str for c in header if c in text or c.endswith(("_hash", "_fingerprint"))
+                                        or (c.startswith("env_") and c not in ENV_NUMBERS)})
     except (FileNotFoundError, pd.errors.EmptyDataError):
         return pd.DataFrame()
 
