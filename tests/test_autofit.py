@@ -302,6 +302,12 @@ def test_estimate_search_from_the_command_line(config, tmp_path, capsys, monkeyp
         "not measured); need: the predicted reserved peak it is compared with"]
     assert head[0].endswith("budget 7,467 MiB (RTX 4060 Ti 8GB's 8,188 MiB less its CUDA context, 721 MiB modelled)")
     assert head[1] == "searched from your setup: custom (bf16-true, adamw_torch, full)"
+    # the H200 preset's total is nvidia-smi's, which holds the driver's reserve: the budget leaves it out and says so
+    assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--precision", "bf16-true",
+                 "--search", "--card", "H200"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        "budget 142,387 MiB (H200 141GB's 143,771 MiB less its CUDA context, 769 MiB modelled, and the driver's "
+        "reserve, 615 MiB)")
     # the search is for the card named: before sm_80 (a T4) bf16 is emulated, and fp16 is the fast half precision
     assert main(["estimate", "--model", str(path), "--batch", "8", "--seq", "64", "--precision", "bf16-mixed",
                  "--search", "--card", "T4 16GB", "--json"]) == 0

@@ -61,9 +61,9 @@ GiB = 2**30
 # took 723 MiB, of which 2 MiB is the tensor's segment, so 721 MiB of context ("High gpu memory
 # overhead": "~700+MB", "~800mb"). Lazy module loading (CUDA's default on Linux since 12.2) is said
 # to be smaller, by no figure we found; the one card measured here with it (an H200, sm_90, CUDA
-# 13, after a training step: NVML used - reserved - the driver's 615 MiB reserve) held 769 MiB. So 721 MiB on every card without
-# a measurement of its own, a stated constant that is likelier low than high. (It was 500 MiB,
-# attributed to those reports, which give no such figure: an audit, 2026-11-28.)
+# 13, after a training step: NVML used - reserved - the driver's 615 MiB reserve) held 769 MiB. So 721 MiB on every
+# card without a measurement of its own, a stated constant likelier low than high. (It was 500 MiB, attributed to
+# those reports, which give no such figure: an audit, 2026-11-28.)
 CONTEXT_BYTES = 721 * MiB
 
 
@@ -89,14 +89,12 @@ def allocator_settings() -> list[str]:
 @dataclass(frozen=True)
 class Card:
     name: str
-    total_bytes: int  # what the card reports as total (nvidia-smi)
+    total_bytes: int  # what the card reports as total (a preset: nvidia-smi's; a card at hand: torch's)
     sm: int  # compute capability x 10 (86: sm_86)
     context_bytes: int = CONTEXT_BYTES
-    # where context_bytes comes from; "here" (card_free_now) measures what is in use on the card now
-    context_source: str = "modelled (per-card constant)"
-    # what the driver and firmware reserve (NVML's v2 `reserved`): inside nvidia-smi's total, outside torch's
-    # (get_device_properties, mem_get_info) and nvidia-smi's used. Measured on the H200 alone (0.43% of it); 0 on
-    # the other presets, whose usable room is that much too high if theirs is alike (a real card's is out already)
+    context_source: str = "modelled (per-card constant)"  # its source; "here" (card_free_now): in use on the card now
+    # the driver's and firmware's reserve (NVML v2 `reserved`): in nvidia-smi's total, not in torch's nor nvidia-smi's
+    # used. Measured on the H200 (0.43% of it); 0 on other presets (their room too high if theirs is alike)
     driver_reserved_bytes: int = 0
 
     @property
@@ -206,12 +204,10 @@ CARDS = {c.name: c for c in (
     Card("A100 80GB", 80 * GiB, 80),
     Card("H100 80GB", 81559 * MiB, 90),
     Card("B200 180GB", 183359 * MiB, 100),  # data-centre Blackwell: cuDNN's attention first, as on sm_90
-    # measured by `workbench gpu-check` (2026-11-22; torch 2.11, CUDA 13.0, driver 580): NVML's used
-    # memory less max_memory_reserved was 1,366-1,384 MiB on every rung before bitsandbytes' paged
-    # state or DeepSpeed added memory of their own; nvidia-smi reports 143,771 MiB. NVML's v1 used counts
-    # the driver's reserve, which its v2 query gave as 615 MiB on every rung of 2026-11-30's record
-    # (nvml_driver_reserved_mib) and nvidia-smi's used leaves out: the context is 1,384 - 615 = 769 MiB
-    # (torch's total, 143,156 MiB, is nvidia-smi's less the reserve)
+    # measured by `workbench gpu-check` (2026-11-22; torch 2.11, CUDA 13.0, driver 580): NVML's v1 used less
+    # max_memory_reserved was 1,366-1,384 MiB on every rung before paged state or DeepSpeed added their own. It
+    # counts the driver's reserve (v2: 615 MiB on every rung of 2026-11-30), which nvidia-smi's used leaves out:
+    # context 1,384 - 615 = 769 MiB. nvidia-smi's total is 143,771 MiB, torch's 143,156 (the reserve out)
     Card("H200 141GB", 143771 * MiB, 90, context_bytes=769 * MiB,
          context_source="modelled (per-card constant, measured on an H200 by gpu-check on 2026-11-22 and "
                         "2026-11-30: that card's figure agrees by construction)",
@@ -253,8 +249,8 @@ def card(spec: str | float | Card | None) -> Card | None:
 
 def card_of(name: str, total_bytes: int, sm: int) -> Card:
     """A real card as torch reports it ("NVIDIA GeForce RTX 4090"): its own memory and compute
-    capability, with the context constant of the preset it is (name and sm), else the default.
-    torch's total leaves the driver's reserve out already (the H200's 143,156 MiB, nvidia-smi's 143,771)."""
+    capability, with the context constant of the preset it is (name and sm), else the default (torch's total:
+    the driver's reserve out already)."""
     preset = next((c for c in CARDS.values() if " ".join(c.name.split()[:-1]) in name and c.sm == sm), None)
     return Card(name, total_bytes, sm, preset.context_bytes, preset.context_source) if preset else \
         Card(name, total_bytes, sm)

@@ -198,8 +198,9 @@ def _estimate(args) -> int:
                                   else f"--card {card_spec}: nothing is free on {card.name} now "
                                   f"({mib_text(card.context_bytes / MiB)} MiB in use, {card.context_source})")
             args.budget_mib = card.usable_bytes / MiB  # what the card leaves after its context
+            reserve = f", and the driver's reserve, {mib_text(card.driver_reserved_bytes / MiB)} MiB" * bool(card.driver_reserved_bytes)
             budget_from = (f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less its CUDA context, "
-                           f"{mib_text(card.context_bytes / MiB)} MiB modelled" if card.context_source.startswith(_MODELLED) else
+                           f"{mib_text(card.context_bytes / MiB)} MiB modelled{reserve}" if card.context_source.startswith(_MODELLED) else
                            f"{card.name}'s {mib_text(card.total_bytes / MiB)} MiB less "
                            f"{mib_text(card.context_bytes / MiB)} MiB in use there, {card.context_source}")
         if args.search:
@@ -397,4 +398,3 @@ def _print_search(args, choice, budget_mib: float, setup, budget_from: str) -> i
         print("on a real out-of-memory error, step down (same effective batch): "
               + " -> ".join(p.name for p in choice.fitting))
     return 0 if choice.plan else 1
-

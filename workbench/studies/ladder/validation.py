@@ -179,7 +179,8 @@ def simulate_litgpt_lora(config, precision: str, *, batch: int, seq: int, target
         input_ids = torch.zeros((batch, seq), dtype=torch.long)
         targets = torch.zeros((batch, seq), dtype=torch.long)
     choices = cuda_model.cuda_step(sm) if cuda else contextlib.nullcontext()
-    with fake_mode, MemoryAccounting(torch.device("cpu"), stub_scalars=True, timeline=cuda, plain_engine=True) as acc:
+    with fake_mode, MemoryAccounting(torch.device("cpu"), stub_scalars=True, timeline=cuda, plain_engine=True,
+                                     cpu_kernels=not cuda) as acc:
         acc.watch(model)
         with choices as mode:
             (x,) = plugin.convert_input((input_ids,))
@@ -211,7 +212,7 @@ def litgpt_peaks(row: Published, config=None, sm: int | None = None) -> dict:
 def fits_card(peaks: dict, card) -> bool:
     """Fits: the reserved peak and the CUDA context within the card, as `Prediction.fits` judges (not
     the least cap the replay runs under, `needed`: on the H200 steps needed 5-23% more than it)."""
-    return peaks["reserved"] + card.context_bytes <= card.total_bytes
+    return peaks["reserved"] <= card.usable_bytes  # less the context and any driver's reserve
 
 
 def validate_row(row: Published) -> dict:

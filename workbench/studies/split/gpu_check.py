@@ -380,7 +380,8 @@ def check_split(opts) -> dict[str, Any]:
     baselines = [baseline_row("DeepSpeed ZeRO-Offload", zrows, zreason, warmup=WARMUP),
                  baseline_row("torchao CPUOffloadOptimizer", trows, treason, warmup=WARMUP)]
     hp = AdamHP(lr=LR, weight_decay=WEIGHT_DECAY)
-    references = [reference_at(copy.deepcopy(base).to(device), batches[:ITERATIONS], hp, p, WARMUP) for p in ("bf16", "fp16")]
+    references = [reference_at(base, batches[:ITERATIONS], hp, p, WARMUP) for p in ("bf16", "fp16")]
+    release(device)  # what a failed reference left cached
     limit = _cuda.staging_bytes(4, 8 * 2**20, torch.float32)  # the engine's default rings, fp32
     result = split_verdict(parity, runs, baselines, limit, references)
     result["kernel_differences"] = kernels

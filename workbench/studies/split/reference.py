@@ -7,6 +7,7 @@ the engine measures itself.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -72,13 +73,14 @@ def plain_adamw(model, batches, hp: AdamHP, max_grad_norm: float = 0.0, precisio
     return rows
 
 
-def reference_at(model, batches, hp: AdamHP, precision: str, warmup: int = 1) -> dict:
-    """gpu-check's row of the reference trained at `precision` (on `model`, a copy it may change): ok
+def reference_at(base, batches, hp: AdamHP, precision: str, warmup: int = 1) -> dict:
+    """gpu-check's row of the reference trained at `precision` (a copy of `base` on the batches' device): ok
     when every loss is finite, with its tokens/s over the iterations after `warmup`; unavailable where
-    that precision is (fp16 without CUDA), an error with its reason where it failed (out of memory)."""
-    name = f"AdamW all on {next(model.parameters()).device.type}, {precision} mixed (the reference)"
+    that precision is (fp16 without CUDA), an error with its reason where it failed (out of memory, the
+    copy to the card included)."""
+    name = f"AdamW all on {batches[0].device.type}, {precision} mixed (the reference)"
     try:
-        rows = plain_adamw(model, batches, hp, precision=precision)
+        rows = plain_adamw(copy.deepcopy(base).to(batches[0].device), batches, hp, precision=precision)
     except ConfigError as e:
         return {"run": name, "status": "unavailable", "reason": one_line(e, 200), "precision": precision}
     except Exception as e:  # noqa: BLE001 - the check records it; the engine's runs are measured whatever it does
