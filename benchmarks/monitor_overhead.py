@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from workbench.core.fallback import device_problem  # noqa: E402
 from workbench.core.memory.monitor import overhead  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 from workbench.front.gpu_programs import MONITOR_TARGET, RUN_S, monitor_workload, workload_lasting  # noqa: E402
@@ -59,6 +60,9 @@ def main() -> int:
     if args.rounds < 1 or args.steps < 1 or args.interval <= 0 or args.threads < 1 or args.run_s < 0:
         print(f"{NAME}: --rounds, --steps and --threads must be at least 1, --interval positive and --run-s "
               "0 or more", file=sys.stderr)
+        return 2
+    if why := device_problem(args.device):
+        print(f"{NAME}: --device {args.device}: {why}", file=sys.stderr)
         return 2
     sys.stdout.reconfigure(line_buffering=True)  # keep our lines in order with libraries' stderr warnings
     torch.set_num_threads(args.threads)

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from workbench.core.fallback import device_problem  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 from workbench.studies.split.adam import AdamHP  # noqa: E402
 from workbench.studies.split.engine import SplitEngine  # noqa: E402
@@ -94,8 +95,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out (the adaptive run's k settles there)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda")
     args = ap.parse_args()
-    if args.iterations <= args.warmup or args.rounds < 1:
-        print("split_adaptive: --iterations must exceed --warmup and --rounds must be at least 1", file=sys.stderr)
+    if args.iterations <= args.warmup or args.warmup < 0 or args.rounds < 1:
+        print("split_adaptive: --iterations must exceed --warmup, --warmup be 0 or more and --rounds at least 1",
+              file=sys.stderr)
+        return 2
+    if why := device_problem(args.device):
+        print(f"split_adaptive: --device {args.device}: {why}", file=sys.stderr)
         return 2
     sys.stdout.reconfigure(line_buffering=True)
     device = torch.device(args.device)

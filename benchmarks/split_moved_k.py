@@ -5,7 +5,7 @@
 
 docs/card-records.md (study 3, 2026-11-26) reports that on this machine's two cores a
 CPU engine moved from k=0 to k=1 at its fourth step ran 1.37x slower per step than one at k=1 from
-the start (steps 7-12), and the same with OMP_NUM_THREADS=1. That was measured once, by hand. This
+the start (steps 7-12), and no slower with OMP_NUM_THREADS=1. That was measured once, by hand. This
 script repeats the measurement so that it can be checked: study 3's `SplitEngine` on the small
 random Qwen2 of `split_adaptive.py`, batch 4 x 128, fp32. "moved" runs every update on the host
 (k=0) until `--move-at`, then `set_k(1.0)` (every update on the accelerator, here the CPU too);

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +30,14 @@ def _run(args, results_dir, timeout=300):
     (["benchmarks/sweep_overhead.py", "--runs", "0"], "sweep_overhead: --runs and --workers must be at least 1"),
     (["benchmarks/model_copy.py", "--rounds", "0"], "model_copy: --rounds and --threads must be at least 1"),
     (["benchmarks/model_copy.py", "--model", "embedded"], "model_copy: --model must be a model config file (.json)"),
-])
+    # a device this machine lacks, or none at all, was a traceback from torch after the model was made
+    (["benchmarks/monitor_overhead.py", "--device", "gpu"], "monitor_overhead: --device gpu: 'gpu' is not cpu, cuda"),
+    (["benchmarks/split_adaptive.py", "--device", "gpu"], "split_adaptive: --device gpu: 'gpu' is not cpu, cuda"),
+    (["benchmarks/split_adaptive.py", "--warmup", "-1"], "split_adaptive: --iterations must exceed --warmup, --warmup"),
+]
+    + ([(["benchmarks/monitor_overhead.py", "--device", "cuda"], "monitor_overhead: --device cuda: no CUDA device"),
+        (["benchmarks/split_adaptive.py", "--device", "cuda"], "split_adaptive: --device cuda: no CUDA device")]
+       if not torch.cuda.is_available() else []))
 def test_a_bad_argument_is_one_line_and_exit_2(args, said, tmp_path):
     out = _run(args, tmp_path, timeout=120)
     lines = out.stderr.splitlines()

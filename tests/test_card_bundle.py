@@ -48,3 +48,29 @@ def test_prune_keeps_the_cards_cuda_library_and_the_cpus(tmp_path):
     assert sorted(p.name for p in bnb.iterdir()) == ["functional.py", "libbitsandbytes_cpu.so",
                                                       "libbitsandbytes_cuda130.so"]
     assert removed == 4 * 100 + 10
+
+
+def test_a_bundle_over_what_a_call_carries_keeps_the_one_before(tmp_path, monkeypatch):
+    """The size was checked after the new archive had replaced the old one: a working bundle was gone,
+    and one no device call could carry was left in its place."""
+    import os
+
+    import pytest
+
+    def pip(*args):  # the site a build installs: bytes that xz cannot shrink
+        if args[0] == "install":
+            site = Path(args[args.index("--target") + 1])
+            site.mkdir(parents=True)
+            (site / "blob").write_bytes(os.urandom(20_000))
+
+    monkeypatch.setattr(cb, "carried", lambda *a, **k: ["somepkg"])
+    monkeypatch.setattr(cb, "_pip", pip)
+    monkeypatch.setattr(cb, "LIMIT_BYTES", 10_000)
+    out = tmp_path / ".whl" / "site.tar.xz"
+    out.parent.mkdir()
+    out.write_bytes(b"the bundle that fits")
+    with pytest.raises(SystemExit, match="over the 0 MiB a device call can spare: carry less \\(the earlier bundle is kept\\)"):
+        cb.build(out, "3.12", "130")
+    assert out.read_bytes() == b"the bundle that fits" and sorted(p.name for p in out.parent.iterdir()) == ["site.tar.xz"]
+    monkeypatch.setattr(cb, "LIMIT_BYTES", 10**6)
+    assert cb.build(out, "3.12", "130") == out and out.stat().st_size > 20_000  # under the limit: replaced

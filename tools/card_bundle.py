@@ -156,11 +156,13 @@ def build(out: Path, python: str, cuda: str) -> Path:
         partial = out.with_name(out.name + ".partial")
         with tarfile.open(partial, "w:xz") as tar:
             tar.add(site, arcname="site")
+        size = partial.stat().st_size
+        if size > LIMIT_BYTES:  # before it replaces a bundle a call can carry
+            partial.unlink()
+            raise SystemExit(f"{out.name} would be {size / 2**20:.1f} MiB, over the {LIMIT_BYTES / 2**20:.0f} MiB a "
+                             f"device call can spare: carry less ({'the earlier bundle is kept' if out.exists() else 'none written'})")
         partial.replace(out)
-    size = out.stat().st_size
     print(f"{out}: {size / 2**20:.1f} MiB ({saved / 2**20:.0f} MiB of other CUDA versions' libraries and caches left out)")
-    if size > LIMIT_BYTES:
-        raise SystemExit(f"{out} is {size / 2**20:.1f} MiB, over the {LIMIT_BYTES / 2**20:.0f} MiB a device call can spare: carry less")
     return out
 
 

@@ -32,9 +32,13 @@ import argparse
 import gc
 import gzip
 import pickle
+import sys
+from pathlib import Path
 
 import torch
+from workbench.core.fallback import unavailable
 from workbench.core.memory.monitor import release_held
+from workbench.core.memory.plan import RUNGS
 from workbench.core.memory.segments import at_oom
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.runner import model_at_hand
@@ -47,6 +51,13 @@ ap.add_argument("--cap", type=float, default=None, help="MiB above what the proc
 ap.add_argument("--after", default=None, help="a rung run first in this process")
 args = ap.parse_args()
 rung, out, cap_mib = args.rung, args.out, args.cap
+# what would end the run after the card's time is spent, said before it (a device call is minutes)
+for name in (rung, args.after):
+    if name is not None and name not in RUNGS:
+        sys.exit(f"segment_probe: {name!r} is not a rung; one of {', '.join(RUNGS)}")
+if why := unavailable("cuda"):
+    sys.exit(f"segment_probe: needs a CUDA GPU: {why}")
+Path(out).mkdir(parents=True, exist_ok=True)
 MiB = 2**20
 dev = torch.device("cuda", 0)
 cfg = LadderConfig(model="data/configs/qwen2-0.5b.json", base_size="default", micro_batch=1, seq_len=512, steps=3,
@@ -72,8 +83,10 @@ m = measure(rung, load, blocks, batch=1, steps=3, device=dev, counted=False)
 snap = torch.cuda.memory._snapshot()
 torch.cuda.memory._record_memory_history(enabled=None)
 name = rung + (f"_after_{args.after}" if args.after else "") + (f"_cap{cap_mib:.0f}" if cap_mib is not None else "")
-with gzip.open(f"{out}/{name}_snapshot.pickle.gz", "wb") as f:
+partial = Path(out) / f"{name}_snapshot.pickle.gz.partial"  # a kill while writing leaves no torn snapshot
+with gzip.open(partial, "wb") as f:
     pickle.dump(snap, f)
+partial.replace(Path(out) / f"{name}_snapshot.pickle.gz")
 print(rung, m.get("status"), "allocated", m.get("cuda_max_allocated_bytes", 0) / MiB,
       "reserved", m.get("cuda_max_reserved_bytes", 0) / MiB)
 state = at_oom(snap["device_traces"][0])

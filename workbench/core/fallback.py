@@ -207,6 +207,16 @@ def unavailable(device: str) -> str | None:
     return no_kernels(torch.cuda.current_device() if dev.index is None else dev.index)  # 'cuda': the current card
 
 
+def device_problem(device: str) -> str | None:
+    """Why `device` (a script's --device) cannot be used here, in one line: not cpu, cuda or cuda:N, or
+    not on this machine (`unavailable`); None where it can."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:  # "gpu": torch lists every device type it knows
+        kind = None
+    return f"{device!r} is not cpu, cuda or cuda:N" if kind not in ("cpu", "cuda") else unavailable(device)
+
+
 def resolve_device(device: str) -> str:
     """The device a study's `device` setting runs on: 'auto' is the GPU where there is one torch can
     run on, else the CPU; a device this machine does not have (or this torch build has no kernels
