@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from workbench.core.parallel import cores  # noqa: E402
 from workbench.core.results import append_benchmark_row  # noqa: E402
 from workbench.studies.split.adam import backend_status  # noqa: E402
 from workbench.studies.split.hostbench import ADAM_BYTES, adam_pattern_bandwidth, adam_step_time, share_of  # noqa: E402
@@ -52,7 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=int, default=50_000_000, help="parameters (default 50M)")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per figure (best is kept)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    ap.add_argument("--threads", type=int, default=cores(), help="torch threads (default: all usable cores)")
     ap.add_argument("--rounds", type=int, default=2, help="probe/torch_fused pairs, the order reversed every round")
     args = ap.parse_args()
     if args.numel < 50 or args.reps < 1 or args.threads < 1 or args.rounds < 1:
@@ -111,8 +112,8 @@ def main() -> int:
         row["env_deepspeed"] = deepspeed.__version__
     except ImportError:
         pass
-    if row["load_average_1min"] > (os.cpu_count() or 1) - 0.5:
-        print(f"  warning: the machine was busy (load {row['load_average_1min']:.1f} on {os.cpu_count()} cores); "
+    if row["load_average_1min"] > cores() - 0.5:
+        print(f"  warning: the machine was busy (load {row['load_average_1min']:.1f} on {cores()} usable cores); "
               "multi-threaded Adam kernels slow down far more than the probe: rerun when idle")
     print(f"  row appended to {append_benchmark_row(row)}")
     print(f"{NAME}: {share:.3f}")

@@ -85,6 +85,7 @@ def main() -> int:
     append_benchmark_row({"benchmark": NAME, "version": VERSION, "value": ratio, "unit": "ratio (copy / fresh load)",
                           "fresh_s": f, "copy_s": c, "made_s": kept.timings["made_s"], "first_load_s": made,
                           "rounds": args.rounds, "threads": args.threads,
+                          "copies": kept.timings["copies"],  # the kept model's own count: the first, then one a round
                           "detail": f"model={args.model} rounds={args.rounds} threads={args.threads} order=ABBA",
                           "load_avg": os.getloadavg()[0]})
     print(f"{NAME}: {ratio:.3f}")

@@ -73,6 +73,7 @@ def test_model_copy_times_fresh_loads_and_copies_in_alternating_rounds_and_write
     row = pd.read_csv(tmp_path / "benchmarks.csv").iloc[-1]
     assert last == f"model_copy: {row['value']:.3f}" and row["version"] == 1 and row["rounds"] == 2
     assert row["value"] == pytest.approx(row["copy_s"] / row["fresh_s"])
+    assert row["copies"] == 2 + 1  # the copy side was timed once a round (the kept model counts its own copies)
     assert any(line.startswith("  measured in the order: fresh, copy, copy, fresh;") for line in out.stdout.splitlines())
     fresh = next(line for line in out.stdout.splitlines() if line.startswith("  fresh loads (s): "))
     assert len(fresh.split(": ")[1].split(";")[0].split(", ")) == 2  # each side once a round
