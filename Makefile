@@ -38,7 +38,7 @@ browser:
 	  else echo "note: chromium not installed (needs root and apt); the browser tests will skip"; fi; }
 
 # Two workers (pytest-xdist), each a whole test file at a time (a file's fixtures are built once):
-# 21-25 min from a fresh clone on 2026-12-02's 2-core machine, 27-46 min on 2026-12-01's (27.5 with a new .venv on one,
+# 17-25 min from a fresh clone on 2026-12-02's 2-core machines, 27-46 min on 2026-12-01's (27.5 with a new .venv on one,
 # 42-46 on another), 19 min on 2026-11-28's (14 against 22 in one process when the suite was smaller).
 # TEST_WORKERS=0 runs in one process. DeepSpeed is installed by setup: a test that finds it cannot
 # run fails here (WORKBENCH_TESTS_NEED), where a bare pytest skips it with the reason.
