@@ -54,11 +54,7 @@ class Attempt:
             if not dev.startswith("cpu"):
                 raise ConfigError(f"attempt {text!r}: ':cuda' models a card's allocator on the CPU; "
                                   f"a real GPU uses its own (drop ':cuda')")
-        try:
-            kind = torch.device(dev).type
-        except RuntimeError:
-            kind = None
-        if kind not in ("cpu", "cuda"):  # torch knows mps, xpu, meta...: the studies run on these two
+        if device_kind(dev) is None:  # torch knows mps, xpu, meta...: the studies run on cpu and cuda
             raise ConfigError(f"attempt {text!r}: {dev!r} is not a device the workbench runs on; use cpu, cuda or "
                               f"cuda:N, each with an optional @MiB budget (e.g. cuda@8192)")
         if budget:
@@ -192,6 +188,15 @@ def driver_too_old() -> str | None:
             f"{torch.version.cuda}: {fix}")
 
 
+def device_kind(text: str) -> str | None:
+    """"cpu" or "cuda" for a device the studies run on (cpu, cuda, cuda:N), else None (mps, "gpu", "cuda:x")."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:  # "gpu": torch lists every device type it knows
+        return None
+    return kind if kind in ("cpu", "cuda") else None
+
+
 def unavailable(device: str) -> str | None:
     """Why `device` does not exist on this machine, or torch cannot run on it (None: it can)."""
     dev = torch.device(device)  # cpu or cuda[:N] (Attempt.parse and SplitConfig allow no other)
@@ -210,11 +215,7 @@ def unavailable(device: str) -> str | None:
 def device_problem(device: str) -> str | None:
     """Why `device` (a script's --device) cannot be used here, in one line: not cpu, cuda or cuda:N, or
     not on this machine (`unavailable`); None where it can."""
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:  # "gpu": torch lists every device type it knows
-        kind = None
-    return f"{device!r} is not cpu, cuda or cuda:N" if kind not in ("cpu", "cuda") else unavailable(device)
+    return f"{device!r} is not cpu, cuda or cuda:N" if device_kind(device) is None else unavailable(device)
 
 
 def resolve_device(device: str) -> str:
