@@ -139,6 +139,22 @@ def test_jupyterlab_runs_study_1_with_knobs_and_a_chart(tmp_path, server_env):
         stop(lab)
 
 
+def shown_chart_traces(page, timeout_ms: int = 120_000):
+    """The traces of the first plotly chart in a widget Output (the knobs panel's live chart), drawn.
+    plotly's renderer shows its own PNG of a graph once an output's data carries one (it saves it
+    there after drawing; the widget's state brings it back, with the Output's content set as state in
+    Voila every time) and draws the graph again when a viewer's pointer enters it: pointed at, as a
+    viewer would. A chart drawn empty has no trace either way."""
+    chart = page.locator(".widget-output .jp-RenderedPlotly").first
+    chart.wait_for(timeout=timeout_ms)
+    image = chart.locator("img.plot-img")
+    if image.is_visible():
+        image.dispatch_event("mouseenter")  # (a hover retries once the graph, drawn over it, hides it)
+    traces = chart.locator(".scatterlayer .trace")
+    traces.first.wait_for(timeout=timeout_ms)
+    return traces
+
+
 def drive_study_1(page, port: int, token: str) -> None:
     page.goto(f"http://127.0.0.1:{port}/lab/tree/study1.ipynb?token={token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=90_000)
@@ -169,9 +185,8 @@ def drive_study_1(page, port: int, token: str) -> None:
     budget.press("Enter")
     run_button.click()
     page.locator(".widget-html", has_text="done").wait_for(timeout=300_000)
-    panel_chart = page.locator(".widget-output .js-plotly-plot")
-    assert panel_chart.count() == 2  # the live chart, redrawn in place, and the summary chart
-    assert panel_chart.first.locator(".scatterlayer .trace").count() >= 1  # with data
+    assert shown_chart_traces(page).count() >= 1  # the live chart, with data
+    assert page.locator(".widget-output .jp-RenderedPlotly").count() == 2  # it, redrawn in place, and the summary
     page.screenshot(path=str(SHOTS / "jupyterlab_study1.png"), full_page=False)
 
 
@@ -261,8 +276,10 @@ def test_voila_app_renders_knobs_and_live_chart_on_localhost_with_a_token(tmp_pa
                 # the panel's Output: the ladder's and the split's apps showed an empty chart)
                 page.locator("button.widget-button", has_text="Run").click()
                 page.get_by_text("done", exact=True).wait_for(timeout=180_000)
-                # 120 s: beside the other test worker, 30 s once ran out after "done" (2026-11-30)
-                page.locator(".js-plotly-plot .scatterlayer .trace").first.wait_for(timeout=120_000)
+                # 120 s: beside the other test worker, 30 s once ran out after "done" (2026-11-30); a
+                # fresh clone's run of 2026-12-02 found no trace in 120 s: plotly's PNG of the chart
+                # was shown, it is likely (shown_chart_traces)
+                shown_chart_traces(page)
                 assert page.locator("table.wb-table").count() >= 1
                 page.screenshot(path=str(SHOTS / "voila_ladder_run.png"), full_page=True)
                 # the Run button's icon draws from Voila's own Font Awesome (its lab page linked a CDN's too)

@@ -197,9 +197,11 @@ with LiveChart(title="t", min_interval_s=0) as live:
 def test_a_notebook_live_chart_redraws_as_jupyterlab_can_show(tmp_path):
     """What a kernel sends while a notebook's chart runs. JupyterLab's plotly renderer keeps the graph
     it drew first and ignores an update of a display id (plotly.py issue 3053): the chart redrew by
-    update_display and stayed empty in JupyterLab. Each redraw must be a new plotly output (in the
-    chart's Output, cleared first); the one update of the display id, at the end, replaces the Output
-    by the final figure (another mimetype, so a new renderer), which the notebook file keeps."""
+    update_display and stayed empty in JupyterLab. Each redraw must be a new plotly output: the chart's
+    Output's content replaced whole through its widget state (not captured by message id, which nests
+    two capturing Outputs inside the knobs panel: ipywidgets PR 3261); the one update of the display
+    id, at the end, replaces the Output by the final figure (another mimetype, so a new renderer),
+    which the notebook file keeps."""
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
     try:
         msg_id = kc.execute(KERNEL_CODE)
@@ -217,8 +219,14 @@ def test_a_notebook_live_chart_redraws_as_jupyterlab_can_show(tmp_path):
     first_type, first = shown[0]
     assert first_type == "display_data" and PLOTLY not in first["data"]  # the Output widget, shown by display id
     display_id = first["transient"]["display_id"]
-    draws = [c for t, c in shown if t == "display_data" and PLOTLY in c["data"]]
+    assert not [c for t, c in shown if t == "display_data" and PLOTLY in c["data"]]  # nothing captured
+    states = [m["content"]["data"]["state"] for m in msgs if m["msg_type"] == "comm_msg"
+              and m["content"]["data"].get("method") == "update" and "outputs" in m["content"]["data"]["state"]]
+    draws = [s["outputs"] for s in states if s["outputs"]]
     assert len(draws) >= 4  # the first (empty) chart and one per row, each a new output
+    assert all(len(o) == 1 and PLOTLY in o[0]["data"] for o in draws)  # replaced whole, not appended
+    assert len(draws[-1][0]["data"][PLOTLY]["data"][0]["x"]) == 3
+    assert states[-1]["outputs"] == []  # emptied before the display id's update: no copy in the widget state
     updates = [(t, c) for t, c in shown if t == "update_display_data"]
     assert len(updates) == 1 and shown[-1] == updates[0] and PLOTLY in updates[0][1]["data"]
     assert updates[0][1]["transient"]["display_id"] == display_id

@@ -6,10 +6,10 @@
 
 A LiveChart is a training sink: it receives the plain rows the train loop emits and never
 reaches into the loop. It redraws a plotly figure, throttled to one redraw per `min_interval_s`,
-in an ipywidgets Output (cleared and drawn again: JupyterLab's plotly renderer keeps the graph it
-drew first and ignores an in-place update of a display id, so a chart updated that way stayed
-empty in JupyterLab until the notebook was reopened; plotly.py issue 3053, `renderModel` in its
-mimeExtension.ts). close() then replaces the Output, through a display id, by the final figure as
+in an ipywidgets Output, whose content is replaced whole through the widget's state (JupyterLab's
+plotly renderer keeps the graph it drew first and ignores an in-place update of a display id, so a
+chart updated that way stayed empty in JupyterLab until the notebook was reopened; plotly.py issue
+3053, `renderModel` in its mimeExtension.ts). close() then replaces the Output, through a display id, by the final figure as
 plotly JSON, so the notebook file holds exactly the final state of the chart: small (no plotly.js
 bundle per chart, unlike a saved FigureWidget) and correct in an executed notebook, in Voila and
 in the HTML report (as found here: a FigureWidget keeps the state it had when first displayed; an
@@ -199,18 +199,20 @@ class LiveChart:
     def draw(self) -> None:
         self._last_draw = time.monotonic()
         if self._output is not None:
-            from IPython.display import display as ipy_display
-
-            self._output.clear_output(wait=True)
-            with self._output:
-                # plotly's own mimetype (and HTML on Colab or Kaggle), whatever plotly's default renderer is
-                ipy_display(self._bundle(), raw=True)
+            # The Output's content is set as its `outputs` state, not captured with `with output:`
+            # (clear, then display): inside the knobs panel's Output that nested two capturing widgets
+            # on one message id, which the front end routes by hooks registered as each widget's state
+            # arrives. ipywidgets' maintainers advise against mixing the two (ipywidgets PR 3261, issues
+            # 1722, 3260). A fresh-clone test run of 2026-12-02 found a finished app's chart undrawn, cause
+            # not proven (not reproduced in 3 runs under load); this is the likely one. plotly's own mimetype
+            # (and HTML on Colab or Kaggle), whatever plotly's default renderer is.
+            self._output.outputs = ({"output_type": "display_data", "data": self._bundle(), "metadata": {}},)
 
     def close(self) -> go.Figure:
         """Draw the final state (whatever the throttle held back) and return the figure. A chart
         with an Output of its own is replaced by the figure itself (the Output is closed)."""
         if self._handle is not None:
-            self._output.clear_output()  # the executed notebook's widget state keeps no copy
+            self._output.outputs = ()  # the executed notebook's widget state keeps no copy
             self._handle.update(self._bundle(), raw=True)
             self._output.close()
             self._output = self._handle = None
