@@ -103,12 +103,15 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
     diverged = [(f"{len(stopped)} run(s) stopped when their loss diverged, so they have no perplexity: "
                  + "; ".join(f"{r.strategy} seed {r.seed}: {r.notes}" for r in stopped.itertuples()), "")] \
         if len(stopped) and "notes" in stopped else []
+    cut = result.facts.get("interrupted")
+    interrupted = [(f"Interrupted: {cut['finished']} of the {cut['asked']} runs asked for finished; what follows "
+                    "is of those alone.", "")] if cut else []
     if summary.empty or summary["ppl_after_mean"].isna().all():
-        return [("No strategy finished a run.", ""), *diverged]
+        return [*interrupted, ("No strategy finished a run.", ""), *diverged]
     done = summary.dropna(subset=["ppl_after_mean"]).sort_values("ppl_after_mean")
     best = done.iloc[0]
     order = " < ".join(f"{r.strategy} {r.ppl_after_mean:.1f}" for r in done.itertuples())
-    out = [(f"Best held-out perplexity: {best['strategy']}, {best['ppl_before']:.1f} -> {best['ppl_after_mean']:.1f} "
+    out = interrupted + [(f"Best held-out perplexity: {best['strategy']}, {best['ppl_before']:.1f} -> {best['ppl_after_mean']:.1f} "
             f"({better(best['improvement_mean_pct'])}; "
             + (f"mean of {int(best['seeds'])} seeds" if best["seeds"] != 1 else "1 seed") + f"). Order: {order}.",
             "; ".join(f"{r.strategy} {r.published_improvement_pct:.1f}%" for r in claims.itertuples()
@@ -118,7 +121,8 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
         budget = result.facts.get("token_budget")
         short = f" (the token budget of {budget:,}, rounded down to whole optimizer steps)" \
             if budget and budget != trained[0] else ""
-        out[0] = (out[0][0] + f" Each run trained {int(trained[0]):,} tokens{short}.", out[0][1])
+        best_row = len(interrupted)
+        out[best_row] = (out[best_row][0] + f" Each run trained {int(trained[0]):,} tokens{short}.", out[best_row][1])
     for _, same in done.groupby("trainable_set", sort=False) if "trainable_set" in done else ():
         if len(same) > 1:  # on a model with 4 decoder layers, the last 2 are the upper half
             out.append((f"{' and '.join(same['strategy'])} train the same {int(same['trainable_params'].iloc[0]):,} "

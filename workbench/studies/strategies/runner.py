@@ -56,7 +56,7 @@ from workbench.core.trainable import StrategyNotApplicable, apply_strategy, chec
 from workbench.core.training import LossDiverged, evaluate_perplexity, train
 from workbench.studies.strategies.config import STUDY, StrategiesConfig
 from workbench.studies.strategies.tables import (  # noqa: F401 (load_result, summarize: this module's API too)
-    claims_table, load_result, rebuild_runs_table, steps_frame, summarize)
+    claims_table, load_result, rebuild_runs_table, record_interrupted, steps_frame, summarize)
 
 
 def corpus_overlap(cfg: StrategiesConfig, corpus=None) -> pd.DataFrame:
@@ -349,6 +349,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
                             done=len(done))
     except BaseException:  # ^C, SIGTERM: runs.csv lists the runs finished so far (it was written at the end alone)
         rebuild_runs_table()
+        record_interrupted([job.run_dir() for job in jobs], _as_json(corpus_overlap(cfg, corpus)))
         raise
     reused = set(done) | {i for i, row in zip(pending, rows) if row.get("reused")}  # one another process trained
     done.update(zip(pending, rows))

@@ -27,6 +27,19 @@ def rebuild_runs_table() -> pd.DataFrame:
     return ResultsWriter(STUDY).update_runs(rows, key="run_id")
 
 
+def record_interrupted(runs: list[RunDir], overlap: dict) -> None:
+    """An interrupted call's finished runs as the latest result, marked so: a call killed after 4 of its
+    10 runs had no latest.json, and the report read its 4 runs (the newest settings' rows) as the study's
+    result, unmarked. A finished call's latest.json stays the latest."""
+    latest = results_root() / STUDY / "latest.json"
+    if latest.exists() and "interrupted" not in json.loads(latest.read_text()):
+        return
+    ids = [r.run_id for r in runs if (s := r.summary()) is not None and s.get("status") in ("ok", "fallback")]
+    if ids:
+        ResultsWriter(STUDY).json("latest", {"run_ids": ids, "corpus_overlap": overlap,
+                                             "interrupted": {"finished": len(ids), "asked": len(runs)}})
+
+
 def peak_is(device) -> str:
     """What the peak of a run that finished on `device` ('cpu@160:cuda', as runs.csv holds it) counts: a played
     card's modelled allocator is not the live bytes the CPU counts; '' where no attempt finished."""
@@ -103,4 +116,6 @@ def load_result() -> StudyResult | None:
               "corpus_overlap": pd.DataFrame(**overlap) if overlap else read_table(root / "corpus_overlap.csv")}
     config = RunDir(STUDY, str(runs["run_id"].iloc[-1])).config() or {}  # the settings' budget, for the findings
     facts = {"token_budget": config.get("token_budget")}
+    if latest.exists() and (cut := json.loads(latest.read_text()).get("interrupted")):
+        facts["interrupted"] = cut  # {"finished": n, "asked": m}: the findings say so first
     return StudyResult(STUDY, runs=runs.reset_index(drop=True), steps=steps_frame(runs), tables=tables, facts=facts)
