@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from workbench.core import models
+from workbench.core.common import PROJECT_ROOT
 from workbench.core.models import (
     TINY_SPEC,
     ModelNotFoundError,
@@ -171,8 +172,12 @@ def test_a_file_or_folder_that_is_not_a_model_says_which_and_what_it_needs(tmp_p
         assert "folder exists" not in str(e.value)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelNotFoundError, match=r"holds no loadable model \(needs a config.json\)"):
+    with pytest.raises(ModelNotFoundError, match=r"holds no loadable model \(needs a config.json\): no config.json in"):
         load_config(str(empty))  # a config is all a prediction needs: no weights asked for
+    # a good config.json where a whole model is needed: it had been called "not a model's config.json"
+    with pytest.raises(ModelNotFoundError, match=r"is a config.json alone: this needs a folder holding config.json, "
+                                                 r"tokenizer files and \*.safetensors weights"):
+        load_model(str(PROJECT_ROOT / "data" / "configs" / "gpt2.json"))
 
 
 @pytest.mark.parametrize("field, value", [("vocab_size", 0), ("hidden_size", -64), ("num_hidden_layers", 1.5)])

@@ -603,11 +603,16 @@ def test_a_hybrid_model_skips_the_layer_strategies_and_trains_the_rest(tiny_base
     assert df.loc[["lora", "bitfit"], "ppl_after"].notna().all()
 
 
+@pytest.mark.parametrize("damage, said", [("bin only", ""), ("lfs pointer", "header"),
+                                           ("no tokenizer", "no tokenizer files")])
 @pytest.mark.parametrize("strategy", ["lora", "qlora"])
 def test_a_model_folder_without_safetensors_is_one_line_for_every_strategy(tiny_base, results_dir, tmp_path, capsys,
-                                                                           strategy):
+                                                                           strategy, damage, said):
     """Weights only as pytorch_model.bin: QLoRA's own 4-bit loader ended the command with an OSError
-    traceback where the other strategies' loader (load_model) says it in one line."""
+    traceback where the other strategies' loader (load_model) says it in one line. A model.safetensors
+    that is a Git LFS pointer (safetensors' SafetensorError) ended every study with a traceback; a
+    folder without tokenizer files was said to be a text too short (transformers 5 made a tokenizer
+    without a vocabulary)."""
     import shutil
 
     import torch
@@ -617,9 +622,14 @@ def test_a_model_folder_without_safetensors_is_one_line_for_every_strategy(tiny_
 
     model = tmp_path / "bin-only"
     model.mkdir()
-    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for f in ("config.json", "generation_config.json") + (("tokenizer.json", "tokenizer_config.json")
+                                                          if damage != "no tokenizer" else ()):
         shutil.copy(Path(tiny_base) / f, model / f)
-    torch.save(load_file(Path(tiny_base) / "model.safetensors"), model / "pytorch_model.bin")
+    if damage == "bin only":
+        torch.save(load_file(Path(tiny_base) / "model.safetensors"), model / "pytorch_model.bin")
+    else:
+        (model / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:"
+                                                 + "0" * 64 + "\nsize 2000000\n")
     rc = main(["strategies", f"model={model}", f"strategies=[{strategy}]", "seeds=[0]", "base_size=tiny",
                "seq_len=64", "token_budget=1024", "eval_blocks=4"])
     err = capsys.readouterr().err
@@ -627,6 +637,7 @@ def test_a_model_folder_without_safetensors_is_one_line_for_every_strategy(tiny_
     err = err.strip().splitlines()[-1]  # (after the progress bar's line)
     assert err.startswith(f"workbench strategies: model '{model}': the folder exists but holds no loadable model "
                           "(needs config.json, tokenizer files and *.safetensors weights): "), err
+    assert said in err
 
 
 def test_a_lora_rank_no_layer_can_use_is_said_before_any_run(tiny_base, results_dir):

@@ -12,6 +12,7 @@ is answered here at once instead, with the fix in one line.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -20,6 +21,7 @@ from urllib.parse import urlparse
 
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import SafetensorError
 
 from workbench.core.common import PROJECT_ROOT
 
@@ -86,12 +88,29 @@ def shipped_config(name: str) -> str | None:
     return None
 
 
+# What loading a model raises where a folder or an id holds no loadable model: a file missing (OSError), a
+# config it cannot read (ValueError), weights whose safetensors header is none (a Git LFS pointer, a
+# download cut short: SafetensorError, which ended a study with a traceback).
+LOAD_ERRORS = (OSError, ValueError, SafetensorError)
+
+
+def with_vocabulary(tokenizer):
+    """`tokenizer`, if it has one: transformers 5 builds one with no vocabulary but its special tokens
+    from a folder without tokenizer files, and study 1 then said its text was too short (8 tokens)."""
+    if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
+        raise FileNotFoundError("no tokenizer files (the tokenizer made without them has no vocabulary)")
+    return tokenizer
+
+
 def not_found_message(name: str, err: Exception,
                       needs: str = "config.json, tokenizer files and *.safetensors weights") -> str:
     """One line: why `name` could not be loaded, and the fix. `needs`: what the caller needs of a
     local folder (a config alone, or a whole model)."""
     local = Path(name).expanduser()
     if local.is_file():
+        if _is_config(local):  # a good config.json, where the caller needs the whole model
+            return (f"model {name!r} is a config.json alone: this needs a folder holding {needs} (a config.json "
+                    "serves `workbench ladder` and `workbench estimate`, which need no weights)")
         return (f"model {name!r} is a file but not a model's config.json; pass a config.json (a JSON object with "
                 f"'model_type') or a folder holding {needs}")
     if local.exists():
@@ -111,3 +130,11 @@ def not_found_message(name: str, err: Exception,
         f"*.safetensors), run where the hub is reachable once so it is cached (HF_HOME), or use "
         f"the workbench's own base, 'embedded' (--model embedded; model='embedded' in Python).{hint}"
     )
+
+
+def _is_config(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" in data

@@ -33,7 +33,7 @@ from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
 from workbench.core.data import (SPLIT_VERSION, corpus_blocks, source_corpus, target_corpus, unigram_perplexity,
                                  window_set)
-from workbench.core.hub import hub_options, names_a_path, not_found_message
+from workbench.core.hub import LOAD_ERRORS, hub_options, names_a_path, not_found_message, with_vocabulary
 from workbench.core.training import TrainSettings, evaluate_perplexity, train
 
 EMBEDDED = "embedded"
@@ -355,15 +355,11 @@ def load_model(
         raise ModelNotFoundError(not_found_message(name, FileNotFoundError(f"no config.json in {local}")))
     check_causal_lm(load_config(name, trust_remote_code=trust_remote_code, spec=spec), name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **hub_options(path))
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype or torch.float32,
-            use_safetensors=True,
-            trust_remote_code=trust_remote_code,
-            **hub_options(path, model=True),
-        )
-    except (OSError, ValueError) as e:
+        tokenizer = with_vocabulary(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                                  **hub_options(path)))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, use_safetensors=True,
+                                                     trust_remote_code=trust_remote_code, **hub_options(path, model=True))
+    except LOAD_ERRORS as e:
         raise ModelNotFoundError(not_found_message(name, e)) from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -392,7 +388,9 @@ def load_config(name: str, *, trust_remote_code: bool = False, spec: EmbeddedSpe
         config = embedded_config(spec)
     else:
         path = resolve_model_path(name, spec)
-        try:
+        try:  # a folder without config.json: transformers said "Unrecognized model ... no `model_type`"
+            if Path(path).expanduser().is_dir() and not (Path(path).expanduser() / "config.json").is_file():
+                raise FileNotFoundError(f"no config.json in {path}")
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **hub_options(path))
         except (OSError, ValueError) as e:
             raise ModelNotFoundError(not_found_message(name, e, needs="a config.json")) from e

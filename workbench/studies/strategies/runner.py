@@ -26,7 +26,7 @@ from workbench import __version__
 from workbench.core.common import Sink
 from workbench.core.data import MAX_OVERLAP, WINDOW, corpus_blocks
 from workbench.core.fallback import Attempt, Outcome, run_with_fallback
-from workbench.core.hub import hub_options, not_found_message
+from workbench.core.hub import LOAD_ERRORS, hub_options, not_found_message, with_vocabulary
 from workbench.core.memory import cuda_model
 from workbench.core.memory.plan import Plan, bnb_4bit_config
 from workbench.core.memory.played import played_card_peaks
@@ -175,7 +175,7 @@ def _load_for(cfg: StrategiesConfig, strategy: str, device: str):
             model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": device},
                                                          use_safetensors=True, trust_remote_code=cfg.trust_remote_code,
                                                          **hub_options(path, model=True))
-        except (OSError, ValueError) as e:
+        except LOAD_ERRORS as e:
             raise ModelNotFoundError(not_found_message(cfg.model, e)) from e
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         return model
@@ -388,8 +388,9 @@ def _tokenizer(cfg: StrategiesConfig):
 
     path = resolve_model_path(cfg.model, cfg.spec())
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code, **hub_options(path))
-    except (OSError, ValueError) as e:
+        tok = with_vocabulary(AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code,
+                                                            **hub_options(path)))
+    except LOAD_ERRORS as e:
         raise ModelNotFoundError(not_found_message(cfg.model, e)) from e
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
