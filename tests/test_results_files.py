@@ -231,3 +231,11 @@ def test_a_benchmark_row_keeps_its_own_environment_columns(tmp_path, monkeypatch
     results.append_benchmark_row({"benchmark": "b", "value": 1.0, "env_torch": "2.11.0+cu130"})
     row = pd.read_csv(tmp_path / "benchmarks.csv").iloc[0]
     assert row["env_torch"] == "2.11.0+cu130" and row["benchmark"] == "b" and row["env_cpu_count"] > 0
+    # the file is read and written again at each row: a hash that looks like a number stays as written
+    (tmp_path / "benchmarks.csv").unlink()
+    monkeypatch.setattr(results, "environment", lambda: {"git_commit": "0012e45", "workbench_code": "000123456789"})
+    results.append_benchmark_row({"benchmark": "c", "value": 2.0})
+    results.append_benchmark_row({"benchmark": "d", "value": 3.0})
+    again = read_table(tmp_path / "benchmarks.csv")
+    assert again["env_git_commit"].tolist() == ["0012e45"] * 2 and again["value"].tolist() == [2.0, 3.0]
+    assert again["env_workbench_code"].tolist() == ["000123456789"] * 2

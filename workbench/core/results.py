@@ -389,6 +389,6 @@ def append_benchmark_row(row: dict[str, Any]) -> Path:
     path = results_root() / "benchmarks.csv"
     full = {"when": now(), **{f"env_{k}": v for k, v in environment().items()}, **row}  # a row's own env_* kept
     with locked(path):
-        old = pd.read_csv(path) if path.exists() and path.stat().st_size else pd.DataFrame()
+        old = read_table(path)  # hashes as text: a plain read made 0012e45 1.2e+46 at the next row
         atomic_write_csv(path, pd.concat([old, pd.DataFrame([full])], ignore_index=True))
     return path
