@@ -36,7 +36,7 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
 
     said_before = {}  # each notebook's row while it runs
 
-    def run(path, params, out, progress=None):
+    def run(path, params, out, progress=None, kernel_log=None):
         ran.append(Path(path).stem)
         rows = json.loads((results_dir / "reproduce.json").read_text())["notebooks"]
         said_before[ran[-1]] = next(r for r in rows if r["name"] == ran[-1])
@@ -83,7 +83,7 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     # a call of some (--only) keeps the others' rows, and a notebook killed part-way is 'not finished' (the
     # log had listed the latest call's notebooks alone, each written when it ended: a killed one was nowhere)
 
-    def killed(path, params, out, progress=None):
+    def killed(path, params, out, progress=None, kernel_log=None):
         Path(out).write_text("half")  # papermill writes as it goes
         raise KeyboardInterrupt
 
@@ -98,6 +98,40 @@ def test_a_failing_notebook_is_reported_and_the_others_still_run(tiny_base, resu
     assert log["notebooks"][2] == third
 
 
+def test_two_calls_at_once_keep_each_others_rows(tiny_base, results_dir, monkeypatch):
+    """Two `reproduce --only` calls at once: each call had read reproduce.json once at its start and rewritten
+    it whole, so the one that ended last wiped the other's row (03 ran, the log listed 01 and 02). Played:
+    02's notebook runs until the 03 call, started while it runs, has ended."""
+    import threading
+
+    from workbench.front import reproduce
+
+    results_dir.mkdir(parents=True)
+    (results_dir / "reproduce.json").write_text(json.dumps({"notebooks": [{"name": "01_strategies", "status": "ok"}]}))
+    running, other_done = threading.Event(), threading.Event()
+
+    def run(path, params, out, progress=None, kernel_log=None):
+        if Path(path).stem == "02_ladder":
+            running.set()
+            assert other_done.wait(60), "the 03 call did not end"
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("{}")
+
+    monkeypatch.setattr(reproduce, "run_notebook", run)
+    codes = {}
+    first = threading.Thread(target=lambda: codes.update(first=main(["reproduce", "--quick", "--only", "02_ladder",
+                                                                     "--no-report"])))
+    first.start()
+    assert running.wait(60)
+    codes["second"] = main(["reproduce", "--quick", "--only", "03_split", "--no-report"])
+    other_done.set()
+    first.join(60)
+    assert codes == {"first": 0, "second": 0}
+    log = json.loads((results_dir / "reproduce.json").read_text())
+    assert [(n["name"], n["status"]) for n in log["notebooks"]] == [
+        ("01_strategies", "ok"), ("02_ladder", "ok"), ("03_split", "ok")]
+
+
 def test_a_notebook_whose_every_run_was_skipped_is_an_error_not_ok(tiny_base, results_dir, monkeypatch, capsys):
     """A study notebook runs to its end where every run is skipped or fails (each a row saying why):
     reproduce had called it ok and exited 0, where `workbench strategies` exits 1. Played: the notebook's
@@ -108,7 +142,7 @@ def test_a_notebook_whose_every_run_was_skipped_is_an_error_not_ok(tiny_base, re
 
     devices = ["cuda"]
 
-    def run(path, params, out, progress=None):
+    def run(path, params, out, progress=None, kernel_log=None):
         run_strategies(StrategiesConfig(base_size="tiny", strategies=("bitfit",), seeds=(0,), seq_len=32,
                                         token_budget=512, eval_blocks=2, devices=tuple(devices)))
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +167,7 @@ def test_quick_runs_each_notebook_on_its_quick_parameters(results_dir, monkeypat
 
     seen = {}
 
-    def run(path, params, out, progress=None):
+    def run(path, params, out, progress=None, kernel_log=None):
         seen[Path(path).stem] = params
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text("{}")
@@ -190,6 +224,41 @@ def test_reproduce_quick_runs_notebook_01_and_writes_results(tiny_base, results_
     assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs)
     report = (results_dir / "index.html").read_text()
     assert "Study 1" in report and "measured" in report and "freeze_lower" in report
+
+
+def test_ctrl_c_is_one_line_and_the_kernels_output_goes_to_its_log(tiny_base, results_dir):
+    """^C while a notebook's study runs (SIGINT to the process group, as a terminal sends it): the kernel,
+    which wrote to this terminal's stderr, printed a 15-line `ZMQError: Socket operation on non-socket`
+    traceback above the command's one line. Its output goes to results/notebooks/<notebook>.kernel.log."""
+    import re
+    import signal
+    import threading
+    import time
+
+    env = {**os.environ, "WORKBENCH_RESULTS": str(results_dir)}
+    proc = subprocess.Popen([BIN / "workbench", "reproduce", "--quick", "--only", "02_ladder", "--no-report"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    err = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read().decode()), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not (results_dir / "ladder").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # the study's cell has begun: it writes its results folder
+        assert proc.poll() is None, "the notebook ended before it could be interrupted"
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(120) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(30)
+    lines = [line for line in re.split(r"[\r\n]+", err[0]) if line and not line.startswith("[02_ladder] cells:")]
+    assert lines == ["workbench reproduce: interrupted; finished runs are kept"], err[0][-3000:]
+    executed = results_dir / "notebooks"
+    assert not list(executed.glob(".*partial*"))
+    for log in executed.glob("*.kernel.log"):  # kept where the kernel said something; never empty
+        assert log.name == "02_ladder.kernel.log" and log.stat().st_size
 
 
 def test_a_headless_kernel_talks_over_private_unix_sockets(tmp_path, capfd, monkeypatch):

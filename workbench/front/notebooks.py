@@ -265,13 +265,17 @@ def run_notebook(
     timeout_s: int | None = None,
     deadline: float | None = None,
     progress: str | None = None,
+    kernel_log: str | Path | None = None,
 ) -> Path:
     """Execute a notebook with papermill; raises papermill's PapermillExecutionError on failure.
 
     `timeout_s`: each cell's limit (papermill's is per cell); `deadline`: a time.perf_counter() the
     whole notebook ends by (each cell's limit is then what is left of it, at least a second).
     `progress`: a label for papermill's bar of executed cells on stderr (a study's training cell
-    runs for minutes, and without it a headless run shows nothing in that time); None: no bar."""
+    runs for minutes, and without it a headless run shows nothing in that time); None: no bar.
+    `kernel_log`: a file (rewritten) for the kernel process's own stdout and stderr (its log lines, a
+    crash's last words), which it otherwise shares with this process: on ^C the kernel printed a
+    15-line ZMQError traceback before the command's one line. The cells' output is in the notebook."""
     import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
 
     path = Path(notebook)
@@ -286,6 +290,10 @@ def run_notebook(
     # the kernel's sockets in a folder only this user can open (removed after the run)
     sockets = tempfile.mkdtemp(prefix="wb-kernel-") if UNIX_SOCKETS else None
     kernel = {"config": TraitletsConfig(kernel_transport(f"{sockets}/k"))} if sockets else {}
+    if kernel_log is not None:
+        Path(kernel_log).parent.mkdir(parents=True, exist_ok=True)
+        Path(kernel_log).write_bytes(b"")
+        kernel["kernel_manager_class"] = _logged_kernel(Path(kernel_log))
     try:
         pm.execute_notebook(
             str(path),
@@ -304,6 +312,18 @@ def run_notebook(
         if sockets:
             shutil.rmtree(sockets, ignore_errors=True)
     return output
+
+
+def _logged_kernel(log: Path) -> type:
+    """nbclient's kernel manager, its kernel's stdout and stderr appended to `log` (Popen's, at start)."""
+    from jupyter_client import AsyncKernelManager
+
+    class Logged(AsyncKernelManager):
+        async def start_kernel(self, **kw: Any) -> None:
+            with open(log, "ab") as f:  # the kernel holds its own copy once started
+                await super().start_kernel(stdout=f, stderr=f, **kw)
+
+    return Logged
 
 
 def failure(e: BaseException) -> tuple[str, str | None]:

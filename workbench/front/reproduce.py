@@ -8,7 +8,8 @@
 Executed notebooks go to results/notebooks/, each study's tables to results/<study>/, and the
 report to results/index.html. A failing notebook is reported and the others still run; the exit
 code says whether all succeeded. A cell's error is one line here; its traceback is in the executed
-notebook and in results/reproduce.json.
+notebook and in results/reproduce.json. The kernel process's own output (its log lines, a crash's last
+words) goes to results/notebooks/<notebook>.kernel.log, kept where it is not empty.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from workbench.core.config import ConfigError
 from workbench.core.models import TINY_SPEC, EmbeddedSpec, embedded_metrics, ensure_embedded_base
-from workbench.core.results import atomic_write_json, check_folder, environment, now, results_root
+from workbench.core.results import atomic_write_json, check_folder, environment, locked, now, results_root
 from workbench.front.notebooks import available, failure, find, no_run_finished, run_notebook
 from workbench.front.report import write_report
 
@@ -70,18 +71,20 @@ def main(args) -> int:
     m = embedded_metrics(spec)
     print(f"embedded base: {m['params']:,} params, held-out perplexity {m['heldout_perplexity']:.1f} "
           f"vs unigram {m['unigram_perplexity']:.1f}", flush=True)
-    log = {"started": now(), "quick": args.quick, "env": environment(), "embedded_base": m,
-           "notebooks": _earlier_entries(root / "reproduce.json")}
+    log = {"started": now(), "quick": args.quick, "env": environment(), "embedded_base": m}
     failed = 0
 
     def entry(row: dict) -> None:  # this call's row for the notebook, in place of an earlier call's
-        rows = log["notebooks"]
-        mine = next((i for i, n in enumerate(rows) if n["name"] == row["name"]), None)
-        if mine is None:
-            rows.append(row)
-        else:
-            rows[mine] = row
-        atomic_write_json(root / "reproduce.json", log)
+        # merged into the log as it is now, under its lock: read once at the start, two calls at once
+        # (--only 02, --only 03) had each rewritten the log from its own copy, and 03's row was lost
+        with locked(root / "reproduce.json"):
+            rows = _earlier_entries(root / "reproduce.json")
+            mine = next((i for i, n in enumerate(rows) if n["name"] == row["name"]), None)
+            if mine is None:
+                rows.append(row)
+            else:
+                rows[mine] = row
+            atomic_write_json(root / "reproduce.json", {**log, "notebooks": rows})
 
     for nb in notebooks:
         params = {**nb.reproduce, **(nb.quick if args.quick else {})}
@@ -89,6 +92,8 @@ def main(args) -> int:
         # papermill writes as it goes: into a partial file, renamed when the run ends, so a failed or
         # interrupted run does not replace the last good executed notebook
         partial = out.with_name(f".{nb.name}.partial.ipynb")
+        # the kernel's own stderr, not this terminal's: on ^C it printed a ZMQError traceback above the one line
+        kernel_log = out.with_name(f"{nb.name}.kernel.log")
         t0 = time.perf_counter()
         print(f"[{nb.name}] running{' (quick)' if args.quick else ''} ...", flush=True)
         started = now()  # said before it runs: a call killed part-way leaves 'not finished', not the old row
@@ -96,7 +101,7 @@ def main(args) -> int:
                "parameters": params})
         status, error, trace = "ok", None, None
         try:
-            run_notebook(nb.path, params, partial, progress=f"[{nb.name}] cells")
+            run_notebook(nb.path, params, partial, progress=f"[{nb.name}] cells", kernel_log=kernel_log)
             os.replace(partial, out)
             out.with_name(f"{nb.name}.failed.ipynb").unlink(missing_ok=True)  # an earlier failure's
             if error := no_run_finished(nb.name, params):  # it ran to its end, each run a row saying why
@@ -111,11 +116,16 @@ def main(args) -> int:
                 os.replace(partial, out)
             if trace is None:  # not a cell's error (a dead kernel, the workbench itself): its traceback
                 traceback.print_exc()
+                if kernel_log.exists() and kernel_log.stat().st_size:
+                    print(f"[{nb.name}] the kernel's own output: {kernel_log}", file=sys.stderr, flush=True)
             else:  # a cell's error: one line; its traceback is in the executed notebook and the log
                 print(f"[{nb.name}] {error}", file=sys.stderr, flush=True)
         except BaseException:  # ^C, SIGTERM: the half-executed notebook is not kept (hidden, it stayed for good)
             partial.unlink(missing_ok=True)
             raise
+        finally:  # an empty one is no news
+            if kernel_log.exists() and not kernel_log.stat().st_size:
+                kernel_log.unlink()
         dt = time.perf_counter() - t0
         print(f"[{nb.name}] {status} in {dt:.0f} s" + (f" -> {out}" if out else ""), flush=True)
         entry({"name": nb.name, "status": status, "started": started, "quick": args.quick, "seconds": round(dt, 1),
