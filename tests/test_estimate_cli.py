@@ -393,6 +393,9 @@ def test_a_sequence_longer_than_the_positions_is_refused_naming_the_limit(tmp_pa
     (["--card", "inf"], "--card must be a card name or its size in GiB (more than 0, at most 1,024), got 'inf'"),
     # a terabyte of headroom had been printed; GB is not GiB, so "8GB" is no size (a user-journey audit)
     (["--card", "1e9"], "--card must be a card name or its size in GiB (more than 0, at most 1,024), got '1e9'"),
+    # a card's number alone is a size of GiB past the largest: the card it names is offered
+    (["--card", "4090"], "--card must be a card name or its size in GiB (more than 0, at most 1,024), got '4090'; "
+                         "did you mean 'RTX 4090 24GB'?"),
     (["--card", "8GB"], "unknown card '8GB'; give its size as a number of GiB (e.g. 8) or one of: RTX 3060 12GB"),
     (["--card", "A100"], "unknown card 'A100' (it begins A100 40GB, A100 80GB); give its size as a number of GiB"),
     (["--trainable", "lora", "--lora-targets", " , "], "--lora-targets ' , ' names no module; give comma-separated"),

@@ -339,7 +339,7 @@ def register(sub) -> None:
     p.add_argument("--quick", action="store_true", help="the tiny embedded base instead of --model (seconds)")
     p.add_argument("--counted", action="store_true", help="measure the device rungs under the live-bytes count")
     names = ", ".join(n for n in checks() if n != "environment")  # the environment is always read
-    p.add_argument("--only", default="", help=f"comma-separated checks to run ({names})")
+    p.add_argument("--only", default="", help=f"comma-separated checks to run ({names}; environment: always run)")
     p.add_argument("--rungs", default="", help="comma-separated ladder rungs for the ladder check (default: every "
                                                "rung that uses the GPU), measured in this order")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",

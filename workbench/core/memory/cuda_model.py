@@ -12,9 +12,8 @@ cannot run CUDA kernels, not even fake ones: autograd cannot make a CUDA leaf's 
   torch's sdp_utils.cpp picks on the card (cuDNN first where torch prefers it: sm_90/sm_100-class
   cards with a cuDNN past 9.15; then flash, memory-efficient, math), called through its aten op so
   autograd saves what that kernel saves (flash and memory-efficient: output + logsumexp, no S x S
-  matrix), or for math (fp32 where flash does not
-  run, bf16 before sm_80) the composite kernel op for op as it runs on real tensors (its fp32 S x S
-  softmax kept);
+  matrix), or for math (fp32 where flash does not run, bf16 before sm_80) the composite kernel op
+  for op as it runs on real tensors (its fp32 S x S softmax kept);
 - dropout: `native_dropout`, as `at::dropout` picks for CUDA tensors (a 1-byte bool mask; the CPU
   keeps an fp32/bf16 noise tensor);
 - autocast: the CPU's autocast runs (it casts matmuls and linears as CUDA's does and keeps the
@@ -242,8 +241,9 @@ def card(spec: str | float | Card | None) -> Card | None:
         raise ConfigError(f"unknown card {spec!r}" + (f" (it begins {', '.join(c.name for c in begun)})" if begun else "")
                           + f"; give its size as a number of GiB (e.g. 8) or one of: {', '.join(CARDS)}") from None
     if not (0 < gib <= MAX_CARD_GIB):  # a NaN or infinity fails it too; 1e9 had given a terabyte of headroom
+        near = [c for c in CARDS if text.upper() in c.upper().split()]  # "4090": RTX 4090 24GB
         raise ConfigError(f"--card must be a card name or its size in GiB (more than 0, at most {MAX_CARD_GIB:,}), "
-                          f"got {spec!r}")
+                          f"got {spec!r}" + (f"; did you mean {', '.join(map(repr, near))}?" if near else ""))
     return Card(f"{gib:g} GiB card", int(gib * GiB), DEFAULT_SM)
 
 
