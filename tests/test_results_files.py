@@ -239,3 +239,18 @@ def test_a_benchmark_row_keeps_its_own_environment_columns(tmp_path, monkeypatch
     again = read_table(tmp_path / "benchmarks.csv")
     assert again["env_git_commit"].tolist() == ["0012e45"] * 2 and again["value"].tolist() == [2.0, 3.0]
     assert again["env_workbench_code"].tolist() == ["000123456789"] * 2
+
+
+def test_a_snapshot_that_cannot_be_written_leaves_the_last_one_whole(tmp_path):
+    """The memory snapshot (a pickle) was written in place: a failure or a kill part-way left a torn file
+    where the last good one had been (a crash-safety review)."""
+    import pickle
+
+    from workbench.core.memory.snapshot import dump
+
+    path = tmp_path / "snapshot.pickle"
+    dump({"segments": [1, 2]}, path)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        dump({"segments": [lambda: 0]}, path)  # fails part-way through
+    assert pickle.loads(path.read_bytes()) == {"segments": [1, 2]}
+    assert [p.name for p in tmp_path.iterdir()] == ["snapshot.pickle"]  # no temporary left beside it

@@ -49,14 +49,19 @@ def clear_stale_temporaries(path: str | Path) -> list[Path]:
     return gone
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    return atomic_write_text(path, data)
+
+
+def atomic_write_text(path: str | Path, text: str | bytes) -> Path:
+    """`text` (or bytes) into `path` through a temporary beside it: a crash leaves the old file or the new."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clear_stale_temporaries(path)
     prefix = f".{path.name}.{_host()}-{os.getpid()}."
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

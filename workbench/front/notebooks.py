@@ -35,6 +35,7 @@ from traitlets.config import Config as TraitletsConfig
 
 from workbench.core.common import PROJECT_ROOT, one_line
 from workbench.core.config import Config
+from workbench.core.files import atomic_write_text
 from workbench.studies.ladder import figures as ladder_figures
 from workbench.studies.ladder.config import LadderConfig
 from workbench.studies.ladder.runner import load_result as load_ladder
@@ -224,7 +225,7 @@ def write_notebooks(folder: str | Path | None = None) -> list[Path]:
     paths = []
     for nb in STUDIES.values():
         path = folder / f"{nb.name}.ipynb"
-        path.write_text(notebook_text(nb))
+        atomic_write_text(path, notebook_text(nb))  # a kill part-way left a torn notebook in notebooks/
         paths.append(path)
     return paths
 

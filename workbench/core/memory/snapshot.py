@@ -25,6 +25,7 @@ from typing import Any
 
 
 from workbench.core.config import ConfigError
+from workbench.core.files import atomic_write_bytes
 from workbench.core.memory import cuda_model
 from workbench.core.memory.accounting import EMPTY_CACHE, MemoryReport
 from workbench.core.memory.allocator import CachingAllocator
@@ -119,8 +120,4 @@ def predicted_snapshot(model, plan, *, batch: int, seq: int, steps: int = CUDA_S
 
 def dump(snapshot: dict[str, Any], path: str | Path) -> Path:
     """Write it as `torch.cuda.memory._dump_snapshot` does (a pickle)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        pickle.dump(snapshot, f)
-    return path
+    return atomic_write_bytes(path, pickle.dumps(snapshot))  # a kill part-way left a torn pickle
