@@ -310,3 +310,19 @@ def test_the_unigram_floor_scores_the_tokens_a_language_model_is_scored_on(tiny_
 
     model_ppl = evaluate_perplexity(Unigram(), held[:40], batch_size=16)  # batches of 16, 16 and 8 blocks
     assert unigram_perplexity(train, held[:40], len(tok)) == pytest.approx(model_ppl, rel=1e-5)
+
+
+def test_a_corpus_file_that_is_not_utf8_text_is_refused_as_the_settings_are_made(tmp_path):
+    """Random bytes named .txt trained with exit 0: read with errors="replace", they were U+FFFD text."""
+    from workbench.core.config import ConfigError
+    from workbench.studies.strategies.config import StrategiesConfig
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one paragraph of text\n\nand another one\n")
+    (folder / "b.txt").write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(ConfigError, match=r"corpus file '.*b\.txt' is not UTF-8 text \(over 1% of its first"):
+        StrategiesConfig(corpus=str(folder))
+    # a stray byte or two in a text of thousands of characters is text
+    (folder / "b.txt").write_bytes(b"caf\xe9 " + b"plain words here. " * 200)
+    assert StrategiesConfig(corpus=str(folder)).corpus == str(folder)

@@ -309,6 +309,10 @@ def check_has_text(path: str, head: int = 1 << 20) -> None:
     for f in _text_files(root):
         with open(f, encoding="utf-8", errors="replace") as fh:
             text, whole = fh.read(head), not fh.read(1)
+        # bytes that are no UTF-8 are read as U+FFFD: a binary file named .txt trained, without a word
+        if text and (text.count("\ufffd") + text.count("\0")) > 0.01 * len(text):
+            raise CorpusError(f"corpus file {str(f)!r} is not UTF-8 text (over 1% of its first {len(text):,} "
+                              "characters are not): give text files")
         texts += [(text, whole)] if text.strip() or not whole else []  # a head of blanks, whole: no text
         if len(texts) == 2:
             return
