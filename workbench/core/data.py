@@ -84,13 +84,8 @@ class Corpus:
     overlap: Overlap | None = field(default=None, compare=False)
 
     def describe(self) -> dict:
-        d = {
-            "corpus": self.name,
-            "train_docs": len(self.train),
-            "heldout_docs": len(self.heldout),
-            "train_chars": sum(map(len, self.train)),
-            "heldout_chars": sum(map(len, self.heldout)),
-        }
+        d = {"corpus": self.name, "train_docs": len(self.train), "heldout_docs": len(self.heldout),
+             "train_chars": sum(map(len, self.train)), "heldout_chars": sum(map(len, self.heldout))}
         if self.overlap is not None:
             d["heldout_overlap_share"] = self.overlap.share
             d["heldout_overlap_share_by_name"] = self.overlap.share_by_name
