@@ -184,6 +184,20 @@ def test_name_value_after_an_option_is_a_point_not_an_unrecognized_argument(caps
                                        "(`workbench sweep --help` lists the options)\n")
 
 
+def test_the_help_lists_the_columns_runs_csv_has(tmp_path, capsys):
+    """`sweep --help`'s runs.csv entry had left out `finished` and `kernel_threads` (and put `reused` last)."""
+    from workbench.front.sweep_points import Point, collect
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "status.json").write_text(json.dumps({"status": "ok", "results": {"loss": 1.0}}))
+    named = {"x": "parameters", "loss": "recorded results"}
+    columns = [named.get(c, c) for c in collect(tmp_path, [Point("p", {"x": 1})]).columns]
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    entry = re.search(r"<out>/runs.csv(.*?)<out>/study_runs.csv", capsys.readouterr().out, re.S)[1]
+    assert " ".join(entry.split()).endswith(": " + ", ".join(columns)), entry
+
+
 def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "sweep"
     # an unknown parameter of a study notebook: every bad point is listed, no folder is made
@@ -631,20 +645,90 @@ def test_a_stopped_rerun_gives_the_finished_run_back(tmp_path, counter):
     assert (point / "results" / "study.txt").read_text() == "the finished run's"
     assert not (point / sweep.PREVIOUS).exists()
 
-    # killed before it could give them back (SIGKILL): the next sweep gives them back and reuses the point
+    # killed before it could give them back (SIGKILL): the next sweep gives them back and reuses the point, and
+    # the killed rerun's files go (its half-run notebook, which papermill saves as it goes, had stayed)
     spec()
     sweep.set_aside(point, ("status.json", "sweep_result.json", "sweep_point.ipynb", "stderr.log", "results"))
     assert not (point / "status.json").exists() and (point / sweep.PREVIOUS / "status.json").exists()
+    shutil.copy(NOTEBOOK, point / ".sweep_point.partial.ipynb")
+    (point / "stderr.log").write_text("the killed rerun's")
     with pytest.MonkeyPatch.context() as m:
         m.setattr(sweep.parallel, "cluster", None)  # nothing may run: the point is finished again
         again = run_sweep(NOTEBOOK, [{"x": 3}], out=out, progress=False)
     assert list(again.reused) == [True] and list(again.x_squared) == [9] and len(runs_of(counter)) == 2
     assert json.loads((point / "status.json").read_text()) == first and not (point / sweep.PREVIOUS).exists()
+    assert outputs() == kept
 
     # a rerun that finishes replaces the finished run, and nothing is kept aside
     second = sweep.run_point(point, env={**env, sweep.SWEEP_CALL_ENV: "second", "WORKBENCH_RERUN": "1"})
     assert second["status"] == "ok" and second["finished"] != first["finished"] and len(runs_of(counter)) == 3
     assert not (point / "results").exists() and not (point / sweep.PREVIOUS).exists()
+
+
+def test_a_failed_rerun_gives_the_finished_run_back_and_says_so(tmp_path, counter, monkeypatch, capsys):
+    """`sweep --rerun` deleted the finished run it redid once the rerun wrote any status: a rerun that failed (past
+    --timeout here; a cell's error, a dead kernel alike) left only its error. The finished run is back; its row is
+    ok with the rerun's error, the summary says so and the sweep exits 1; a later plain call reuses the run."""
+    out = (tmp_path / "sweep").resolve()
+    args = ["sweep", str(NOTEBOOK), "-p", "x=3", "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    point = out / sweep.plan(NOTEBOOK, [{"x": 3}])[1][0].key
+    (point / "results").mkdir()
+    (point / "results" / "study.txt").write_text("the finished run's")
+
+    def outputs():  # its files but its spec and its lock (who ran it last)
+        return {p.relative_to(point).as_posix(): p.read_bytes() for p in point.rglob("*")
+                if p.is_file() and p.name not in ("point.json", RUNNING)}
+
+    kept = outputs()
+    assert {"status.json", "sweep_result.json", "sweep_point.ipynb", "results/study.txt"} <= set(kept)
+    capsys.readouterr()
+    monkeypatch.setenv("SWEEP_TEST_HOLD_AFTER", "1")  # the rerun holds until --timeout stops it
+    assert main([*args, "--rerun", "--timeout", "2"]) == 1
+    *_, summary, line = capsys.readouterr().out.splitlines()
+    assert summary == f"sweep: 0 ok, 1 failed (of which 1 rerun, the earlier run kept) -> {out / 'runs.csv'}"
+    status = json.loads((point / "status.json").read_text())
+    assert line == f"  {point.name} ok: rerun failed (the earlier run is kept): {status['rerun']['error']}", line
+    assert "Timeout" in status["rerun"]["error"]
+    assert {k: v for k, v in status.items() if k != "rerun"} == json.loads(kept.pop("status.json"))
+    assert {k: v for k, v in outputs().items() if k != "status.json"} == kept  # and no half-run notebook
+    assert not (point / sweep.PREVIOUS).exists()
+    row = pd.read_csv(out / "runs.csv").iloc[0]
+    assert (row.status, row.x_squared, row.reused, row.error) == ("ok", 9, False, line.split(": ", 1)[1])
+    ran = len(runs_of(counter))
+    assert main(args) == 0  # reused: the failed rerun was the last call's, not this one's
+    row = pd.read_csv(out / "runs.csv").iloc[0]
+    assert (row.status, row.reused) == ("ok", True) and pd.isna(row.error) and len(runs_of(counter)) == ran
+
+
+def test_a_rerun_whose_worker_died_gives_the_finished_run_back(tmp_path):
+    """A rerun's Dask worker killed (out of memory, say): the sweep wrote its error status over the finished
+    run set aside, which stayed in .previous and went with the point's next run."""
+    from distributed import KilledWorker
+
+    point = tmp_path / "point"
+    point.mkdir()
+    finished = {"status.json": '{"status": "ok", "results": {"x_squared": 9}}', "sweep_point.ipynb": "{}",
+                "sweep_result.json": '{"x_squared": 9}', "stderr.log": ""}
+    for name, text in finished.items():
+        (point / name).write_text(text)
+    (point / "point.json").write_text(json.dumps({"notebook": str(NOTEBOOK), "parameters": {"x": 3}}))
+    sweep.set_aside(point, sweep.output_names("sweep_point"))  # the rerun began (took the point's lock) and died
+    sweep.hold(point, "the rerun").close()
+    shutil.copy(NOTEBOOK, point / ".sweep_point.partial.ipynb")
+
+    class Died:  # its task's future
+        status = "error"
+
+        def exception(self):
+            return KilledWorker("run_point", None, 0)
+
+    assert sweep._outcome(Died(), point, "the rerun", "sweep_point") == "error"
+    status = json.loads((point / "status.json").read_text())  # the finished run's, noting the rerun's failure
+    assert status.pop("rerun")["error"] == "its Dask worker process died during the run (killed, or out of memory)"
+    assert status == json.loads(finished.pop("status.json"))
+    assert {p.name: p.read_text() for p in point.iterdir() if p.name not in ("point.json", "status.json", RUNNING)} \
+        == finished  # no .previous, no half-run notebook
 
 
 @pytest.mark.filterwarnings("ignore:the Dask scheduler .* speaks plain TCP")
@@ -753,6 +837,26 @@ def test_a_folder_of_another_notebook_of_the_same_name_is_not_reused(tmp_path, r
                                           rf"\(point {point.name}\), not {mine.resolve()}: give this sweep an --out"):
         run_sweep(mine, [{"x": 2}], progress=False)
     assert json.loads((point / "point.json").read_text())["notebook"] == str(theirs.resolve())
+
+
+def test_an_out_holding_another_notebooks_sweep_is_refused(tmp_path, capsys, monkeypatch):
+    """`sweep --help` says so, but only a point's own folder had been checked: a sweep of another notebook whose
+    points had other keys ran there, and runs.csv then listed its points alone (the first sweep's vanished)."""
+    out, other = (tmp_path / "sweep").resolve(), (tmp_path / "other.ipynb").resolve()
+    point = out / sweep.plan(NOTEBOOK, [{"x": 1}])[1][0].key
+    point.mkdir(parents=True)  # a finished sweep of sweep_point.ipynb, as it leaves its folder
+    (point / "point.json").write_text(json.dumps({"notebook": str(NOTEBOOK), "parameters": {"x": 1}}))
+    (point / "status.json").write_text(json.dumps({"status": "ok", "results": {"x_squared": 1}}))
+    (out / "runs.csv").write_text(table := f"point,x,status\n{point.name},1,ok\n")
+    shutil.copy(NOTEBOOK, other)
+    monkeypatch.setattr(sweep.parallel, "cluster", None)  # nothing may run
+    assert main(["sweep", str(other), "-p", "x=7", "--out", str(out), "--quiet"]) == 2
+    key = sweep.plan(other, [{"x": 7}])[1][0].key
+    assert capsys.readouterr().err == (
+        f"workbench sweep: --out {out} holds runs of another notebook, {NOTEBOOK} (point {point.name}), not {other}: "
+        f"give this sweep an --out of its own (or --rerun to run it there anyway)\n")
+    assert (out / "runs.csv").read_text() == table and not (out / key).exists()
+    sweep.check_points(out, other, sweep.plan(other, [{"x": 7}])[1], rerun=True)  # --rerun: let through
 
 
 def test_record_outside_a_sweep_writes_into_the_working_folder_which_git_ignores(tmp_path, monkeypatch):

@@ -21,8 +21,8 @@ One bad point is a ConfigError that lists it; nothing runs.
 
 Layout (default `<out>` = results/sweeps/<notebook stem>/):
 
-    <out>/runs.csv                 one row per point of the latest call's grid: point, parameters,
-                                   status, seconds, error, notebook, recorded results, reused
+    <out>/runs.csv                 one row per point of the latest call's grid: point, parameters, status, seconds,
+                                   error, notebook, finished, kernel_threads, reused, recorded results
     <out>/study_runs.csv           the same points' results/*/runs.csv stacked, each row led by its
                                    point, study and the parameters that vary across the grid (a
                                    point of an earlier call's grid keeps its folder, not its rows)
@@ -32,7 +32,7 @@ Layout (default `<out>` = results/sweeps/<notebook stem>/):
     <out>/<key>/results/           $WORKBENCH_RESULTS of this run (a study's own tables)
     <out>/<key>/stderr.log         the kernel's and papermill's own warnings
     <out>/<key>/status.json        written last, atomically: status ok or error, seconds, error
-    <out>/<key>/.previous/         a finished point's files while --rerun runs it again (back if stopped)
+    <out>/<key>/.previous/         a finished point's files while --rerun runs it again (back if stopped or failed)
 
 `<key>` is the study config's `.hash()` for a study notebook (so points that spell the same config differently are one
 run), else a hash of the sorted parameters. Results: a notebook records scalars with
@@ -47,17 +47,17 @@ notebook at the same paths (a shared filesystem). A failed run is a row (status 
 run whose worker died, or one that took longer than --timeout (its kernel is killed).
 
 Resuming: a point whose status.json says ok, made by this code, libraries and notebook text, is not run again (others
-and a failed point are run; --rerun redoes every point; a finished point's files are kept aside until
-its new run finishes, and a rerun stopped any way gives them back, by itself or at the next call). An `<out>` holding
-another notebook's points (one of the same file name elsewhere) is refused, unless --rerun; so is a point a live run
-still holds (its `.running.lock`: a stopped sweep's run on a scheduler's worker; a dead holder's lock is taken over).
-A point's status.json is written only after its executed notebook is complete and renamed into place, so a run stopped
-halfway has none and is redone. A finished point's files are on disk the moment it finishes and runs.csv is rebuilt
-from the points' folders (after each finished point and by every call), so a sweep killed any way (Ctrl-C, SIGTERM,
-SIGKILL, a crash) loses no finished run. Ctrl-C and SIGTERM stop the running points (their kernels are killed, on a
-scheduler's workers too; a point not begun never begins) and write runs.csv with the unfinished points `pending` (as
-are those a dead worker had not begun); on SIGKILL a LocalCluster's workers exit with the sweep process, and their
-kernels with them.
+and a failed point are run; --rerun redoes every point; a finished point's files are kept aside until its new run
+finishes, and a rerun that fails or is stopped any way gives them back, by itself or at the next call: a failed one's
+row is the kept run's, ok, with the rerun's error, and the sweep exits 1). An `<out>` holding another notebook's
+points (one of the same file name elsewhere) is refused, unless --rerun; so is a point a live run still holds (its
+`.running.lock`: a stopped sweep's run on a scheduler's worker; a dead holder's lock is taken over). A point's
+status.json is written last, after its executed notebook is complete and renamed into place, and runs.csv is rebuilt
+from the points' folders (after each finished point and by every call): a sweep killed any way (Ctrl-C, SIGTERM,
+SIGKILL, a crash) loses no finished run, and redoes a run stopped halfway. Ctrl-C and SIGTERM stop the running points
+(their kernels are killed, on a scheduler's workers too; a point not begun never begins) and write runs.csv with the
+unfinished points `pending` (as are those a dead worker had not begun); on SIGKILL a LocalCluster's workers exit with
+the sweep process, and their kernels with them.
 
 `--quick`: a study notebook's points start from its tiny settings (`workbench STUDY --quick`'s), their own values on
 top. Progress: a tqdm bar over the points (finished ones count as done). `--dry-run` lists the points and which a run
@@ -90,8 +90,9 @@ from workbench.core.parallel import threads_per_worker
 from workbench.core.results import RERUN_ENV, atomic_write_json, check_folder, made_by, now, results_root
 from workbench.front.notebooks import STUDIES, failure, no_run_finished, run_notebook
 from workbench.front.record import RESULT_FILE, SWEEP_DIR_ENV, record  # noqa: F401  (record: the notebook side)
-from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, load_grid, plan,
-                                          points_from_options, read_status, resolve_notebook, set_aside, study_of, write_tables)
+from workbench.front.sweep_points import (PREVIOUS, SweepBusy, began, check_points, combine, give_back, hold, keep_previous,
+                                          load_grid, output_names, plan, points_from_options, read_status, resolve_notebook,
+                                          set_aside, study_of, write_tables)
 
 SWEEP_OUT_ENV = "WORKBENCH_SWEEP_OUT"   # set in each kernel: the sweep's folder
 SWEEP_CALL_ENV = "WORKBENCH_SWEEP_CALL"  # and the sweep call's id (what a stop abandons)
@@ -153,8 +154,8 @@ def _run(point_dir: Path, env: dict[str, str] | None, call: str | None) -> dict[
     spec = json.loads((point_dir / "point.json").read_text())
     stem, timeout_s = Path(spec["notebook"]).stem, spec.get("timeout_s")
     timeout_s = math.ceil(timeout_s) if timeout_s else None  # papermill's is whole seconds
-    final, partial = point_dir / f"{stem}.ipynb", point_dir / f".{stem}.partial.ipynb"
-    outputs = ("status.json", RESULT_FILE, final.name, partial.name, "stderr.log", "results")
+    outputs = output_names(stem)  # status.json, sweep_result.json, the notebook, its partial copy, stderr.log, results
+    final, partial = point_dir / outputs[2], point_dir / outputs[3]
     if (read_status(point_dir) or {}).get("status") != "ok":
         outputs = outputs[:-1]  # a failed or stopped run's results/ stay: its study reads finished runs back
     set_aside(point_dir, outputs)  # a finished run's: kept until this one finishes
@@ -170,11 +171,9 @@ def _run(point_dir: Path, env: dict[str, str] | None, call: str | None) -> dict[
                 parallel.kill_children(SWEEP_DIR_ENV, str(point_dir))
 
     watchdog = threading.Thread(target=watch, daemon=True)
-    started, t0 = now(), time.perf_counter()
-    error, trace = None, None
+    started, t0, error, trace = now(), time.perf_counter(), None, None
     # The kernel inherits this environment at start: the point's folder and results root.
-    kernel_env = {**(env or {}), SWEEP_DIR_ENV: str(point_dir),
-                  "WORKBENCH_RESULTS": str(point_dir / "results")}
+    kernel_env = {**(env or {}), SWEEP_DIR_ENV: str(point_dir), "WORKBENCH_RESULTS": str(point_dir / "results")}
     with environ(kernel_env), _stderr_to(point_dir / "stderr.log"):
         watchdog.start()
         try:
@@ -192,14 +191,14 @@ def _run(point_dir: Path, env: dict[str, str] | None, call: str | None) -> dict[
     seconds = time.perf_counter() - t0
     if partial.exists():  # papermill saves as it goes; only a finished notebook gets the real name
         os.replace(partial, final)
-    results = {}
-    if error is None and (point_dir / RESULT_FILE).exists():
-        results = json.loads((point_dir / RESULT_FILE).read_text())
+    results = json.loads((point_dir / RESULT_FILE).read_text()) if not error and (point_dir / RESULT_FILE).exists() else {}
     worker = parallel.current_worker()
     status = {"status": "error" if error else "ok", "error": error, "seconds": round(seconds, 3),
               "started": started, "finished": now(), "notebook": final.name if final.exists() else None,
               "threads": os.environ.get("OMP_NUM_THREADS"), "results": results, "traceback": trace,
               "worker": worker.address if worker is not None else None, **made_by(spec["notebook"])}
+    if error and (kept := keep_previous(point_dir, outputs, status)):  # a failed rerun had deleted the finished
+        return kept  # run it was redoing (a timeout, a dead kernel): it is back, its status noting the failure
     atomic_write_json(point_dir / "status.json", status)  # last: a status here means finished
     shutil.rmtree(point_dir / PREVIOUS, ignore_errors=True)  # the run it replaces
     return status
@@ -239,18 +238,18 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(s, h)
 
 
-def _outcome(future, point_dir: Path, call: str) -> str:
-    """The status of a point whose task is done. A task that did not return (its worker died, the
-    scheduler dropped it) is an error row, written here, unless its run got to write ok first, or
-    never began (its worker died running another point): that one stays pending, run next time."""
-    if future.status == "finished":
-        return future.result()["status"]
-    if (read_status(point_dir) or {}).get("status") == "ok":
-        return "ok"
+def _outcome(future, point_dir: Path, call: str, stem: str) -> str:
+    """The status of a point whose task is done ("error" for a failed rerun, its finished run kept). A task that did
+    not return (its worker died, the scheduler dropped it) is an error row, written here (or a rerun's finished run
+    given back), unless its run wrote ok first, or never began (its worker died running another): pending, run later."""
+    st = future.result() if future.status == "finished" else read_status(point_dir) or {}
+    if future.status == "finished" or st.get("status") == "ok":
+        return "error" if st.get("rerun") else st["status"]
     if not began(point_dir, call):
         return "pending"
-    atomic_write_json(point_dir / "status.json", {"status": "error", "error": parallel.failure(future), "seconds": None,
-                                                   "finished": now(), "notebook": None, "results": {}})
+    died = {"status": "error", "error": parallel.failure(future), "seconds": None, "finished": now(), "results": {}}
+    if not keep_previous(point_dir, output_names(stem), died):
+        atomic_write_json(point_dir / "status.json", died)
     return "error"
 
 
@@ -264,10 +263,10 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
               rerun: bool = False, scheduler: str | None = None):
     """Run `notebook` once per point (skipping finished ones) and return the runs table.
 
-    On a LocalCluster of `workers` processes, or on the Dask scheduler at `scheduler`. Raises
-    ConfigError before running anything if a point is invalid or `out` holds another notebook's points,
-    SweepBusy if another sweep holds `out` or a live run one of its points, and KeyboardInterrupt
-    (after stopping the runs and writing runs.csv) on Ctrl-C or SIGTERM.
+    On a LocalCluster of `workers` processes, or on the Dask scheduler at `scheduler`. Raises ConfigError before
+    running anything if a point is invalid or `out` holds another notebook's points, SweepBusy if another sweep holds
+    `out` or a live run one of its points, and KeyboardInterrupt (after stopping the runs and writing runs.csv) on
+    Ctrl-C or SIGTERM.
     """
     path, planned = plan(notebook, points)
     named, out = out, sweep_folder(path, out)
@@ -282,9 +281,9 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
     except BaseException:
         lock.close()
         raise
-    for p in planned:  # a rerun killed before it could give a finished run back (SIGKILL): given back now
-        if not (out / p.key / "status.json").exists():
-            give_back(out / p.key)
+    for p in planned:  # a rerun killed before it could give a finished run back (SIGKILL): given back now,
+        if not (out / p.key / "status.json").exists():  # and its half-run notebook goes (it had stayed)
+            give_back(out / p.key, output_names(path.stem))
     made = {"status": "ok", **made_by(path)}  # a point finished by other code, libraries or notebook text runs again
     reused = set() if rerun else {p.key for p in planned if (read_status(out / p.key) or {}).items() >= made.items()}
     todo = [p for p in planned if p.key not in reused]
@@ -303,17 +302,18 @@ def run_sweep(notebook: str | Path, points: list[dict[str, Any]], workers: int =
         (out / p.key).mkdir(exist_ok=True)
         atomic_write_json(out / p.key / "point.json", {"notebook": str(path), "parameters": p.parameters,
                                                        "key": p.key, "timeout_s": timeout_s})
+        if (st := read_status(out / p.key) or {}).pop("rerun", None):  # an earlier call's failed rerun: not this one's
+            atomic_write_json(out / p.key / "status.json", st)
     try:
         if todo:
             with _stop_on_signals() as stop, parallel.cluster(workers, scheduler) as client:
-                runs = parallel.Runs(client, functools.partial(run_point, env=env),
-                                     [str(out / p.key) for p in todo],
+                runs = parallel.Runs(client, functools.partial(run_point, env=env), [str(out / p.key) for p in todo],
                                      threads=None if scheduler else threads_per_worker(workers),
                                      tasks_per_worker=1, desc=f"sweep {path.stem}", total=len(planned),
                                      initial=len(reused), progress=progress, stop=stop)
                 try:
                     for i, future in runs:
-                        runs.failed += _outcome(future, out / todo[i].key, call) == "error"
+                        runs.failed += _outcome(future, out / todo[i].key, call, path.stem) == "error"
                         write_tables(out, planned, reused)
                 except KeyboardInterrupt:
                     # Stop the running points now (a worker would finish its run before closing, and a
@@ -351,9 +351,8 @@ def register(sub) -> None:
                         "from dask-jobqueue's SLURMCluster) instead of a local cluster")
     p.add_argument("--out", metavar="DIR", help="output folder (default results/sweeps/<notebook stem>/)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="a run taking longer than this is stopped and recorded as an error (whole seconds: "
-                        "30.5 is 31)")
-    p.add_argument("--rerun", action="store_true", help="run every point again, even finished ones")
+                   help="a run taking longer than this is stopped and recorded as an error (whole seconds: 30.5 is 31)")
+    p.add_argument("--rerun", action="store_true", help="redo every point, finished ones too (kept if the rerun fails)")
     p.add_argument("--dry-run", action="store_true", help="validate and list the points (and which a run reuses)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--quick", action="store_true", help="a study notebook's points start from its tiny settings "
@@ -370,8 +369,7 @@ def main(args) -> int:
         check_scheduler(args.scheduler, "--scheduler")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    points = combine(load_grid(args.grid) if args.grid else None,
-                     points_from_options([*args.assignments, *args.param]))
+    points = combine(load_grid(args.grid) if args.grid else None, points_from_options([*args.assignments, *args.param]))
     if args.quick:
         if (study := study_of(resolve_notebook(args.notebook))) is None:
             raise ConfigError(f"--quick starts from a study notebook's tiny settings; {args.notebook} is not one "
@@ -391,10 +389,12 @@ def main(args) -> int:
     except SweepBusy as e:
         print(f"workbench sweep: {e}", file=sys.stderr)
         return 1
-    failed, pending = df[df.status == "error"], df[df.status == "pending"]  # pending: a dead worker's, not begun
+    failed, pending = df[(df.status == "error") | df.error.notna()], df[df.status == "pending"]  # pending: not begun
+    kept = int((failed.status == "ok").sum())  # failed reruns: their points' finished runs are kept (status ok)
     print(f"sweep: {len(df) - len(failed) - len(pending)} ok, {len(failed)} failed"
+          + (f" (of which {kept} rerun{'s' * (kept > 1)}, the earlier run kept)" if kept else "")
           + (f", {len(pending)} not run (run the sweep again)" if len(pending) else "")
           + f" -> {Path(df.attrs['out']) / 'runs.csv'}")
     for _, row in failed.iterrows():
         print(f"  {row.point} {row.status}: {row.error}")
-    return 1 if (df.status != "ok").any() else 0
+    return 1 if len(failed) or len(pending) else 0

@@ -4,13 +4,9 @@
     path, planned = plan("01_strategies", points)     # one ConfigError listing every bad point
     df = collect(out, planned)                        # one row per point, from its folder's files
 
-The grid syntax is in workbench.front.sweep's docstring (`workbench sweep --help`). Every point is
-validated before anything runs: a study notebook's parameters must build its config (unknown names,
-wrong types and bad values are errors); another notebook's must be names of its `parameters` cell.
-
-A point's key is the study config's `.hash()` for a study notebook (so points that spell the same
-config differently are one run), else a hash of the sorted parameters. The tables (runs.csv,
-study_runs.csv) are rebuilt from the points' folders, never from memory, so they survive any stop.
+The grid syntax, the points' validation and their keys are in workbench.front.sweep's docstring (`workbench
+sweep --help`). The tables (runs.csv, study_runs.csv) are rebuilt from the points' folders, never from memory,
+so they survive any stop.
 """
 
 from __future__ import annotations
@@ -32,31 +28,27 @@ import pandas as pd
 import yaml
 
 from workbench.core.config import ConfigError
-from workbench.core.results import atomic_write_csv, now, read_table
+from workbench.core.results import atomic_write_csv, atomic_write_json, now, read_table
 from workbench.front.notebooks import STUDIES, find
+from workbench.front.record import RESULT_FILE
 
 
 # ------------------------------------------------------------------------------------------------
 # Grids: files and -p options -> a list of points (dicts of parameters)
 
 
-def _yaml_loader():
-    class Loader(yaml.SafeLoader):
-        pass
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; people write learning rates so."""
 
-    # PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; people write learning rates so.
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789."),
-    )
-    return Loader
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789."))
 
 
 def parse_value(text: str) -> Any:
     """A `-p` value: a YAML scalar or flow list (`2000`, `1e-3`, `tiny`, `[0, 1]`, `true`)."""
     try:
-        return yaml.load(text, Loader=_yaml_loader())
+        return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]  # the parser's "while parsing ..." says less
         raise ConfigError(f"cannot parse value {text!r} as YAML ({problem}): close its brackets and quotes, or quote "
@@ -126,7 +118,7 @@ def load_grid(path: str | Path) -> list[dict[str, Any]]:
     except UnicodeDecodeError:
         raise ConfigError(f"grid file {path} is not text (UTF-8): give a YAML or JSON file") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_yaml_loader())
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"malformed grid file {path}: {' '.join(str(e).split())}") from None
     return points_from_grid(data, where=f"grid file {path}")
@@ -225,17 +217,11 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
 # The tables: rebuilt from the points' folders
 
 
-def read_status(point_dir: Path) -> dict[str, Any] | None:
+def read_status(point_dir: Path, name: str = "status.json") -> dict[str, Any] | None:
+    """The point's status.json, or another of its JSON files: point.json (its notebook, parameters, key,
+    timeout), its RUNNING lock (who runs it)."""
     try:
-        return json.loads((point_dir / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def read_spec(point_dir: Path) -> dict[str, Any] | None:
-    """The point.json a sweep wrote (its notebook, parameters, key, timeout), or None."""
-    try:
-        return json.loads((point_dir / "point.json").read_text())
+        return json.loads((point_dir / name).read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -271,31 +257,27 @@ def holder(point_dir: Path) -> dict[str, Any] | None:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
             return None  # released when the file closes
-        except BlockingIOError:
-            f.seek(0)
-            try:
-                return json.loads(f.read())
-            except json.JSONDecodeError:  # taken a moment ago: who is not written yet
-                return {"pid": "?", "host": "?", "started": "?"}
+        except BlockingIOError:  # who is not written yet where it was taken a moment ago
+            return read_status(point_dir, RUNNING) or {"pid": "?", "host": "?", "started": "?"}
 
 
 def began(point_dir: Path, call: str) -> bool:
     """Whether the sweep call `call` began running the point (took its lock)."""
-    try:
-        return json.loads((point_dir / RUNNING).read_text()).get("call") == call
-    except (OSError, json.JSONDecodeError):
-        return False
+    return (read_status(point_dir, RUNNING) or {}).get("call") == call
 
 
 def check_points(out: Path, notebook: Path, planned: list[Point], rerun: bool) -> None:
-    """Before a sweep writes anything: its points' folders in `out` are not another notebook's runs
-    (the key of a plain notebook's point is its parameters alone), nor being run by a live process
-    (a stopped sweep's run on a scheduler's worker): a ConfigError, or SweepBusy."""
+    """Before a sweep writes anything: `out` holds no other notebook's points (only this sweep's folders had been
+    checked: one of another notebook's sweep there took runs.csv over), nor is a live process running one of its
+    points (a stopped sweep's run on a scheduler's worker): a ConfigError, or SweepBusy."""
+    mine = {p.key for p in planned}
+    theirs = sorted((d.name not in mine, d.name, s["notebook"]) for d in out.iterdir()
+                    if (s := read_status(d, "point.json") or {}).get("notebook", str(notebook)) != str(notebook))
+    if theirs and not rerun:  # named: one of this sweep's own points first (the one it would take over)
+        _, key, other = theirs[0]
+        raise ConfigError(f"--out {out} holds runs of another notebook, {other} (point {key}), not {notebook}: "
+                          f"give this sweep an --out of its own (or --rerun to run it there anyway)")
     for p in planned:
-        spec = read_spec(out / p.key) or {}
-        if not rerun and spec.get("notebook", str(notebook)) != str(notebook):
-            raise ConfigError(f"--out {out} holds runs of another notebook, {spec['notebook']} (point {p.key}), "
-                              f"not {notebook}: give this sweep an --out of its own (or --rerun to replace them)")
         who = holder(out / p.key)
         if who:
             raise SweepBusy(f"point {p.key} in {out} is still being run by pid {who['pid']} on {who['host']} "
@@ -303,6 +285,11 @@ def check_points(out: Path, notebook: Path, planned: list[Point], rerun: bool) -
 
 
 PREVIOUS = ".previous"  # a finished point's outputs while it is run again (--rerun)
+
+
+def output_names(stem: str) -> tuple[str, ...]:
+    """What a run of notebook `stem` writes in its point's folder."""
+    return "status.json", RESULT_FILE, f"{stem}.ipynb", f".{stem}.partial.ipynb", "stderr.log", "results"
 
 
 def set_aside(point_dir: Path, names: tuple[str, ...]) -> None:
@@ -333,24 +320,36 @@ def give_back(point_dir: Path, names: tuple[str, ...] = ()) -> bool:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-    for p in prev.iterdir():
+    for p in sorted(prev.iterdir(), key=lambda p: p.name == "status.json"):  # its status last: then it is whole
         os.replace(p, point_dir / p.name)
     prev.rmdir()
     return True
+
+
+def keep_previous(point_dir: Path, names: tuple[str, ...], failed: dict[str, Any]) -> dict[str, Any] | None:
+    """A rerun that failed (an error, a timeout, a dead kernel or worker): the finished run it was redoing
+    is back, its status noting the failure (`rerun`); it had been deleted. None where none was set aside."""
+    if not give_back(point_dir, names):
+        return None
+    rerun = {k: failed.get(k) for k in ("error", "traceback", "seconds", "started", "finished", "worker")}
+    atomic_write_json(point_dir / "status.json", status := {**(read_status(point_dir) or {}), "rerun": rerun})
+    return status
 
 
 BOOKKEEPING = ("point", "status", "seconds", "error", "notebook", "finished", "kernel_threads", "reused")
 
 
 def collect(out: Path, planned: list[Point], reused: set[str] = frozenset()):
-    """The tidy table: one row per point, in grid order; unfinished points are `pending`. A
-    parameter named like a bookkeeping column is `param_<name>` (a swept `threads` had been
-    overwritten by the kernel's thread count)."""
+    """The tidy table: one row per point, in grid order; unfinished points are `pending`; a point whose
+    rerun by this call failed is its kept run's row, the rerun's error its error. A parameter named like
+    a bookkeeping column is `param_<name>` (a swept `threads` had been overwritten by the kernel's thread count)."""
     rows = []
     for p in planned:
         st = read_status(out / p.key) or {}
+        rerun = st.get("rerun") if p.key not in reused else None  # an earlier call's is not this table's
         row = {"point": p.key, **{f"param_{k}" if k in BOOKKEEPING else k: v for k, v in p.parameters.items()},
-               "status": st.get("status", "pending"), "seconds": st.get("seconds"), "error": st.get("error"),
+               "status": st.get("status", "pending"), "seconds": st.get("seconds"),
+               "error": f"rerun failed (the earlier run is kept): {rerun['error']}" if rerun else st.get("error"),
                "notebook": str(out / p.key / st["notebook"]) if st.get("notebook") else None,
                "finished": st.get("finished"), "kernel_threads": st.get("threads"), "reused": p.key in reused}
         for name, v in (st.get("results") or {}).items() if st.get("status") == "ok" else ():
@@ -377,9 +376,9 @@ def write_tables(out: Path, planned: list[Point], reused: set[str]):
     """runs.csv (returned) and study_runs.csv, written atomically from the points' folders."""
     df = collect(out, planned, reused)
     atomic_write_csv(out / "runs.csv", df)
-    # A study's own per-run tables, stacked: the finer-grained view of the same sweep. Each row
-    # leads with its point and the parameters that vary across the grid (a study 1 row has no
-    # learning rate of its own; a column the row already has keeps the row's value).
+    # A study's own per-run tables, stacked: the finer-grained view of the same sweep. Each row leads with its
+    # point and the grid's varying parameters (a study 1 row has no learning rate of its own; a column it has
+    # keeps its value).
     parts = []
     axes = _varying(planned)
     for p in planned:
