@@ -204,9 +204,9 @@ def test_a_study_stopped_part_way_lists_the_runs_it_finished(tiny_base, results_
     assert list(zip(runs["strategy"], runs["status"])) == [("bitfit", "ok")]
     # what the report reads back says the call was cut short: it had shown the 1 run as the study's result
     said = [what for what, _ in findings(load_result())]
-    assert said[0].startswith("Interrupted: 1 of the 2 runs asked for finished") and "Best" in said[1]
+    assert said[0].startswith("The last call stopped part-way: 1 of the 2 runs asked for finished") and "Best" in said[1]
     finished = run_strategies(cfg, progress=False)  # the call again, to its end: no longer marked
-    assert not any(w.startswith("Interrupted") for w, _ in findings(load_result()))
+    assert not any(w.startswith("The last call stopped") for w, _ in findings(load_result()))
     # a later call cut short leaves the finished call the latest result (2 of its 4 runs were read back)
     more = StrategiesConfig(strategies=("bitfit", "freeze_embeddings"), seeds=(0, 1), budget_mib=0, **TINY)
 

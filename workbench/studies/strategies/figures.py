@@ -104,8 +104,8 @@ def findings(result: StudyResult) -> list[tuple[str, str]]:
                  + "; ".join(f"{r.strategy} seed {r.seed}: {r.notes}" for r in stopped.itertuples()), "")] \
         if len(stopped) and "notes" in stopped else []
     cut = result.facts.get("interrupted")
-    interrupted = [(f"Interrupted: {cut['finished']} of the {cut['asked']} runs asked for finished; what follows "
-                    "is of those alone.", "")] if cut else []
+    interrupted = [(f"The last call stopped part-way: {cut['finished']} of the {cut['asked']} runs asked for "
+                    "finished; what follows is of those alone.", "")] if cut else []
     if summary.empty or summary["ppl_after_mean"].isna().all():
         return [*interrupted, ("No strategy finished a run.", ""), *diverged]
     done = summary.dropna(subset=["ppl_after_mean"]).sort_values("ppl_after_mean")
