@@ -10,6 +10,7 @@ import torch
 
 from workbench.core import models
 from workbench.core.common import PROJECT_ROOT
+from workbench.core.hub import hub_constants, not_found_message
 from workbench.core.models import (
     TINY_SPEC,
     ModelNotFoundError,
@@ -178,6 +179,25 @@ def test_a_file_or_folder_that_is_not_a_model_says_which_and_what_it_needs(tmp_p
     with pytest.raises(ModelNotFoundError, match=r"is a config.json alone: this needs a folder holding config.json, "
                                                  r"tokenizer files and \*.safetensors weights"):
         load_model(str(PROJECT_ROOT / "data" / "configs" / "gpt2.json"))
+    # ... and not where a config is all that is needed (a config file of an unknown model_type)
+    odd = tmp_path / "cfgfile"
+    odd.write_text('{"model_type": "no-such-type"}')
+    assert "config.json alone" not in not_found_message(str(odd), ValueError("unknown"), needs="a config.json")
+
+
+def test_a_hub_model_found_but_not_loadable_says_why(monkeypatch):
+    """A cached hub model whose weights are a Git LFS pointer, or without tokenizer files, was said to be
+    'not in the local Hugging Face cache' (the message a missing model gets), its cause left out."""
+    from safetensors import SafetensorError
+
+    from workbench.core.hub import NoTokenizer
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    for err, cause in ((SafetensorError("HeaderTooLarge"), "HeaderTooLarge"), (NoTokenizer("no tokenizer files"),
+                                                                                 "no tokenizer files")):
+        said = not_found_message("someorg/somemodel", err)
+        assert said.startswith("model 'someorg/somemodel' was found but holds no loadable model") and \
+            said.endswith(cause) and "cache" not in said
 
 
 @pytest.mark.parametrize("field, value", [("vocab_size", 0), ("hidden_size", -64), ("num_hidden_layers", 1.5)])

@@ -98,8 +98,12 @@ def with_vocabulary(tokenizer):
     """`tokenizer`, if it has one: transformers 5 builds one with no vocabulary but its special tokens
     from a folder without tokenizer files, and study 1 then said its text was too short (8 tokens)."""
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
-        raise FileNotFoundError("no tokenizer files (the tokenizer made without them has no vocabulary)")
+        raise NoTokenizer("no tokenizer files (the tokenizer made without them has no vocabulary)")
     return tokenizer
+
+
+class NoTokenizer(FileNotFoundError):
+    """A model found, config and all, without tokenizer files (with_vocabulary)."""
 
 
 def not_found_message(name: str, err: Exception,
@@ -108,13 +112,15 @@ def not_found_message(name: str, err: Exception,
     local folder (a config alone, or a whole model)."""
     local = Path(name).expanduser()
     if local.is_file():
-        if _is_config(local):  # a good config.json, where the caller needs the whole model
+        if "safetensors" in needs and _is_config(local):  # a good config.json, where a whole model is needed
             return (f"model {name!r} is a config.json alone: this needs a folder holding {needs} (a config.json "
                     "serves `workbench ladder` and `workbench estimate`, which need no weights)")
         return (f"model {name!r} is a file but not a model's config.json; pass a config.json (a JSON object with "
                 f"'model_type') or a folder holding {needs}")
     if local.exists():
         return f"model {name!r}: the folder exists but holds no loadable model (needs {needs}): {err}"
+    if isinstance(err, (SafetensorError, NoTokenizer)):  # a hub model found, a part of it not loadable
+        return f"model {name!r} was found but holds no loadable model (needs {needs}): {err}"
     if hub_constants.HF_HUB_OFFLINE:
         why = "HF_HUB_OFFLINE is set, and it is not in the local Hugging Face cache"
     elif hub_unreachable():
