@@ -189,7 +189,7 @@ def test_a_played_gpu_peak_is_the_predicted_step_to_the_byte(tiny_base, results_
     assert row["peak_mem_mib"] == row["predicted_peak_mib"] < steady - 0.2, (row["peak_mem_mib"], steady)
 
 
-def test_a_study_stopped_part_way_lists_the_runs_it_finished(tiny_base, results_dir):
+def test_a_study_stopped_part_way_lists_the_runs_it_finished(tiny_base, results_dir, monkeypatch):
     """Ctrl-C kept the finished runs' folders, but runs.csv, written at the end alone, was not there (a user
     audit): a reader of results/strategies/runs.csv saw no run."""
     cfg = StrategiesConfig(strategies=("bitfit", "freeze_embeddings"), seeds=(0,), budget_mib=0, **TINY)
@@ -198,6 +198,14 @@ def test_a_study_stopped_part_way_lists_the_runs_it_finished(tiny_base, results_
         if row.get("strategy") == "freeze_embeddings":
             raise KeyboardInterrupt
 
+    def no_disk(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:  # what the record meets while the interrupt is handled: a warning, not in its place
+        m.setattr(transfer, "corpus_overlap", no_disk)
+        with pytest.raises(KeyboardInterrupt), pytest.warns(UserWarning, match="No space left on device"):
+            run_strategies(cfg, [killed], progress=False)
+    assert not (results_dir / "strategies" / "latest.json").exists()
     with pytest.raises(KeyboardInterrupt):
         run_strategies(cfg, [killed], progress=False)
     runs = pd.read_csv(results_dir / "strategies" / "runs.csv")

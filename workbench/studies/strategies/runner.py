@@ -349,7 +349,7 @@ def run_strategies(cfg: StrategiesConfig, sinks: Iterable[Sink] = (), *, progres
                             done=len(done))
     except BaseException:  # ^C, SIGTERM: runs.csv lists the runs finished so far (it was written at the end alone)
         rebuild_runs_table()
-        record_interrupted([job.run_dir() for job in jobs], _as_json(corpus_overlap(cfg, corpus)))
+        record_interrupted([job.run_dir() for job in jobs], lambda: _as_json(corpus_overlap(cfg, corpus)))
         raise
     reused = set(done) | {i for i, row in zip(pending, rows) if row.get("reused")}  # one another process trained
     done.update(zip(pending, rows))

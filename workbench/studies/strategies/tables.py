@@ -5,6 +5,8 @@ and the latest call's result read back (split from runner.py, which trains).
 from __future__ import annotations
 
 import json
+import warnings
+from typing import Callable
 
 import pandas as pd
 
@@ -27,17 +29,21 @@ def rebuild_runs_table() -> pd.DataFrame:
     return ResultsWriter(STUDY).update_runs(rows, key="run_id")
 
 
-def record_interrupted(runs: list[RunDir], overlap: dict) -> None:
-    """An interrupted call's finished runs as the latest result, marked so: a call killed after 4 of its
-    10 runs had no latest.json, and the report read its 4 runs (the newest settings' rows) as the study's
-    result, unmarked. A finished call's latest.json stays the latest."""
-    latest = results_root() / STUDY / "latest.json"
-    if latest.exists() and "interrupted" not in json.loads(latest.read_text()):
-        return
-    ids = [r.run_id for r in runs if (s := r.summary()) is not None and s.get("status") in ("ok", "fallback")]
-    if ids:
-        ResultsWriter(STUDY).json("latest", {"run_ids": ids, "corpus_overlap": overlap,
-                                             "interrupted": {"finished": len(ids), "asked": len(runs)}})
+def record_interrupted(runs: list[RunDir], overlap: Callable[[], dict]) -> None:
+    """A call's finished runs as the latest result, marked, where it stopped part-way (^C, a kill, an
+    error): a call killed after 4 of its 10 runs had no latest.json, and the report read its 4 runs (the
+    newest settings' rows) as the study's result, unmarked. A finished call's latest.json stays the
+    latest. Called while the call's exception is handled: a failure here is a warning, not in its place."""
+    try:
+        latest = results_root() / STUDY / "latest.json"
+        if latest.exists() and "interrupted" not in json.loads(latest.read_text()):
+            return
+        ids = [r.run_id for r in runs if (s := r.summary()) is not None and s.get("status") in ("ok", "fallback")]
+        if ids:
+            ResultsWriter(STUDY).json("latest", {"run_ids": ids, "corpus_overlap": overlap(),
+                                                 "interrupted": {"finished": len(ids), "asked": len(runs)}})
+    except Exception as e:  # a full disk, say: what stopped the call is what the caller must hear
+        warnings.warn(f"the stopped call's finished runs were not recorded as the latest result ({e})")
 
 
 def peak_is(device) -> str:
