@@ -321,8 +321,15 @@ def test_a_corpus_file_that_is_not_utf8_text_is_refused_as_the_settings_are_made
     folder.mkdir()
     (folder / "a.txt").write_text("one paragraph of text\n\nand another one\n")
     (folder / "b.txt").write_bytes(bytes(range(256)) * 20)
-    with pytest.raises(ConfigError, match=r"corpus file '.*b\.txt' is not UTF-8 text \(over 1% of its first"):
+    with pytest.raises(ConfigError, match=r"corpus file '.*b\.txt' is not UTF-8 text \(over 1% of the [\d,]+ "
+                                          r"characters read are not\): convert it to UTF-8, or leave it out"):
         StrategiesConfig(corpus=str(folder))
+    # the settings read the first two files' heads; the split reads every file whole, and checks each
+    (folder / "b.txt").write_text("a second file of text\n\nwith two paragraphs\n")
+    (folder / "c.txt").write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(CorpusError, match=r"corpus file '.*c\.txt' is not UTF-8 text"):
+        target_corpus(str(folder))
+    (folder / "c.txt").unlink()
     # a stray byte or two in a text of thousands of characters is text
     (folder / "b.txt").write_bytes(b"caf\xe9 " + b"plain words here. " * 200)
     assert StrategiesConfig(corpus=str(folder)).corpus == str(folder)

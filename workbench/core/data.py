@@ -131,8 +131,7 @@ def window_hashes(text: str, width: int = WINDOW) -> np.ndarray:
 
 
 def collapse(text: str) -> str:
-    """`text` with every run of whitespace one space and none at its ends: a re-wrapped or re-indented copy
-    of a paragraph is the same text."""
+    """`text`, each run of whitespace one space, none at its ends: a re-wrapped paragraph is the same text."""
     return " ".join(text.split())
 
 
@@ -163,9 +162,7 @@ def overlap_share(train: tuple[str, ...] | list[str], heldout: tuple[str, ...] |
     collapsed on both sides (`collapse`): a re-wrapped copy counts."""
     held = [window_hashes(collapse(d)) for d in heldout]
     held = np.concatenate(held) if held else np.empty(0, np.uint64)
-    if not len(held):
-        return 0.0
-    return float(_contains(window_set(train, collapsed_only=True), held).mean())
+    return float(_contains(window_set(train, collapsed_only=True), held).mean()) if len(held) else 0.0
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -296,6 +293,14 @@ def _text_files(root: Path) -> list[Path]:
         p for p in root.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
 
 
+def utf8_text(path: Path, text: str) -> str:
+    """`text` read from `path` (errors="replace"), if it is text: random bytes named .txt trained as U+FFFD."""
+    if text and (text.count("\ufffd") + text.count("\0")) > 0.01 * len(text):
+        raise CorpusError(f"corpus file {str(path)!r} is not UTF-8 text (over 1% of the {len(text):,} characters "
+                          "read are not): convert it to UTF-8, or leave it out")
+    return text
+
+
 def check_has_text(path: str, head: int = 1 << 20) -> None:
     """A corpus that cannot be split, as far as the first `head` characters of its files tell (a CorpusError;
     settings are made often, a corpus may be one large file): no text, or one file of one paragraph."""
@@ -303,11 +308,7 @@ def check_has_text(path: str, head: int = 1 << 20) -> None:
     texts = []
     for f in _text_files(root):
         with open(f, encoding="utf-8", errors="replace") as fh:
-            text, whole = fh.read(head), not fh.read(1)
-        # bytes that are no UTF-8 are read as U+FFFD: a binary file named .txt trained, without a word
-        if text and (text.count("\ufffd") + text.count("\0")) > 0.01 * len(text):
-            raise CorpusError(f"corpus file {str(f)!r} is not UTF-8 text (over 1% of its first {len(text):,} "
-                              "characters are not): give text files")
+            text, whole = utf8_text(f, fh.read(head)), not fh.read(1)
         texts += [(text, whole)] if text.strip() or not whole else []  # a head of blanks, whole: no text
         if len(texts) == 2:
             return
@@ -331,7 +332,7 @@ def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None)
             raise CorpusError(f"corpus {path!r} does not exist")
         # keyed by the path inside the corpus: the split does not depend on the folder's own name
         items = [(root.name if p == root else str(p.relative_to(root)),
-                  p.read_text(encoding="utf-8", errors="replace")) for p in _text_files(root)]
+                  utf8_text(p, p.read_text(encoding="utf-8", errors="replace"))) for p in _text_files(root)]
         name = str(root)
     items = [(k, v) for k, v in items if v.strip()]
     if not items:
@@ -351,8 +352,7 @@ def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None)
     if path and path != "embedded" and ov.share_by_name > MAX_OVERLAP:
         shown = ", ".join(ov.files[:5]) + (f" and {len(ov.files) - 5} more" if len(ov.files) > 5 else "")
         kept = sum(map(len, corpus.heldout))
-        warnings.warn(
-            f"corpus {name}: split by file alone, {ov.share_by_name:.1%} of the held-out text's "
+        warnings.warn(f"corpus {name}: split by file alone, {ov.share_by_name:.1%} of the held-out text's "
             f"{WINDOW}-character windows would occur in the training text (files: {shown}); "
             f"{ov.dropped_paragraphs:,} held-out paragraphs ({ov.dropped_chars:,} characters) that repeat "
             f"training text were left out: the held-out text is {kept:,} characters in "
