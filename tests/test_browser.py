@@ -147,12 +147,15 @@ def shown_chart_traces(page, timeout_ms: int = 120_000):
     viewer would. A chart drawn empty has no trace either way."""
     chart = page.locator(".widget-output .jp-RenderedPlotly").first
     chart.wait_for(timeout=timeout_ms)
-    image = chart.locator("img.plot-img")
-    if image.is_visible():
-        image.dispatch_event("mouseenter")  # (a hover retries once the graph, drawn over it, hides it)
-    traces = chart.locator(".scatterlayer .trace")
-    traces.first.wait_for(timeout=timeout_ms)
-    return traces
+    image, traces = chart.locator("img.plot-img"), chart.locator(".scatterlayer .trace")
+    deadline = time.time() + timeout_ms / 1000
+    while time.time() < deadline:  # the PNG can replace the graph after it is drawn: look until it is the graph
+        if image.is_visible():
+            image.dispatch_event("mouseenter")  # (a hover retries once the graph, drawn over it, hides it)
+        elif traces.count() and traces.first.is_visible():
+            return traces
+        time.sleep(0.5)
+    raise TimeoutError(f"no trace of the chart was drawn in {timeout_ms / 1000:.0f} s")
 
 
 def drive_study_1(page, port: int, token: str) -> None:

@@ -889,3 +889,21 @@ def test_a_failed_runs_error_is_one_line_and_its_whole_text_is_kept_beside_it():
     raised = PapermillExecutionError(4, 5, "ValueError: bad\nsecond line", "ValueError", "bad\nsecond line",
                                      ["\x1b[0;31mTraceback\x1b[0m", "ValueError: bad"])
     assert failure(raised) == ("ValueError: bad", "Traceback\nValueError: bad")
+
+
+def test_a_stale_run_set_aside_is_not_given_back_over_a_newer_one(tmp_path):
+    """A rerun killed after writing its ok status, before it removed the run it replaced, left that run in
+    .previous; the next rerun kept the stale one aside and deleted the newest, and if it failed, gave the
+    stale run back. The newest finished run is the one kept aside (a reread of the sweep's failed-rerun path)."""
+    point = tmp_path / "point"
+    (point / sweep.PREVIOUS).mkdir(parents=True)
+    (point / sweep.PREVIOUS / "status.json").write_text('{"status": "ok", "results": {"x_squared": 4}}')
+    (point / "status.json").write_text('{"status": "ok", "results": {"x_squared": 9}}')
+    (point / "sweep_result.json").write_text('{"x_squared": 9}')
+    names = sweep.output_names("sweep_point")
+    sweep.set_aside(point, names)  # the next rerun begins
+    assert json.loads((point / sweep.PREVIOUS / "status.json").read_text())["results"] == {"x_squared": 9}
+    assert not (point / "status.json").exists()
+    kept = sweep.keep_previous(point, names, {"error": "Timeout"})  # and fails
+    assert kept["results"] == {"x_squared": 9} and kept["rerun"]["error"] == "Timeout"
+    assert json.loads((point / "sweep_result.json").read_text()) == {"x_squared": 9}

@@ -296,17 +296,20 @@ def set_aside(point_dir: Path, names: tuple[str, ...]) -> None:
     """Before a point runs: its outputs `names` go, except a finished (ok) run's, which move into
     `PREVIOUS` until the new run finishes; a stopped rerun gives them back (`give_back`)."""
     prev = point_dir / PREVIOUS
+    if (point_dir / "status.json").exists():  # a rerun killed after its status, before it removed the run it
+        shutil.rmtree(prev, ignore_errors=True)  # replaced: that run is stale (a failure here had brought it back)
     keep = not prev.exists() and (read_status(point_dir) or {}).get("status") == "ok"
     if keep:
         prev.mkdir()
     for name in names:
-        path = point_dir / name
-        if keep and path.exists():
-            os.replace(path, prev / name)
-        elif path.is_dir():
-            shutil.rmtree(path)
+        if keep and (point_dir / name).exists():
+            os.replace(point_dir / name, prev / name)
         else:
-            path.unlink(missing_ok=True)
+            _remove(point_dir / name)
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def give_back(point_dir: Path, names: tuple[str, ...] = ()) -> bool:
@@ -316,10 +319,7 @@ def give_back(point_dir: Path, names: tuple[str, ...] = ()) -> bool:
     if not prev.is_dir():
         return False
     for path in [point_dir / n for n in names] + [point_dir / p.name for p in prev.iterdir()]:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        _remove(path)
     for p in sorted(prev.iterdir(), key=lambda p: p.name == "status.json"):  # its status last: then it is whole
         os.replace(p, point_dir / p.name)
     prev.rmdir()
