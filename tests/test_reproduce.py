@@ -311,3 +311,18 @@ def test_the_report_names_a_study_on_its_first_finding_inlines_plotly_once_and_l
     notebooks = page[page.index("<h3>Notebooks executed</h3>"):]
     assert "01_strategies" in notebooks[:2000] and "ok" in notebooks[:2000]
     assert ">quick</th>" in notebooks[:2000]  # a run on the tiny parameters says so
+
+
+def test_the_kernels_own_output_reaches_its_log(tmp_path, capfd):
+    """What the kernel process writes to its own stderr (fd 2: its log lines, a crash's last words) goes to
+    `kernel_log`, not this process's stderr; the cells' output stays in the notebook."""
+    import nbformat
+
+    nb = tmp_path / "say.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\nos.write(2, b'the kernel itself\\n')\nprint('a cell')")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}), nb)
+    log = tmp_path / "say.kernel.log"
+    ran = run_notebook(nb, {}, tmp_path / "ran.ipynb", kernel_log=log)
+    assert "the kernel itself" in log.read_text() and "the kernel itself" not in capfd.readouterr().err
+    assert "a cell" in json.dumps(json.loads(Path(ran).read_text())["cells"][0]["outputs"])
