@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -280,6 +281,14 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
         assert main(["sweep", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"workbench sweep: {said}"), err
+    # a file not named .ipynb: papermill's two-line warning came before the one line
+    readme = tmp_path / "README.md"
+    readme.write_text("# a readme\n")
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert main(["sweep", str(readme), "-p", "x=1", "--dry-run"]) == 2
+    assert [str(w.message) for w in warned if "does not end in" in str(w.message)] == []
+    assert capsys.readouterr().err.startswith(f"workbench sweep: {readme} cannot be read as a Jupyter notebook")
     # an --out that exists but is not writable: one line too (it was a PermissionError's traceback on .sweep.lock).
     # These machines run as root, whom os.access lets write anywhere, so the permission is played.
     ro = tmp_path / "ro"

@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -170,11 +171,12 @@ def plan(notebook: str | Path, points: list[dict[str, Any]]) -> tuple[Path, list
     import papermill as pm  # here, not at the top: ~1.7 s to import (nbformat, jsonschema)
 
     path = resolve_notebook(notebook)
-    study = study_of(path)
-    known = None
+    study, known = study_of(path), None
     if study is None:
         try:
-            known = set(pm.inspect_notebook(str(path)))
+            with warnings.catch_warnings():  # papermill's, of a name not ending .ipynb, came before the one line
+                warnings.simplefilter("ignore", UserWarning)
+                known = set(pm.inspect_notebook(str(path)))
         except Exception as e:  # nbformat's NotJSONError, a JSON or schema error: not a notebook
             why = " ".join(str(e).split())[:120] or type(e).__name__
             raise ConfigError(f"{path} cannot be read as a Jupyter notebook ({why}): give a notebook saved by "
@@ -298,8 +300,7 @@ def set_aside(point_dir: Path, names: tuple[str, ...]) -> None:
     prev = point_dir / PREVIOUS
     if (point_dir / "status.json").exists():  # a rerun killed after its status, before it removed the run it
         shutil.rmtree(prev, ignore_errors=True)  # replaced: that run is stale (a failure here had brought it back)
-    keep = not prev.exists() and (read_status(point_dir) or {}).get("status") == "ok"
-    if keep:
+    if keep := not prev.exists() and (read_status(point_dir) or {}).get("status") == "ok":
         prev.mkdir()
     for name in names:
         if keep and (point_dir / name).exists():
