@@ -1,8 +1,11 @@
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from workbench.core import files
 from workbench.core.data import (
     MAX_OVERLAP,
     WINDOW,
@@ -179,8 +182,13 @@ def test_a_user_corpus_holds_out_nothing_the_embedded_base_was_pretrained_on(tmp
         own = " ".join(f"file{i}-word{j}" for j in range(60))
         (folder / f"f{i:02d}.py").write_text(f"{own}\n\n{learned[i]}\n\n{own[::-1]}")
     plain = target_corpus(str(folder))
+    # a writer killed part-way (SIGKILL) left its temporary in the cache for good: the next writer clears it
+    (tmp_path / "cache").mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    name = f"pretraining-windows-{TINY_SPEC.key()}.npy"
+    (tmp_path / "cache" / f".{name}.{files._host()}-{int(dead.stdout)}.x1y2.tmp").write_bytes(b"half")
     seen = seen_windows("embedded", str(folder), TINY_SPEC)
-    assert [f.name for f in (tmp_path / "cache").iterdir()] == [f"pretraining-windows-{TINY_SPEC.key()}.npy"]
+    assert [f.name for f in (tmp_path / "cache").iterdir()] == [name]
     assert seen_windows("org/model", str(folder)) is None  # a hub model's pretraining text: not at hand
 
     def shares(corpus):

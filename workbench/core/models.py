@@ -15,6 +15,7 @@ holds a manifest with every file's SHA-256; a partial or corrupt cache is rebuil
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from workbench.core.common import PROJECT_ROOT
 from workbench.core.config import ConfigError
+from workbench.core.files import atomic_write_bytes
 from workbench.core.data import (SPLIT_VERSION, corpus_blocks, source_corpus, target_corpus, unigram_perplexity,
                                  window_set)
 from workbench.core.hub import LOAD_ERRORS, hub_options, names_a_path, not_found_message, with_vocabulary
@@ -154,10 +156,9 @@ def seen_windows(model: str, corpus: str | None, spec: EmbeddedSpec = EmbeddedSp
     except (OSError, ValueError):
         pass
     windows = window_set((source or source_corpus(spec.source_mib)).train)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{os.getpid()}.{path.name}")  # ends in .npy: np.save adds nothing
-    np.save(tmp, windows)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()  # through atomic_write_bytes, whose temporaries a later writer clears (a killed
+    np.save(buffer, windows)  # writer's .<pid>.pretraining-windows-*.npy had stayed in the cache for good)
+    atomic_write_bytes(path, buffer.getvalue())
     return windows
 
 
