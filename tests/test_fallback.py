@@ -237,14 +237,16 @@ def test_a_driver_older_than_the_torch_build_is_said_and_gpu_check_fails(monkeyp
                    "CUDA 12.8 at most, older than this build's 13.0: install torch 2.13.0 for CUDA 12.9 "
                    "(--index-url https://download.pytorch.org/whl/cu129) or a newer driver")
     assert main(["gpu-check"]) == 1 and capsys.readouterr().out.startswith("workbench gpu-check: the NVIDIA driver")
-    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
-                                 nvmlDeviceGetHandleByIndex=lambda i: i,
+    opened = []  # NVML counts its inits: each one shut down again (it had been left open)
+    nvml = types.SimpleNamespace(nvmlInit=lambda: opened.append(1), nvmlShutdown=lambda: opened.append(-1),
+                                 nvmlDeviceGetCount=lambda: 1, nvmlDeviceGetHandleByIndex=lambda i: i,
                                  nvmlDeviceGetCudaComputeCapability=lambda h: (6, 0))  # Kaggle's P100, without CUDA
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     monkeypatch.setattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", real_table)
     monkeypatch.setattr(torch.cuda, "_host_arch_key", lambda: "x86_64")
     assert unavailable("cuda").endswith("install torch 2.13.0 for CUDA 12.6 (--index-url "
                                         "https://download.pytorch.org/whl/cu126) or a newer driver")  # not 12.9's
+    assert opened == [1, -1]
     monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 11040, raising=False)  # no build of this release
     assert unavailable("cuda").endswith("older than this build's 13.0: install a newer NVIDIA driver")
     monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 0, raising=False)  # no driver: no GPU

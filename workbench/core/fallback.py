@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import gc
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -156,11 +156,17 @@ def _nvml_capability() -> int | None:
         import pynvml
 
         pynvml.nvmlInit()
+    except Exception:  # no NVML library or driver, or an old one
+        return None
+    try:
         ccs = [pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i))
                for i in range(pynvml.nvmlDeviceGetCount())]
         return min(10 * major + minor for major, minor in ccs) if ccs else None
-    except Exception:  # no NVML library or driver, or an old one
+    except Exception:
         return None
+    finally:  # NVML counts each init: one shutdown each (it had been left open)
+        with suppress(Exception):
+            pynvml.nvmlShutdown()
 
 
 def driver_too_old() -> str | None:
