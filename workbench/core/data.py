@@ -353,11 +353,11 @@ def target_corpus(path: str | None = None, pretrained: np.ndarray | None = None)
         shown = ", ".join(ov.files[:5]) + (f" and {len(ov.files) - 5} more" if len(ov.files) > 5 else "")
         kept = sum(map(len, corpus.heldout))
         warnings.warn(f"corpus {name}: split by file alone, {ov.share_by_name:.1%} of the held-out text's "
-            f"{WINDOW}-character windows would occur in the training text (files: {shown}); "
-            f"{ov.dropped_paragraphs:,} held-out paragraphs ({ov.dropped_chars:,} characters) that repeat "
-            f"training text were left out: the held-out text is {kept:,} characters in "
-            f"{len(corpus.heldout):,} documents, {ov.share:.2%} of its windows in the training text",
-            stacklevel=2)
+                      f"{WINDOW}-character windows would occur in the training text (files: {shown}); "
+                      f"{ov.dropped_paragraphs:,} held-out paragraphs ({ov.dropped_chars:,} characters) that "
+                      f"repeat training text were left out: the held-out text is {kept:,} characters in "
+                      f"{len(corpus.heldout):,} documents, {ov.share:.2%} of its windows in the training text",
+                      stacklevel=2)
     return corpus
 
 

@@ -9,11 +9,13 @@ reaches into the loop. It redraws a plotly figure, throttled to one redraw per `
 in an ipywidgets Output, whose content is replaced whole through the widget's state (JupyterLab's
 plotly renderer keeps the graph it drew first and ignores an in-place update of a display id, so a
 chart updated that way stayed empty in JupyterLab until the notebook was reopened; plotly.py issue
-3053, `renderModel` in its mimeExtension.ts). close() then replaces the Output, through a display id, by the final figure as
-plotly JSON, so the notebook file holds exactly the final state of the chart: small (no plotly.js
-bundle per chart, unlike a saved FigureWidget) and correct in an executed notebook, in Voila and
-in the HTML report (as found here: a FigureWidget keeps the state it had when first displayed; an
-Output's drawings are not saved with the notebook).
+3053, `renderModel` in its mimeExtension.ts; that renderer also shows its own PNG of a graph once
+the output carries one, as the widget's state brings it back in Voila, and draws the graph again
+when a pointer enters it). close() then replaces the Output, through a display id, by the final
+figure as plotly JSON, so the notebook file holds exactly the final state of the chart: small (no
+plotly.js bundle per chart, unlike a saved FigureWidget) and correct in an executed notebook, in
+Voila and in the HTML report (as found here: a FigureWidget keeps the state it had when first
+displayed; an Output's drawings are not saved with the notebook).
 
 Rows it understands: training rows (step, loss, tokens, mem_mib, tokens_per_s, and the run's
 labels such as strategy/seed/device/budget_mib) and event rows ({"event": "attempt", ...}) that
@@ -202,10 +204,9 @@ class LiveChart:
             # The Output's content is set as its `outputs` state, not captured with `with output:`
             # (clear, then display): inside the knobs panel's Output that nested two capturing widgets
             # on one message id, which the front end routes by hooks registered as each widget's state
-            # arrives. ipywidgets' maintainers advise against mixing the two (ipywidgets PR 3261, issues
-            # 1722, 3260). A fresh-clone test run of 2026-12-02 found a finished app's chart undrawn, cause
-            # not proven (not reproduced in 3 runs under load); this is the likely one. plotly's own mimetype
-            # (and HTML on Colab or Kaggle), whatever plotly's default renderer is.
+            # arrives; ipywidgets' maintainers advise against mixing the two (ipywidgets PR 3261, issues
+            # 1722, 3260). plotly's own mimetype (and HTML on Colab or Kaggle), whatever plotly's
+            # default renderer is.
             self._output.outputs = ({"output_type": "display_data", "data": self._bundle(), "metadata": {}},)
 
     def close(self) -> go.Figure:
