@@ -236,8 +236,11 @@ def test_ctrl_c_is_one_line_and_the_kernels_output_goes_to_its_log(tiny_base, re
     import time
 
     env = {**os.environ, "WORKBENCH_RESULTS": str(results_dir)}
+    # SIGINT as a terminal's process has it: a background job of a non-interactive shell (CI's runner, say)
+    # ignores it, its children too, and the command then ran to its end (exit 0)
     proc = subprocess.Popen([BIN / "workbench", "reproduce", "--quick", "--only", "02_ladder", "--no-report"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = []
     reader = threading.Thread(target=lambda: err.append(proc.stderr.read().decode()), daemon=True)
     reader.start()
